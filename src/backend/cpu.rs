@@ -1,0 +1,433 @@
+//! The CPU backend: the reference every other backend is checked against, and the default where
+//! no GPU exists. Multi-threaded with rayon; matmuls through the `gemm` crate; paged attention
+//! reads K and V through the block tables in place, never gathering them into a contiguous copy.
+
+use super::{Backend, DeviceBatch, KvLayout, QkvLayout};
+use crate::tensor::{DType, HostTensor};
+use anyhow::{Result, bail, ensure};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// CPU device memory: a host vector of one element type.
+pub enum CpuBuf {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    U32(Vec<u32>),
+}
+
+impl CpuBuf {
+    fn f32(&self) -> Result<&[f32]> {
+        match self {
+            CpuBuf::F32(v) => Ok(v),
+            _ => bail!("cpu backend: expected an f32 buffer"),
+        }
+    }
+    fn f32_mut(&mut self) -> Result<&mut [f32]> {
+        match self {
+            CpuBuf::F32(v) => Ok(v),
+            _ => bail!("cpu backend: expected an f32 buffer"),
+        }
+    }
+    fn u32(&self) -> Result<&[u32]> {
+        match self {
+            CpuBuf::U32(v) => Ok(v),
+            _ => bail!("cpu backend: expected a u32 buffer"),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            CpuBuf::F32(v) => v.len(),
+            CpuBuf::F16(v) => v.len(),
+            CpuBuf::BF16(v) => v.len(),
+            CpuBuf::U32(v) => v.len(),
+        }
+    }
+}
+
+/// A zero-filled vector from the allocator's zeroed pages: a large KV pool costs nothing until
+/// it is written, and a failed allocation is an error instead of an abort.
+fn zeroed_f32(n: usize) -> Result<Vec<f32>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<f32>(n)
+        .map_err(|_| anyhow::anyhow!("cpu backend: {n} floats is too large an allocation"))?;
+    // SAFETY: the layout is non-zero-sized and is that of `[f32; n]`; all-zero bytes are a valid
+    // f32 (0.0); the Vec takes ownership with the same layout, capacity and length.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout) as *mut f32;
+        if p.is_null() {
+            bail!("cpu backend: cannot allocate {} MiB", (n * 4) >> 20);
+        }
+        Ok(Vec::from_raw_parts(p, n, n))
+    }
+}
+
+pub struct CpuBackend {
+    threads: usize,
+}
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend { threads: rayon::current_num_threads() }
+    }
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A raw pointer that may cross threads: each task writes a disjoint part of the output.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// Output columns converted per task when weights are f16/bf16.
+const HALF_CHUNK: usize = 64;
+
+/// `out[m, n] = x[m, k] · w[n, k]ᵀ` with f32 weights, via `gemm`.
+fn gemm_f32(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, out: *mut f32, ldo: usize, par: gemm::Parallelism) {
+    // SAFETY: the slices cover m×k and n×k elements (checked by callers); `out` covers m rows
+    // of stride `ldo` with n valid columns, and no other task writes those columns.
+    unsafe {
+        gemm::gemm(
+            m, n, k,
+            out, 1, ldo as isize,
+            false,
+            x.as_ptr(), 1, k as isize,
+            w.as_ptr(), k as isize, 1,
+            0.0, 1.0,
+            false, false, false,
+            par,
+        );
+    }
+}
+
+fn matmul_half<T: Copy + Send + Sync>(
+    x: &[f32],
+    w: &[T],
+    to_f32: fn(T) -> f32,
+    m: usize,
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    // NOTE: weights stay half in memory; each task widens a slab of HALF_CHUNK output rows of W
+    // and multiplies it with gemm, so the f32 copy stays in cache.
+    let ptr = SendPtr(out.as_mut_ptr());
+    (0..n.div_ceil(HALF_CHUNK)).into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<f32>, c| {
+        let j0 = c * HALF_CHUNK;
+        let nj = HALF_CHUNK.min(n - j0);
+        buf.clear();
+        buf.extend(w[j0 * k..(j0 + nj) * k].iter().map(|&v| to_f32(v)));
+        let p = ptr;
+        // SAFETY: columns j0..j0+nj of `out` belong to this task only.
+        gemm_f32(x, buf, m, k, nj, unsafe { p.0.add(j0) }, n, gemm::Parallelism::None);
+    });
+}
+
+impl Backend for CpuBackend {
+    type Buf = CpuBuf;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", self.threads)
+    }
+
+    fn upload_weight(&self, t: &HostTensor, dtype: DType) -> Result<CpuBuf> {
+        Ok(match dtype {
+            DType::F32 => CpuBuf::F32(t.data.clone()),
+            DType::F16 => CpuBuf::F16(t.data.iter().map(|&v| f16::from_f32(v)).collect()),
+            DType::BF16 => CpuBuf::BF16(t.data.iter().map(|&v| bf16::from_f32(v)).collect()),
+        })
+    }
+
+    fn upload_f32(&self, data: &[f32]) -> Result<CpuBuf> {
+        Ok(CpuBuf::F32(data.to_vec()))
+    }
+
+    fn upload_u32(&self, data: &[u32]) -> Result<CpuBuf> {
+        Ok(CpuBuf::U32(data.to_vec()))
+    }
+
+    fn alloc_f32(&self, n: usize) -> Result<CpuBuf> {
+        Ok(CpuBuf::F32(zeroed_f32(n)?))
+    }
+
+    fn alloc_kv(&self, layout: KvLayout) -> Result<CpuBuf> {
+        self.alloc_f32(layout.numel())
+    }
+
+    fn download_f32(&self, buf: &CpuBuf) -> Result<Vec<f32>> {
+        Ok(match buf {
+            CpuBuf::F32(v) => v.clone(),
+            CpuBuf::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            CpuBuf::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            CpuBuf::U32(v) => v.iter().map(|&x| x as f32).collect(),
+        })
+    }
+
+    fn len(&self, buf: &CpuBuf) -> usize {
+        buf.len()
+    }
+
+    fn embedding(&self, table: &CpuBuf, ids: &CpuBuf, dim: usize, out: &mut CpuBuf) -> Result<()> {
+        let ids = ids.u32()?;
+        let out = out.f32_mut()?;
+        ensure!(out.len() >= ids.len() * dim, "embedding: output too small");
+        let vocab = table.len() / dim;
+        for (t, &id) in ids.iter().enumerate() {
+            ensure!((id as usize) < vocab, "token id {id} is outside the vocabulary ({vocab})");
+            let src = id as usize * dim..(id as usize + 1) * dim;
+            let dst = &mut out[t * dim..(t + 1) * dim];
+            match table {
+                CpuBuf::F32(v) => dst.copy_from_slice(&v[src]),
+                CpuBuf::F16(v) => dst.iter_mut().zip(&v[src]).for_each(|(d, s)| *d = s.to_f32()),
+                CpuBuf::BF16(v) => dst.iter_mut().zip(&v[src]).for_each(|(d, s)| *d = s.to_f32()),
+                CpuBuf::U32(_) => bail!("embedding: table must be a float buffer"),
+            }
+        }
+        Ok(())
+    }
+
+    fn matmul(
+        &self,
+        x: &CpuBuf,
+        w: &CpuBuf,
+        bias: Option<&CpuBuf>,
+        m: usize,
+        k: usize,
+        n: usize,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        let x = x.f32()?;
+        let out = out.f32_mut()?;
+        ensure!(x.len() >= m * k && out.len() >= m * n, "matmul: buffer too small for {m}x{k}x{n}");
+        ensure!(w.len() == n * k, "matmul: weight has {} elements, expected {n}x{k}", w.len());
+        let out = &mut out[..m * n];
+        let x = &x[..m * k];
+        match w {
+            CpuBuf::F32(w) => {
+                let par = if m * n * k < 1 << 16 {
+                    gemm::Parallelism::None
+                } else {
+                    gemm::Parallelism::Rayon(self.threads)
+                };
+                gemm_f32(x, w, m, k, n, out.as_mut_ptr(), n, par);
+            }
+            CpuBuf::F16(w) => matmul_half(x, w, f16::to_f32, m, k, n, out),
+            CpuBuf::BF16(w) => matmul_half(x, w, bf16::to_f32, m, k, n, out),
+            CpuBuf::U32(_) => bail!("matmul: weight must be a float buffer"),
+        }
+        if let Some(b) = bias {
+            let b = b.f32()?;
+            ensure!(b.len() == n, "matmul: bias has {} elements, expected {n}", b.len());
+            out.par_chunks_mut(n).for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CpuBuf,
+        w: &CpuBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        let x = x.f32()?;
+        let w = w.f32()?;
+        let out = out.f32_mut()?;
+        ensure!(x.len() >= rows * dim && out.len() >= rows * dim && w.len() == dim, "rms_norm: bad sizes");
+        out[..rows * dim].par_chunks_mut(dim).zip(x[..rows * dim].par_chunks(dim)).for_each(|(o, x)| {
+            let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+            let inv = 1.0 / (ss + eps).sqrt();
+            o.iter_mut().zip(x).zip(w).for_each(|((o, x), w)| *o = x * inv * w);
+        });
+        Ok(())
+    }
+
+    fn add_assign(&self, x: &mut CpuBuf, y: &CpuBuf, n: usize) -> Result<()> {
+        let x = x.f32_mut()?;
+        let y = y.f32()?;
+        ensure!(x.len() >= n && y.len() >= n, "add_assign: buffers too small");
+        x[..n].iter_mut().zip(&y[..n]).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        qkv: &mut CpuBuf,
+        positions: &CpuBuf,
+        cos: &CpuBuf,
+        sin: &CpuBuf,
+        rows: usize,
+        layout: QkvLayout,
+    ) -> Result<()> {
+        let qkv = qkv.f32_mut()?;
+        let pos = positions.u32()?;
+        let (cos, sin) = (cos.f32()?, sin.f32()?);
+        let d = layout.head_dim;
+        let half = d / 2;
+        let stride = layout.row_len();
+        ensure!(qkv.len() >= rows * stride && pos.len() >= rows, "rope: bad sizes");
+        let max_pos = cos.len() / half;
+        if let Some(&p) = pos[..rows].iter().find(|&&p| p as usize >= max_pos) {
+            bail!("rope: position {p} is beyond the table ({max_pos})");
+        }
+        let heads = layout.num_heads + layout.num_kv_heads;
+        qkv[..rows * stride].par_chunks_mut(stride).zip(&pos[..rows]).for_each(|(row, &p)| {
+            let c = &cos[p as usize * half..(p as usize + 1) * half];
+            let s = &sin[p as usize * half..(p as usize + 1) * half];
+            for h in row[..heads * d].chunks_mut(d) {
+                let (a, b) = h.split_at_mut(half);
+                for i in 0..half {
+                    let (x1, x2) = (a[i], b[i]);
+                    a[i] = x1 * c[i] - x2 * s[i];
+                    b[i] = x2 * c[i] + x1 * s[i];
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate_up: &CpuBuf, rows: usize, ffn: usize, out: &mut CpuBuf) -> Result<()> {
+        let gu = gate_up.f32()?;
+        let out = out.f32_mut()?;
+        ensure!(gu.len() >= rows * 2 * ffn && out.len() >= rows * ffn, "silu_mul: bad sizes");
+        out[..rows * ffn].par_chunks_mut(ffn).zip(gu.par_chunks(2 * ffn)).for_each(|(o, gu)| {
+            let (g, u) = gu.split_at(ffn);
+            for i in 0..ffn {
+                o[i] = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+            }
+        });
+        Ok(())
+    }
+
+    fn gather_rows(&self, x: &CpuBuf, rows: &CpuBuf, dim: usize, out: &mut CpuBuf) -> Result<()> {
+        let x = x.f32()?;
+        let rows = rows.u32()?;
+        let out = out.f32_mut()?;
+        ensure!(out.len() >= rows.len() * dim, "gather_rows: output too small");
+        for (i, &r) in rows.iter().enumerate() {
+            let r = r as usize;
+            ensure!((r + 1) * dim <= x.len(), "gather_rows: row {r} out of range");
+            out[i * dim..(i + 1) * dim].copy_from_slice(&x[r * dim..(r + 1) * dim]);
+        }
+        Ok(())
+    }
+
+    fn write_kv(
+        &self,
+        qkv: &CpuBuf,
+        slot_mapping: &CpuBuf,
+        rows: usize,
+        layout: QkvLayout,
+        k_cache: &mut CpuBuf,
+        v_cache: &mut CpuBuf,
+        kv: KvLayout,
+    ) -> Result<()> {
+        let qkv = qkv.f32()?;
+        let slots = slot_mapping.u32()?;
+        let (kc, vc) = (k_cache.f32_mut()?, v_cache.f32_mut()?);
+        let (d, hkv, bs) = (layout.head_dim, layout.num_kv_heads, kv.block_size);
+        let stride = layout.row_len();
+        ensure!(kc.len() == kv.numel() && vc.len() == kv.numel(), "write_kv: cache size mismatch");
+        for t in 0..rows {
+            let slot = slots[t] as usize;
+            let (block, off) = (slot / bs, slot % bs);
+            ensure!(block < kv.num_blocks, "write_kv: slot {slot} outside the pool");
+            let row = &qkv[t * stride..(t + 1) * stride];
+            let k = &row[layout.q_len()..layout.q_len() + layout.kv_len()];
+            let v = &row[layout.q_len() + layout.kv_len()..];
+            for g in 0..hkv {
+                let dst = ((block * hkv + g) * bs + off) * d;
+                kc[dst..dst + d].copy_from_slice(&k[g * d..(g + 1) * d]);
+                vc[dst..dst + d].copy_from_slice(&v[g * d..(g + 1) * d]);
+            }
+        }
+        Ok(())
+    }
+
+    fn paged_attention(
+        &self,
+        qkv: &CpuBuf,
+        k_cache: &CpuBuf,
+        v_cache: &CpuBuf,
+        batch: &DeviceBatch<Self>,
+        layout: QkvLayout,
+        kv: KvLayout,
+        scale: f32,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        let qkv = qkv.f32()?;
+        let (kc, vc) = (k_cache.f32()?, v_cache.f32()?);
+        let out = out.f32_mut()?;
+        let b = &batch.host;
+        let (d, h, hkv, bs) = (layout.head_dim, layout.num_heads, layout.num_kv_heads, kv.block_size);
+        let rep = h / hkv;
+        let t_rows = b.num_tokens();
+        let stride = layout.row_len();
+        ensure!(out.len() >= t_rows * h * d, "paged_attention: output too small");
+        // Which sequence each row belongs to, and its position.
+        let mut row_seq = vec![0usize; t_rows];
+        for s in 0..b.num_seqs() {
+            let (q0, q1) = (b.query_start[s] as usize, b.query_start[s + 1] as usize);
+            ensure!(q1 <= t_rows && q0 <= q1, "paged_attention: bad query_start");
+            ensure!(
+                (b.seq_lens[s] as usize).div_ceil(bs) <= b.max_blocks,
+                "paged_attention: block table too short for sequence {s}"
+            );
+            row_seq[q0..q1].iter_mut().for_each(|x| *x = s);
+        }
+        // NOTE: one task per (row, kv head): decode of a single sequence still uses every thread
+        // when there are several kv heads, and each task reads its K/V block by block.
+        out[..t_rows * h * d].par_chunks_mut(rep * d).enumerate().for_each_init(
+            Vec::new,
+            |scores: &mut Vec<f32>, (task, o)| {
+                let (t, g) = (task / hkv, task % hkv);
+                let s = row_seq[t];
+                let q_end = b.query_start[s + 1] as usize;
+                let ctx = b.seq_lens[s] as usize;
+                // the last row of the sequence sits at position ctx - 1
+                let n_keys = ctx - (q_end - 1 - t);
+                let table = &b.block_tables[s * b.max_blocks..(s + 1) * b.max_blocks];
+                let key = |j: usize| -> std::ops::Range<usize> {
+                    let blk = table[j / bs] as usize;
+                    let start = ((blk * hkv + g) * bs + j % bs) * d;
+                    start..start + d
+                };
+                for r in 0..rep {
+                    let hq = g * rep + r;
+                    let q = &qkv[t * stride + hq * d..t * stride + (hq + 1) * d];
+                    scores.clear();
+                    let mut max = f32::NEG_INFINITY;
+                    for j in 0..n_keys {
+                        let k = &kc[key(j)];
+                        let sc = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+                        max = max.max(sc);
+                        scores.push(sc);
+                    }
+                    let mut sum = 0.0f32;
+                    for sc in scores.iter_mut() {
+                        *sc = (*sc - max).exp();
+                        sum += *sc;
+                    }
+                    let inv = 1.0 / sum;
+                    let acc = &mut o[r * d..(r + 1) * d];
+                    acc.iter_mut().for_each(|a| *a = 0.0);
+                    for (j, &p) in scores.iter().enumerate() {
+                        let v = &vc[key(j)];
+                        let p = p * inv;
+                        acc.iter_mut().zip(v).for_each(|(a, v)| *a += p * v);
+                    }
+                }
+            },
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,294 @@
+//! The backend trait: device memory, the paged KV cache, attention over block tables, and the
+//! dense operations of a transformer. Model code is written once over it (see `models/llama.rs`)
+//! and never sees a `#[cfg]`: backends whose Cargo feature is off are stubs with the same API
+//! that say so.
+//!
+//! Conventions for every op:
+//! - activations are f32, row-major; a "row" is one token of the flattened batch;
+//! - weights are uploaded once in the `--dtype` chosen (f32, f16 or bf16), math accumulates in f32;
+//! - a linear weight is `[out_features, in_features]` (PyTorch order), so `matmul` computes
+//!   `y = x · Wᵀ (+ b)`;
+//! - index buffers (token ids, positions, slots, block tables) are u32.
+
+pub mod cpu;
+mod stubs;
+
+use crate::tensor::{DType, HostTensor};
+use anyhow::Result;
+
+pub use cpu::CpuBackend;
+pub use stubs::{CudaBackend, HipBackend, WgpuBackend};
+
+/// Which backend to run on (`--backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Cpu,
+    Wgpu,
+    Cuda,
+    Hip,
+    /// The fastest compiled backend with a real device: CUDA, then HIP, then wgpu, then CPU.
+    Auto,
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "cpu" => BackendKind::Cpu,
+            "wgpu" | "vulkan" | "webgpu" => BackendKind::Wgpu,
+            "cuda" => BackendKind::Cuda,
+            "hip" | "rocm" => BackendKind::Hip,
+            "auto" => BackendKind::Auto,
+            _ => anyhow::bail!("unknown backend '{s}' (expected cpu, wgpu, cuda, hip or auto)"),
+        })
+    }
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Wgpu => "wgpu",
+            BackendKind::Cuda => "cuda",
+            BackendKind::Hip => "hip",
+            BackendKind::Auto => "auto",
+        }
+    }
+}
+
+/// How attention heads are laid out in the fused QKV activation of one row:
+///
+/// ```text
+///   row = [ q: num_heads × head_dim | k: num_kv_heads × head_dim | v: num_kv_heads × head_dim ]
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QkvLayout {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl QkvLayout {
+    pub fn row_len(&self) -> usize {
+        (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+    }
+    pub fn q_len(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+    pub fn kv_len(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+/// Geometry of one layer's paged K (or V) cache:
+/// `[num_blocks, num_kv_heads, block_size, head_dim]`, so that one block of one head is a
+/// contiguous `block_size × head_dim` tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    pub fn numel(&self) -> usize {
+        self.num_blocks * self.num_kv_heads * self.block_size * self.head_dim
+    }
+}
+
+/// The flattened batch of one engine step, on the host (see ENGINE-STEP in ARCHITECTURE.md).
+///
+/// ```text
+///   token_ids     [T]      positions [T]      slot_mapping [T]
+///   query_start   [S+1]    row range of each sequence
+///   seq_lens      [S]      context length after this step
+///   block_tables  [S × max_blocks]  padded with the null block
+///   logits_rows   [R]      rows whose logits are wanted (last row of each sampling sequence)
+/// ```
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BatchInput {
+    pub token_ids: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub slot_mapping: Vec<u32>,
+    pub query_start: Vec<u32>,
+    pub seq_lens: Vec<u32>,
+    pub block_tables: Vec<u32>,
+    pub max_blocks: usize,
+    pub logits_rows: Vec<u32>,
+}
+
+impl BatchInput {
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+    pub fn num_seqs(&self) -> usize {
+        self.seq_lens.len()
+    }
+    pub fn max_seq_len(&self) -> usize {
+        self.seq_lens.iter().copied().max().unwrap_or(0) as usize
+    }
+}
+
+/// The batch once uploaded: the same arrays in device memory, plus the host copy (launch
+/// geometry, and the CPU backend reads it directly).
+pub struct DeviceBatch<B: Backend + ?Sized> {
+    pub host: BatchInput,
+    pub token_ids: B::Buf,
+    pub positions: B::Buf,
+    pub slot_mapping: B::Buf,
+    pub query_start: B::Buf,
+    pub seq_lens: B::Buf,
+    pub block_tables: B::Buf,
+    pub logits_rows: B::Buf,
+}
+
+impl<B: Backend + ?Sized> DeviceBatch<B> {
+    pub fn upload(backend: &B, host: BatchInput) -> Result<Self> {
+        Ok(DeviceBatch {
+            token_ids: backend.upload_u32(&host.token_ids)?,
+            positions: backend.upload_u32(&host.positions)?,
+            slot_mapping: backend.upload_u32(&host.slot_mapping)?,
+            query_start: backend.upload_u32(&host.query_start)?,
+            seq_lens: backend.upload_u32(&host.seq_lens)?,
+            block_tables: backend.upload_u32(&host.block_tables)?,
+            logits_rows: backend.upload_u32(&host.logits_rows)?,
+            host,
+        })
+    }
+}
+
+/// A compute backend. Every op writes into an output buffer the caller owns, so a model can
+/// reuse its activation buffers from step to step.
+pub trait Backend: Send + Sync + 'static {
+    /// Device memory holding f32, f16, bf16 or u32 elements.
+    type Buf: Send + Sync + 'static;
+
+    /// A human-readable name with the device ("cpu (2 threads)", "cuda: NVIDIA H200", ...).
+    fn name(&self) -> String;
+
+    /// Bytes of device memory that the KV pool may be sized against, where the device has its
+    /// own memory (GPUs). `None` for host memory.
+    fn device_memory(&self) -> Option<u64> {
+        None
+    }
+
+    // ---- memory -------------------------------------------------------------------------
+
+    /// Uploads a weight, converting to `dtype`.
+    fn upload_weight(&self, t: &HostTensor, dtype: DType) -> Result<Self::Buf>;
+    fn upload_f32(&self, data: &[f32]) -> Result<Self::Buf>;
+    fn upload_u32(&self, data: &[u32]) -> Result<Self::Buf>;
+    /// A zero-filled f32 buffer of `n` elements.
+    fn alloc_f32(&self, n: usize) -> Result<Self::Buf>;
+    /// One layer's K or V cache, zero-filled.
+    fn alloc_kv(&self, layout: KvLayout) -> Result<Self::Buf>;
+    fn download_f32(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
+    /// Number of elements in a buffer.
+    fn len(&self, buf: &Self::Buf) -> usize;
+
+    // ---- dense ops ----------------------------------------------------------------------
+
+    /// `out[t, :] = table[ids[t], :]`; table `[vocab, dim]` in any weight dtype.
+    fn embedding(&self, table: &Self::Buf, ids: &Self::Buf, dim: usize, out: &mut Self::Buf)
+    -> Result<()>;
+
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ + bias[n]`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        bias: Option<&Self::Buf>,
+        m: usize,
+        k: usize,
+        n: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
+    /// `out[r, :] = x[r, :] / sqrt(mean(x[r, :]²) + eps) * w`, rows of length `dim`.
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
+    /// `x += y` over the first `n` elements.
+    fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize) -> Result<()>;
+
+    /// Rotate-half (NeoX/HF) RoPE, in place, on the q and k heads of the fused QKV rows.
+    /// `cos` and `sin` are `[max_positions, head_dim / 2]` tables.
+    fn rope(
+        &self,
+        qkv: &mut Self::Buf,
+        positions: &Self::Buf,
+        cos: &Self::Buf,
+        sin: &Self::Buf,
+        rows: usize,
+        layout: QkvLayout,
+    ) -> Result<()>;
+
+    /// `out[r, i] = silu(gate_up[r, i]) * gate_up[r, ffn + i]`: gate and up projections fused.
+    fn silu_mul(&self, gate_up: &Self::Buf, rows: usize, ffn: usize, out: &mut Self::Buf)
+    -> Result<()>;
+
+    /// `out[i, :] = x[rows[i], :]` for the rows whose logits are wanted.
+    fn gather_rows(&self, x: &Self::Buf, rows: &Self::Buf, dim: usize, out: &mut Self::Buf)
+    -> Result<()>;
+
+    // ---- paged KV cache ----------------------------------------------------------------
+
+    /// Writes each row's K and V (from the fused QKV rows) at its slot
+    /// (`slot = block * block_size + offset`) in this layer's caches.
+    fn write_kv(
+        &self,
+        qkv: &Self::Buf,
+        slot_mapping: &Self::Buf,
+        rows: usize,
+        layout: QkvLayout,
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+        kv: KvLayout,
+    ) -> Result<()>;
+
+    /// Attention of every query row over its sequence's keys `0 ..= position`, read through
+    /// the block tables (the cached prefix and this step's own keys alike, causal inside a
+    /// chunk). Grouped-query: query head `h` uses kv head `h / (num_heads / num_kv_heads)`.
+    /// `out` is `[T, num_heads × head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(
+        &self,
+        qkv: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        batch: &DeviceBatch<Self>,
+        layout: QkvLayout,
+        kv: KvLayout,
+        scale: f32,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
+    /// Index of the largest value of each row (ties: the lowest index), for greedy requests.
+    /// The default brings the logits to the host; GPU backends may do it on the device.
+    fn argmax_rows(&self, logits: &Self::Buf, rows: usize, cols: usize) -> Result<Vec<u32>> {
+        let v = self.download_f32(logits)?;
+        Ok((0..rows).map(|r| argmax(&v[r * cols..(r + 1) * cols]) as u32).collect())
+    }
+}
+
+/// Ties go to the lowest index; NaN never wins.
+pub fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &x) in v.iter().enumerate() {
+        if x > best_v {
+            best_v = x;
+            best = i;
+        }
+    }
+    best
+}

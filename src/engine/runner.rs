@@ -1,0 +1,165 @@
+//! Binds a model to a backend: picks the backend, uploads the weights, sizes and allocates the
+//! paged KV pool, and runs one flattened batch per step. Everything behind the object-safe
+//! [`ModelRunner`] trait, so the engine above it is not generic.
+
+use crate::backend::{Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, HipBackend, WgpuBackend};
+use crate::models::config::Arch;
+use crate::models::llama::{KvCache, Llama};
+use crate::models::{LoadedModel, ModelConfig};
+use crate::tensor::DType;
+use anyhow::{Context, Result, bail};
+
+/// How much memory the KV pool may take.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvBudget {
+    /// Exactly this many bytes (`--kv-cache-memory`).
+    Bytes(u64),
+    /// This fraction of the device's memory (or, on CPU, of the system's memory) less the
+    /// weights (`--memory-utilization`, vLLM's `--gpu-memory-utilization`).
+    Fraction(f64),
+}
+
+/// Default KV budget on the CPU backend, as vLLM's CPU backend does (`VLLM_CPU_KVCACHE_SPACE`).
+pub const DEFAULT_CPU_KV_BYTES: u64 = 4 << 30;
+
+pub trait ModelRunner: Send {
+    fn backend_name(&self) -> String;
+    fn num_blocks(&self) -> usize;
+    fn weight_bytes(&self) -> u64;
+    fn kv_bytes(&self) -> u64;
+    /// Runs the batch: writes its K/V into the pool and returns the logits `[R, vocab]` of the
+    /// rows in `logits_rows`, on the host.
+    fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>>;
+}
+
+struct Runner<B: Backend> {
+    backend: B,
+    model: Llama<B>,
+    kv: KvCache<B>,
+    weight_bytes: u64,
+    kv_bytes: u64,
+}
+
+impl<B: Backend> ModelRunner for Runner<B> {
+    fn backend_name(&self) -> String {
+        self.backend.name()
+    }
+    fn num_blocks(&self) -> usize {
+        self.kv.layout.num_blocks
+    }
+    fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+    fn kv_bytes(&self) -> u64 {
+        self.kv_bytes
+    }
+    fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>> {
+        let batch = DeviceBatch::upload(&self.backend, input)?;
+        let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
+        self.backend.download_f32(&logits)
+    }
+}
+
+/// Bytes of weights in memory for a config and dtype (norms and biases kept in f32).
+pub fn weight_bytes(cfg: &ModelConfig, dtype: DType) -> u64 {
+    cfg.num_params() as u64 * dtype.size_in_bytes() as u64
+}
+
+fn system_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub struct RunnerArgs {
+    pub backend: BackendKind,
+    pub dtype: DType,
+    pub block_size: usize,
+    pub kv_budget: Option<KvBudget>,
+    pub max_model_len: usize,
+    /// Upper bound on useful KV blocks (max_num_seqs sequences of max_model_len tokens).
+    pub max_useful_blocks: usize,
+}
+
+pub fn create_runner(
+    model: &LoadedModel,
+    args: &RunnerArgs,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Box<dyn ModelRunner>> {
+    match model.config.arch {
+        Arch::Llama | Arch::Qwen2 => {}
+    }
+    match args.backend {
+        BackendKind::Cpu => build(CpuBackend::new(), model, args, progress),
+        BackendKind::Auto => {
+            // NOTE: GPU backends come first once they exist; until then each one's reason for
+            // being unavailable is logged and the CPU is used.
+            for (kind, err) in [
+                (BackendKind::Cuda, CudaBackend::new().err()),
+                (BackendKind::Hip, HipBackend::new().err()),
+                (BackendKind::Wgpu, WgpuBackend::new().err()),
+            ] {
+                if let Some(e) = err {
+                    tracing::info!("backend auto: {} unavailable: {e:#}", kind.name());
+                }
+            }
+            tracing::info!("backend auto: using cpu");
+            build(CpuBackend::new(), model, args, progress)
+        }
+        BackendKind::Cuda => {
+            CudaBackend::new()?;
+            bail!("unreachable: the CUDA backend cannot be constructed in this build")
+        }
+        BackendKind::Hip => {
+            HipBackend::new()?;
+            bail!("unreachable: the HIP backend cannot be constructed in this build")
+        }
+        BackendKind::Wgpu => {
+            WgpuBackend::new()?;
+            bail!("unreachable: the wgpu backend cannot be constructed in this build")
+        }
+    }
+}
+
+fn build<B: Backend>(
+    backend: B,
+    model: &LoadedModel,
+    args: &RunnerArgs,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Box<dyn ModelRunner>> {
+    let cfg = &model.config;
+    let llama = Llama::load(&backend, cfg, model.weights.as_ref(), args.dtype, args.max_model_len, progress)
+        .with_context(|| format!("loading {}", model.path.display()))?;
+    let wbytes = weight_bytes(cfg, args.dtype);
+    let per_block = KvCache::<B>::bytes_per_block(cfg, args.block_size) as u64;
+    let budget = match args.kv_budget {
+        Some(KvBudget::Bytes(b)) => b,
+        Some(KvBudget::Fraction(f)) => {
+            if !(f > 0.0 && f <= 1.0) {
+                bail!("memory utilization must be in (0, 1], got {f}");
+            }
+            let total = backend
+                .device_memory()
+                .or_else(system_memory_bytes)
+                .context("cannot tell how much memory this device has; pass --kv-cache-memory")?;
+            ((total as f64 * f) as u64).checked_sub(wbytes).with_context(|| {
+                format!("the weights ({} MiB) leave no room for a KV cache in {f} of the memory", wbytes >> 20)
+            })?
+        }
+        None => match backend.device_memory() {
+            Some(total) => ((total as f64 * 0.9) as u64).saturating_sub(wbytes),
+            None => DEFAULT_CPU_KV_BYTES,
+        },
+    };
+    let num_blocks = ((budget / per_block) as usize).min(args.max_useful_blocks + 1);
+    if num_blocks < 2 {
+        bail!(
+            "the KV cache budget ({budget} bytes) holds no block of {} tokens ({per_block} bytes each)",
+            args.block_size
+        );
+    }
+    let kv = KvCache::new(&backend, cfg, num_blocks, args.block_size)
+        .with_context(|| format!("allocating a KV pool of {num_blocks} blocks"))?;
+    Ok(Box::new(Runner { backend, model: llama, kv, weight_bytes: wbytes, kv_bytes: num_blocks as u64 * per_block }))
+}

@@ -1,0 +1,299 @@
+//! The `pagoda` command line: generate, chat, info.
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use pagoda::engine::KvBudget;
+use pagoda::sched::SchedulingPolicy;
+use pagoda::{BackendKind, ChatMessage, DType, EngineArgs, LLM, SamplingParams};
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(name = "pagoda", version, about = "LLM inference with a paged KV cache and continuous batching")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate continuations of prompts, all run as one batch.
+    Generate {
+        /// Prompts (each one a request).
+        prompts: Vec<String>,
+        /// Read prompts from a file, one per line.
+        #[arg(long)]
+        file: Option<PathBuf>,
+        /// Apply the model's chat template to each prompt (as a user message).
+        #[arg(long)]
+        chat_template: bool,
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+    },
+    /// Chat interactively; tokens stream as they come.
+    Chat {
+        /// A system prompt.
+        #[arg(long)]
+        system: Option<String>,
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+    },
+    /// Show the model, its architecture and size, the backend and the KV pool.
+    Info {
+        #[command(flatten)]
+        model: ModelArgs,
+    },
+}
+
+#[derive(Args, Clone)]
+struct ModelArgs {
+    /// A GGUF file or an HF-layout directory. Default: SmolLM2-135M-Instruct (fetched once).
+    #[arg(long, short)]
+    model: Option<PathBuf>,
+    /// cpu, wgpu, cuda, hip or auto.
+    #[arg(long, default_value = "cpu")]
+    backend: BackendKind,
+    /// Weight dtype in memory: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// KV pool size in bytes (suffixes K, M, G, KiB, MiB, GiB accepted).
+    #[arg(long, value_parser = parse_bytes)]
+    kv_cache_memory: Option<u64>,
+    /// Fraction of device (or system) memory for weights plus KV pool, as vLLM's
+    /// --gpu-memory-utilization. Ignored when --kv-cache-memory is given.
+    #[arg(long)]
+    memory_utilization: Option<f64>,
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Context length limit (default: the model's).
+    #[arg(long)]
+    max_model_len: Option<usize>,
+}
+
+impl ModelArgs {
+    fn engine_args(&self) -> EngineArgs {
+        let kv_budget = match (self.kv_cache_memory, self.memory_utilization) {
+            (Some(b), _) => Some(KvBudget::Bytes(b)),
+            (None, Some(f)) => Some(KvBudget::Fraction(f)),
+            _ => None,
+        };
+        EngineArgs {
+            model: self.model.clone(),
+            backend: self.backend,
+            dtype: self.dtype,
+            block_size: self.block_size,
+            kv_budget,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len: self.max_model_len,
+            scheduling: SchedulingPolicy::Continuous,
+            seed: 0,
+            progress: true,
+        }
+    }
+}
+
+#[derive(Args, Clone)]
+struct SamplingArgs {
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 or -1 = disabled.
+    #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
+    top_k: i32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    frequency_penalty: f32,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Stop token ids (repeatable).
+    #[arg(long)]
+    stop_token_id: Vec<u32>,
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+impl SamplingArgs {
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            max_tokens: Some(self.max_tokens),
+            seed: self.seed,
+            stop: self.stop.clone(),
+            stop_token_ids: self.stop_token_id.clone(),
+            ignore_eos: self.ignore_eos,
+            ..Default::default()
+        }
+    }
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("'{s}' is not a size in bytes"))?;
+    let mul: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        u => return Err(format!("unknown size unit '{u}'")),
+    };
+    Ok((n * mul) as u64)
+}
+
+fn main() {
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).init();
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate { prompts, file, chat_template, model, sampling } => {
+            let mut prompts = prompts;
+            if let Some(f) = file {
+                let text = std::fs::read_to_string(&f).with_context(|| format!("cannot read {}", f.display()))?;
+                prompts.extend(text.lines().filter(|l| !l.trim().is_empty()).map(String::from));
+            }
+            if prompts.is_empty() {
+                anyhow::bail!("no prompt given: pass prompts as arguments or --file FILE");
+            }
+            let params = sampling.params();
+            params.validate()?;
+            let mut llm = LLM::new(model.engine_args())?;
+            if chat_template {
+                let engine = llm.engine();
+                prompts = prompts
+                    .iter()
+                    .map(|p| engine.apply_chat_template(&[ChatMessage { role: "user".into(), content: p.clone() }]))
+                    .collect::<Result<_>>()?;
+            }
+            let t0 = Instant::now();
+            let outs = llm.generate(&prompts, &params)?;
+            let secs = t0.elapsed().as_secs_f64();
+            let mut n_out = 0;
+            for (i, o) in outs.iter().enumerate() {
+                let c = &o.outputs[0];
+                n_out += c.token_ids.len();
+                if outs.len() > 1 {
+                    println!("--- [{i}] {:?}", o.prompt.as_deref().unwrap_or_default());
+                }
+                println!("{}{}", o.prompt.as_deref().filter(|_| !chat_template).unwrap_or_default(), c.text);
+            }
+            eprintln!(
+                "\n{} requests, {n_out} tokens generated in {secs:.2} s: {:.1} tokens/s",
+                outs.len(),
+                n_out as f64 / secs
+            );
+        }
+        Command::Chat { system, model, sampling } => chat(system, model, sampling)?,
+        Command::Info { model } => {
+            let mut llm = LLM::new(model.engine_args())?;
+            let e = llm.engine();
+            let c = e.config().clone();
+            let kv = e.kv_usage();
+            println!("model:            {}", e.model_name());
+            println!("architecture:     {}", c.arch.name());
+            println!("parameters:       {:.1} M", c.num_params() as f64 / 1e6);
+            println!("layers:           {}", c.num_layers);
+            println!("hidden / ffn:     {} / {}", c.hidden_size, c.intermediate_size);
+            println!("heads / kv heads: {} / {} (head_dim {})", c.num_heads, c.num_kv_heads, c.head_dim);
+            println!("vocab:            {}", c.vocab_size);
+            println!("context:          {} (model), {} (engine)", c.max_position_embeddings, e.max_model_len());
+            println!("weights:          {} ({} MiB)", model.dtype.name(), e.weight_bytes() >> 20);
+            println!("backend:          {}", e.backend_name());
+            println!(
+                "KV pool:          {} blocks x {} tokens = {} tokens, {} MiB",
+                kv.num_blocks,
+                model.block_size,
+                kv.num_blocks * model.block_size,
+                e.kv_bytes() >> 20
+            );
+        }
+    }
+    Ok(())
+}
+
+fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Result<()> {
+    let params = sampling.params();
+    params.validate()?;
+    let mut llm = LLM::new(model.engine_args())?;
+    let engine = llm.engine();
+    let mut messages = Vec::new();
+    if let Some(s) = system {
+        messages.push(ChatMessage { role: "system".into(), content: s });
+    }
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    loop {
+        print!("> ");
+        out.flush()?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            println!();
+            return Ok(());
+        }
+        let line = line.trim_end().to_string();
+        if line.is_empty() {
+            continue;
+        }
+        messages.push(ChatMessage { role: "user".into(), content: line });
+        let prompt = engine.apply_chat_template(&messages)?;
+        let id = engine.add_request(prompt.into(), params.clone())?;
+        let t0 = Instant::now();
+        let mut reply = String::new();
+        let mut n = 0;
+        'stream: while engine.has_unfinished() {
+            for o in engine.step()? {
+                if o.request_id != id {
+                    continue;
+                }
+                print!("{}", o.new_text);
+                out.flush()?;
+                reply.push_str(&o.new_text);
+                n = o.num_output_tokens;
+                if o.finished() {
+                    break 'stream;
+                }
+            }
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        println!();
+        eprintln!("[{n} tokens, {:.1} tokens/s]", n as f64 / secs);
+        messages.push(ChatMessage { role: "assistant".into(), content: reply });
+    }
+}

@@ -1,0 +1,174 @@
+//! Model hyper-parameters, read from an HF `config.json` or from GGUF metadata.
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+use std::path::Path;
+
+/// The decoder families this engine can run. One file per family in `src/models/`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 2/3, SmolLM2, Mistral (without sliding window).
+    Llama,
+    /// Qwen2 / Qwen2.5: Llama with QKV biases.
+    Qwen2,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// Llama 3's RoPE frequency scaling (`rope_scaling.rope_type == "llama3"`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    pub tie_word_embeddings: bool,
+    /// Q, K and V projections carry a bias (Qwen2).
+    pub attention_bias: bool,
+    pub bos_token_id: Option<u32>,
+    /// Every token id that ends generation (`eos_token_id` may be a list in HF configs).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// Checks the relations between hyper-parameters that the model code relies on.
+    pub fn validate(&self) -> Result<()> {
+        let c = self;
+        if c.hidden_size == 0 || c.num_layers == 0 || c.num_heads == 0 || c.num_kv_heads == 0 {
+            bail!("config has a zero size: {c:?}");
+        }
+        if c.num_heads % c.num_kv_heads != 0 {
+            bail!(
+                "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
+                c.num_heads,
+                c.num_kv_heads
+            );
+        }
+        if c.head_dim == 0 || c.head_dim % 2 != 0 {
+            bail!("head_dim must be even and non-zero, got {}", c.head_dim);
+        }
+        if c.vocab_size == 0 || c.intermediate_size == 0 {
+            bail!("vocab_size and intermediate_size must be non-zero");
+        }
+        Ok(())
+    }
+
+    /// Number of parameters of the dense model (embeddings counted once when tied).
+    pub fn num_params(&self) -> usize {
+        let (h, f, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let q = self.num_heads * self.head_dim;
+        let kv = self.num_kv_heads * self.head_dim;
+        let bias = if self.attention_bias { q + 2 * kv } else { 0 };
+        let layer = h * q + 2 * h * kv + q * h + bias + 3 * h * f + 2 * h;
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        v * h + self.num_layers * layer + h + head
+    }
+
+    /// Reads an HF `config.json`.
+    pub fn from_hf_json(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let v: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display()))?;
+        Self::from_hf_value(&v).with_context(|| format!("in {}", path.display()))
+    }
+
+    pub fn from_hf_value(v: &Value) -> Result<Self> {
+        let model_type = v["model_type"].as_str().unwrap_or_default();
+        let arch = match model_type {
+            "llama" | "mistral" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "" => bail!("config.json has no model_type"),
+            other => bail!(
+                "unknown architecture '{other}' (supported: llama, mistral, qwen2)"
+            ),
+        };
+        if model_type == "mistral" && !v["sliding_window"].is_null() {
+            // NOTE: a sliding window changes which keys a query sees; running it as full attention
+            // would silently give other outputs beyond the window.
+            let w = v["sliding_window"].as_u64().unwrap_or(0) as usize;
+            let ctx = v["max_position_embeddings"].as_u64().unwrap_or(0) as usize;
+            if w > 0 && w < ctx {
+                bail!("Mistral with a sliding window ({w}) is not supported yet");
+            }
+        }
+        let req = |k: &str| -> Result<usize> {
+            v[k].as_u64()
+                .map(|x| x as usize)
+                .with_context(|| format!("config.json lacks the integer '{k}'"))
+        };
+        let hidden_size = req("hidden_size")?;
+        let num_heads = req("num_attention_heads")?;
+        let num_kv_heads = v["num_key_value_heads"].as_u64().map(|x| x as usize).unwrap_or(num_heads);
+        let head_dim = match v["head_dim"].as_u64() {
+            Some(d) => d as usize,
+            None => hidden_size / num_heads.max(1),
+        };
+        let rope_scaling = match &v["rope_scaling"] {
+            Value::Null => None,
+            s => {
+                let ty = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or_default();
+                match ty {
+                    "llama3" => Some(Llama3RopeScaling {
+                        factor: s["factor"].as_f64().context("rope_scaling.factor")?,
+                        low_freq_factor: s["low_freq_factor"].as_f64().unwrap_or(1.0),
+                        high_freq_factor: s["high_freq_factor"].as_f64().unwrap_or(4.0),
+                        original_max_position_embeddings: s["original_max_position_embeddings"]
+                            .as_u64()
+                            .unwrap_or(8192) as usize,
+                    }),
+                    "default" | "" => None,
+                    other => bail!("rope_scaling of type '{other}' is not supported (only llama3)"),
+                }
+            }
+        };
+        let eos_token_ids = match &v["eos_token_id"] {
+            Value::Number(n) => vec![n.as_u64().unwrap_or(0) as u32],
+            Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+            _ => vec![],
+        };
+        let c = ModelConfig {
+            arch,
+            hidden_size,
+            intermediate_size: req("intermediate_size")?,
+            num_layers: req("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: req("vocab_size")?,
+            max_position_embeddings: v["max_position_embeddings"].as_u64().unwrap_or(4096) as usize,
+            rms_norm_eps: v["rms_norm_eps"].as_f64().unwrap_or(1e-6),
+            rope_theta: v["rope_theta"].as_f64().unwrap_or(10000.0),
+            rope_scaling,
+            tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
+            attention_bias: arch == Arch::Qwen2 || v["attention_bias"].as_bool().unwrap_or(false),
+            bos_token_id: v["bos_token_id"].as_u64().map(|x| x as u32),
+            eos_token_ids,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+}

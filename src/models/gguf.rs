@@ -1,0 +1,1929 @@
+//! GGUF model files: header, metadata, tensor directory, dequantization to f32, the HF tensor
+//! naming, the model config and the tokenizer stored in the metadata.
+//!
+//! Format (little-endian, versions 2 and 3): magic `GGUF`, `u32` version, `u64` tensor count,
+//! `u64` metadata count, the metadata key/value pairs, the tensor infos (name, `u32` n_dims,
+//! `u64` dims with `ne[0]` first, `u32` type, `u64` offset relative to the data section), then
+//! the data section, which starts at the next multiple of `general.alignment` (default 32).
+//!
+//! Everything read from the file is untrusted: sizes and offsets are checked with checked
+//! arithmetic, counts are bounded by the bytes left before anything is allocated, and every
+//! tensor's byte range is checked against the file size when the file is opened.
+
+use crate::models::config::{Arch, Llama3RopeScaling, ModelConfig};
+use crate::tensor::HostTensor;
+use anyhow::{Context, Result, anyhow, bail};
+use half::{bf16, f16};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// A metadata value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GgufValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    String(String),
+    Array(Vec<GgufValue>),
+}
+
+impl GgufValue {
+    /// Any integer that is non-negative.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            GgufValue::U8(v) => Some(v.into()),
+            GgufValue::U16(v) => Some(v.into()),
+            GgufValue::U32(v) => Some(v.into()),
+            GgufValue::U64(v) => Some(v),
+            GgufValue::I8(v) => u64::try_from(v).ok(),
+            GgufValue::I16(v) => u64::try_from(v).ok(),
+            GgufValue::I32(v) => u64::try_from(v).ok(),
+            GgufValue::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    /// Any number (integers converted).
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            GgufValue::F32(v) => Some(v.into()),
+            GgufValue::F64(v) => Some(v),
+            GgufValue::U8(v) => Some(v.into()),
+            GgufValue::I8(v) => Some(v.into()),
+            GgufValue::U16(v) => Some(v.into()),
+            GgufValue::I16(v) => Some(v.into()),
+            GgufValue::U32(v) => Some(v.into()),
+            GgufValue::I32(v) => Some(v.into()),
+            GgufValue::U64(v) => Some(v as f64),
+            GgufValue::I64(v) => Some(v as f64),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            GgufValue::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[GgufValue]> {
+        match self {
+            GgufValue::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    fn as_bool(&self) -> Option<bool> {
+        match *self {
+            GgufValue::Bool(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    fn type_name(&self) -> &'static str {
+        match self {
+            GgufValue::U8(_) => "u8",
+            GgufValue::I8(_) => "i8",
+            GgufValue::U16(_) => "u16",
+            GgufValue::I16(_) => "i16",
+            GgufValue::U32(_) => "u32",
+            GgufValue::I32(_) => "i32",
+            GgufValue::U64(_) => "u64",
+            GgufValue::I64(_) => "i64",
+            GgufValue::F32(_) => "f32",
+            GgufValue::F64(_) => "f64",
+            GgufValue::Bool(_) => "bool",
+            GgufValue::String(_) => "string",
+            GgufValue::Array(_) => "array",
+        }
+    }
+}
+
+/// GGML tensor element types, with their GGUF type ids.
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_K,
+    IQ2_XXS,
+    IQ2_XS,
+    IQ3_XXS,
+    IQ1_S,
+    IQ4_NL,
+    IQ3_S,
+    IQ2_S,
+    IQ4_XS,
+    I8,
+    I16,
+    I32,
+    I64,
+    F64,
+    IQ1_M,
+    BF16,
+    TQ1_0,
+    TQ2_0,
+    MXFP4,
+}
+
+impl GgmlType {
+    /// The type with GGUF/GGML type id `id`, if it is one this reader knows.
+    pub fn from_id(id: u32) -> Option<Self> {
+        use GgmlType::*;
+        Some(match id {
+            0 => F32,
+            1 => F16,
+            2 => Q4_0,
+            3 => Q4_1,
+            6 => Q5_0,
+            7 => Q5_1,
+            8 => Q8_0,
+            9 => Q8_1,
+            10 => Q2_K,
+            11 => Q3_K,
+            12 => Q4_K,
+            13 => Q5_K,
+            14 => Q6_K,
+            15 => Q8_K,
+            16 => IQ2_XXS,
+            17 => IQ2_XS,
+            18 => IQ3_XXS,
+            19 => IQ1_S,
+            20 => IQ4_NL,
+            21 => IQ3_S,
+            22 => IQ2_S,
+            23 => IQ4_XS,
+            24 => I8,
+            25 => I16,
+            26 => I32,
+            27 => I64,
+            28 => F64,
+            29 => IQ1_M,
+            30 => BF16,
+            34 => TQ1_0,
+            35 => TQ2_0,
+            39 => MXFP4,
+            _ => return None,
+        })
+    }
+
+    /// (elements per block, bytes per block), as in ggml's type traits.
+    pub fn block_layout(self) -> (usize, usize) {
+        use GgmlType::*;
+        const QK_K: usize = 256;
+        match self {
+            F32 | I32 => (1, 4),
+            F16 | BF16 | I16 => (1, 2),
+            I8 => (1, 1),
+            I64 | F64 => (1, 8),
+            Q4_0 => (32, 2 + 16),
+            Q4_1 => (32, 2 + 2 + 16),
+            Q5_0 => (32, 2 + 4 + 16),
+            Q5_1 => (32, 2 + 2 + 4 + 16),
+            Q8_0 => (32, 2 + 32),
+            Q8_1 => (32, 2 + 2 + 32),
+            Q2_K => (QK_K, 2 + 2 + QK_K / 16 + QK_K / 4),
+            Q3_K => (QK_K, 2 + QK_K / 4 + QK_K / 8 + 12),
+            Q4_K => (QK_K, 2 + 2 + QK_K / 2 + 12),
+            Q5_K => (QK_K, 2 + 2 + QK_K / 2 + QK_K / 8 + 12),
+            Q6_K => (QK_K, 2 + QK_K / 2 + QK_K / 4 + QK_K / 16),
+            Q8_K => (QK_K, 4 + QK_K + QK_K / 8),
+            IQ2_XXS => (QK_K, 2 + QK_K / 4),
+            IQ2_XS => (QK_K, 2 + QK_K / 4 + QK_K / 32),
+            IQ3_XXS => (QK_K, 2 + QK_K / 4 + QK_K / 8),
+            IQ1_S => (QK_K, 2 + QK_K / 8 + QK_K / 16),
+            IQ4_NL => (32, 2 + 16),
+            IQ3_S => (QK_K, 2 + QK_K / 4 + QK_K / 8 + QK_K / 32 + 4),
+            IQ2_S => (QK_K, 2 + QK_K / 4 + QK_K / 16),
+            IQ4_XS => (QK_K, 2 + 2 + QK_K / 2 + QK_K / 64),
+            IQ1_M => (QK_K, QK_K / 8 + QK_K / 16 + QK_K / 32),
+            TQ1_0 => (QK_K, 2 + 4 * 13),
+            TQ2_0 => (QK_K, 2 + 64),
+            MXFP4 => (32, 1 + 16),
+        }
+    }
+
+    /// Whether [`dequantize`] handles this type.
+    pub fn is_supported(self) -> bool {
+        use GgmlType::*;
+        matches!(
+            self,
+            F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_NL | IQ4_XS
+        )
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// One entry of the tensor directory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorInfo {
+    /// The GGUF (llama.cpp) name, e.g. `blk.0.attn_q.weight`.
+    pub name: String,
+    /// GGUF order: `ne[0]` first (fastest varying), i.e. the reverse of the HF/PyTorch shape.
+    pub dims: Vec<u64>,
+    pub ty: GgmlType,
+    /// Absolute byte offset of the data in the file.
+    pub offset: u64,
+    pub n_bytes: u64,
+}
+
+impl TensorInfo {
+    fn n_elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+}
+
+/// An opened, validated GGUF file (memory-mapped).
+pub struct GgufFile {
+    path: PathBuf,
+    mmap: Mmap,
+    version: u32,
+    metadata: BTreeMap<String, GgufValue>,
+    tensors: Vec<TensorInfo>,
+    by_name: HashMap<String, usize>,
+}
+
+impl fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("metadata_keys", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+const GGUF_MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: u64 = 32;
+/// ggml's GGML_MAX_DIMS.
+const MAX_DIMS: u32 = 4;
+/// Nesting limit for arrays of arrays (the format allows them; real files use one level).
+const MAX_ARRAY_DEPTH: u32 = 8;
+
+// Metadata value type ids.
+const VT_U8: u32 = 0;
+const VT_I8: u32 = 1;
+const VT_U16: u32 = 2;
+const VT_I16: u32 = 3;
+const VT_U32: u32 = 4;
+const VT_I32: u32 = 5;
+const VT_F32: u32 = 6;
+const VT_BOOL: u32 = 7;
+const VT_STRING: u32 = 8;
+const VT_ARRAY: u32 = 9;
+const VT_U64: u32 = 10;
+const VT_I64: u32 = 11;
+const VT_F64: u32 = 12;
+
+/// The smallest number of bytes a value of type `vt` takes in the file (bounds untrusted counts).
+fn min_value_size(vt: u32) -> Option<usize> {
+    Some(match vt {
+        VT_U8 | VT_I8 | VT_BOOL => 1,
+        VT_U16 | VT_I16 => 2,
+        VT_U32 | VT_I32 | VT_F32 => 4,
+        VT_U64 | VT_I64 | VT_F64 | VT_STRING => 8,
+        VT_ARRAY => 12,
+        _ => return None,
+    })
+}
+
+/// A bounds-checked little-endian reader over the header.
+struct Reader<'a> {
+    data: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn remaining(&self) -> usize {
+        self.data.len() - self.pos
+    }
+
+    fn bytes(&mut self, n: usize, what: &dyn Fn() -> String) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.data.len());
+        match end {
+            Some(end) => {
+                let s = &self.data[self.pos..end];
+                self.pos = end;
+                Ok(s)
+            }
+            None => bail!(
+                "truncated header: {} needs {n} bytes at offset {} but the file has {} bytes",
+                what(),
+                self.pos,
+                self.data.len()
+            ),
+        }
+    }
+
+    fn array<const N: usize>(&mut self, what: &dyn Fn() -> String) -> Result<[u8; N]> {
+        let b = self.bytes(N, what)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(b);
+        Ok(a)
+    }
+
+    fn u32(&mut self, what: &dyn Fn() -> String) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &dyn Fn() -> String) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    /// A `u64` count of items of at least `min_size` bytes each, checked against the bytes left.
+    fn count(&mut self, min_size: usize, what: &dyn Fn() -> String) -> Result<usize> {
+        let n = self.u64(what)?;
+        let max = (self.remaining() / min_size.max(1)) as u64;
+        if n > max {
+            bail!(
+                "{} is {n}, but only {} bytes follow at offset {} (file truncated or corrupt)",
+                what(),
+                self.remaining(),
+                self.pos
+            );
+        }
+        Ok(n as usize)
+    }
+
+    fn string(&mut self, what: &dyn Fn() -> String) -> Result<String> {
+        let len = self.count(1, &|| format!("the length of {}", what()))?;
+        let b = self.bytes(len, what)?;
+        match std::str::from_utf8(b) {
+            Ok(s) => Ok(s.to_owned()),
+            Err(_) => bail!("{} is not valid UTF-8", what()),
+        }
+    }
+
+    fn value(&mut self, vt: u32, depth: u32, what: &dyn Fn() -> String) -> Result<GgufValue> {
+        Ok(match vt {
+            VT_U8 => GgufValue::U8(self.array::<1>(what)?[0]),
+            VT_I8 => GgufValue::I8(i8::from_le_bytes(self.array(what)?)),
+            VT_U16 => GgufValue::U16(u16::from_le_bytes(self.array(what)?)),
+            VT_I16 => GgufValue::I16(i16::from_le_bytes(self.array(what)?)),
+            VT_U32 => GgufValue::U32(self.u32(what)?),
+            VT_I32 => GgufValue::I32(i32::from_le_bytes(self.array(what)?)),
+            VT_U64 => GgufValue::U64(self.u64(what)?),
+            VT_I64 => GgufValue::I64(i64::from_le_bytes(self.array(what)?)),
+            VT_F32 => GgufValue::F32(f32::from_le_bytes(self.array(what)?)),
+            VT_F64 => GgufValue::F64(f64::from_le_bytes(self.array(what)?)),
+            VT_BOOL => match self.array::<1>(what)?[0] {
+                0 => GgufValue::Bool(false),
+                1 => GgufValue::Bool(true),
+                b => bail!("{} is a bool with the invalid byte {b}", what()),
+            },
+            VT_STRING => GgufValue::String(self.string(what)?),
+            VT_ARRAY => {
+                if depth >= MAX_ARRAY_DEPTH {
+                    bail!("{} nests arrays deeper than {MAX_ARRAY_DEPTH} levels", what());
+                }
+                let et = self.u32(&|| format!("the element type of {}", what()))?;
+                let Some(min) = min_value_size(et) else {
+                    bail!("{} is an array of the unknown value type {et}", what());
+                };
+                let n = self.count(min, &|| format!("the element count of {}", what()))?;
+                let mut items = Vec::with_capacity(n);
+                for i in 0..n {
+                    items.push(self.value(et, depth + 1, &|| format!("{}[{i}]", what()))?);
+                }
+                GgufValue::Array(items)
+            }
+            other => bail!("{} has the unknown value type {other}", what()),
+        })
+    }
+}
+
+/// Renders an error with the file's path in front, flattened into one message so that it
+/// reads the same whichever way it is printed.
+fn in_file(path: &Path, e: anyhow::Error) -> anyhow::Error {
+    anyhow!("{}: {e:#}", path.display())
+}
+
+impl GgufFile {
+    /// Opens, memory-maps and validates a GGUF file (header, metadata, tensor directory, and
+    /// every tensor's byte range). Tensor data are read lazily by [`GgufFile::tensor`].
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(|e| anyhow!("{}: cannot open: {e}", path.display()))?;
+        // SAFETY: the map is read-only; as with any memory-mapped file, the file must not be
+        // truncated or modified by another process while this `GgufFile` lives.
+        let mmap = unsafe { Mmap::map(&file) }
+            .map_err(|e| anyhow!("{}: cannot memory-map: {e}", path.display()))?;
+        let parsed = parse(&mmap).map_err(|e| in_file(path, e))?;
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            mmap,
+            version: parsed.version,
+            metadata: parsed.metadata,
+            by_name: parsed.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect(),
+            tensors: parsed.tensors,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The GGUF format version (2 or 3).
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    pub fn metadata(&self) -> &BTreeMap<String, GgufValue> {
+        &self.metadata
+    }
+
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// The directory entry of the tensor with this GGUF name.
+    pub fn tensor_info(&self, gguf_name: &str) -> Option<&TensorInfo> {
+        self.by_name.get(gguf_name).map(|&i| &self.tensors[i])
+    }
+
+    /// `general.architecture`.
+    pub fn architecture(&self) -> Result<&str> {
+        match self.metadata.get("general.architecture") {
+            Some(v) => v.as_str().ok_or_else(|| {
+                anyhow!(
+                    "{}: general.architecture is a {}, not a string",
+                    self.path.display(),
+                    v.type_name()
+                )
+            }),
+            None => bail!("{}: no general.architecture in the metadata", self.path.display()),
+        }
+    }
+
+    /// The model hyper-parameters, from the `{arch}.*` and `tokenizer.ggml.*` metadata.
+    pub fn config(&self) -> Result<ModelConfig> {
+        self.config_inner().map_err(|e| in_file(&self.path, e))
+    }
+
+    fn config_inner(&self) -> Result<ModelConfig> {
+        let arch_name = self.architecture().map_err(|e| anyhow!("{e:#}"))?.to_owned();
+        let arch = match arch_name.as_str() {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            other => bail!("unknown architecture '{other}' (supported: llama, qwen2)"),
+        };
+        let a = &arch_name;
+        let opt_usize = |k: &str| -> Result<Option<usize>> {
+            match self.metadata.get(k) {
+                None => Ok(None),
+                Some(v) => match v.as_u64().and_then(|x| usize::try_from(x).ok()) {
+                    Some(x) => Ok(Some(x)),
+                    None => bail!("metadata '{k}' should be a non-negative integer, found {v:?}"),
+                },
+            }
+        };
+        let req_usize = |k: &str| -> Result<usize> {
+            opt_usize(k)?.ok_or_else(|| anyhow!("metadata lacks the integer '{k}'"))
+        };
+        let opt_f64 = |k: &str| -> Result<Option<f64>> {
+            match self.metadata.get(k) {
+                None => Ok(None),
+                Some(v) => match v.as_f64() {
+                    Some(x) => Ok(Some(x)),
+                    None => bail!("metadata '{k}' should be a number, found {v:?}"),
+                },
+            }
+        };
+        let opt_u32 = |k: &str| -> Result<Option<u32>> {
+            match opt_usize(k)? {
+                None => Ok(None),
+                Some(x) => Ok(Some(
+                    u32::try_from(x).map_err(|_| anyhow!("metadata '{k}' = {x} is not a token id"))?,
+                )),
+            }
+        };
+
+        let hidden_size = req_usize(&format!("{a}.embedding_length"))?;
+        let num_heads = req_usize(&format!("{a}.attention.head_count"))?;
+        let num_kv_heads = opt_usize(&format!("{a}.attention.head_count_kv"))?.unwrap_or(num_heads);
+        let head_dim = match opt_usize(&format!("{a}.attention.key_length"))? {
+            Some(d) => d,
+            None if num_heads > 0 => hidden_size / num_heads,
+            None => 0,
+        };
+        if let Some(vd) = opt_usize(&format!("{a}.attention.value_length"))?
+            && vd != head_dim
+        {
+            bail!("value head size {vd} differs from key head size {head_dim}: not supported");
+        }
+        if let Some(rd) = opt_usize(&format!("{a}.rope.dimension_count"))?
+            && rd != head_dim
+        {
+            bail!("partial rotary embeddings (rope.dimension_count {rd}, head_dim {head_dim}) are not supported");
+        }
+        let rope_theta = opt_f64(&format!("{a}.rope.freq_base"))?.unwrap_or(10000.0);
+        let vocab_size = match self.metadata.get("tokenizer.ggml.tokens") {
+            Some(v) => {
+                v.as_array().ok_or_else(|| anyhow!("tokenizer.ggml.tokens is not an array"))?.len()
+            }
+            None => opt_usize(&format!("{a}.vocab_size"))?
+                .ok_or_else(|| anyhow!("metadata has neither tokenizer.ggml.tokens nor {a}.vocab_size"))?,
+        };
+        let rope_scaling = self.rope_scaling(a, head_dim, rope_theta)?;
+        let bos_token_id = opt_u32("tokenizer.ggml.bos_token_id")?;
+        let mut eos_token_ids = Vec::new();
+        if let Some(e) = opt_u32("tokenizer.ggml.eos_token_id")? {
+            eos_token_ids.push(e);
+        }
+        if let Some(e) = opt_u32("tokenizer.ggml.eot_token_id")?
+            && !eos_token_ids.contains(&e)
+        {
+            eos_token_ids.push(e);
+        }
+        let c = ModelConfig {
+            arch,
+            hidden_size,
+            intermediate_size: req_usize(&format!("{a}.feed_forward_length"))?,
+            num_layers: req_usize(&format!("{a}.block_count"))?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            max_position_embeddings: opt_usize(&format!("{a}.context_length"))?.unwrap_or(4096),
+            rms_norm_eps: opt_f64(&format!("{a}.attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: !self.by_name.contains_key("output.weight"),
+            attention_bias: arch == Arch::Qwen2 || self.by_name.contains_key("blk.0.attn_q.bias"),
+            bos_token_id,
+            eos_token_ids,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Llama 3 RoPE scaling: from `{arch}.rope.scaling.*` keys when they say `llama3`, else
+    /// recognised from a `rope_freqs.weight` tensor (what llama.cpp's converter stores for
+    /// Llama 3.1+), which must match the Llama 3 formula with the usual low/high frequency
+    /// factors 1 and 4 and original context 8192.
+    fn rope_scaling(&self, a: &str, head_dim: usize, theta: f64) -> Result<Option<Llama3RopeScaling>> {
+        let key = |k: &str| format!("{a}.rope.scaling.{k}");
+        let num = |k: &str| self.metadata.get(&key(k)).and_then(GgufValue::as_f64);
+        let ty = self.metadata.get(&key("type")).and_then(GgufValue::as_str).unwrap_or("none");
+        let from_keys = match ty {
+            "none" => None,
+            "llama3" => Some(Llama3RopeScaling {
+                factor: num("factor").ok_or_else(|| anyhow!("{} is missing", key("factor")))?,
+                low_freq_factor: num("low_freq_factor").unwrap_or(1.0),
+                high_freq_factor: num("high_freq_factor").unwrap_or(4.0),
+                original_max_position_embeddings: num("original_context_length").unwrap_or(8192.0)
+                    as usize,
+            }),
+            "linear" if num("factor") == Some(1.0) => None,
+            other => bail!("RoPE scaling of type '{other}' is not supported (only llama3)"),
+        };
+        if from_keys.is_some() {
+            return Ok(from_keys);
+        }
+        let Some(info) = self.tensor_info("rope_freqs.weight") else {
+            return Ok(None);
+        };
+        let factors = self.load_gguf_tensor(info)?;
+        if factors.len() * 2 != head_dim || factors.is_empty() {
+            bail!("rope_freqs.weight has {} entries, expected head_dim/2 = {}", factors.len(), head_dim / 2);
+        }
+        if factors.iter().all(|&f| f == 1.0) {
+            return Ok(None);
+        }
+        let factor = factors.iter().copied().fold(f32::MIN, f32::max) as f64;
+        let s = Llama3RopeScaling {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let expected = llama3_rope_factors(&s, head_dim, theta);
+        let ok = expected
+            .iter()
+            .zip(&factors)
+            .all(|(&e, &f)| ((f as f64) - e).abs() <= 1e-4 * e.abs().max(1.0));
+        if !ok {
+            bail!(
+                "rope_freqs.weight does not match Llama 3 RoPE scaling (factor {factor}, low/high frequency \
+                 factors 1/4, original context 8192): this RoPE scaling is not supported"
+            );
+        }
+        Ok(Some(s))
+    }
+
+    /// Loads one tensor by its HF name, dequantized to f32, in HF shape (row-major, `[out, in]`
+    /// for linear weights; the GGUF dims reversed). `Ok(None)` if the model has no such tensor.
+    /// For `llama`, llama.cpp's row permutation of the Q and K projections is undone.
+    pub fn tensor(&self, hf_name: &str) -> Result<Option<HostTensor>> {
+        let Some((gguf_name, permute)) = gguf_name_for(hf_name) else {
+            return Ok(None);
+        };
+        let Some(info) = self.tensor_info(&gguf_name) else {
+            return Ok(None);
+        };
+        self.load_hf(info, permute)
+            .map(Some)
+            .map_err(|e| anyhow!("{}: tensor '{}' ({hf_name}): {e:#}", self.path.display(), info.name))
+    }
+
+    fn load_hf(&self, info: &TensorInfo, permute: Option<QkPermute>) -> Result<HostTensor> {
+        let shape = info
+            .dims
+            .iter()
+            .rev()
+            .map(|&d| usize::try_from(d).map_err(|_| anyhow!("dimension {d} is too large")))
+            .collect::<Result<Vec<usize>>>()?;
+        let mut data = self.load_gguf_tensor(info)?;
+        if let Some(which) = permute
+            && self.architecture().ok() == Some("llama")
+        {
+            let a = "llama";
+            let heads_key = match which {
+                QkPermute::Q => format!("{a}.attention.head_count"),
+                QkPermute::K => format!("{a}.attention.head_count_kv"),
+            };
+            let n_head = match self.metadata.get(&heads_key).and_then(GgufValue::as_u64) {
+                Some(n) => n,
+                None if which == QkPermute::K => self
+                    .metadata
+                    .get(&format!("{a}.attention.head_count"))
+                    .and_then(GgufValue::as_u64)
+                    .ok_or_else(|| anyhow!("metadata lacks {a}.attention.head_count"))?,
+                None => bail!("metadata lacks {heads_key}"),
+            };
+            let n_head = usize::try_from(n_head).map_err(|_| anyhow!("{heads_key} is too large"))?;
+            let rows = shape.first().copied().unwrap_or(0);
+            let cols = shape.iter().skip(1).product::<usize>();
+            data = unpermute_rows(&data, rows, cols, n_head)?;
+        }
+        Ok(HostTensor::new(shape, data))
+    }
+
+    /// The raw data of a tensor, dequantized to f32, in file (GGUF) order.
+    fn load_gguf_tensor(&self, info: &TensorInfo) -> Result<Vec<f32>> {
+        // Both were checked against the file size at open.
+        let start = usize::try_from(info.offset)?;
+        let end = start.checked_add(usize::try_from(info.n_bytes)?).context("tensor range overflows")?;
+        let bytes = self.mmap.get(start..end).context("tensor data outside the file")?;
+        let n = usize::try_from(info.n_elements())?;
+        dequantize(info.ty, bytes, n)
+    }
+
+    /// The tokenizer stored in the metadata (`tokenizer.ggml.model == "gpt2"`: byte-level BPE),
+    /// built like `gguf2hf.py`'s `bpe_tokenizer`.
+    pub fn tokenizer(&self) -> Result<tokenizers::Tokenizer> {
+        self.tokenizer_inner().map_err(|e| in_file(&self.path, e))
+    }
+
+    fn tokenizer_inner(&self) -> Result<tokenizers::Tokenizer> {
+        use tokenizers::models::bpe::{BPE, Vocab};
+        use tokenizers::normalizers::unicode::NFC;
+        use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+        use tokenizers::pre_tokenizers::digits::Digits;
+        use tokenizers::pre_tokenizers::sequence::Sequence;
+        use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+        use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+
+        let model = self.metadata.get("tokenizer.ggml.model").and_then(GgufValue::as_str);
+        match model {
+            Some("gpt2") => {}
+            Some(other) => bail!("tokenizer model '{other}' is not supported yet (only 'gpt2', byte-level BPE)"),
+            None => bail!("no tokenizer in the metadata (tokenizer.ggml.model is missing)"),
+        }
+        let pre = self.metadata.get("tokenizer.ggml.pre").and_then(GgufValue::as_str).unwrap_or("default");
+        let tokens = self.string_array("tokenizer.ggml.tokens")?;
+        let merges = self.string_array("tokenizer.ggml.merges")?;
+        let types: Vec<i64> = match self.metadata.get("tokenizer.ggml.token_type") {
+            None => vec![1; tokens.len()],
+            Some(v) => {
+                let a = v.as_array().ok_or_else(|| anyhow!("tokenizer.ggml.token_type is not an array"))?;
+                let t = a
+                    .iter()
+                    .map(|x| match *x {
+                        GgufValue::I32(t) => Some(t.into()),
+                        ref other => other.as_u64().and_then(|u| i64::try_from(u).ok()),
+                    })
+                    .collect::<Option<Vec<i64>>>()
+                    .ok_or_else(|| anyhow!("tokenizer.ggml.token_type has non-integer entries"))?;
+                if t.len() != tokens.len() {
+                    bail!(
+                        "tokenizer.ggml.token_type has {} entries but tokenizer.ggml.tokens has {}",
+                        t.len(),
+                        tokens.len()
+                    );
+                }
+                t
+            }
+        };
+        if u32::try_from(tokens.len()).is_err() {
+            bail!("vocabulary of {} tokens is too large", tokens.len());
+        }
+        let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+        let merges = merges
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| anyhow!("tokenizer.ggml.merges[{i}] = {m:?} is not a space-separated pair"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .fuse_unk(false)
+            .byte_fallback(false)
+            .build()
+            .map_err(|e| anyhow!("cannot build the BPE model: {e}"))?;
+        let mut tk = Tokenizer::new(bpe);
+        match pre {
+            "smollm" => {
+                // llama.cpp: "\p{N}" then the GPT-2 regex == HF Digits(individual) + ByteLevel.
+                tk.with_pre_tokenizer(Some(Sequence::new(vec![
+                    Digits::new(true).into(),
+                    ByteLevel::new(false, true, true).into(),
+                ])));
+            }
+            "qwen2" => {
+                let pat = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+                let split = Split::new(SplitPattern::Regex(pat.to_string()), SplitDelimiterBehavior::Isolated, false)
+                    .map_err(|e| anyhow!("cannot build the qwen2 pre-tokenizer: {e}"))?;
+                tk.with_normalizer(Some(NFC))
+                    .map_err(|e| anyhow!("cannot set the normalizer: {e}"))?;
+                tk.with_pre_tokenizer(Some(Sequence::new(vec![
+                    split.into(),
+                    ByteLevel::new(false, false, false).into(),
+                ])));
+            }
+            // Pre-tokenizer types that use the plain GPT-2 regex.
+            "default" | "gpt2" | "gpt-2" => {
+                tk.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+            }
+            other => bail!("tokenizer pre-tokenizer '{other}' (tokenizer.ggml.pre) is not supported yet"),
+        }
+        tk.with_decoder(Some(ByteLevel::default()));
+        tk.with_post_processor(Some(ByteLevel::default().trim_offsets(false)));
+        let added: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|&(_, &t)| t == 3 || t == 4)
+            .map(|(tok, &t)| AddedToken::from(tok.to_string(), t == 3).normalized(false))
+            .collect();
+        // Their ids are already in the vocabulary, so they keep them.
+        tk.add_tokens(added).map_err(|e| anyhow!("cannot add the special tokens: {e}"))?;
+        Ok(tk)
+    }
+
+    fn string_array(&self, key: &str) -> Result<Vec<&str>> {
+        let v = self.metadata.get(key).ok_or_else(|| anyhow!("metadata lacks '{key}'"))?;
+        let a = v.as_array().ok_or_else(|| anyhow!("'{key}' is a {}, not an array", v.type_name()))?;
+        a.iter()
+            .enumerate()
+            .map(|(i, x)| x.as_str().ok_or_else(|| anyhow!("'{key}'[{i}] is a {}, not a string", x.type_name())))
+            .collect()
+    }
+
+    /// `tokenizer.chat_template`.
+    pub fn chat_template(&self) -> Option<String> {
+        self.metadata.get("tokenizer.chat_template").and_then(GgufValue::as_str).map(str::to_owned)
+    }
+
+    /// The text of token `id` in `tokenizer.ggml.tokens` (byte-level BPE form, e.g. `Ġthe`).
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.metadata.get("tokenizer.ggml.tokens")?.as_array()?.get(id as usize)?.as_str()
+    }
+
+    /// `tokenizer.ggml.add_bos_token` (false when absent).
+    pub fn add_bos_token(&self) -> bool {
+        self.metadata.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(false)
+    }
+}
+
+struct Parsed {
+    version: u32,
+    metadata: BTreeMap<String, GgufValue>,
+    tensors: Vec<TensorInfo>,
+}
+
+fn parse(data: &[u8]) -> Result<Parsed> {
+    let mut r = Reader { data, pos: 0 };
+    let magic = r.array::<4>(&|| "the magic number".to_string())?;
+    if &magic != GGUF_MAGIC {
+        bail!(
+            "not a GGUF file (magic bytes {:02x?}, expected \"GGUF\" = {:02x?})",
+            magic,
+            GGUF_MAGIC
+        );
+    }
+    let version = r.u32(&|| "the version".to_string())?;
+    match version {
+        2 | 3 => {}
+        v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => {
+            bail!("unsupported GGUF version {v}: this is a big-endian GGUF file, only little-endian is supported")
+        }
+        v => bail!("unsupported GGUF version {v} (supported: 2, 3)"),
+    }
+    // Minimum sizes: a tensor info has a name length, n_dims, type and offset; a metadata pair
+    // has a key length, a value type and at least one byte of value.
+    let n_tensors = r.u64(&|| "the tensor count".to_string())?;
+    let n_kv = r.count(8 + 4 + 1, &|| "the metadata count".to_string())?;
+    if n_tensors > (r.remaining() / (8 + 4 + 4 + 8)) as u64 {
+        bail!(
+            "the tensor count is {n_tensors}, but only {} bytes follow (file truncated or corrupt)",
+            r.remaining()
+        );
+    }
+    let n_tensors = n_tensors as usize;
+
+    let mut metadata = BTreeMap::new();
+    for i in 0..n_kv {
+        let key = r.string(&|| format!("the key of metadata entry {i}"))?;
+        let vt = r.u32(&|| format!("the value type of metadata '{key}'"))?;
+        let value = r.value(vt, 0, &|| format!("metadata '{key}'"))?;
+        if metadata.insert(key.clone(), value).is_some() {
+            bail!("duplicate metadata key '{key}'");
+        }
+    }
+
+    let alignment = match metadata.get("general.alignment") {
+        None => DEFAULT_ALIGNMENT,
+        Some(v) => match v.as_u64() {
+            Some(a) if a > 0 && a.is_power_of_two() => a,
+            _ => bail!("general.alignment must be a power of two, found {v:?}"),
+        },
+    };
+
+    let mut infos = Vec::with_capacity(n_tensors);
+    let mut seen = HashMap::with_capacity(n_tensors);
+    for i in 0..n_tensors {
+        let name = r.string(&|| format!("the name of tensor {i}"))?;
+        let what = |field: &str| format!("the {field} of tensor '{name}'");
+        let n_dims = r.u32(&|| what("dimension count"))?;
+        if n_dims > MAX_DIMS {
+            bail!("tensor '{name}' has {n_dims} dimensions (at most {MAX_DIMS} are allowed)");
+        }
+        let mut dims = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            dims.push(r.u64(&|| what("dimensions"))?);
+        }
+        let type_id = r.u32(&|| what("type"))?;
+        let offset = r.u64(&|| what("offset"))?;
+        let Some(ty) = GgmlType::from_id(type_id) else {
+            bail!("tensor '{name}' has the unknown tensor type id {type_id}");
+        };
+        if seen.insert(name.clone(), i).is_some() {
+            bail!("duplicate tensor name '{name}'");
+        }
+        infos.push((name, dims, ty, offset));
+    }
+
+    let header_end = r.pos as u64;
+    let data_start = header_end
+        .checked_next_multiple_of(alignment)
+        .context("data section offset overflows")?;
+    let file_len = data.len() as u64;
+
+    let mut tensors = Vec::with_capacity(infos.len());
+    for (name, dims, ty, rel) in infos {
+        let (block, type_size) = ty.block_layout();
+        let n_elements = dims
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .filter(|&n| n <= i64::MAX as u64)
+            .ok_or_else(|| anyhow!("tensor '{name}' has an absurd shape {dims:?}"))?;
+        let ne0 = dims.first().copied().unwrap_or(1);
+        if ne0 % block as u64 != 0 {
+            bail!("tensor '{name}' of type {ty}: its first dimension {ne0} is not a multiple of the block size {block}");
+        }
+        let n_bytes = (n_elements / block as u64)
+            .checked_mul(type_size as u64)
+            .ok_or_else(|| anyhow!("tensor '{name}' is too large"))?;
+        if rel % alignment != 0 {
+            bail!("tensor '{name}' has offset {rel}, which is not a multiple of the alignment {alignment}");
+        }
+        let offset = data_start.checked_add(rel);
+        let end = offset.and_then(|o| o.checked_add(n_bytes));
+        match (offset, end) {
+            (Some(offset), Some(end)) if end <= file_len => tensors.push(TensorInfo {
+                name,
+                dims,
+                ty,
+                offset,
+                n_bytes,
+            }),
+            _ => bail!(
+                "tensor '{name}' ({ty}, shape {dims:?}) needs bytes {}..{} but the file has only {file_len} bytes: \
+                 the file is truncated",
+                data_start as u128 + rel as u128,
+                data_start as u128 + rel as u128 + n_bytes as u128
+            ),
+        }
+    }
+    Ok(Parsed { version, metadata, tensors })
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum QkPermute {
+    Q,
+    K,
+}
+
+/// The GGUF name of an HF tensor name, and whether it is a Q or K projection (weight or bias).
+fn gguf_name_for(hf: &str) -> Option<(String, Option<QkPermute>)> {
+    match hf {
+        "model.embed_tokens.weight" => return Some(("token_embd.weight".into(), None)),
+        "model.norm.weight" => return Some(("output_norm.weight".into(), None)),
+        "lm_head.weight" => return Some(("output.weight".into(), None)),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (idx, rest) = rest.split_once('.')?;
+    // Canonical decimal only, so that "01" does not alias "1".
+    let layer: usize = idx.parse().ok()?;
+    if layer.to_string() != idx {
+        return None;
+    }
+    let (module, kind) = rest.rsplit_once('.')?;
+    if kind != "weight" && kind != "bias" {
+        return None;
+    }
+    let (part, permute) = match module {
+        "input_layernorm" => ("attn_norm", None),
+        "post_attention_layernorm" => ("ffn_norm", None),
+        "self_attn.q_proj" => ("attn_q", Some(QkPermute::Q)),
+        "self_attn.k_proj" => ("attn_k", Some(QkPermute::K)),
+        "self_attn.v_proj" => ("attn_v", None),
+        "self_attn.o_proj" => ("attn_output", None),
+        "self_attn.q_norm" => ("attn_q_norm", None),
+        "self_attn.k_norm" => ("attn_k_norm", None),
+        "mlp.gate_proj" => ("ffn_gate", None),
+        "mlp.up_proj" => ("ffn_up", None),
+        "mlp.down_proj" => ("ffn_down", None),
+        _ => return None,
+    };
+    Some((format!("blk.{layer}.{part}.{kind}"), permute))
+}
+
+/// Undoes llama.cpp's Q/K row permutation (HF rotate-half order -> GGML interleaved order):
+/// within each of the `n_head` heads of `rows / n_head` rows, GGUF row `2j + t` is HF row
+/// `t * half + j`. `data` is `rows x cols`, row-major.
+fn unpermute_rows(data: &[f32], rows: usize, cols: usize, n_head: usize) -> Result<Vec<f32>> {
+    if n_head == 0 || rows % n_head != 0 || (rows / n_head) % 2 != 0 {
+        bail!("cannot undo the Q/K permutation: {rows} rows do not split into {n_head} heads of even size");
+    }
+    if rows.checked_mul(cols) != Some(data.len()) {
+        bail!("internal: {} values for a {rows}x{cols} tensor", data.len());
+    }
+    let head = rows / n_head;
+    let half = head / 2;
+    let mut out = vec![0f32; data.len()];
+    for (hf_row, dst) in out.chunks_exact_mut(cols.max(1)).enumerate().take(rows) {
+        let (h, i) = (hf_row / head, hf_row % head);
+        let (t, j) = (i / half, i % half);
+        let src_row = h * head + 2 * j + t;
+        dst.copy_from_slice(&data[src_row * cols..(src_row + 1) * cols]);
+    }
+    Ok(out)
+}
+
+/// The Llama 3 RoPE frequency factors (what llama.cpp stores as `rope_freqs.weight`).
+fn llama3_rope_factors(s: &Llama3RopeScaling, head_dim: usize, theta: f64) -> Vec<f64> {
+    let old_ctx = s.original_max_position_embeddings as f64;
+    let low_wavelen = old_ctx / s.low_freq_factor;
+    let high_wavelen = old_ctx / s.high_freq_factor;
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                s.factor
+            } else {
+                let smooth = (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                1.0 / ((1.0 - smooth) / s.factor + smooth)
+            }
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization. Each block function mirrors ggml's reference `dequantize_row_*` (and
+// `gguf.quants`), with the same f32 operations in the same order, so results are bit-exact.
+
+/// The non-uniform 4-bit levels of IQ4_NL / IQ4_XS.
+const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+#[inline(always)]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+fn block_q4_0(b: &[u8; 18], o: &mut [f32; 32]) {
+    let d = f16_at(b, 0);
+    let qs = &b[2..18];
+    for j in 0..16 {
+        o[j] = d * ((qs[j] & 0x0F) as i32 - 8) as f32;
+        o[j + 16] = d * ((qs[j] >> 4) as i32 - 8) as f32;
+    }
+}
+
+fn block_q4_1(b: &[u8; 20], o: &mut [f32; 32]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    let qs = &b[4..20];
+    for j in 0..16 {
+        o[j] = d * (qs[j] & 0x0F) as f32 + m;
+        o[j + 16] = d * (qs[j] >> 4) as f32 + m;
+    }
+}
+
+fn block_q5_0(b: &[u8; 22], o: &mut [f32; 32]) {
+    let d = f16_at(b, 0);
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let qs = &b[6..22];
+    for j in 0..16 {
+        let h0 = (((qh >> j) & 1) << 4) as u8;
+        let h1 = (((qh >> (j + 16)) & 1) << 4) as u8;
+        o[j] = d * (((qs[j] & 0x0F) | h0) as i32 - 16) as f32;
+        o[j + 16] = d * (((qs[j] >> 4) | h1) as i32 - 16) as f32;
+    }
+}
+
+fn block_q5_1(b: &[u8; 24], o: &mut [f32; 32]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    let qs = &b[8..24];
+    for j in 0..16 {
+        let h0 = (((qh >> j) & 1) << 4) as u8;
+        let h1 = (((qh >> (j + 16)) & 1) << 4) as u8;
+        o[j] = d * ((qs[j] & 0x0F) | h0) as f32 + m;
+        o[j + 16] = d * ((qs[j] >> 4) | h1) as f32 + m;
+    }
+}
+
+fn block_q8_0(b: &[u8; 34], o: &mut [f32; 32]) {
+    let d = f16_at(b, 0);
+    for (x, &q) in o.iter_mut().zip(&b[2..34]) {
+        *x = (q as i8) as f32 * d;
+    }
+}
+
+fn block_q2_k(b: &[u8; 84], o: &mut [f32; 256]) {
+    let scales = &b[0..16];
+    let qs = &b[16..80];
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    for (e, x) in o.iter_mut().enumerate() {
+        let (h, s, l) = (e / 128, (e % 128) / 32, e % 32);
+        let q = (qs[h * 32 + l] >> (2 * s)) & 3;
+        let sc = scales[e / 16];
+        let dl = d * (sc & 0x0F) as f32;
+        let ml = dmin * (sc >> 4) as f32;
+        *x = dl * q as f32 - ml;
+    }
+}
+
+fn block_q3_k(b: &[u8; 110], o: &mut [f32; 256]) {
+    let hmask = &b[0..32];
+    let qs = &b[32..96];
+    let sc = &b[96..108];
+    let d = f16_at(b, 108);
+    let mut dl = [0f32; 16];
+    for (j, x) in dl.iter_mut().enumerate() {
+        let low = (sc[j % 8] >> (4 * (j / 8))) & 0x0F;
+        let high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+        *x = d * ((low | (high << 4)) as i32 - 32) as f32;
+    }
+    for (e, x) in o.iter_mut().enumerate() {
+        let (h, s, l) = (e / 128, (e % 128) / 32, e % 32);
+        let low = ((qs[h * 32 + l] >> (2 * s)) & 3) as i32;
+        let high_set = (hmask[l] >> (e / 32)) & 1 != 0;
+        let q = if high_set { low } else { low - 4 };
+        *x = dl[e / 16] * q as f32;
+    }
+}
+
+/// The 8 (scale, min) pairs of Q4_K / Q5_K, 6 bits each, packed in 12 bytes.
+fn k_scale_min(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
+    for j in 0..4 {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+    (sc, mn)
+}
+
+fn block_q4_k(b: &[u8; 144], o: &mut [f32; 256]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (sc, mn) = k_scale_min(&b[4..16]);
+    let qs = &b[16..144];
+    for (j, out) in o.chunks_exact_mut(32).enumerate() {
+        let dl = d * sc[j] as f32;
+        let ml = dmin * mn[j] as f32;
+        let (c, shift) = (j / 2, 4 * (j % 2));
+        for (l, x) in out.iter_mut().enumerate() {
+            let q = (qs[c * 32 + l] >> shift) & 0x0F;
+            *x = dl * q as f32 - ml;
+        }
+    }
+}
+
+fn block_q5_k(b: &[u8; 176], o: &mut [f32; 256]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (sc, mn) = k_scale_min(&b[4..16]);
+    let qh = &b[16..48];
+    let qs = &b[48..176];
+    for (j, out) in o.chunks_exact_mut(32).enumerate() {
+        let dl = d * sc[j] as f32;
+        let ml = dmin * mn[j] as f32;
+        let (c, shift) = (j / 2, 4 * (j % 2));
+        for (l, x) in out.iter_mut().enumerate() {
+            let q = ((qs[c * 32 + l] >> shift) & 0x0F) | (((qh[l] >> j) & 1) << 4);
+            *x = dl * q as f32 - ml;
+        }
+    }
+}
+
+fn block_q6_k(b: &[u8; 210], o: &mut [f32; 256]) {
+    let ql = &b[0..128];
+    let qh = &b[128..192];
+    let scales = &b[192..208];
+    let d = f16_at(b, 208);
+    for (e, x) in o.iter_mut().enumerate() {
+        let (h, r) = (e / 128, e % 128);
+        let low = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0F;
+        let high = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+        let q = (low | (high << 4)) as i32 - 32;
+        *x = (d * (scales[e / 16] as i8) as f32) * q as f32;
+    }
+}
+
+fn block_iq4_nl(b: &[u8; 18], o: &mut [f32; 32]) {
+    let d = f16_at(b, 0);
+    let qs = &b[2..18];
+    for j in 0..16 {
+        o[j] = d * IQ4_LEVELS[(qs[j] & 0x0F) as usize] as f32;
+        o[j + 16] = d * IQ4_LEVELS[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
+fn block_iq4_xs(b: &[u8; 136], o: &mut [f32; 256]) {
+    let d = f16_at(b, 0);
+    let scales_h = u16::from_le_bytes([b[2], b[3]]);
+    let scales_l = &b[4..8];
+    let qs = &b[8..136];
+    for (j, out) in o.chunks_exact_mut(32).enumerate() {
+        let low = (scales_l[j / 2] >> (4 * (j % 2))) & 0x0F;
+        let high = ((scales_h >> (2 * j)) & 3) as u8;
+        let dl = d * ((low | (high << 4)) as i32 - 32) as f32;
+        let q = &qs[j * 16..j * 16 + 16];
+        for l in 0..16 {
+            out[l] = dl * IQ4_LEVELS[(q[l] & 0x0F) as usize] as f32;
+            out[l + 16] = dl * IQ4_LEVELS[(q[l] >> 4) as usize] as f32;
+        }
+    }
+}
+
+fn elem_f32(b: &[u8; 4], o: &mut [f32; 1]) {
+    o[0] = f32::from_le_bytes(*b);
+}
+
+fn elem_f16(b: &[u8; 2], o: &mut [f32; 1]) {
+    o[0] = f16::from_le_bytes(*b).to_f32();
+}
+
+fn elem_bf16(b: &[u8; 2], o: &mut [f32; 1]) {
+    o[0] = bf16::from_le_bytes(*b).to_f32();
+}
+
+/// Applies a block function over all blocks, in parallel chunks when the tensor is large.
+fn run_blocks<const BS: usize, const TS: usize>(
+    data: &[u8],
+    out: &mut [f32],
+    f: impl Fn(&[u8; TS], &mut [f32; BS]) + Sync,
+) {
+    // About 64 Ki values per parallel task.
+    let blocks_per_task = (65536 / BS).max(1);
+    let serial = |d: &[u8], o: &mut [f32]| {
+        let (db, _) = d.as_chunks::<TS>();
+        let (ob, _) = o.as_chunks_mut::<BS>();
+        for (b, o) in db.iter().zip(ob.iter_mut()) {
+            f(b, o);
+        }
+    };
+    if out.len() <= blocks_per_task * BS {
+        serial(data, out);
+    } else {
+        out.par_chunks_mut(blocks_per_task * BS)
+            .zip(data.par_chunks(blocks_per_task * TS))
+            .for_each(|(o, d)| serial(d, o));
+    }
+}
+
+/// Dequantizes `n_elements` values of type `ty` stored in `data` (exactly the bytes of
+/// `n_elements / block_size` blocks) to f32.
+pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f32>> {
+    if !ty.is_supported() {
+        bail!("tensor type {ty} is not supported (cannot dequantize it)");
+    }
+    let (block, type_size) = ty.block_layout();
+    if n_elements % block != 0 {
+        bail!("{n_elements} values of type {ty} are not a whole number of blocks of {block}");
+    }
+    let need = (n_elements / block)
+        .checked_mul(type_size)
+        .ok_or_else(|| anyhow!("{n_elements} values of type {ty} are too many"))?;
+    if data.len() != need {
+        bail!("{n_elements} values of type {ty} take {need} bytes, but {} were given", data.len());
+    }
+    let mut out = vec![0f32; n_elements];
+    use GgmlType::*;
+    match ty {
+        F32 => run_blocks(data, &mut out, elem_f32),
+        F16 => run_blocks(data, &mut out, elem_f16),
+        BF16 => run_blocks(data, &mut out, elem_bf16),
+        Q4_0 => run_blocks(data, &mut out, block_q4_0),
+        Q4_1 => run_blocks(data, &mut out, block_q4_1),
+        Q5_0 => run_blocks(data, &mut out, block_q5_0),
+        Q5_1 => run_blocks(data, &mut out, block_q5_1),
+        Q8_0 => run_blocks(data, &mut out, block_q8_0),
+        Q2_K => run_blocks(data, &mut out, block_q2_k),
+        Q3_K => run_blocks(data, &mut out, block_q3_k),
+        Q4_K => run_blocks(data, &mut out, block_q4_k),
+        Q5_K => run_blocks(data, &mut out, block_q5_k),
+        Q6_K => run_blocks(data, &mut out, block_q6_k),
+        IQ4_NL => run_blocks(data, &mut out, block_iq4_nl),
+        IQ4_XS => run_blocks(data, &mut out, block_iq4_xs),
+        _ => bail!("tensor type {ty} is not supported (cannot dequantize it)"),
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/gguf");
+
+    // ---- a tiny GGUF writer --------------------------------------------------------------
+
+    #[derive(Clone)]
+    struct Writer {
+        version: u32,
+        alignment: u64,
+        kvs: Vec<(String, u32, Vec<u8>)>,
+        tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
+    }
+
+    fn enc_str(s: &str) -> Vec<u8> {
+        let mut v = (s.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(s.as_bytes());
+        v
+    }
+
+    impl Writer {
+        fn new() -> Self {
+            Writer { version: 3, alignment: 32, kvs: vec![], tensors: vec![] }
+        }
+        fn kv(mut self, k: &str, vt: u32, bytes: Vec<u8>) -> Self {
+            self.kvs.push((k.to_string(), vt, bytes));
+            self
+        }
+        fn str(self, k: &str, v: &str) -> Self {
+            self.kv(k, VT_STRING, enc_str(v))
+        }
+        fn u32(self, k: &str, v: u32) -> Self {
+            self.kv(k, VT_U32, v.to_le_bytes().to_vec())
+        }
+        fn f32(self, k: &str, v: f32) -> Self {
+            self.kv(k, VT_F32, v.to_le_bytes().to_vec())
+        }
+        fn strs(self, k: &str, v: &[&str]) -> Self {
+            let mut b = VT_STRING.to_le_bytes().to_vec();
+            b.extend((v.len() as u64).to_le_bytes());
+            for s in v {
+                b.extend(enc_str(s));
+            }
+            self.kv(k, VT_ARRAY, b)
+        }
+        fn i32s(self, k: &str, v: &[i32]) -> Self {
+            let mut b = VT_I32.to_le_bytes().to_vec();
+            b.extend((v.len() as u64).to_le_bytes());
+            for x in v {
+                b.extend(x.to_le_bytes());
+            }
+            self.kv(k, VT_ARRAY, b)
+        }
+        fn tensor(mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Self {
+            self.tensors.push((name.to_string(), dims.to_vec(), ty, data));
+            self
+        }
+        fn f32_tensor(self, name: &str, dims: &[u64], f: impl Fn(usize) -> f32) -> Self {
+            let n: u64 = dims.iter().product();
+            let data = (0..n as usize).flat_map(|i| f(i).to_le_bytes()).collect();
+            self.tensor(name, dims, 0, data)
+        }
+        fn bytes(&self) -> Vec<u8> {
+            let a = self.alignment as usize;
+            let mut b = b"GGUF".to_vec();
+            b.extend(self.version.to_le_bytes());
+            b.extend((self.tensors.len() as u64).to_le_bytes());
+            b.extend((self.kvs.len() as u64).to_le_bytes());
+            for (k, vt, v) in &self.kvs {
+                b.extend(enc_str(k));
+                b.extend(vt.to_le_bytes());
+                b.extend(v);
+            }
+            let mut off = 0usize;
+            for (name, dims, ty, data) in &self.tensors {
+                b.extend(enc_str(name));
+                b.extend((dims.len() as u32).to_le_bytes());
+                for d in dims {
+                    b.extend(d.to_le_bytes());
+                }
+                b.extend(ty.to_le_bytes());
+                b.extend((off as u64).to_le_bytes());
+                off = (off + data.len()).next_multiple_of(a);
+            }
+            b.resize(b.len().next_multiple_of(a), 0);
+            for (_, _, _, data) in &self.tensors {
+                b.extend(data);
+                b.resize(b.len().next_multiple_of(a), 0);
+            }
+            b
+        }
+    }
+
+    struct Tmp {
+        _dir: tempfile::TempDir,
+        path: PathBuf,
+    }
+
+    fn write_tmp(bytes: &[u8]) -> Tmp {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.gguf");
+        std::fs::write(&path, bytes).unwrap();
+        Tmp { _dir: dir, path }
+    }
+
+    fn open_err(bytes: &[u8]) -> (String, String) {
+        let t = write_tmp(bytes);
+        let e = GgufFile::open(&t.path).expect_err("open should fail");
+        (e.to_string(), t.path.display().to_string())
+    }
+
+    /// A Q8_0 row of 32 values: scale `d` (exact in f16) and quants `q`.
+    fn q8_0_block(d: f32, q: impl Fn(usize) -> i8) -> Vec<u8> {
+        let mut b = f16::from_f32(d).to_le_bytes().to_vec();
+        b.extend((0..32).map(|c| q(c) as u8));
+        b
+    }
+
+    // Synthetic model: hidden 32, 4 heads of 8, 2 KV heads, FFN 64, 1 layer, vocab 8.
+    const TOKENS: [&str; 8] = ["<s>", "a", "b", "ab", "Ġ", "Ġa", "</s>", "<|eot|>"];
+    const K_ROWS: usize = 16;
+
+    fn k_quant(r: usize, c: usize) -> i8 {
+        ((r * 7 + c * 3) % 200) as i8 // wraps into negatives too
+    }
+
+    fn synthetic(arch: &str) -> Writer {
+        let mut k_data = vec![];
+        for r in 0..K_ROWS {
+            k_data.extend(q8_0_block(0.25, |c| k_quant(r, c)));
+        }
+        let v_data: Vec<u8> = (0..K_ROWS).flat_map(|r| q8_0_block(-1.5, |c| (c as i8) - (r as i8))).collect();
+        Writer::new()
+            .str("general.architecture", arch)
+            .str("general.name", "tiny")
+            .u32(&format!("{arch}.block_count"), 1)
+            .u32(&format!("{arch}.context_length"), 128)
+            .u32(&format!("{arch}.embedding_length"), 32)
+            .u32(&format!("{arch}.feed_forward_length"), 64)
+            .u32(&format!("{arch}.attention.head_count"), 4)
+            .u32(&format!("{arch}.attention.head_count_kv"), 2)
+            .f32(&format!("{arch}.attention.layer_norm_rms_epsilon"), 1e-5)
+            .f32(&format!("{arch}.rope.freq_base"), 500000.0)
+            .str("tokenizer.ggml.model", "gpt2")
+            .str("tokenizer.ggml.pre", "default")
+            .strs("tokenizer.ggml.tokens", &TOKENS)
+            .i32s("tokenizer.ggml.token_type", &[3, 1, 1, 1, 1, 1, 3, 3])
+            .strs("tokenizer.ggml.merges", &["a b", "Ġ a"])
+            .u32("tokenizer.ggml.bos_token_id", 0)
+            .u32("tokenizer.ggml.eos_token_id", 6)
+            .u32("tokenizer.ggml.eot_token_id", 7)
+            .str("tokenizer.chat_template", "{{ messages }}")
+            .f32_tensor("token_embd.weight", &[32, 8], |i| i as f32 * 0.5)
+            .f32_tensor("blk.0.attn_q.weight", &[32, 32], |i| i as f32)
+            .f32_tensor("blk.0.attn_q.bias", &[32], |i| 1000.0 + i as f32)
+            .tensor("blk.0.attn_k.weight", &[32, K_ROWS as u64], 8, k_data)
+            .tensor("blk.0.attn_v.weight", &[32, K_ROWS as u64], 8, v_data)
+            .f32_tensor("blk.0.ffn_down.weight", &[64, 32], |i| -(i as f32))
+            .f32_tensor("output_norm.weight", &[32], |i| 1.0 + i as f32 / 64.0)
+    }
+
+    /// llama.cpp's permutation written out by hand: HF row `r` of a head of `hd` rows is
+    /// GGUF row `2 * r` in the first half of the head and `2 * (r - hd/2) + 1` in the second.
+    fn gguf_row_of_hf_row(r: usize, hd: usize) -> usize {
+        let (h, i) = (r / hd, r % hd);
+        h * hd + if i < hd / 2 { 2 * i } else { 2 * (i - hd / 2) + 1 }
+    }
+
+    // ---- dequantization against gguf.quants ----------------------------------------------
+
+    #[test]
+    fn dequantize_matches_python_reference() {
+        use GgmlType::*;
+        let cases = [
+            ("F32", F32),
+            ("F16", F16),
+            ("BF16", BF16),
+            ("Q4_0", Q4_0),
+            ("Q4_1", Q4_1),
+            ("Q5_0", Q5_0),
+            ("Q5_1", Q5_1),
+            ("Q8_0", Q8_0),
+            ("Q2_K", Q2_K),
+            ("Q3_K", Q3_K),
+            ("Q4_K", Q4_K),
+            ("Q5_K", Q5_K),
+            ("Q6_K", Q6_K),
+            ("IQ4_NL", IQ4_NL),
+            ("IQ4_XS", IQ4_XS),
+        ];
+        for (name, ty) in cases {
+            assert!(ty.is_supported(), "{name}");
+            let raw = std::fs::read(format!("{FIXTURES}/{name}.bin")).unwrap();
+            let expected: Vec<f32> = std::fs::read(format!("{FIXTURES}/{name}.f32"))
+                .unwrap()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert!(expected.len() >= 200, "{name}: fixture too small");
+            assert!(expected.iter().any(|&x| x != 0.0), "{name}: fixture is all zeros");
+            let got = dequantize(ty, &raw, expected.len()).unwrap();
+            assert_eq!(got.len(), expected.len());
+            for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+                assert!(g.to_bits() == e.to_bits(), "{name}[{i}]: got {g}, expected {e} (gguf.quants)");
+            }
+        }
+    }
+
+    #[test]
+    fn dequantize_parallel_path_equals_serial() {
+        // Large enough for several parallel chunks: the fixture blocks repeated.
+        let raw = std::fs::read(format!("{FIXTURES}/Q4_K.bin")).unwrap();
+        let one = dequantize(GgmlType::Q4_K, &raw, raw.len() / 144 * 256).unwrap();
+        let reps = 200;
+        let big: Vec<u8> = raw.iter().copied().cycle().take(raw.len() * reps).collect();
+        let all = dequantize(GgmlType::Q4_K, &big, one.len() * reps).unwrap();
+        for (i, c) in all.chunks_exact(one.len()).enumerate() {
+            assert_eq!(c, &one[..], "repeat {i}");
+        }
+    }
+
+    #[test]
+    fn dequantize_rejects_bad_sizes_and_unsupported_types() {
+        let e = dequantize(GgmlType::Q8_0, &[0u8; 34], 31).unwrap_err().to_string();
+        assert!(e.contains("not a whole number of blocks"), "{e}");
+        let e = dequantize(GgmlType::Q8_0, &[0u8; 33], 32).unwrap_err().to_string();
+        assert!(e.contains("take 34 bytes, but 33"), "{e}");
+        let e = dequantize(GgmlType::Q8_K, &[0u8; 292], 256).unwrap_err().to_string();
+        assert!(e.contains("tensor type Q8_K is not supported"), "{e}");
+        assert_eq!(dequantize(GgmlType::F32, &[], 0).unwrap(), Vec::<f32>::new());
+    }
+
+    #[test]
+    fn type_ids_and_layouts() {
+        assert_eq!(GgmlType::from_id(0), Some(GgmlType::F32));
+        assert_eq!(GgmlType::from_id(30), Some(GgmlType::BF16));
+        assert_eq!(GgmlType::from_id(14), Some(GgmlType::Q6_K));
+        assert_eq!(GgmlType::from_id(4), None); // removed Q4_2
+        assert_eq!(GgmlType::from_id(99), None);
+        assert_eq!(GgmlType::Q6_K.block_layout(), (256, 210));
+        assert_eq!(GgmlType::Q4_K.block_layout(), (256, 144));
+        assert_eq!(GgmlType::Q4_1.block_layout(), (32, 20));
+    }
+
+    // ---- a valid synthetic file ----------------------------------------------------------
+
+    #[test]
+    fn synthetic_llama_round_trip() {
+        let t = write_tmp(&synthetic("llama").bytes());
+        let g = GgufFile::open(&t.path).unwrap();
+        assert_eq!(g.path(), t.path.as_path());
+        assert_eq!(g.version(), 3);
+        assert_eq!(g.architecture().unwrap(), "llama");
+        assert_eq!(g.tensors().len(), 7);
+        assert_eq!(g.metadata()["general.name"].as_str(), Some("tiny"));
+        let k = g.tensor_info("blk.0.attn_k.weight").unwrap();
+        assert_eq!((k.ty, k.dims.clone(), k.n_bytes), (GgmlType::Q8_0, vec![32, 16], 16 * 34));
+        assert_eq!(k.offset % 32, 0);
+
+        let c = g.config().unwrap();
+        let expected = ModelConfig {
+            arch: Arch::Llama,
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_layers: 1,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            vocab_size: 8,
+            max_position_embeddings: 128,
+            rms_norm_eps: 1e-5f32 as f64,
+            rope_theta: 500000.0,
+            rope_scaling: None,
+            tie_word_embeddings: true,
+            attention_bias: true, // blk.0.attn_q.bias exists
+            bos_token_id: Some(0),
+            eos_token_ids: vec![6, 7],
+        };
+        assert_eq!(c, expected);
+
+        let emb = g.tensor("model.embed_tokens.weight").unwrap().unwrap();
+        assert_eq!(emb.shape, vec![8, 32]);
+        assert_eq!(emb.data[33], 16.5);
+        let down = g.tensor("model.layers.0.mlp.down_proj.weight").unwrap().unwrap();
+        assert_eq!(down.shape, vec![32, 64]);
+        assert_eq!(down.data[64 * 3 + 5], -(64.0 * 3.0 + 5.0));
+        let norm = g.tensor("model.norm.weight").unwrap().unwrap();
+        assert_eq!(norm.shape, vec![32]);
+        assert_eq!(norm.data[32 - 1], 1.0 + 31.0 / 64.0);
+
+        // Q: F32 with value = GGUF row * 32 + col; 4 heads of 8 rows.
+        let q = g.tensor("model.layers.0.self_attn.q_proj.weight").unwrap().unwrap();
+        assert_eq!(q.shape, vec![32, 32]);
+        for r in 0..32 {
+            let src = gguf_row_of_hf_row(r, 8);
+            for c in 0..32 {
+                assert_eq!(q.data[r * 32 + c], (src * 32 + c) as f32, "q row {r} col {c}");
+            }
+        }
+        // e.g. head 0: HF rows 0..8 come from GGUF rows 0,2,4,6,1,3,5,7
+        assert_eq!(q.data[32], (2 * 32) as f32);
+        assert_eq!(q.data[4 * 32], 32.0);
+        let qb = g.tensor("model.layers.0.self_attn.q_proj.bias").unwrap().unwrap();
+        assert_eq!(qb.shape, vec![32]);
+        for r in 0..32 {
+            assert_eq!(qb.data[r], 1000.0 + gguf_row_of_hf_row(r, 8) as f32);
+        }
+        // K: Q8_0, 2 KV heads of 8 rows.
+        let k = g.tensor("model.layers.0.self_attn.k_proj.weight").unwrap().unwrap();
+        assert_eq!(k.shape, vec![16, 32]);
+        for r in 0..K_ROWS {
+            let src = gguf_row_of_hf_row(r, 8);
+            for c in 0..32 {
+                assert_eq!(k.data[r * 32 + c], 0.25 * k_quant(src, c) as f32, "k row {r} col {c}");
+            }
+        }
+        // V: not permuted.
+        let v = g.tensor("model.layers.0.self_attn.v_proj.weight").unwrap().unwrap();
+        assert_eq!(v.shape, vec![16, 32]);
+        assert_eq!(v.data[3 * 32 + 10], -1.5 * (10.0 - 3.0));
+
+        // Absent or unknown names.
+        for name in [
+            "lm_head.weight",
+            "model.layers.1.mlp.up_proj.weight",
+            "model.layers.0.mlp.up_proj.weight",
+            "model.layers.00.self_attn.v_proj.weight",
+            "model.layers.0.self_attn.v_proj.scale",
+            "token_embd.weight",
+            "bogus",
+        ] {
+            assert!(g.tensor(name).unwrap().is_none(), "{name}");
+        }
+
+        assert_eq!(g.token_text(3), Some("ab"));
+        assert_eq!(g.token_text(8), None);
+        assert_eq!(g.chat_template().as_deref(), Some("{{ messages }}"));
+        assert!(!g.add_bos_token());
+
+        let tk = g.tokenizer().unwrap();
+        assert_eq!(tk.get_vocab_size(true), 8);
+        let enc = tk.encode("ab a</s>", false).unwrap();
+        assert_eq!(enc.get_ids(), &[3, 5, 6]);
+        assert_eq!(tk.decode(&[3, 5, 6, 1], false).unwrap(), "ab a</s>a");
+        assert_eq!(tk.decode(&[3, 5, 6, 1], true).unwrap(), "ab aa");
+    }
+
+    #[test]
+    fn synthetic_qwen2_is_not_permuted() {
+        let t = write_tmp(&synthetic("qwen2").bytes());
+        let g = GgufFile::open(&t.path).unwrap();
+        let c = g.config().unwrap();
+        assert_eq!(c.arch, Arch::Qwen2);
+        assert!(c.attention_bias);
+        let q = g.tensor("model.layers.0.self_attn.q_proj.weight").unwrap().unwrap();
+        assert!(q.data.iter().enumerate().all(|(i, &x)| x == i as f32));
+        let k = g.tensor("model.layers.0.self_attn.k_proj.weight").unwrap().unwrap();
+        assert_eq!(k.data[32 + 1], 0.25 * k_quant(1, 1) as f32);
+    }
+
+    #[test]
+    fn version_2_and_custom_alignment() {
+        let mut w = synthetic("llama");
+        w.version = 2;
+        w.alignment = 64;
+        let w = w.u32("general.alignment", 64);
+        let t = write_tmp(&w.bytes());
+        let g = GgufFile::open(&t.path).unwrap();
+        assert_eq!(g.version(), 2);
+        assert!(g.tensors().iter().all(|t| t.offset % 64 == 0));
+        let emb = g.tensor("model.embed_tokens.weight").unwrap().unwrap();
+        assert_eq!(emb.data[7], 3.5);
+    }
+
+    #[test]
+    fn llama3_rope_scaling_from_rope_freqs() {
+        let s = Llama3RopeScaling {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let f = llama3_rope_factors(&s, 8, 500000.0);
+        assert_eq!(f.first(), Some(&1.0));
+        assert_eq!(f.last(), Some(&32.0));
+        let w = synthetic("llama").f32_tensor("rope_freqs.weight", &[4], |i| f[i] as f32);
+        let t = write_tmp(&w.bytes());
+        let g = GgufFile::open(&t.path).unwrap();
+        assert_eq!(g.config().unwrap().rope_scaling, Some(s));
+
+        let w = synthetic("llama").f32_tensor("rope_freqs.weight", &[4], |i| f[i] as f32 * 1.5);
+        let t = write_tmp(&w.bytes());
+        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err().to_string();
+        assert!(e.contains("does not match Llama 3 RoPE scaling"), "{e}");
+
+        let w = synthetic("llama")
+            .str("llama.rope.scaling.type", "llama3")
+            .f32("llama.rope.scaling.factor", 8.0)
+            .u32("llama.rope.scaling.original_context_length", 4096);
+        let t = write_tmp(&w.bytes());
+        let rs = GgufFile::open(&t.path).unwrap().config().unwrap().rope_scaling.unwrap();
+        assert_eq!((rs.factor, rs.original_max_position_embeddings), (8.0, 4096));
+
+        let w = synthetic("llama").str("llama.rope.scaling.type", "yarn");
+        let t = write_tmp(&w.bytes());
+        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err().to_string();
+        assert!(e.contains("RoPE scaling of type 'yarn' is not supported"), "{e}");
+    }
+
+    // ---- malformed files -----------------------------------------------------------------
+
+    #[test]
+    fn bad_magic() {
+        let mut b = synthetic("llama").bytes();
+        b[..4].copy_from_slice(b"GGML");
+        let (e, path) = open_err(&b);
+        assert!(e.contains(&path) && e.contains("not a GGUF file"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_versions() {
+        for v in [1u32, 4, 0x0300_0000] {
+            let mut w = synthetic("llama");
+            w.version = v;
+            let (e, path) = open_err(&w.bytes());
+            assert!(e.contains(&path) && e.contains(&format!("unsupported GGUF version {v}")), "{e}");
+        }
+    }
+
+    #[test]
+    fn truncated_header() {
+        let b = synthetic("llama").bytes();
+        for cut in [0, 3, 7, 20, 40, 200, 600] {
+            let (e, path) = open_err(&b[..cut]);
+            assert!(e.contains(&path), "{e}");
+            assert!(e.contains("truncated"), "cut at {cut}: {e}");
+        }
+    }
+
+    #[test]
+    fn truncated_tensor_data() {
+        let b = synthetic("llama").bytes();
+        // The last tensor (output_norm.weight, 128 bytes) loses its end.
+        let (e, path) = open_err(&b[..b.len() - 10]);
+        assert!(e.contains(&path), "{e}");
+        assert!(e.contains("tensor 'output_norm.weight'") && e.contains("truncated"), "{e}");
+    }
+
+    #[test]
+    fn unknown_tensor_type() {
+        let w = synthetic("llama").tensor("blk.0.ffn_up.weight", &[32, 2], 99, vec![0; 256]);
+        let (e, path) = open_err(&w.bytes());
+        assert!(e.contains(&path), "{e}");
+        assert!(e.contains("tensor 'blk.0.ffn_up.weight' has the unknown tensor type id 99"), "{e}");
+    }
+
+    #[test]
+    fn known_but_unsupported_type_fails_at_load() {
+        // Q8_K (id 15): one block of 256 values in 292 bytes.
+        let w = synthetic("llama").tensor("blk.0.ffn_norm.weight", &[256], 15, vec![0; 292]);
+        let t = write_tmp(&w.bytes());
+        let g = GgufFile::open(&t.path).unwrap();
+        let e = g.tensor("model.layers.0.post_attention_layernorm.weight").unwrap_err().to_string();
+        assert!(e.contains(&t.path.display().to_string()), "{e}");
+        assert!(e.contains("blk.0.ffn_norm.weight") && e.contains("tensor type Q8_K is not supported"), "{e}");
+    }
+
+    #[test]
+    fn unknown_architecture() {
+        for arch in ["gemma3", "falcon"] {
+            let t = write_tmp(&synthetic(arch).bytes());
+            let g = GgufFile::open(&t.path).unwrap();
+            assert_eq!(g.architecture().unwrap(), arch);
+            let e = g.config().unwrap_err().to_string();
+            assert!(e.contains(&t.path.display().to_string()), "{e}");
+            assert!(e.contains(&format!("unknown architecture '{arch}' (supported: llama, qwen2)")), "{e}");
+        }
+        let w = Writer::new().u32("general.alignment", 32);
+        let t = write_tmp(&w.bytes());
+        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err().to_string();
+        assert!(e.contains("no general.architecture"), "{e}");
+    }
+
+    #[test]
+    fn invalid_config_is_rejected() {
+        // 3 KV heads do not divide 4 heads: ModelConfig::validate must run.
+        let w = synthetic("llama").u32("llama.attention.head_count_kv", 3);
+        let mut w2 = w.clone();
+        w2.kvs.retain(|(k, _, v)| k != "llama.attention.head_count_kv" || v == &3u32.to_le_bytes());
+        let t = write_tmp(&w2.bytes());
+        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err().to_string();
+        assert!(e.contains("not a multiple of num_key_value_heads"), "{e}");
+        // A missing required key.
+        let mut w3 = synthetic("llama");
+        w3.kvs.retain(|(k, _, _)| k != "llama.block_count");
+        let t = write_tmp(&w3.bytes());
+        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err().to_string();
+        assert!(e.contains("llama.block_count"), "{e}");
+    }
+
+    #[test]
+    fn absurd_counts_do_not_allocate() {
+        // tensor count u64::MAX
+        let mut b = synthetic("llama").bytes();
+        b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        let (e, _) = open_err(&b);
+        assert!(e.contains("tensor count"), "{e}");
+        // metadata count u64::MAX
+        let mut b = synthetic("llama").bytes();
+        b[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+        let (e, _) = open_err(&b);
+        assert!(e.contains("metadata count"), "{e}");
+        // an array claiming 2^62 strings
+        let mut arr = VT_STRING.to_le_bytes().to_vec();
+        arr.extend((1u64 << 62).to_le_bytes());
+        let w = Writer::new().kv("tokenizer.ggml.tokens", VT_ARRAY, arr);
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("element count of metadata 'tokenizer.ggml.tokens'"), "{e}");
+        // a string claiming 2^63 bytes
+        let w = Writer::new().kv("general.name", VT_STRING, (1u64 << 63).to_le_bytes().to_vec());
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("length of metadata 'general.name'"), "{e}");
+        // a tensor whose dims overflow
+        let w = synthetic("llama").tensor("x", &[u64::MAX, 4], 0, vec![]);
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("tensor 'x'"), "{e}");
+        // too many dims
+        let w = synthetic("llama").tensor("x", &[1, 1, 1, 1, 1], 0, vec![0; 4]);
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("5 dimensions"), "{e}");
+    }
+
+    #[test]
+    fn other_header_errors() {
+        let w = synthetic("llama").str("general.name", "again");
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("duplicate metadata key 'general.name'"), "{e}");
+        let w = synthetic("llama").f32_tensor("output_norm.weight", &[32], |_| 0.0);
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("duplicate tensor name 'output_norm.weight'"), "{e}");
+        let w = synthetic("llama").u32("general.alignment", 24);
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("general.alignment must be a power of two"), "{e}");
+        let w = synthetic("llama").kv("x", 13, vec![0; 8]);
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("metadata 'x' has the unknown value type 13"), "{e}");
+        let w = synthetic("llama").kv("x", VT_STRING, [enc_str("").as_slice(), &[]].concat());
+        assert!(GgufFile::open(&write_tmp(&w.bytes()).path).is_ok());
+        let mut bad = 2u64.to_le_bytes().to_vec();
+        bad.extend([0xff, 0xfe]);
+        let w = synthetic("llama").kv("x", VT_STRING, bad);
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("metadata 'x' is not valid UTF-8"), "{e}");
+        let w = synthetic("llama").tensor("q", &[33], 8, vec![0; 34]);
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("not a multiple of the block size 32"), "{e}");
+        // deeply nested arrays
+        let mut v = vec![];
+        for _ in 0..20 {
+            v.extend(VT_ARRAY.to_le_bytes());
+            v.extend(1u64.to_le_bytes());
+        }
+        v.extend(VT_U8.to_le_bytes());
+        v.extend(1u64.to_le_bytes());
+        v.push(7);
+        let w = Writer::new().kv("deep", VT_ARRAY, v.clone());
+        let (e, _) = open_err(&w.bytes());
+        assert!(e.contains("nests arrays deeper"), "{e}");
+    }
+
+    #[test]
+    fn tokenizer_errors() {
+        let mut w = synthetic("llama");
+        w.kvs.retain(|(k, _, _)| k != "tokenizer.ggml.model");
+        let w = w.str("tokenizer.ggml.model", "llama");
+        let t = write_tmp(&w.bytes());
+        let e = GgufFile::open(&t.path).unwrap().tokenizer().unwrap_err().to_string();
+        assert!(e.contains(&t.path.display().to_string()) && e.contains("tokenizer model 'llama' is not supported yet"), "{e}");
+
+        let mut w = synthetic("llama");
+        w.kvs.retain(|(k, _, _)| k != "tokenizer.ggml.pre");
+        let w = w.str("tokenizer.ggml.pre", "deepseek-llm");
+        let t = write_tmp(&w.bytes());
+        let e = GgufFile::open(&t.path).unwrap().tokenizer().unwrap_err().to_string();
+        assert!(e.contains("'deepseek-llm'") && e.contains("not supported yet"), "{e}");
+
+        let mut w = synthetic("llama");
+        w.kvs.retain(|(k, _, _)| k != "tokenizer.ggml.merges");
+        let w = w.strs("tokenizer.ggml.merges", &["ab"]);
+        let t = write_tmp(&w.bytes());
+        let e = GgufFile::open(&t.path).unwrap().tokenizer().unwrap_err().to_string();
+        assert!(e.contains("not a space-separated pair"), "{e}");
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+            /// Corrupted or cut files never panic: open either fails or yields a file whose
+            /// every accessor returns normally.
+            #[test]
+            fn corrupt_files_never_panic(
+                edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..8),
+                cut in any::<prop::sample::Index>(),
+                do_cut in any::<bool>(),
+            ) {
+                let mut b = synthetic("llama").bytes();
+                for (i, v) in edits {
+                    let i = i.index(b.len());
+                    b[i] = v;
+                }
+                if do_cut {
+                    let n = cut.index(b.len());
+                    b.truncate(n);
+                }
+                let t = write_tmp(&b);
+                if let Ok(g) = GgufFile::open(&t.path) {
+                    let _ = g.config();
+                    let _ = g.tokenizer();
+                    let _ = g.chat_template();
+                    let _ = g.token_text(3);
+                    for n in ["model.embed_tokens.weight", "model.norm.weight",
+                              "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
+                              "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+                              "model.layers.0.mlp.down_proj.weight"] {
+                        if let Ok(Some(x)) = g.tensor(n) {
+                            prop_assert_eq!(x.shape.iter().product::<usize>(), x.data.len());
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! Finds a model on disk and opens its weights, config and tokenizer: an HF-layout directory
+//! (config.json, model.safetensors or sharded safetensors with an index, tokenizer.json,
+//! tokenizer_config.json, generation_config.json) or a GGUF file.
+
+use super::config::ModelConfig;
+use super::gguf::GgufFile;
+use super::tokenizer::Tokenizer;
+use crate::tensor::HostTensor;
+use anyhow::{Context, Result, bail};
+use half::{bf16, f16};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// Where weights come from, by HF tensor name (`model.layers.0.self_attn.q_proj.weight`).
+pub trait WeightSource: Send + Sync {
+    /// The tensor, as f32 in HF shape; `Ok(None)` when the model has no such tensor.
+    fn get(&self, name: &str) -> Result<Option<HostTensor>>;
+}
+
+impl WeightSource for GgufFile {
+    fn get(&self, name: &str) -> Result<Option<HostTensor>> {
+        self.tensor(name)
+    }
+}
+
+/// Safetensors files of an HF directory, memory-mapped.
+pub struct SafetensorsWeights {
+    files: Vec<(PathBuf, Mmap)>,
+    /// tensor name -> index into `files`
+    index: HashMap<String, usize>,
+}
+
+impl SafetensorsWeights {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index_path = dir.join("model.safetensors.index.json");
+        let paths: Vec<PathBuf> = if single.exists() {
+            vec![single]
+        } else if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path)
+                .with_context(|| format!("cannot read {}", index_path.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not valid JSON", index_path.display()))?;
+            let map = v["weight_map"]
+                .as_object()
+                .with_context(|| format!("{} has no weight_map", index_path.display()))?;
+            let mut files: Vec<String> =
+                map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+            files.sort();
+            files.dedup();
+            files.into_iter().map(|f| dir.join(f)).collect()
+        } else {
+            bail!(
+                "{} has neither model.safetensors nor model.safetensors.index.json",
+                dir.display()
+            );
+        };
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        for (i, p) in paths.into_iter().enumerate() {
+            let f = File::open(&p).with_context(|| format!("cannot open {}", p.display()))?;
+            // SAFETY: the file is opened read-only; a change of the file under us while mapped
+            // is outside what we can guard against (as with every mmap-based loader).
+            let mmap = unsafe { Mmap::map(&f) }.with_context(|| format!("cannot map {}", p.display()))?;
+            let st = SafeTensors::deserialize(&mmap)
+                .map_err(|e| anyhow::anyhow!("{} is not a valid safetensors file: {e}", p.display()))?;
+            for name in st.names() {
+                index.insert(name.to_string(), i);
+            }
+            files.push((p, mmap));
+        }
+        Ok(SafetensorsWeights { files, index })
+    }
+}
+
+impl WeightSource for SafetensorsWeights {
+    fn get(&self, name: &str) -> Result<Option<HostTensor>> {
+        let Some(&i) = self.index.get(name) else { return Ok(None) };
+        let (path, mmap) = &self.files[i];
+        let st = SafeTensors::deserialize(mmap)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let t = st.tensor(name).map_err(|e| anyhow::anyhow!("{}: {name}: {e}", path.display()))?;
+        let b = t.data();
+        let data: Vec<f32> = match t.dtype() {
+            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            other => bail!("{}: tensor {name} has dtype {other:?} (supported: F32, F16, BF16)", path.display()),
+        };
+        Ok(Some(HostTensor::new(t.shape().to_vec(), data)))
+    }
+}
+
+/// What generation needs from a model besides its weights.
+pub struct LoadedModel {
+    /// A short name for logs and the API (the file or directory name).
+    pub name: String,
+    pub path: PathBuf,
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    pub weights: Box<dyn WeightSource>,
+    /// Token ids that end generation by default (EOS of config, generation_config and tokenizer).
+    pub eos_token_ids: Vec<u32>,
+    /// `generation_config.json` defaults (temperature, top_p, top_k), when present.
+    pub generation_defaults: serde_json::Value,
+}
+
+/// End-of-turn tokens of common chat formats. NOTE: chat models end a turn with these while their
+/// config names only one EOS (SmolLM2: `<|im_end|>`, while `<|endoftext|>` ends documents);
+/// llama.cpp stops on the same set.
+const END_OF_GENERATION_TOKENS: &[&str] =
+    &["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>"];
+
+fn end_of_generation_ids(mut ids: Vec<u32>, tokenizer: &Tokenizer) -> Vec<u32> {
+    ids.extend(tokenizer.eos_token_id());
+    ids.extend(END_OF_GENERATION_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)));
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+/// Opens a GGUF file or an HF-layout directory.
+pub fn load_model(path: &Path) -> Result<LoadedModel> {
+    if !path.exists() {
+        bail!("model path {} does not exist", path.display());
+    }
+    let name = path
+        .file_name()
+        .map(|s| s.to_string_lossy().trim_end_matches(".gguf").to_string())
+        .unwrap_or_else(|| path.display().to_string());
+    if path.is_dir() {
+        let config = ModelConfig::from_hf_json(&path.join("config.json"))?;
+        let tokenizer = Tokenizer::from_hf_dir(path)?;
+        let weights = SafetensorsWeights::open(path)?;
+        let gen_path = path.join("generation_config.json");
+        let generation_defaults = if gen_path.exists() {
+            let text = std::fs::read_to_string(&gen_path)
+                .with_context(|| format!("cannot read {}", gen_path.display()))?;
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is not valid JSON", gen_path.display()))?
+        } else {
+            serde_json::Value::Null
+        };
+        let mut eos = config.eos_token_ids.clone();
+        match &generation_defaults["eos_token_id"] {
+            serde_json::Value::Number(n) => eos.extend(n.as_u64().map(|x| x as u32)),
+            serde_json::Value::Array(a) => eos.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
+            _ => {}
+        }
+        let eos = end_of_generation_ids(eos, &tokenizer);
+        Ok(LoadedModel {
+            name,
+            path: path.to_path_buf(),
+            config,
+            tokenizer,
+            weights: Box::new(weights),
+            eos_token_ids: eos,
+            generation_defaults,
+        })
+    } else {
+        let g = GgufFile::open(path)?;
+        let config = g.config().with_context(|| format!("in {}", path.display()))?;
+        let text = |id: Option<u32>| id.and_then(|i| g.token_text(i)).map(String::from);
+        let tokenizer = Tokenizer::from_parts(
+            g.tokenizer().with_context(|| format!("tokenizer of {}", path.display()))?,
+            g.chat_template(),
+            text(config.bos_token_id),
+            text(config.eos_token_ids.first().copied()),
+            g.metadata().get("tokenizer.ggml.add_bos_token").and_then(|v| match v {
+                super::gguf::GgufValue::Bool(b) => Some(*b),
+                _ => None,
+            }) == Some(true),
+        );
+        let eos = end_of_generation_ids(config.eos_token_ids.clone(), &tokenizer);
+        Ok(LoadedModel {
+            name,
+            path: path.to_path_buf(),
+            config,
+            tokenizer,
+            weights: Box::new(g),
+            eos_token_ids: eos,
+            generation_defaults: serde_json::Value::Null,
+        })
+    }
+}

@@ -1,0 +1,565 @@
+//! The tokenizer of a model: a HF `tokenizers::Tokenizer` plus what `tokenizer_config.json` adds
+//! (chat template, BOS/EOS tokens, whether to prepend BOS).
+
+use std::fmt;
+use std::path::Path;
+
+use anyhow::{Context, anyhow, bail};
+use minijinja::{Environment, Error as JinjaError, ErrorKind, Value, context};
+use serde_json::Value as Json;
+
+/// One message of a conversation, as the chat template sees it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A model's tokenizer.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    add_bos_token: bool,
+    bos_id: Option<u32>,
+    eos_id: Option<u32>,
+}
+
+impl fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .field("add_bos_token", &self.add_bos_token)
+            .field("has_chat_template", &self.has_chat_template())
+            .finish()
+    }
+}
+
+/// `tokenizer_config.json` token fields are a string or an AddedToken object `{"content": ...}`.
+fn token_field(config: &serde_json::Map<String, Json>, key: &str, path: &Path) -> anyhow::Result<Option<String>> {
+    match config.get(key) {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::String(s)) => Ok(Some(s.clone())),
+        Some(Json::Object(o)) => match o.get("content") {
+            Some(Json::String(s)) => Ok(Some(s.clone())),
+            _ => bail!(
+                "{}: {key} is an object without a string \"content\"",
+                path.display()
+            ),
+        },
+        Some(other) => bail!(
+            "{}: {key} must be a string or {{\"content\": ...}}, got {other}",
+            path.display()
+        ),
+    }
+}
+
+/// `chat_template` is a string, or a list of `{"name", "template"}` of which we take "default".
+fn chat_template_field(config: &serde_json::Map<String, Json>, path: &Path) -> anyhow::Result<Option<String>> {
+    match config.get("chat_template") {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::String(s)) => Ok(Some(s.clone())),
+        Some(Json::Array(list)) => {
+            for entry in list {
+                let name = entry.get("name").and_then(Json::as_str);
+                let template = entry.get("template").and_then(Json::as_str);
+                match (name, template) {
+                    (Some("default"), Some(t)) => return Ok(Some(t.to_string())),
+                    (Some(_), Some(_)) => {}
+                    _ => bail!(
+                        "{}: chat_template list entries must be {{\"name\": ..., \"template\": ...}}",
+                        path.display()
+                    ),
+                }
+            }
+            Ok(None)
+        }
+        Some(_) => bail!(
+            "{}: chat_template must be a string or a list of {{\"name\", \"template\"}}",
+            path.display()
+        ),
+    }
+}
+
+impl Tokenizer {
+    /// Loads a HF tokenizer directory: `tokenizer.json` (required) and `tokenizer_config.json`
+    /// (optional: `chat_template`, `bos_token`, `eos_token`, `add_bos_token`). Without a
+    /// `chat_template` there, `chat_template.jinja` (newer HF layout) is used when present.
+    /// Without `add_bos_token`, BOS is prepended when the tokenizer's post-processor would add it.
+    pub fn from_hf_dir(dir: &Path) -> anyhow::Result<Self> {
+        let tok_path = dir.join("tokenizer.json");
+        if !tok_path.is_file() {
+            bail!(
+                "{} not found: a HF tokenizer directory must contain tokenizer.json",
+                tok_path.display()
+            );
+        }
+        let bytes =
+            std::fs::read(&tok_path).with_context(|| format!("reading {}", tok_path.display()))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| anyhow!("{}: not a valid tokenizer: {e}", tok_path.display()))?;
+
+        let cfg_path = dir.join("tokenizer_config.json");
+        let mut chat_template = None;
+        let mut bos_token = None;
+        let mut eos_token = None;
+        let mut add_bos_token = None;
+        if cfg_path.is_file() {
+            let text = std::fs::read_to_string(&cfg_path)
+                .with_context(|| format!("reading {}", cfg_path.display()))?;
+            let json: Json = serde_json::from_str(&text)
+                .with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
+            let Json::Object(config) = json else {
+                bail!("{}: expected a JSON object", cfg_path.display());
+            };
+            chat_template = chat_template_field(&config, &cfg_path)?;
+            bos_token = token_field(&config, "bos_token", &cfg_path)?;
+            eos_token = token_field(&config, "eos_token", &cfg_path)?;
+            add_bos_token = match config.get("add_bos_token") {
+                None | Some(Json::Null) => None,
+                Some(Json::Bool(b)) => Some(*b),
+                Some(other) => bail!(
+                    "{}: add_bos_token must be true or false, got {other}",
+                    cfg_path.display()
+                ),
+            };
+        }
+        if chat_template.is_none() {
+            let jinja = dir.join("chat_template.jinja");
+            if jinja.is_file() {
+                chat_template = Some(
+                    std::fs::read_to_string(&jinja)
+                        .with_context(|| format!("reading {}", jinja.display()))?,
+                );
+            }
+        }
+        let add_bos_token = match add_bos_token {
+            Some(b) => b,
+            None => {
+                // NOTE: tokenizer.json files like Llama 3's add BOS in their post-processor
+                // and say nothing in tokenizer_config.json; follow the post-processor.
+                let bos_id = bos_token.as_deref().and_then(|t| inner.token_to_id(t));
+                let probe = inner.encode_fast("", true).ok();
+                match (bos_id, probe) {
+                    (Some(id), Some(enc)) => enc.get_ids().first() == Some(&id),
+                    _ => false,
+                }
+            }
+        };
+        Ok(Self::from_parts(
+            inner,
+            chat_template,
+            bos_token,
+            eos_token,
+            add_bos_token,
+        ))
+    }
+
+    /// Assembles a tokenizer from its parts (the GGUF loader's way in).
+    pub fn from_parts(
+        inner: tokenizers::Tokenizer,
+        chat_template: Option<String>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+        add_bos_token: bool,
+    ) -> Self {
+        let bos_id = bos_token.as_deref().and_then(|t| inner.token_to_id(t));
+        let eos_id = eos_token.as_deref().and_then(|t| inner.token_to_id(t));
+        Self {
+            inner,
+            chat_template,
+            bos_token,
+            eos_token,
+            add_bos_token,
+            bos_id,
+            eos_id,
+        }
+    }
+
+    /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) are recognised;
+    /// BOS is prepended iff `add_bos_token` and the text does not already start with it.
+    pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
+        let mut ids = enc.get_ids().to_vec();
+        if self.add_bos_token
+            && let Some(bos) = self.bos_id
+            && ids.first() != Some(&bos)
+        {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
+    /// The text of `ids` (unknown ids are left out).
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> anyhow::Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| anyhow!("decoding failed: {e}"))
+    }
+
+    pub fn token_to_id(&self, s: &str) -> Option<u32> {
+        self.inner.token_to_id(s)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Number of tokens, added tokens included (HF's `len(tokenizer)`). The model's embedding
+    /// may be larger (padded).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.eos_id
+    }
+
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_token.as_deref()
+    }
+
+    pub fn add_bos_token(&self) -> bool {
+        self.add_bos_token
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Renders the chat template (Jinja, as HF does it: `trim_blocks` and `lstrip_blocks`, Python
+    /// string methods such as `.strip()`, and `raise_exception(msg)`, which fails with `msg`).
+    /// The template sees `messages`, `bos_token`, `eos_token` and `add_generation_prompt`.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> anyhow::Result<String> {
+        let Some(source) = self.chat_template.as_deref() else {
+            bail!(
+                "this model's tokenizer has no chat template (no chat_template in \
+                 tokenizer_config.json or the GGUF metadata); send a plain prompt instead"
+            );
+        };
+        let env = jinja_environment()?;
+        let template = env
+            .template_from_named_str("chat_template", source)
+            .map_err(|e| anyhow!("the chat template does not compile: {}", jinja_error(&e)))?;
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|m| context! { role => m.role.as_str(), content => m.content.as_str() })
+            .collect();
+        template
+            .render(context! {
+                messages => messages,
+                bos_token => self.bos_token.as_deref().unwrap_or(""),
+                eos_token => self.eos_token.as_deref().unwrap_or(""),
+                add_generation_prompt => add_generation_prompt,
+            })
+            .map_err(|e| anyhow!("rendering the chat template failed: {}", jinja_error(&e)))
+    }
+
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+/// A minijinja error with the chain of its sources, on one line.
+fn jinja_error(e: &JinjaError) -> String {
+    let mut out = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// The Jinja environment HF renders chat templates in.
+fn jinja_environment() -> anyhow::Result<Environment<'static>> {
+    let mut env = Environment::new();
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+        .map_err(|e| anyhow!("configuring the template syntax: {e}"))?;
+    env.set_syntax(syntax);
+    minijinja_contrib::add_to_environment(&mut env);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<Value, JinjaError> {
+        Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+    });
+    Ok(env)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use tokenizers::AddedToken;
+    use tokenizers::models::bpe::{BPE, Vocab};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+
+    /// A tiny byte-level BPE tokenizer: the 256 byte symbols of the GPT-2 ByteLevel alphabet,
+    /// a few merges, and the ChatML special tokens (ids 0..=2 like SmolLM2's).
+    pub(crate) fn tiny_tokenizer() -> tokenizers::Tokenizer {
+        let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+        let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+        alphabet.sort_unstable();
+        assert_eq!(alphabet.len(), 256);
+        let mut tokens: Vec<String> = specials.iter().map(|s| s.to_string()).collect();
+        tokens.extend(alphabet.iter().map(|c| c.to_string()));
+        // "Ġ" is the byte-level symbol of a space; "Ã" + "©" are the two bytes of "é".
+        let merges: Vec<(String, String)> = [
+            ("h", "e"),
+            ("l", "l"),
+            ("he", "ll"),
+            ("hell", "o"),
+            ("Ġ", "w"),
+            ("Ã", "©"),
+            ("h", "Ã©"),
+            ("hÃ©", "ll"),
+            ("Ġ", "t"),
+            ("Ġt", "h"),
+            ("Ġth", "e"),
+        ]
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+        for (a, b) in &merges {
+            tokens.push(format!("{a}{b}"));
+        }
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .unwrap();
+        let mut tk = tokenizers::Tokenizer::new(bpe);
+        tk.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+        tk.with_decoder(Some(ByteLevel::default()));
+        tk.add_special_tokens(
+            specials
+                .iter()
+                .map(|s| AddedToken::from(*s, true).normalized(false)),
+        )
+        .unwrap();
+        tk
+    }
+
+    /// SmolLM2-Instruct's template (ChatML with a default system prompt).
+    pub(crate) const CHATML: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    fn write_dir(config: Option<&str>) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        tiny_tokenizer()
+            .save(dir.path().join("tokenizer.json"), false)
+            .unwrap();
+        if let Some(c) = config {
+            std::fs::write(dir.path().join("tokenizer_config.json"), c).unwrap();
+        }
+        dir
+    }
+
+    fn config(template: &str, extra: &str) -> String {
+        format!(
+            r#"{{"bos_token": "<|im_start|>", "eos_token": {{"content": "<|im_end|>", "special": true}},
+                "add_bos_token": false, "chat_template": {}{extra}}}"#,
+            serde_json::to_string(template).unwrap()
+        )
+    }
+
+    #[test]
+    fn hf_dir_renders_chatml() {
+        let dir = write_dir(Some(&config(CHATML, "")));
+        let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+        assert!(tok.has_chat_template());
+        assert_eq!(tok.bos_token_id(), Some(1));
+        assert_eq!(tok.eos_token_id(), Some(2));
+        assert_eq!(tok.vocab_size(), 3 + 256 + 11);
+        let msgs = [
+            ChatMessage::new("user", "hello"),
+            ChatMessage::new("assistant", "hi there"),
+            ChatMessage::new("user", "the end"),
+        ];
+        let prompt = tok.apply_chat_template(&msgs, true).unwrap();
+        assert_eq!(
+            prompt,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+             <|im_start|>user\nhello<|im_end|>\n\
+             <|im_start|>assistant\nhi there<|im_end|>\n\
+             <|im_start|>user\nthe end<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        // With a system message, no default one; no generation prompt.
+        let msgs = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "hello"),
+        ];
+        assert_eq!(
+            tok.apply_chat_template(&msgs, false).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n"
+        );
+        // Special tokens in the text become single ids; text between them is BPE-merged.
+        let ids = tok.encode("<|im_start|>user\nhello<|im_end|>").unwrap();
+        assert_eq!(ids[0], 1);
+        assert_eq!(*ids.last().unwrap(), 2);
+        // [<|im_start|>, u, s, e, r, Ċ, hello, <|im_end|>]
+        assert_eq!(ids.len(), 8, "{ids:?}");
+        assert_eq!(tok.id_to_token(ids[6]).as_deref(), Some("hello"));
+        assert_eq!(
+            tok.decode(&ids, false).unwrap(),
+            "<|im_start|>user\nhello<|im_end|>"
+        );
+        assert_eq!(tok.decode(&ids, true).unwrap(), "user\nhello");
+        assert_eq!(tok.token_to_id("<|im_end|>"), Some(2));
+    }
+
+    #[test]
+    fn bos_is_prepended_only_when_asked_and_missing() {
+        let inner = tiny_tokenizer;
+        let tok = Tokenizer::from_parts(inner(), None, Some("<|endoftext|>".into()), None, true);
+        assert_eq!(tok.bos_token_id(), Some(0));
+        assert_eq!(tok.encode("hello").unwrap()[0], 0);
+        let ids = tok.encode("<|endoftext|>hello").unwrap();
+        assert_eq!(ids.iter().filter(|&&i| i == 0).count(), 1);
+        assert_eq!(ids[0], 0);
+        let tok = Tokenizer::from_parts(inner(), None, Some("<|endoftext|>".into()), None, false);
+        assert_ne!(tok.encode("hello").unwrap()[0], 0);
+        assert!(tok.encode("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn python_string_methods_and_namespace() {
+        let t = "{% for m in messages %}[{{ m['role'] | upper }}:{{ m['content'].strip() }}]{% endfor %}\
+                 {% if messages[0].content.startswith(' x') %}S{% endif %}{{ bos_token }}|{{ eos_token }}";
+        let dir = write_dir(Some(&config(t, "")));
+        let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+        let out = tok
+            .apply_chat_template(&[ChatMessage::new("user", " x y \n")], false)
+            .unwrap();
+        assert_eq!(out, "[USER:x y]S<|im_start|>|<|im_end|>");
+    }
+
+    #[test]
+    fn raise_exception_is_an_error_with_its_message() {
+        let t = "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}\
+                 {{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}\
+                 {{ m['content'] }}{% endfor %}";
+        let dir = write_dir(Some(&config(t, "")));
+        let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+        assert_eq!(
+            tok.apply_chat_template(&[ChatMessage::new("user", "ok")], false)
+                .unwrap(),
+            "ok"
+        );
+        let err = tok
+            .apply_chat_template(&[ChatMessage::new("tool", "x")], false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("Only user and assistant roles are supported!"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn template_list_takes_default_and_token_objects() {
+        let cfg = r#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages | length }}"}],
+                     "bos_token": {"content": "<|endoftext|>"}, "eos_token": null}"#;
+        let dir = write_dir(Some(cfg));
+        let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+        assert_eq!(
+            tok.apply_chat_template(&[ChatMessage::new("user", "a")], true)
+                .unwrap(),
+            "D1"
+        );
+        assert_eq!(tok.bos_token_id(), Some(0));
+        assert_eq!(tok.eos_token_id(), None);
+        // No add_bos_token and a post-processor that adds nothing: no BOS.
+        assert!(!tok.add_bos_token());
+    }
+
+    #[test]
+    fn no_template_is_a_clear_error() {
+        let dir = write_dir(None);
+        let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+        assert!(!tok.has_chat_template());
+        assert_eq!(tok.eos_token_id(), None);
+        let err = tok
+            .apply_chat_template(&[ChatMessage::new("user", "a")], true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no chat template"), "{err}");
+        // chat_template.jinja is picked up when the config has none.
+        std::fs::write(dir.path().join("chat_template.jinja"), "J{{ add_generation_prompt }}")
+            .unwrap();
+        let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+        assert_eq!(tok.apply_chat_template(&[], true).unwrap(), "Jtrue");
+    }
+
+    #[test]
+    fn broken_templates_are_errors() {
+        let dir = write_dir(Some(&config("{% for m in messages %}", "")));
+        let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+        let err = tok.apply_chat_template(&[], true).unwrap_err().to_string();
+        assert!(err.contains("does not compile"), "{err}");
+    }
+
+    #[test]
+    fn missing_or_invalid_files_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = format!("{:#}", Tokenizer::from_hf_dir(dir.path()).unwrap_err());
+        assert!(err.contains("tokenizer.json") && err.contains("not found"), "{err}");
+
+        std::fs::write(dir.path().join("tokenizer.json"), "{ not json").unwrap();
+        let err = format!("{:#}", Tokenizer::from_hf_dir(dir.path()).unwrap_err());
+        assert!(err.contains("tokenizer.json") && err.contains("not a valid tokenizer"), "{err}");
+
+        let dir = write_dir(Some("{ nope"));
+        let err = format!("{:#}", Tokenizer::from_hf_dir(dir.path()).unwrap_err());
+        assert!(err.contains("tokenizer_config.json") && err.contains("invalid JSON"), "{err}");
+
+        let dir = write_dir(Some(r#"{"add_bos_token": "yes"}"#));
+        let err = format!("{:#}", Tokenizer::from_hf_dir(dir.path()).unwrap_err());
+        assert!(err.contains("tokenizer_config.json") && err.contains("add_bos_token"), "{err}");
+
+        let dir = write_dir(Some(r#"{"chat_template": 3}"#));
+        let err = format!("{:#}", Tokenizer::from_hf_dir(dir.path()).unwrap_err());
+        assert!(err.contains("chat_template"), "{err}");
+
+        let missing = Path::new("/nonexistent/pagoda/model");
+        let err = format!("{:#}", Tokenizer::from_hf_dir(missing).unwrap_err());
+        assert!(err.contains("/nonexistent/pagoda/model/tokenizer.json"), "{err}");
+    }
+}

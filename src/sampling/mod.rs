@@ -1,0 +1,13 @@
+//! Sampling: per-request parameters, choosing the next token from logits (penalties,
+//! temperature, top-k/top-p/min-p, seeded draws, log-probs), and turning generated tokens into
+//! streamed text (incremental detokenization, stop strings).
+
+pub mod detokenizer;
+pub mod params;
+pub mod sampler;
+pub mod stop;
+
+pub use detokenizer::IncrementalDetokenizer;
+pub use params::{InvalidParam, SamplingParams};
+pub use sampler::{SampledToken, TokenLogprobs, sample};
+pub use stop::StopChecker;

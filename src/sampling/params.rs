@@ -1,0 +1,349 @@
+//! Per-request sampling parameters (the OpenAI / vLLM set) and their validation.
+
+use serde::{Deserialize, Serialize};
+
+/// The most top log-probs a request may ask for per position (OpenAI's limit).
+pub const MAX_LOGPROBS: usize = 20;
+
+/// Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`): dividing by a
+/// near-zero temperature only amplifies rounding noise.
+pub const GREEDY_EPS: f32 = 1e-5;
+
+/// How one request's next tokens are chosen, and when its generation stops.
+///
+/// Missing fields take their defaults when deserialized (`#[serde(default)]`), so `{}` is the
+/// default request. Call [`SamplingParams::validate`] before using values that came from a user.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// Number of completions per prompt; only 1 is supported for now.
+    pub n: usize,
+    /// Most tokens to generate; `None` = until the context is full. `Some(0)` is invalid.
+    pub max_tokens: Option<usize>,
+    /// Softmax temperature; 0 = greedy. Must be finite and >= 0.
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p`. In (0, 1].
+    pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens; -1 or 0 = disabled.
+    pub top_k: i32,
+    /// Drop tokens whose probability is below `min_p` times the largest probability. In [0, 1].
+    pub min_p: f32,
+    /// HF/vLLM repetition penalty over prompt + output tokens (> 0; 1 = off).
+    pub repetition_penalty: f32,
+    /// OpenAI presence penalty over output tokens, in [-2, 2].
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty over output tokens, in [-2, 2].
+    pub frequency_penalty: f32,
+    /// Seed of the request's random draws; the engine draws one when `None`.
+    pub seed: Option<u64>,
+    /// Generation stops when the output text contains one of these (not included in the output).
+    pub stop: Vec<String>,
+    /// Generation stops when one of these tokens is generated (in addition to EOS).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past the EOS token.
+    pub ignore_eos: bool,
+    /// Number of top log-probs to return per generated position (at most [`MAX_LOGPROBS`]).
+    pub logprobs: Option<usize>,
+    /// Leave special tokens out of the output text.
+    pub skip_special_tokens: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            n: 1,
+            max_tokens: None,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            skip_special_tokens: true,
+        }
+    }
+}
+
+/// A sampling parameter out of its range: `param` names the field, `message` says why.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct InvalidParam {
+    pub param: &'static str,
+    pub message: String,
+}
+
+impl InvalidParam {
+    fn new(param: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            param,
+            message: message.into(),
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding (temperature 0), everything else default.
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    /// Whether the next token is the argmax (temperature 0, or so small that it is the same).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < GREEDY_EPS
+    }
+
+    /// The effective top-k: `None` when disabled.
+    pub fn effective_top_k(&self) -> Option<usize> {
+        usize::try_from(self.top_k).ok().filter(|&k| k >= 1)
+    }
+
+    /// Checks every field's range; the first violation is returned.
+    pub fn validate(&self) -> Result<(), InvalidParam> {
+        if self.n == 0 {
+            return Err(InvalidParam::new("n", "n must be >= 1, got 0"));
+        }
+        if self.n > 1 {
+            return Err(InvalidParam::new(
+                "n",
+                "n > 1 (parallel sampling) is not supported yet",
+            ));
+        }
+        if self.max_tokens == Some(0) {
+            return Err(InvalidParam::new(
+                "max_tokens",
+                "max_tokens must be >= 1, got 0",
+            ));
+        }
+        // NOTE: the comparisons are written so that NaN fails them.
+        let t = self.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(InvalidParam::new(
+                "temperature",
+                format!("temperature must be >= 0 and finite, got {t}"),
+            ));
+        }
+        let p = self.top_p;
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(InvalidParam::new(
+                "top_p",
+                format!("top_p must be in (0, 1], got {p}"),
+            ));
+        }
+        if self.top_k < -1 {
+            return Err(InvalidParam::new(
+                "top_k",
+                format!(
+                    "top_k must be -1 or 0 (disabled) or >= 1, got {}",
+                    self.top_k
+                ),
+            ));
+        }
+        let m = self.min_p;
+        if !(0.0..=1.0).contains(&m) {
+            return Err(InvalidParam::new(
+                "min_p",
+                format!("min_p must be in [0, 1], got {m}"),
+            ));
+        }
+        let r = self.repetition_penalty;
+        if !(r.is_finite() && r > 0.0) {
+            return Err(InvalidParam::new(
+                "repetition_penalty",
+                format!("repetition_penalty must be > 0 and finite, got {r}"),
+            ));
+        }
+        for (param, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(InvalidParam::new(
+                    param,
+                    format!("{param} must be in [-2, 2], got {v}"),
+                ));
+            }
+        }
+        if let Some(i) = self.stop.iter().position(|s| s.is_empty()) {
+            return Err(InvalidParam::new(
+                "stop",
+                format!("stop strings must not be empty (stop[{i}] is empty)"),
+            ));
+        }
+        if let Some(k) = self.logprobs
+            && k > MAX_LOGPROBS
+        {
+            return Err(InvalidParam::new(
+                "logprobs",
+                format!("logprobs must be at most {MAX_LOGPROBS}, got {k}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check_invalid(p: SamplingParams, param: &str) {
+        match p.validate() {
+            Ok(()) => panic!("{p:?} should be invalid ({param})"),
+            Err(e) => {
+                assert_eq!(e.param, param, "{e}");
+                assert!(e.message.contains(param), "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let p = SamplingParams::default();
+        p.validate().unwrap();
+        assert!(!p.is_greedy());
+        assert_eq!(p.effective_top_k(), None);
+        assert!(p.skip_special_tokens);
+        let g = SamplingParams::greedy();
+        g.validate().unwrap();
+        assert!(g.is_greedy());
+    }
+
+    #[test]
+    fn boundary_values_are_valid() {
+        let d = SamplingParams::default;
+        for p in [
+            SamplingParams { top_k: 0, ..d() },
+            SamplingParams { top_k: 1, ..d() },
+            SamplingParams { top_p: 1e-6, ..d() },
+            SamplingParams { min_p: 1.0, ..d() },
+            SamplingParams {
+                presence_penalty: -2.0,
+                frequency_penalty: 2.0,
+                ..d()
+            },
+            SamplingParams {
+                logprobs: Some(20),
+                ..d()
+            },
+            SamplingParams {
+                logprobs: Some(0),
+                ..d()
+            },
+            SamplingParams {
+                max_tokens: Some(1),
+                ..d()
+            },
+            SamplingParams {
+                repetition_penalty: 0.5,
+                ..d()
+            },
+        ] {
+            p.validate().unwrap_or_else(|e| panic!("{p:?}: {e}"));
+        }
+    }
+
+    #[test]
+    fn each_invalid_value_names_its_param() {
+        let d = SamplingParams::default;
+        check_invalid(SamplingParams { n: 0, ..d() }, "n");
+        check_invalid(SamplingParams { n: 2, ..d() }, "n");
+        assert_eq!(
+            SamplingParams { n: 2, ..d() }.validate().unwrap_err().message,
+            "n > 1 (parallel sampling) is not supported yet"
+        );
+        check_invalid(
+            SamplingParams {
+                max_tokens: Some(0),
+                ..d()
+            },
+            "max_tokens",
+        );
+        for t in [-1.0, f32::NAN, f32::INFINITY] {
+            check_invalid(
+                SamplingParams {
+                    temperature: t,
+                    ..d()
+                },
+                "temperature",
+            );
+        }
+        assert_eq!(
+            SamplingParams {
+                temperature: -1.0,
+                ..d()
+            }
+            .validate()
+            .unwrap_err()
+            .to_string(),
+            "temperature must be >= 0 and finite, got -1"
+        );
+        for p in [0.0, -0.1, 1.01, f32::NAN] {
+            check_invalid(SamplingParams { top_p: p, ..d() }, "top_p");
+        }
+        check_invalid(SamplingParams { top_k: -2, ..d() }, "top_k");
+        for m in [-0.1, 1.5, f32::NAN] {
+            check_invalid(SamplingParams { min_p: m, ..d() }, "min_p");
+        }
+        for r in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            check_invalid(
+                SamplingParams {
+                    repetition_penalty: r,
+                    ..d()
+                },
+                "repetition_penalty",
+            );
+        }
+        for v in [-2.1, 2.1, f32::NAN] {
+            check_invalid(
+                SamplingParams {
+                    presence_penalty: v,
+                    ..d()
+                },
+                "presence_penalty",
+            );
+            check_invalid(
+                SamplingParams {
+                    frequency_penalty: v,
+                    ..d()
+                },
+                "frequency_penalty",
+            );
+        }
+        check_invalid(
+            SamplingParams {
+                stop: vec!["x".into(), String::new()],
+                ..d()
+            },
+            "stop",
+        );
+        check_invalid(
+            SamplingParams {
+                logprobs: Some(21),
+                ..d()
+            },
+            "logprobs",
+        );
+    }
+
+    #[test]
+    fn serde_fills_defaults() {
+        let p: SamplingParams = serde_json::from_str("{}").unwrap();
+        assert_eq!(p, SamplingParams::default());
+        let p: SamplingParams =
+            serde_json::from_str(r#"{"temperature": 0, "stop": ["\n"], "seed": 7}"#).unwrap();
+        assert!(p.is_greedy());
+        assert_eq!(p.stop, vec!["\n".to_string()]);
+        assert_eq!(p.seed, Some(7));
+        let back: SamplingParams =
+            serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(back, p);
+    }
+}

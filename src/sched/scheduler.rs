@@ -1,0 +1,474 @@
+//! The scheduling policy: one token budget per step, running requests first, preemption by
+//! recompute when blocks run out.
+
+use super::request::{FinishReason, Request, RequestId, RequestStatus};
+use crate::kv::{BlockId, KvCacheManager};
+use std::collections::{HashMap, VecDeque};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SchedulingPolicy {
+    /// Iteration-level batching: finished requests leave and waiting ones join at every step.
+    #[default]
+    Continuous,
+    /// A baseline for benchmarks: a batch is formed, runs until its longest request ends, then
+    /// the next batch is formed (as static-batching systems do).
+    Static,
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    pub max_model_len: usize,
+    pub policy: SchedulingPolicy,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 256,
+            max_model_len: 8192,
+            policy: SchedulingPolicy::Continuous,
+        }
+    }
+}
+
+/// One request's share of a step.
+#[derive(Debug, Clone)]
+pub struct ScheduledRequest {
+    pub id: RequestId,
+    /// Tokens whose K/V were in the cache before this step.
+    pub num_computed_tokens: usize,
+    /// Tokens computed in this step: positions `num_computed_tokens .. + num_new_tokens`.
+    pub num_new_tokens: usize,
+    pub block_table: Vec<BlockId>,
+    /// This chunk reaches the request's last known token, so a new token is sampled from the
+    /// logits of its last row. False for a prompt chunk that is not the last.
+    pub sample: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct SchedulerOutput {
+    pub scheduled: Vec<ScheduledRequest>,
+    pub num_batched_tokens: usize,
+    /// Requests preempted while building this step.
+    pub preempted: Vec<RequestId>,
+}
+
+impl SchedulerOutput {
+    pub fn is_empty(&self) -> bool {
+        self.scheduled.is_empty()
+    }
+}
+
+/// What happened to a request in `update_from_output`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenEvent {
+    pub id: RequestId,
+    pub token: u32,
+    pub finished: Option<FinishReason>,
+}
+
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: HashMap<RequestId, Request>,
+    waiting: VecDeque<RequestId>,
+    /// In admission order: the last one is the first to be preempted.
+    running: Vec<RequestId>,
+    /// Static policy: the current batch still accepts requests.
+    batch_open: bool,
+    num_preemptions: usize,
+}
+
+impl Scheduler {
+    /// NOTE: `max_model_len` is capped at what the KV pool holds, so that one request alone can
+    /// always make progress once the others are preempted.
+    pub fn new(mut config: SchedulerConfig, kv: KvCacheManager) -> Self {
+        assert!(config.max_num_batched_tokens > 0 && config.max_num_seqs > 0);
+        config.max_model_len = config.max_model_len.min(kv.capacity_tokens());
+        Scheduler {
+            config,
+            kv,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            batch_open: true,
+            num_preemptions: 0,
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    /// Queues a request. Its prompt must be non-empty and shorter than `max_model_len`.
+    pub fn add_request(&mut self, req: Request) -> Result<(), String> {
+        if req.tokens.is_empty() {
+            return Err("the prompt is empty".into());
+        }
+        if req.num_tokens() >= self.config.max_model_len {
+            return Err(format!(
+                "the prompt has {} tokens but the maximum context length is {} (with room for at \
+                 least one generated token)",
+                req.num_tokens(),
+                self.config.max_model_len
+            ));
+        }
+        if self.requests.contains_key(&req.id) {
+            return Err(format!("duplicate request id {}", req.id));
+        }
+        self.waiting.push_back(req.id);
+        self.requests.insert(req.id, req);
+        Ok(())
+    }
+
+    pub fn request(&self, id: RequestId) -> Option<&Request> {
+        self.requests.get(&id)
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Preemptions since the scheduler was made.
+    pub fn num_preemptions(&self) -> usize {
+        self.num_preemptions
+    }
+
+    /// Builds one step: running requests first (preempting the most recently admitted ones
+    /// when blocks run out), then waiting ones, within the token budget and `max_num_seqs`.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput::default();
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut grants: Vec<(RequestId, usize)> = Vec::new();
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let r = &self.requests[&id];
+            let computed = r.num_computed_tokens;
+            let n = (r.num_tokens() - computed).min(budget);
+            debug_assert!(n > 0, "a running request always has a token to compute");
+            let scheduled = loop {
+                if self.kv.allocate_slots(id, computed + n) {
+                    break true;
+                }
+                // NOTE: recompute preemption: the victim loses its blocks and starts over later
+                // from its prompt plus its output so far, which gives the same tokens.
+                let victim = self.running.pop().expect("running is not empty");
+                self.preempt(victim);
+                out.preempted.push(victim);
+                if victim == id {
+                    break false;
+                }
+            };
+            if !scheduled {
+                break;
+            }
+            grants.push((id, n));
+            budget -= n;
+            i += 1;
+        }
+
+        let may_admit = match self.config.policy {
+            SchedulingPolicy::Continuous => out.preempted.is_empty(),
+            SchedulingPolicy::Static => {
+                if self.running.is_empty() {
+                    self.batch_open = true;
+                }
+                self.batch_open && out.preempted.is_empty()
+            }
+        };
+        if may_admit {
+            while let Some(&id) = self.waiting.front() {
+                if budget == 0 || self.running.len() >= self.config.max_num_seqs {
+                    break;
+                }
+                let r = &self.requests[&id];
+                let n = (r.num_tokens() - r.num_computed_tokens).min(budget);
+                if !self.kv.allocate_slots(id, r.num_computed_tokens + n) {
+                    break;
+                }
+                self.waiting.pop_front();
+                self.running.push(id);
+                self.requests.get_mut(&id).unwrap().status = RequestStatus::Running;
+                grants.push((id, n));
+                budget -= n;
+            }
+            if self.config.policy == SchedulingPolicy::Static && !self.running.is_empty() {
+                // The batch is formed: nobody joins until it has run to its end.
+                self.batch_open = false;
+            }
+        }
+
+        for (id, n) in grants {
+            let r = &self.requests[&id];
+            out.scheduled.push(ScheduledRequest {
+                id,
+                num_computed_tokens: r.num_computed_tokens,
+                num_new_tokens: n,
+                block_table: self.kv.block_table(id).to_vec(),
+                sample: r.num_computed_tokens + n == r.num_tokens(),
+            });
+            out.num_batched_tokens += n;
+        }
+        out
+    }
+
+    fn preempt(&mut self, id: RequestId) {
+        self.kv.free(id);
+        let r = self.requests.get_mut(&id).unwrap();
+        r.num_computed_tokens = 0;
+        r.status = RequestStatus::Preempted;
+        r.num_preemptions += 1;
+        self.num_preemptions += 1;
+        self.waiting.push_front(id);
+    }
+
+    /// Applies a step's results: advances computed tokens, appends the sampled tokens (`sampled`
+    /// holds one per scheduled request with `sample == true`, in any order) and finishes the
+    /// requests that hit a stop token or their length limit, freeing their blocks.
+    pub fn update_from_output(
+        &mut self,
+        out: &SchedulerOutput,
+        sampled: &HashMap<RequestId, u32>,
+    ) -> Vec<TokenEvent> {
+        let mut events = Vec::new();
+        for s in &out.scheduled {
+            let Some(r) = self.requests.get_mut(&s.id) else { continue };
+            if r.is_finished() {
+                continue;
+            }
+            r.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens;
+            if !s.sample {
+                continue;
+            }
+            let Some(&token) = sampled.get(&s.id) else { continue };
+            r.tokens.push(token);
+            let n_out = r.num_tokens() - r.prompt_len;
+            let finished = if r.stop_token_ids.contains(&token) {
+                Some(FinishReason::Stop)
+            } else if n_out >= r.max_tokens || r.num_tokens() >= self.config.max_model_len {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            events.push(TokenEvent { id: s.id, token, finished });
+            if let Some(reason) = finished {
+                self.finish_request(s.id, reason);
+            }
+        }
+        events
+    }
+
+    /// Ends a request now (a stop string, an abort): its blocks return to the pool at once.
+    /// Returns false if the request was unknown or already finished.
+    pub fn finish_request(&mut self, id: RequestId, reason: FinishReason) -> bool {
+        match self.requests.get_mut(&id) {
+            Some(r) if !r.is_finished() => r.status = RequestStatus::Finished(reason),
+            _ => return false,
+        }
+        self.kv.free(id);
+        self.running.retain(|&x| x != id);
+        self.waiting.retain(|&x| x != id);
+        true
+    }
+
+    /// Forgets a finished request (after its output was delivered).
+    pub fn remove_finished(&mut self, id: RequestId) -> Option<Request> {
+        match self.requests.get(&id) {
+            Some(r) if r.is_finished() => self.requests.remove(&id),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sched(blocks: usize, bs: usize, budget: usize, max_seqs: usize) -> Scheduler {
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens: budget,
+            max_num_seqs: max_seqs,
+            max_model_len: 10_000,
+            policy: SchedulingPolicy::Continuous,
+        };
+        Scheduler::new(cfg, KvCacheManager::new(blocks, bs))
+    }
+
+    /// A fake model: the next token is a function of the request id and position only, so the
+    /// "correct" output of each request is known whatever the batching.
+    fn fake_token(id: RequestId, pos: usize) -> u32 {
+        ((id as usize * 31 + pos * 7) % 50 + 10) as u32
+    }
+
+    fn run_to_end(s: &mut Scheduler, max_steps: usize) -> usize {
+        let mut steps = 0;
+        while s.has_unfinished() {
+            let out = s.schedule();
+            assert!(!out.is_empty(), "no progress possible");
+            assert!(out.num_batched_tokens <= s.config.max_num_batched_tokens);
+            assert!(out.scheduled.len() <= s.config.max_num_seqs);
+            let sampled: HashMap<_, _> = out
+                .scheduled
+                .iter()
+                .filter(|r| r.sample)
+                .map(|r| (r.id, fake_token(r.id, r.num_computed_tokens + r.num_new_tokens)))
+                .collect();
+            s.update_from_output(&out, &sampled);
+            s.kv.check_invariants();
+            steps += 1;
+            assert!(steps < max_steps, "did not finish");
+        }
+        steps
+    }
+
+    #[test]
+    fn chunked_prefill_and_decode_share_a_step() {
+        let mut s = sched(100, 4, 10, 8);
+        s.add_request(Request::new(1, vec![1; 3], 5, vec![])).unwrap();
+        let out = s.schedule();
+        assert_eq!(out.scheduled[0].num_new_tokens, 3);
+        assert!(out.scheduled[0].sample);
+        s.update_from_output(&out, &HashMap::from([(1, 7)]));
+        s.add_request(Request::new(2, vec![1; 25], 5, vec![])).unwrap();
+        let out = s.schedule();
+        // request 1 decodes one token, request 2 gets the rest of the budget as a prompt chunk
+        assert_eq!(out.scheduled.len(), 2);
+        assert_eq!((out.scheduled[0].id, out.scheduled[0].num_new_tokens), (1, 1));
+        assert_eq!((out.scheduled[1].id, out.scheduled[1].num_new_tokens), (2, 9));
+        assert!(!out.scheduled[1].sample, "a middle prompt chunk samples nothing");
+    }
+
+    #[test]
+    fn preempts_the_most_recent_and_recomputes() {
+        // 6 usable blocks of 4 tokens; three requests of 8 prompt tokens fill them exactly.
+        let mut s = sched(7, 4, 100, 8);
+        for id in 1..=3 {
+            s.add_request(Request::new(id, vec![5; 8], 6, vec![])).unwrap();
+        }
+        let out = s.schedule();
+        assert_eq!(out.scheduled.len(), 3);
+        let sampled = HashMap::from([(1, 1), (2, 2), (3, 3)]);
+        s.update_from_output(&out, &sampled);
+        // the next decode needs a new block for each: request 3 (last admitted) is preempted
+        let out = s.schedule();
+        assert_eq!(out.preempted, vec![3]);
+        assert_eq!(s.request(3).unwrap().num_computed_tokens, 0);
+        assert_eq!(s.request(3).unwrap().output(), &[3], "its output is kept for recompute");
+        assert_eq!(s.num_preemptions(), 1);
+        run_to_end(&mut s, 1000);
+        assert_eq!(s.kv.pool().num_free(), 6);
+    }
+
+    #[test]
+    fn stop_token_and_length_finish() {
+        let mut s = sched(50, 4, 64, 8);
+        s.add_request(Request::new(1, vec![1, 2], 10, vec![99])).unwrap();
+        s.add_request(Request::new(2, vec![1, 2], 2, vec![99])).unwrap();
+        let out = s.schedule();
+        let ev = s.update_from_output(&out, &HashMap::from([(1, 99), (2, 5)]));
+        assert_eq!(ev[0].finished, Some(FinishReason::Stop));
+        assert_eq!(ev[1].finished, None);
+        let out = s.schedule();
+        let ev = s.update_from_output(&out, &HashMap::from([(2, 6)]));
+        assert_eq!(ev[0].finished, Some(FinishReason::Length));
+        assert!(!s.has_unfinished());
+        assert_eq!(s.kv.pool().num_free(), 49);
+    }
+
+    #[test]
+    fn abort_frees_blocks_at_once() {
+        let mut s = sched(50, 4, 64, 8);
+        s.add_request(Request::new(1, vec![1; 20], 10, vec![])).unwrap();
+        let out = s.schedule();
+        s.update_from_output(&out, &HashMap::from([(1, 3)]));
+        assert!(s.kv.pool().num_free() < 49);
+        assert!(s.finish_request(1, FinishReason::Abort));
+        assert_eq!(s.kv.pool().num_free(), 49);
+        assert!(!s.finish_request(1, FinishReason::Abort));
+        assert!(s.schedule().is_empty());
+    }
+
+    #[test]
+    fn static_policy_waits_for_the_longest_request() {
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens: 100,
+            max_num_seqs: 2,
+            max_model_len: 1000,
+            policy: SchedulingPolicy::Static,
+        };
+        let mut s = Scheduler::new(cfg, KvCacheManager::new(100, 4));
+        s.add_request(Request::new(1, vec![1; 4], 1, vec![])).unwrap();
+        s.add_request(Request::new(2, vec![1; 4], 5, vec![])).unwrap();
+        s.add_request(Request::new(3, vec![1; 4], 1, vec![])).unwrap();
+        let mut step = 0;
+        let mut first_step_of_3 = None;
+        while s.has_unfinished() {
+            let out = s.schedule();
+            if out.scheduled.iter().any(|r| r.id == 3) && first_step_of_3.is_none() {
+                first_step_of_3 = Some(step);
+            }
+            let sampled = out.scheduled.iter().map(|r| (r.id, 7)).collect();
+            s.update_from_output(&out, &sampled);
+            step += 1;
+        }
+        // request 1 ends after step 0, but 3 must wait until 2 (5 tokens: steps 0..=4) ends
+        assert_eq!(first_step_of_3, Some(5));
+    }
+
+    proptest! {
+        /// Random arrivals, aborts and a small pool: every request ends with exactly the tokens
+        /// the fake model gives it alone, no block is owned twice, and all blocks come back.
+        #[test]
+        fn any_interleaving_gives_the_same_tokens(
+            prompts in proptest::collection::vec((1usize..40, 1usize..12), 1..20),
+            aborts in proptest::collection::vec(0u64..20, 0..4),
+            blocks in 14usize..40, bs in 1usize..6, budget in 8usize..64, max_seqs in 1usize..8,
+        ) {
+            let mut s = sched(blocks, bs, budget, max_seqs);
+            for (i, (p, m)) in prompts.iter().enumerate() {
+                let _ = s.add_request(Request::new(i as u64, vec![3; *p], *m, vec![]));
+            }
+            let mut steps = 0;
+            while s.has_unfinished() {
+                if steps == 3 {
+                    for &a in &aborts { s.finish_request(a, FinishReason::Abort); }
+                }
+                let out = s.schedule();
+                prop_assert!(!out.is_empty());
+                prop_assert!(out.num_batched_tokens <= budget);
+                let sampled: HashMap<_, _> = out.scheduled.iter().filter(|r| r.sample)
+                    .map(|r| (r.id, fake_token(r.id, r.num_computed_tokens + r.num_new_tokens)))
+                    .collect();
+                s.update_from_output(&out, &sampled);
+                s.kv.check_invariants();
+                steps += 1;
+                prop_assert!(steps < 5000);
+            }
+            prop_assert_eq!(s.kv.pool().num_free(), blocks - 1);
+            for (i, (p, m)) in prompts.iter().enumerate() {
+                let Some(r) = s.request(i as u64) else { continue };
+                if r.status == RequestStatus::Finished(FinishReason::Abort) { continue; }
+                let want: Vec<u32> = (0..*m).map(|k| fake_token(i as u64, p + k)).collect();
+                prop_assert_eq!(r.output(), &want[..]);
+            }
+        }
+    }
+}

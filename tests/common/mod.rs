@@ -1,0 +1,28 @@
+//! Shared by the integration tests: where the real models and the golden outputs are.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+pub const SMOL_GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const SMOL_HF: &str = "smollm2-135m-instruct-f32";
+pub const QWEN_GGUF: &str = "Qwen2.5-Coder-0.5B-Instruct.gguf";
+
+/// A model under `$PAGODA_CACHE/models`; fails (never skips) when it is missing.
+pub fn model_path(name: &str) -> PathBuf {
+    let cache = std::env::var_os("PAGODA_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/pagoda"));
+    let p = cache.join("models").join(name);
+    assert!(p.exists(), "test model {} is missing: run scripts/fetch-models.sh", p.display());
+    p
+}
+
+pub fn golden() -> serde_json::Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/golden/golden_public.json");
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
+    serde_json::from_str(&text).expect("golden_public.json is valid JSON")
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().expect("an array of ids").iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}

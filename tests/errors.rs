@@ -1,0 +1,168 @@
+//! Bad input gets a clear error that names the problem, never a panic.
+
+mod common;
+
+use common::*;
+use pagoda::engine::RequestError;
+use pagoda::models::load_model;
+use pagoda::{Engine, EngineArgs, Prompt, SamplingParams};
+use std::path::Path;
+
+fn load_err(path: &Path) -> String {
+    match load_model(path) {
+        Ok(_) => panic!("{} loaded but should not have", path.display()),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+/// An HF directory with SmolLM2's tokenizer and a config edited by `edit`.
+fn hf_dir(edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
+    let src = model_path(SMOL_HF);
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn missing_model_path() {
+    let e = load_err(Path::new("/nonexistent/model.gguf"));
+    assert!(e.contains("/nonexistent/model.gguf") && e.contains("does not exist"), "{e}");
+}
+
+#[test]
+fn truncated_gguf() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("cut.gguf");
+    let bytes = std::fs::read(model_path(SMOL_GGUF)).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load_err(&p);
+    assert!(e.contains("cut.gguf"), "error does not name the file: {e}");
+    assert!(e.to_lowercase().contains("trunc") || e.contains("beyond") || e.contains("end of"), "{e}");
+}
+
+#[test]
+fn not_a_gguf_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("junk.gguf");
+    std::fs::write(&p, b"this is not a model file at all").unwrap();
+    let e = load_err(&p);
+    assert!(e.contains("junk.gguf"), "{e}");
+}
+
+#[test]
+fn corrupt_and_truncated_safetensors() {
+    let dir = hf_dir(|_| {});
+    std::fs::write(dir.path().join("model.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}....").unwrap();
+    let e = load_err(dir.path());
+    assert!(e.contains("model.safetensors") && e.contains("not a valid safetensors"), "{e}");
+
+    let real = std::fs::read(model_path(SMOL_HF).join("model.safetensors")).unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), &real[..real.len() / 3]).unwrap();
+    let e = load_err(dir.path());
+    assert!(e.contains("model.safetensors"), "{e}");
+}
+
+#[test]
+fn unknown_architecture() {
+    let dir = hf_dir(|c| c["model_type"] = "falcon".into());
+    let e = load_err(dir.path());
+    assert!(e.contains("unknown architecture 'falcon'"), "{e}");
+}
+
+#[test]
+fn missing_config_and_tokenizer() {
+    let dir = hf_dir(|_| {});
+    std::fs::remove_file(dir.path().join("config.json")).unwrap();
+    let e = load_err(dir.path());
+    assert!(e.contains("config.json"), "{e}");
+    let dir = hf_dir(|_| {});
+    std::fs::remove_file(dir.path().join("tokenizer.json")).unwrap();
+    let e = load_err(dir.path());
+    assert!(e.contains("tokenizer.json"), "{e}");
+}
+
+#[test]
+fn shape_that_does_not_match_the_config() {
+    let dir = hf_dir(|c| c["intermediate_size"] = 1024.into());
+    std::os::unix::fs::symlink(model_path(SMOL_HF).join("model.safetensors"), dir.path().join("model.safetensors"))
+        .unwrap();
+    let err = Engine::new(EngineArgs { model: Some(dir.path().to_path_buf()), ..Default::default() })
+        .err()
+        .expect("a config that does not match the weights must fail");
+    let e = format!("{err:#}");
+    assert!(e.contains("mlp.gate_proj.weight") && e.contains("[1536, 576]") && e.contains("[1024, 576]"), "{e}");
+}
+
+#[test]
+fn bad_requests_are_refused_and_nothing_is_lost() {
+    let mut engine = Engine::new(EngineArgs {
+        model: Some(model_path(SMOL_GGUF)),
+        max_model_len: Some(64),
+        ..Default::default()
+    })
+    .unwrap();
+    let ok = engine.add_request("Hello".into(), SamplingParams { max_tokens: Some(3), ..SamplingParams::greedy() }).unwrap();
+
+    let long = "word ".repeat(100);
+    assert!(matches!(
+        engine.add_request(long.as_str().into(), SamplingParams::greedy()),
+        Err(RequestError::PromptTooLong(_))
+    ));
+    let e = engine
+        .add_request("Hi".into(), SamplingParams { max_tokens: Some(100), ..Default::default() })
+        .unwrap_err();
+    assert!(e.to_string().contains("maximum context length of 64"), "{e}");
+
+    for (p, param) in [
+        (SamplingParams { temperature: -1.0, ..Default::default() }, "temperature"),
+        (SamplingParams { top_p: 0.0, ..Default::default() }, "top_p"),
+        (SamplingParams { top_p: 1.5, ..Default::default() }, "top_p"),
+        (SamplingParams { top_k: -5, ..Default::default() }, "top_k"),
+        (SamplingParams { min_p: 2.0, ..Default::default() }, "min_p"),
+        (SamplingParams { max_tokens: Some(0), ..Default::default() }, "max_tokens"),
+        (SamplingParams { n: 2, ..Default::default() }, "n"),
+    ] {
+        match engine.add_request("Hi".into(), p) {
+            Err(RequestError::InvalidParam(e)) => assert_eq!(e.param, param, "{e}"),
+            other => panic!("{param}: expected InvalidParam, got {other:?}"),
+        }
+    }
+    assert!(matches!(engine.add_request(Prompt::Tokens(vec![]), SamplingParams::greedy()), Err(RequestError::InvalidPrompt(_))));
+    assert!(matches!(
+        engine.add_request(Prompt::Tokens(vec![1, 999_999]), SamplingParams::greedy()),
+        Err(RequestError::InvalidPrompt(_))
+    ));
+
+    // The good request still completes.
+    let mut n = 0;
+    while engine.has_unfinished() {
+        for o in engine.step().unwrap() {
+            assert_eq!(o.request_id, ok);
+            n += o.new_token_ids.len();
+        }
+    }
+    assert_eq!(n, 3);
+    assert_eq!(engine.kv_usage().blocks_used, 0);
+}
+
+#[test]
+fn unavailable_backends_fail_cleanly() {
+    for b in ["cuda", "hip", "wgpu"] {
+        let err = Engine::new(EngineArgs {
+            model: Some(model_path(SMOL_GGUF)),
+            backend: b.parse().unwrap(),
+            ..Default::default()
+        })
+        .err()
+        .unwrap_or_else(|| panic!("backend {b} should not be available in this build"));
+        let e = format!("{err:#}");
+        assert!(e.contains("feature") || e.contains("not implemented"), "{b}: {e}");
+    }
+    assert!("tpu".parse::<pagoda::BackendKind>().is_err());
+}

@@ -1,0 +1,112 @@
+//! End to end against the golden outputs of ../shared/golden (a float64 numpy reference): greedy
+//! decoding in f32 reproduces the token ids exactly, and the top-5 logits of the first three
+//! positions agree within 1e-3 relative.
+
+mod common;
+
+use common::*;
+use pagoda::backend::{BatchInput, CpuBackend, DeviceBatch};
+use pagoda::models::llama::{KvCache, Llama};
+use pagoda::models::load_model;
+use pagoda::tensor::DType;
+use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
+
+fn entries(model_id: &str) -> Vec<serde_json::Value> {
+    golden()["entries"].as_array().unwrap().iter().filter(|e| e["model"] == model_id).cloned().collect()
+}
+
+/// Greedy decoding of every golden prompt of `model_id`, all in one batch.
+fn check_greedy(path: std::path::PathBuf, model_id: &str) {
+    let entries = entries(model_id);
+    assert!(!entries.is_empty());
+    let mut llm = LLM::new(EngineArgs { model: Some(path), ..Default::default() }).unwrap();
+    let stop = ids(&golden()["models"][model_id]["stop_token_ids"]);
+    let mut eos = llm.engine().eos_token_ids().to_vec();
+    eos.sort();
+    assert_eq!(eos, stop, "stop token ids");
+    let reqs = entries
+        .iter()
+        .map(|e| {
+            let want = ids(&e["generated_ids"]);
+            let p = SamplingParams { max_tokens: Some(want.len()), ..SamplingParams::greedy() };
+            (Prompt::Tokens(ids(&e["prompt_ids"])), p)
+        })
+        .collect();
+    let outs = llm.generate_each(reqs).unwrap();
+    for (e, o) in entries.iter().zip(&outs) {
+        assert_eq!(o.outputs[0].token_ids, ids(&e["generated_ids"]), "{}", e["name"]);
+    }
+}
+
+/// The model forward alone (no engine): logits of the first three generated positions.
+fn check_logits(path: std::path::PathBuf, model_id: &str) {
+    let model = load_model(&path).unwrap();
+    let be = CpuBackend::new();
+    let llama = Llama::load(&be, &model.config, model.weights.as_ref(), DType::F32, 1024, &mut |_, _| {}).unwrap();
+    let bs = 16;
+    let mut kv = KvCache::new(&be, &model.config, 64, bs).unwrap();
+    let vocab = model.config.vocab_size;
+    for e in entries(model_id) {
+        let prompt = ids(&e["prompt_ids"]);
+        let generated = ids(&e["generated_ids"]);
+        // blocks 1.. in reverse order, so the block table is not the identity
+        let table: Vec<u32> = (1..64u32).rev().collect();
+        let mut done = 0;
+        for (step, want) in e["first_steps"].as_array().unwrap().iter().enumerate() {
+            let toks: Vec<u32> = if step == 0 { prompt.clone() } else { vec![generated[step - 1]] };
+            let n = toks.len();
+            let input = BatchInput {
+                token_ids: toks,
+                positions: (done..done + n).map(|p| p as u32).collect(),
+                slot_mapping: (done..done + n).map(|p| table[p / bs] * bs as u32 + (p % bs) as u32).collect(),
+                query_start: vec![0, n as u32],
+                seq_lens: vec![(done + n) as u32],
+                block_tables: table.clone(),
+                max_blocks: table.len(),
+                logits_rows: vec![n as u32 - 1],
+            };
+            done += n;
+            let batch = DeviceBatch::upload(&be, input).unwrap();
+            let logits = be_download(&be, &llama.forward(&be, &batch, &mut kv).unwrap());
+            assert_eq!(logits.len(), vocab);
+            for pair in want["top5"].as_array().unwrap() {
+                let (id, gold) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+                let got = logits[id] as f64;
+                let rel = (got - gold).abs() / gold.abs().max(1.0);
+                assert!(rel < 1e-3, "{} step {step} token {id}: logit {got} vs golden {gold}", e["name"]);
+            }
+            let top = pagoda::backend::argmax(&logits);
+            assert_eq!(top as u64, want["top5"][0][0].as_u64().unwrap(), "{} step {step}", e["name"]);
+        }
+    }
+}
+
+fn be_download(be: &CpuBackend, b: &<CpuBackend as pagoda::backend::Backend>::Buf) -> Vec<f32> {
+    use pagoda::backend::Backend;
+    be.download_f32(b).unwrap()
+}
+
+#[test]
+fn smollm2_gguf_greedy_matches_golden() {
+    check_greedy(model_path(SMOL_GGUF), SMOL_HF);
+}
+
+#[test]
+fn smollm2_hf_f32_greedy_matches_golden() {
+    check_greedy(model_path(SMOL_HF), SMOL_HF);
+}
+
+#[test]
+fn qwen25_gguf_greedy_matches_golden() {
+    check_greedy(model_path(QWEN_GGUF), "qwen2.5-coder-0.5b-instruct-f32");
+}
+
+#[test]
+fn smollm2_logits_match_golden() {
+    check_logits(model_path(SMOL_GGUF), SMOL_HF);
+}
+
+#[test]
+fn qwen25_logits_match_golden() {
+    check_logits(model_path(QWEN_GGUF), "qwen2.5-coder-0.5b-instruct-f32");
+}
