@@ -10,7 +10,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(Parser)]
-#[command(name = "pagoda", version, about = "LLM inference with a paged KV cache and continuous batching")]
+#[command(
+    name = "pagoda",
+    version,
+    about = "LLM inference with a paged KV cache and continuous batching"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -157,9 +161,13 @@ impl SamplingArgs {
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("'{s}' is not a size in bytes"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size in bytes"))?;
     let mul: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kb" => 1e3,
@@ -174,7 +182,10 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 fn main() {
-    tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).init();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
@@ -183,11 +194,22 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Generate { prompts, file, chat_template, model, sampling } => {
+        Command::Generate {
+            prompts,
+            file,
+            chat_template,
+            model,
+            sampling,
+        } => {
             let mut prompts = prompts;
             if let Some(f) = file {
-                let text = std::fs::read_to_string(&f).with_context(|| format!("cannot read {}", f.display()))?;
-                prompts.extend(text.lines().filter(|l| !l.trim().is_empty()).map(String::from));
+                let text = std::fs::read_to_string(&f)
+                    .with_context(|| format!("cannot read {}", f.display()))?;
+                prompts.extend(
+                    text.lines()
+                        .filter(|l| !l.trim().is_empty())
+                        .map(String::from),
+                );
             }
             if prompts.is_empty() {
                 anyhow::bail!("no prompt given: pass prompts as arguments or --file FILE");
@@ -199,7 +221,12 @@ fn run(cli: Cli) -> Result<()> {
                 let engine = llm.engine();
                 prompts = prompts
                     .iter()
-                    .map(|p| engine.apply_chat_template(&[ChatMessage { role: "user".into(), content: p.clone() }]))
+                    .map(|p| {
+                        engine.apply_chat_template(&[ChatMessage {
+                            role: "user".into(),
+                            content: p.clone(),
+                        }])
+                    })
                     .collect::<Result<_>>()?;
             }
             let t0 = Instant::now();
@@ -212,7 +239,14 @@ fn run(cli: Cli) -> Result<()> {
                 if outs.len() > 1 {
                     println!("--- [{i}] {:?}", o.prompt.as_deref().unwrap_or_default());
                 }
-                println!("{}{}", o.prompt.as_deref().filter(|_| !chat_template).unwrap_or_default(), c.text);
+                println!(
+                    "{}{}",
+                    o.prompt
+                        .as_deref()
+                        .filter(|_| !chat_template)
+                        .unwrap_or_default(),
+                    c.text
+                );
             }
             eprintln!(
                 "\n{} requests, {n_out} tokens generated in {secs:.2} s: {:.1} tokens/s",
@@ -220,7 +254,11 @@ fn run(cli: Cli) -> Result<()> {
                 n_out as f64 / secs
             );
         }
-        Command::Chat { system, model, sampling } => chat(system, model, sampling)?,
+        Command::Chat {
+            system,
+            model,
+            sampling,
+        } => chat(system, model, sampling)?,
         Command::Info { model } => {
             let mut llm = LLM::new(model.engine_args())?;
             let e = llm.engine();
@@ -230,11 +268,25 @@ fn run(cli: Cli) -> Result<()> {
             println!("architecture:     {}", c.arch.name());
             println!("parameters:       {:.1} M", c.num_params() as f64 / 1e6);
             println!("layers:           {}", c.num_layers);
-            println!("hidden / ffn:     {} / {}", c.hidden_size, c.intermediate_size);
-            println!("heads / kv heads: {} / {} (head_dim {})", c.num_heads, c.num_kv_heads, c.head_dim);
+            println!(
+                "hidden / ffn:     {} / {}",
+                c.hidden_size, c.intermediate_size
+            );
+            println!(
+                "heads / kv heads: {} / {} (head_dim {})",
+                c.num_heads, c.num_kv_heads, c.head_dim
+            );
             println!("vocab:            {}", c.vocab_size);
-            println!("context:          {} (model), {} (engine)", c.max_position_embeddings, e.max_model_len());
-            println!("weights:          {} ({} MiB)", model.dtype.name(), e.weight_bytes() >> 20);
+            println!(
+                "context:          {} (model), {} (engine)",
+                c.max_position_embeddings,
+                e.max_model_len()
+            );
+            println!(
+                "weights:          {} ({} MiB)",
+                model.dtype.name(),
+                e.weight_bytes() >> 20
+            );
             println!("backend:          {}", e.backend_name());
             println!(
                 "KV pool:          {} blocks x {} tokens = {} tokens, {} MiB",
@@ -255,7 +307,10 @@ fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Res
     let engine = llm.engine();
     let mut messages = Vec::new();
     if let Some(s) = system {
-        messages.push(ChatMessage { role: "system".into(), content: s });
+        messages.push(ChatMessage {
+            role: "system".into(),
+            content: s,
+        });
     }
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
@@ -271,7 +326,10 @@ fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Res
         if line.is_empty() {
             continue;
         }
-        messages.push(ChatMessage { role: "user".into(), content: line });
+        messages.push(ChatMessage {
+            role: "user".into(),
+            content: line,
+        });
         let prompt = engine.apply_chat_template(&messages)?;
         let id = engine.add_request(prompt.into(), params.clone())?;
         let t0 = Instant::now();
@@ -294,6 +352,9 @@ fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Res
         let secs = t0.elapsed().as_secs_f64();
         println!();
         eprintln!("[{n} tokens, {:.1} tokens/s]", n as f64 / secs);
-        messages.push(ChatMessage { role: "assistant".into(), content: reply });
+        messages.push(ChatMessage {
+            role: "assistant".into(),
+            content: reply,
+        });
     }
 }

@@ -12,14 +12,20 @@ fn rng(seed: u64) -> ChaCha8Rng {
 }
 
 fn randn(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| (r.next_u32() as f64 / u32::MAX as f64 * 2.0 - 1.0) as f32).collect()
+    (0..n)
+        .map(|_| (r.next_u32() as f64 / u32::MAX as f64 * 2.0 - 1.0) as f32)
+        .collect()
 }
 
 /// max |a - b| / max(max |b|, tiny): an error normalised by the reference's scale.
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
-    got.iter().zip(want).map(|(g, w)| (*g as f64 - w).abs()).fold(0.0, f64::max) / scale
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0.0, f64::max)
+        / scale
 }
 
 fn tol(dtype: DType) -> f64 {
@@ -39,7 +45,15 @@ fn round_to(dtype: DType, v: &[f32]) -> Vec<f64> {
         .collect()
 }
 
-pub fn check_matmul<B: Backend>(be: &B, dtype: DType, m: usize, k: usize, n: usize, bias: bool, seed: u64) {
+pub fn check_matmul<B: Backend>(
+    be: &B,
+    dtype: DType,
+    m: usize,
+    k: usize,
+    n: usize,
+    bias: bool,
+    seed: u64,
+) {
     let mut r = rng(seed);
     let x = randn(&mut r, m * k);
     let w = randn(&mut r, n * k);
@@ -56,10 +70,13 @@ pub fn check_matmul<B: Backend>(be: &B, dtype: DType, m: usize, k: usize, n: usi
         }
     }
     let xb = be.upload_f32(&x).unwrap();
-    let wb = be.upload_weight(&HostTensor::new(vec![n, k], w), dtype).unwrap();
+    let wb = be
+        .upload_weight(&HostTensor::new(vec![n, k], w), dtype)
+        .unwrap();
     let bb = be.upload_f32(&b).unwrap();
     let mut out = be.alloc_f32(m * n).unwrap();
-    be.matmul(&xb, &wb, bias.then_some(&bb), m, k, n, &mut out).unwrap();
+    be.matmul(&xb, &wb, bias.then_some(&bb), m, k, n, &mut out)
+        .unwrap();
     let e = rel_err(&be.download_f32(&out).unwrap(), &want);
     // NOTE: inputs are rounded to `dtype` in the reference too, so f16/bf16 differ from it only
     // by f32 accumulation; the tolerance by precision still applies.
@@ -81,15 +98,28 @@ pub fn check_rms_norm<B: Backend>(be: &B, rows: usize, dim: usize, seed: u64) {
         }
     }
     let mut out = be.alloc_f32(rows * dim).unwrap();
-    let wb = be.upload_weight(&HostTensor::new(vec![dim], w), DType::F32).unwrap();
-    be.rms_norm(&be.upload_f32(&x).unwrap(), &wb, rows, dim, eps as f32, &mut out).unwrap();
+    let wb = be
+        .upload_weight(&HostTensor::new(vec![dim], w), DType::F32)
+        .unwrap();
+    be.rms_norm(
+        &be.upload_f32(&x).unwrap(),
+        &wb,
+        rows,
+        dim,
+        eps as f32,
+        &mut out,
+    )
+    .unwrap();
     let e = rel_err(&be.download_f32(&out).unwrap(), &want);
     assert!(e < 1e-5, "rms_norm {rows}x{dim}: {e}");
 }
 
 pub fn check_elementwise<B: Backend>(be: &B, rows: usize, ffn: usize, seed: u64) {
     let mut r = rng(seed);
-    let gu: Vec<f32> = randn(&mut r, rows * 2 * ffn).iter().map(|v| v * 6.0).collect();
+    let gu: Vec<f32> = randn(&mut r, rows * 2 * ffn)
+        .iter()
+        .map(|v| v * 6.0)
+        .collect();
     let mut want = vec![0f64; rows * ffn];
     for i in 0..rows {
         for j in 0..ffn {
@@ -99,34 +129,70 @@ pub fn check_elementwise<B: Backend>(be: &B, rows: usize, ffn: usize, seed: u64)
         }
     }
     let mut out = be.alloc_f32(rows * ffn).unwrap();
-    be.silu_mul(&be.upload_f32(&gu).unwrap(), rows, ffn, &mut out).unwrap();
+    be.silu_mul(&be.upload_f32(&gu).unwrap(), rows, ffn, &mut out)
+        .unwrap();
     let e = rel_err(&be.download_f32(&out).unwrap(), &want);
     assert!(e < 1e-5, "silu_mul: {e}");
 
     let a = randn(&mut r, rows * ffn);
     let b = randn(&mut r, rows * ffn);
-    let want: Vec<f64> = a.iter().zip(&b).map(|(x, y)| *x as f64 + *y as f64).collect();
+    let want: Vec<f64> = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| *x as f64 + *y as f64)
+        .collect();
     let mut ab = be.upload_f32(&a).unwrap();
-    be.add_assign(&mut ab, &be.upload_f32(&b).unwrap(), rows * ffn).unwrap();
-    assert!(rel_err(&be.download_f32(&ab).unwrap(), &want) < 1e-6, "add_assign");
+    be.add_assign(&mut ab, &be.upload_f32(&b).unwrap(), rows * ffn)
+        .unwrap();
+    assert!(
+        rel_err(&be.download_f32(&ab).unwrap(), &want) < 1e-6,
+        "add_assign"
+    );
 
     // embedding and gather_rows
     let (vocab, dim) = (37, ffn);
     let table = randn(&mut r, vocab * dim);
-    let ids: Vec<u32> = (0..rows as u32).map(|i| (i * 11 + 3) % vocab as u32).collect();
+    let ids: Vec<u32> = (0..rows as u32)
+        .map(|i| (i * 11 + 3) % vocab as u32)
+        .collect();
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let tq = round_to(dtype, &table);
-        let want: Vec<f64> = ids.iter().flat_map(|&i| tq[i as usize * dim..(i as usize + 1) * dim].to_vec()).collect();
-        let tb = be.upload_weight(&HostTensor::new(vec![vocab, dim], table.clone()), dtype).unwrap();
+        let want: Vec<f64> = ids
+            .iter()
+            .flat_map(|&i| tq[i as usize * dim..(i as usize + 1) * dim].to_vec())
+            .collect();
+        let tb = be
+            .upload_weight(&HostTensor::new(vec![vocab, dim], table.clone()), dtype)
+            .unwrap();
         let mut out = be.alloc_f32(rows * dim).unwrap();
-        be.embedding(&tb, &be.upload_u32(&ids).unwrap(), dim, &mut out).unwrap();
-        assert!(rel_err(&be.download_f32(&out).unwrap(), &want) < 1e-6, "embedding {dtype:?}");
+        be.embedding(&tb, &be.upload_u32(&ids).unwrap(), dim, &mut out)
+            .unwrap();
+        assert!(
+            rel_err(&be.download_f32(&out).unwrap(), &want) < 1e-6,
+            "embedding {dtype:?}"
+        );
     }
     let rows_idx: Vec<u32> = (0..rows as u32).rev().step_by(2).collect();
-    let want: Vec<f64> = rows_idx.iter().flat_map(|&i| a[i as usize * ffn..(i as usize + 1) * ffn].iter().map(|&v| v as f64)).collect();
+    let want: Vec<f64> = rows_idx
+        .iter()
+        .flat_map(|&i| {
+            a[i as usize * ffn..(i as usize + 1) * ffn]
+                .iter()
+                .map(|&v| v as f64)
+        })
+        .collect();
     let mut out = be.alloc_f32(rows_idx.len() * ffn).unwrap();
-    be.gather_rows(&be.upload_f32(&a).unwrap(), &be.upload_u32(&rows_idx).unwrap(), ffn, &mut out).unwrap();
-    assert!(rel_err(&be.download_f32(&out).unwrap(), &want) < 1e-7, "gather_rows");
+    be.gather_rows(
+        &be.upload_f32(&a).unwrap(),
+        &be.upload_u32(&rows_idx).unwrap(),
+        ffn,
+        &mut out,
+    )
+    .unwrap();
+    assert!(
+        rel_err(&be.download_f32(&out).unwrap(), &want) < 1e-7,
+        "gather_rows"
+    );
 }
 
 pub fn check_rope<B: Backend>(be: &B, rows: usize, layout: QkvLayout, seed: u64) {
@@ -134,7 +200,9 @@ pub fn check_rope<B: Backend>(be: &B, rows: usize, layout: QkvLayout, seed: u64)
     let d = layout.head_dim;
     let max_pos = 300;
     let x = randn(&mut r, rows * layout.row_len());
-    let pos: Vec<u32> = (0..rows as u32).map(|i| (i * 37 + 5) % max_pos as u32).collect();
+    let pos: Vec<u32> = (0..rows as u32)
+        .map(|i| (i * 37 + 5) % max_pos as u32)
+        .collect();
     let theta = 10000f64;
     let (mut cos, mut sin) = (vec![], vec![]);
     for p in 0..max_pos {
@@ -145,11 +213,11 @@ pub fn check_rope<B: Backend>(be: &B, rows: usize, layout: QkvLayout, seed: u64)
         }
     }
     let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-    for t in 0..rows {
+    for (t, &p) in pos.iter().enumerate() {
         for h in 0..layout.num_heads + layout.num_kv_heads {
             let base = t * layout.row_len() + h * d;
             for i in 0..d / 2 {
-                let a = pos[t] as f64 / theta.powf(2.0 * i as f64 / d as f64);
+                let a = p as f64 / theta.powf(2.0 * i as f64 / d as f64);
                 let (x1, x2) = (x[base + i] as f64, x[base + i + d / 2] as f64);
                 want[base + i] = x1 * a.cos() - x2 * a.sin();
                 want[base + i + d / 2] = x2 * a.cos() + x1 * a.sin();
@@ -158,7 +226,15 @@ pub fn check_rope<B: Backend>(be: &B, rows: usize, layout: QkvLayout, seed: u64)
     }
     let mut xb = be.upload_f32(&x).unwrap();
     let (cb, sb) = (be.upload_f32(&cos).unwrap(), be.upload_f32(&sin).unwrap());
-    be.rope(&mut xb, &be.upload_u32(&pos).unwrap(), &cb, &sb, rows, layout).unwrap();
+    be.rope(
+        &mut xb,
+        &be.upload_u32(&pos).unwrap(),
+        &cb,
+        &sb,
+        rows,
+        layout,
+    )
+    .unwrap();
     let e = rel_err(&be.download_f32(&xb).unwrap(), &want);
     assert!(e < 1e-5, "rope: {e}");
 }
@@ -166,14 +242,41 @@ pub fn check_rope<B: Backend>(be: &B, rows: usize, layout: QkvLayout, seed: u64)
 /// Paged attention over randomly permuted block tables, for a batch mixing decode rows and
 /// prefill chunks that continue a cached prefix. The K/V of every position are written with
 /// `write_kv` (cached prefix in an earlier call, this step's rows in this one).
-pub fn check_paged_attention<B: Backend>(be: &B, block_size: usize, h: usize, hkv: usize, d: usize, seed: u64) {
+pub fn check_paged_attention<B: Backend>(
+    be: &B,
+    block_size: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    seed: u64,
+) {
     let mut r = rng(seed);
-    let layout = QkvLayout { num_heads: h, num_kv_heads: hkv, head_dim: d };
+    let layout = QkvLayout {
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: d,
+    };
     // (cached tokens, new tokens) per sequence: decode, prefill from scratch, chunk after a prefix
-    let seqs = [(0usize, 1usize), (16, 1), (37, 1), (0, 23), (19, 13), (block_size * 3 - 1, 5)];
-    let total_blocks: usize = seqs.iter().map(|(c, n)| (c + n).div_ceil(block_size)).sum::<usize>() + 1;
+    let seqs = [
+        (0usize, 1usize),
+        (16, 1),
+        (37, 1),
+        (0, 23),
+        (19, 13),
+        (block_size * 3 - 1, 5),
+    ];
+    let total_blocks: usize = seqs
+        .iter()
+        .map(|(c, n)| (c + n).div_ceil(block_size))
+        .sum::<usize>()
+        + 1;
     let num_blocks = total_blocks + 7;
-    let kvl = KvLayout { num_blocks, block_size, num_kv_heads: hkv, head_dim: d };
+    let kvl = KvLayout {
+        num_blocks,
+        block_size,
+        num_kv_heads: hkv,
+        head_dim: d,
+    };
     // a random permutation of blocks 1.. as the pool's assignment
     let mut perm: Vec<u32> = (1..num_blocks as u32).collect();
     for i in (1..perm.len()).rev() {
@@ -191,13 +294,27 @@ pub fn check_paged_attention<B: Backend>(be: &B, block_size: usize, h: usize, hk
         .collect();
     let max_blocks = tables.iter().map(|t| t.len()).max().unwrap();
     // Every position's q, k, v for each sequence.
-    let all: Vec<Vec<f32>> = seqs.iter().map(|(c, n)| randn(&mut r, (c + n) * layout.row_len())).collect();
+    let all: Vec<Vec<f32>> = seqs
+        .iter()
+        .map(|(c, n)| randn(&mut r, (c + n) * layout.row_len()))
+        .collect();
     let mut kc = be.alloc_kv(kvl).unwrap();
     let mut vc = be.alloc_kv(kvl).unwrap();
-    let slot = |s: usize, p: usize| tables[s][p / block_size] * block_size as u32 + (p % block_size) as u32;
+    let slot = |s: usize, p: usize| {
+        tables[s][p / block_size] * block_size as u32 + (p % block_size) as u32
+    };
     let write = |kc: &mut B::Buf, vc: &mut B::Buf, rows: Vec<f32>, slots: Vec<u32>| {
         let n = slots.len();
-        be.write_kv(&be.upload_f32(&rows).unwrap(), &be.upload_u32(&slots).unwrap(), n, layout, kc, vc, kvl).unwrap();
+        be.write_kv(
+            &be.upload_f32(&rows).unwrap(),
+            &be.upload_u32(&slots).unwrap(),
+            n,
+            layout,
+            kc,
+            vc,
+            kvl,
+        )
+        .unwrap();
     };
     // cached prefixes
     let (mut rows, mut slots) = (vec![], vec![]);
@@ -209,7 +326,11 @@ pub fn check_paged_attention<B: Backend>(be: &B, block_size: usize, h: usize, hk
         write(&mut kc, &mut vc, rows, slots);
     }
     // this step's rows
-    let mut input = BatchInput { max_blocks, query_start: vec![0], ..Default::default() };
+    let mut input = BatchInput {
+        max_blocks,
+        query_start: vec![0],
+        ..Default::default()
+    };
     let mut qkv = vec![];
     for (s, (c, n)) in seqs.iter().enumerate() {
         qkv.extend_from_slice(&all[s][c * layout.row_len()..(c + n) * layout.row_len()]);
@@ -221,15 +342,27 @@ pub fn check_paged_attention<B: Backend>(be: &B, block_size: usize, h: usize, hk
         input.query_start.push(input.positions.len() as u32);
         input.seq_lens.push((c + n) as u32);
         input.block_tables.extend_from_slice(&tables[s]);
-        input.block_tables.extend(std::iter::repeat_n(0, max_blocks - tables[s].len()));
+        input
+            .block_tables
+            .extend(std::iter::repeat_n(0, max_blocks - tables[s].len()));
     }
     let t_rows = input.positions.len();
     let batch = DeviceBatch::upload(be, input).unwrap();
     let qkv_b = be.upload_f32(&qkv).unwrap();
-    be.write_kv(&qkv_b, &batch.slot_mapping, t_rows, layout, &mut kc, &mut vc, kvl).unwrap();
+    be.write_kv(
+        &qkv_b,
+        &batch.slot_mapping,
+        t_rows,
+        layout,
+        &mut kc,
+        &mut vc,
+        kvl,
+    )
+    .unwrap();
     let mut out = be.alloc_f32(t_rows * h * d).unwrap();
     let scale = 1.0 / (d as f32).sqrt();
-    be.paged_attention(&qkv_b, &kc, &vc, &batch, layout, kvl, scale, &mut out).unwrap();
+    be.paged_attention(&qkv_b, &kc, &vc, &batch, layout, kvl, scale, &mut out)
+        .unwrap();
 
     // reference: plain causal attention over each sequence's full q/k/v
     let mut want = vec![];
@@ -243,21 +376,33 @@ pub fn check_paged_attention<B: Backend>(be: &B, block_size: usize, h: usize, hk
                 let scores: Vec<f64> = (0..=p)
                     .map(|j| {
                         let k = &a[j * rl + layout.q_len() + g * d..][..d];
-                        q.iter().zip(k).map(|(x, y)| *x as f64 * *y as f64).sum::<f64>() * scale as f64
+                        q.iter()
+                            .zip(k)
+                            .map(|(x, y)| *x as f64 * *y as f64)
+                            .sum::<f64>()
+                            * scale as f64
                     })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for i in 0..d {
-                    let v: f64 = (0..=p).map(|j| e[j] / z * a[j * rl + layout.q_len() + layout.kv_len() + g * d + i] as f64).sum();
+                    let v: f64 = (0..=p)
+                        .map(|j| {
+                            e[j] / z
+                                * a[j * rl + layout.q_len() + layout.kv_len() + g * d + i] as f64
+                        })
+                        .sum();
                     want.push(v);
                 }
             }
         }
     }
     let err = rel_err(&be.download_f32(&out).unwrap(), &want);
-    assert!(err < 1e-5, "paged attention bs={block_size} h={h} hkv={hkv} d={d}: {err}");
+    assert!(
+        err < 1e-5,
+        "paged attention bs={block_size} h={h} hkv={hkv} d={d}: {err}"
+    );
 }
 
 /// Instantiates every op test for one backend.
@@ -271,7 +416,10 @@ macro_rules! backend_ops {
             #[test]
             fn matmul_f32() {
                 let b = be();
-                for (i, &(m, k, n)) in [(1, 64, 96), (7, 130, 33), (64, 576, 192), (3, 1, 5)].iter().enumerate() {
+                for (i, &(m, k, n)) in [(1, 64, 96), (7, 130, 33), (64, 576, 192), (3, 1, 5)]
+                    .iter()
+                    .enumerate()
+                {
                     check_matmul(&b, DType::F32, m, k, n, i % 2 == 0, i as u64);
                 }
             }
@@ -295,14 +443,39 @@ macro_rules! backend_ops {
             }
             #[test]
             fn rope() {
-                check_rope(&be(), 9, QkvLayout { num_heads: 4, num_kv_heads: 2, head_dim: 16 }, 4);
-                check_rope(&be(), 3, QkvLayout { num_heads: 9, num_kv_heads: 3, head_dim: 64 }, 5);
+                check_rope(
+                    &be(),
+                    9,
+                    QkvLayout {
+                        num_heads: 4,
+                        num_kv_heads: 2,
+                        head_dim: 16,
+                    },
+                    4,
+                );
+                check_rope(
+                    &be(),
+                    3,
+                    QkvLayout {
+                        num_heads: 9,
+                        num_kv_heads: 3,
+                        head_dim: 64,
+                    },
+                    5,
+                );
             }
             #[test]
             fn paged_attention() {
                 let b = be();
-                for (i, &(bs, h, hkv, d)) in
-                    [(16, 4, 4, 32), (16, 9, 3, 64), (8, 14, 2, 64), (1, 2, 1, 8), (5, 6, 2, 16)].iter().enumerate()
+                for (i, &(bs, h, hkv, d)) in [
+                    (16, 4, 4, 32),
+                    (16, 9, 3, 64),
+                    (8, 14, 2, 64),
+                    (1, 2, 1, 8),
+                    (5, 6, 2, 16),
+                ]
+                .iter()
+                .enumerate()
                 {
                     check_paged_attention(&b, bs, h, hkv, d, 100 + i as u64);
                 }

@@ -10,16 +10,20 @@ use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
 
 /// Prompts of 10 to 600 tokens made of real text, varied in content and length.
 fn prompts(n: usize) -> Vec<String> {
-    let words = "the lighthouse keeper climbed one hundred and twelve steps every evening to light \
+    let words =
+        "the lighthouse keeper climbed one hundred and twelve steps every evening to light \
         the lamp while storms drove ships onto the reef and the children rowed to school when \
         the sea was calm so they studied at the kitchen table"
-        .split(' ')
-        .collect::<Vec<_>>();
+            .split(' ')
+            .collect::<Vec<_>>();
     (0..n)
         .map(|i| {
             // lengths spread over 10..600 tokens (about one token per word here)
-            let len = 10 + (i * 587 / n.max(1) + i * 37 % 50) % 590;
-            (0..len).map(|j| words[(i * 7 + j * (i % 5 + 1)) % words.len()]).collect::<Vec<_>>().join(" ")
+            let len = 10 + (i * 560 / n.max(1) + i * 37 % 50) % 570;
+            (0..len)
+                .map(|j| words[(i * 7 + j * (i % 5 + 1)) % words.len()])
+                .collect::<Vec<_>>()
+                .join(" ")
         })
         .collect()
 }
@@ -44,12 +48,30 @@ fn batch_with_preemption_equals_each_alone() {
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let params = SamplingParams { max_tokens: Some(max_tokens(i)), ignore_eos: true, ..SamplingParams::greedy() };
-            alone.generate(&[p.as_str()], &params).unwrap().remove(0).outputs.remove(0).token_ids
+            let params = SamplingParams {
+                max_tokens: Some(max_tokens(i)),
+                ignore_eos: true,
+                ..SamplingParams::greedy()
+            };
+            alone
+                .generate(&[p.as_str()], &params)
+                .unwrap()
+                .remove(0)
+                .outputs
+                .remove(0)
+                .token_ids
         })
         .collect();
-    let lens: Vec<usize> = prompts.iter().map(|p| alone.engine().tokenizer().encode(p).unwrap().len()).collect();
-    assert!(*lens.iter().min().unwrap() >= 10 && *lens.iter().max().unwrap() <= 600 && *lens.iter().max().unwrap() > 450, "{lens:?}");
+    let lens: Vec<usize> = prompts
+        .iter()
+        .map(|p| alone.engine().tokenizer().encode(p).unwrap().len())
+        .collect();
+    assert!(
+        *lens.iter().min().unwrap() >= 10
+            && *lens.iter().max().unwrap() <= 600
+            && *lens.iter().max().unwrap() > 450,
+        "{lens:?}"
+    );
     drop(alone);
 
     // Together, in a pool of 2048 tokens (SmolLM2: 46080 bytes of K/V per token).
@@ -58,18 +80,32 @@ fn batch_with_preemption_equals_each_alone() {
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let params = SamplingParams { max_tokens: Some(max_tokens(i)), ignore_eos: true, ..SamplingParams::greedy() };
+            let params = SamplingParams {
+                max_tokens: Some(max_tokens(i)),
+                ignore_eos: true,
+                ..SamplingParams::greedy()
+            };
             (Prompt::Text(p.clone()), params)
         })
         .collect();
     let outs = llm.generate_each(reqs).unwrap();
     for (i, o) in outs.iter().enumerate() {
-        assert_eq!(o.outputs[0].token_ids, want[i], "prompt {i} ({} tokens)", lens[i]);
+        assert_eq!(
+            o.outputs[0].token_ids, want[i],
+            "prompt {i} ({} tokens)",
+            lens[i]
+        );
     }
     let e = llm.engine();
-    assert!(e.stats().preemptions > 0, "the pool was meant to be too small: no preemption happened");
+    assert!(
+        e.stats().preemptions > 0,
+        "the pool was meant to be too small: no preemption happened"
+    );
     let usage = e.kv_usage();
-    assert_eq!(usage.blocks_used, 0, "blocks still in use after every request ended");
+    assert_eq!(
+        usage.blocks_used, 0,
+        "blocks still in use after every request ended"
+    );
     assert_eq!(usage.blocks_free, usage.num_blocks);
 }
 
@@ -86,15 +122,42 @@ fn seeded_sampling_is_independent_of_the_batch() {
         ..Default::default()
     };
     let p = "Write a short poem about the sea:";
-    let alone = llm.generate(&[p], &params(7)).unwrap().remove(0).outputs.remove(0).token_ids;
-    let again = llm.generate(&[p], &params(7)).unwrap().remove(0).outputs.remove(0).token_ids;
+    let alone = llm
+        .generate(&[p], &params(7))
+        .unwrap()
+        .remove(0)
+        .outputs
+        .remove(0)
+        .token_ids;
+    let again = llm
+        .generate(&[p], &params(7))
+        .unwrap()
+        .remove(0)
+        .outputs
+        .remove(0)
+        .token_ids;
     assert_eq!(alone, again, "same seed, same output");
     let others = prompts(6);
-    let mut reqs: Vec<(Prompt, SamplingParams)> =
-        others.iter().enumerate().map(|(i, o)| (Prompt::Text(o.clone()), params(100 + i as u64))).collect();
+    let mut reqs: Vec<(Prompt, SamplingParams)> = others
+        .iter()
+        .enumerate()
+        .map(|(i, o)| (Prompt::Text(o.clone()), params(100 + i as u64)))
+        .collect();
     reqs.insert(3, (Prompt::Text(p.into()), params(7)));
     let outs = llm.generate_each(reqs).unwrap();
-    assert_eq!(outs[3].outputs[0].token_ids, alone, "seeded output changed inside a batch");
-    let other_seed = llm.generate(&[p], &params(8)).unwrap().remove(0).outputs.remove(0).token_ids;
-    assert_ne!(other_seed, alone, "another seed should (almost surely) give other tokens");
+    assert_eq!(
+        outs[3].outputs[0].token_ids, alone,
+        "seeded output changed inside a batch"
+    );
+    let other_seed = llm
+        .generate(&[p], &params(8))
+        .unwrap()
+        .remove(0)
+        .outputs
+        .remove(0)
+        .token_ids;
+    assert_ne!(
+        other_seed, alone,
+        "another seed should (almost surely) give other tokens"
+    );
 }

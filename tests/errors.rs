@@ -32,7 +32,10 @@ fn hf_dir(edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
 #[test]
 fn missing_model_path() {
     let e = load_err(Path::new("/nonexistent/model.gguf"));
-    assert!(e.contains("/nonexistent/model.gguf") && e.contains("does not exist"), "{e}");
+    assert!(
+        e.contains("/nonexistent/model.gguf") && e.contains("does not exist"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -43,7 +46,10 @@ fn truncated_gguf() {
     std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
     let e = load_err(&p);
     assert!(e.contains("cut.gguf"), "error does not name the file: {e}");
-    assert!(e.to_lowercase().contains("trunc") || e.contains("beyond") || e.contains("end of"), "{e}");
+    assert!(
+        e.to_lowercase().contains("trunc") || e.contains("beyond") || e.contains("end of"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -58,12 +64,23 @@ fn not_a_gguf_file() {
 #[test]
 fn corrupt_and_truncated_safetensors() {
     let dir = hf_dir(|_| {});
-    std::fs::write(dir.path().join("model.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}....").unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}....",
+    )
+    .unwrap();
     let e = load_err(dir.path());
-    assert!(e.contains("model.safetensors") && e.contains("not a valid safetensors"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("not a valid safetensors"),
+        "{e}"
+    );
 
     let real = std::fs::read(model_path(SMOL_HF).join("model.safetensors")).unwrap();
-    std::fs::write(dir.path().join("model.safetensors"), &real[..real.len() / 3]).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        &real[..real.len() / 3],
+    )
+    .unwrap();
     let e = load_err(dir.path());
     assert!(e.contains("model.safetensors"), "{e}");
 }
@@ -90,13 +107,24 @@ fn missing_config_and_tokenizer() {
 #[test]
 fn shape_that_does_not_match_the_config() {
     let dir = hf_dir(|c| c["intermediate_size"] = 1024.into());
-    std::os::unix::fs::symlink(model_path(SMOL_HF).join("model.safetensors"), dir.path().join("model.safetensors"))
-        .unwrap();
-    let err = Engine::new(EngineArgs { model: Some(dir.path().to_path_buf()), ..Default::default() })
-        .err()
-        .expect("a config that does not match the weights must fail");
+    std::os::unix::fs::symlink(
+        model_path(SMOL_HF).join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let err = Engine::new(EngineArgs {
+        model: Some(dir.path().to_path_buf()),
+        ..Default::default()
+    })
+    .err()
+    .expect("a config that does not match the weights must fail");
     let e = format!("{err:#}");
-    assert!(e.contains("mlp.gate_proj.weight") && e.contains("[1536, 576]") && e.contains("[1024, 576]"), "{e}");
+    assert!(
+        e.contains("mlp.gate_proj.weight")
+            && e.contains("[1536, 576]")
+            && e.contains("[1024, 576]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -107,7 +135,15 @@ fn bad_requests_are_refused_and_nothing_is_lost() {
         ..Default::default()
     })
     .unwrap();
-    let ok = engine.add_request("Hello".into(), SamplingParams { max_tokens: Some(3), ..SamplingParams::greedy() }).unwrap();
+    let ok = engine
+        .add_request(
+            "Hello".into(),
+            SamplingParams {
+                max_tokens: Some(3),
+                ..SamplingParams::greedy()
+            },
+        )
+        .unwrap();
 
     let long = "word ".repeat(100);
     assert!(matches!(
@@ -115,25 +151,79 @@ fn bad_requests_are_refused_and_nothing_is_lost() {
         Err(RequestError::PromptTooLong(_))
     ));
     let e = engine
-        .add_request("Hi".into(), SamplingParams { max_tokens: Some(100), ..Default::default() })
+        .add_request(
+            "Hi".into(),
+            SamplingParams {
+                max_tokens: Some(100),
+                ..Default::default()
+            },
+        )
         .unwrap_err();
-    assert!(e.to_string().contains("maximum context length of 64"), "{e}");
+    assert!(
+        e.to_string().contains("maximum context length of 64"),
+        "{e}"
+    );
 
     for (p, param) in [
-        (SamplingParams { temperature: -1.0, ..Default::default() }, "temperature"),
-        (SamplingParams { top_p: 0.0, ..Default::default() }, "top_p"),
-        (SamplingParams { top_p: 1.5, ..Default::default() }, "top_p"),
-        (SamplingParams { top_k: -5, ..Default::default() }, "top_k"),
-        (SamplingParams { min_p: 2.0, ..Default::default() }, "min_p"),
-        (SamplingParams { max_tokens: Some(0), ..Default::default() }, "max_tokens"),
-        (SamplingParams { n: 2, ..Default::default() }, "n"),
+        (
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            "temperature",
+        ),
+        (
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            "top_p",
+        ),
+        (
+            SamplingParams {
+                top_p: 1.5,
+                ..Default::default()
+            },
+            "top_p",
+        ),
+        (
+            SamplingParams {
+                top_k: -5,
+                ..Default::default()
+            },
+            "top_k",
+        ),
+        (
+            SamplingParams {
+                min_p: 2.0,
+                ..Default::default()
+            },
+            "min_p",
+        ),
+        (
+            SamplingParams {
+                max_tokens: Some(0),
+                ..Default::default()
+            },
+            "max_tokens",
+        ),
+        (
+            SamplingParams {
+                n: 2,
+                ..Default::default()
+            },
+            "n",
+        ),
     ] {
         match engine.add_request("Hi".into(), p) {
             Err(RequestError::InvalidParam(e)) => assert_eq!(e.param, param, "{e}"),
             other => panic!("{param}: expected InvalidParam, got {other:?}"),
         }
     }
-    assert!(matches!(engine.add_request(Prompt::Tokens(vec![]), SamplingParams::greedy()), Err(RequestError::InvalidPrompt(_))));
+    assert!(matches!(
+        engine.add_request(Prompt::Tokens(vec![]), SamplingParams::greedy()),
+        Err(RequestError::InvalidPrompt(_))
+    ));
     assert!(matches!(
         engine.add_request(Prompt::Tokens(vec![1, 999_999]), SamplingParams::greedy()),
         Err(RequestError::InvalidPrompt(_))
@@ -162,7 +252,10 @@ fn unavailable_backends_fail_cleanly() {
         .err()
         .unwrap_or_else(|| panic!("backend {b} should not be available in this build"));
         let e = format!("{err:#}");
-        assert!(e.contains("feature") || e.contains("not implemented"), "{b}: {e}");
+        assert!(
+            e.contains("feature") || e.contains("not implemented"),
+            "{b}: {e}"
+        );
     }
     assert!("tpu".parse::<pagoda::BackendKind>().is_err());
 }

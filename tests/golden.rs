@@ -12,14 +12,24 @@ use pagoda::tensor::DType;
 use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
 
 fn entries(model_id: &str) -> Vec<serde_json::Value> {
-    golden()["entries"].as_array().unwrap().iter().filter(|e| e["model"] == model_id).cloned().collect()
+    golden()["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["model"] == model_id)
+        .cloned()
+        .collect()
 }
 
 /// Greedy decoding of every golden prompt of `model_id`, all in one batch.
 fn check_greedy(path: std::path::PathBuf, model_id: &str) {
     let entries = entries(model_id);
     assert!(!entries.is_empty());
-    let mut llm = LLM::new(EngineArgs { model: Some(path), ..Default::default() }).unwrap();
+    let mut llm = LLM::new(EngineArgs {
+        model: Some(path),
+        ..Default::default()
+    })
+    .unwrap();
     let stop = ids(&golden()["models"][model_id]["stop_token_ids"]);
     let mut eos = llm.engine().eos_token_ids().to_vec();
     eos.sort();
@@ -28,13 +38,21 @@ fn check_greedy(path: std::path::PathBuf, model_id: &str) {
         .iter()
         .map(|e| {
             let want = ids(&e["generated_ids"]);
-            let p = SamplingParams { max_tokens: Some(want.len()), ..SamplingParams::greedy() };
+            let p = SamplingParams {
+                max_tokens: Some(want.len()),
+                ..SamplingParams::greedy()
+            };
             (Prompt::Tokens(ids(&e["prompt_ids"])), p)
         })
         .collect();
     let outs = llm.generate_each(reqs).unwrap();
     for (e, o) in entries.iter().zip(&outs) {
-        assert_eq!(o.outputs[0].token_ids, ids(&e["generated_ids"]), "{}", e["name"]);
+        assert_eq!(
+            o.outputs[0].token_ids,
+            ids(&e["generated_ids"]),
+            "{}",
+            e["name"]
+        );
     }
 }
 
@@ -42,7 +60,15 @@ fn check_greedy(path: std::path::PathBuf, model_id: &str) {
 fn check_logits(path: std::path::PathBuf, model_id: &str) {
     let model = load_model(&path).unwrap();
     let be = CpuBackend::new();
-    let llama = Llama::load(&be, &model.config, model.weights.as_ref(), DType::F32, 1024, &mut |_, _| {}).unwrap();
+    let llama = Llama::load(
+        &be,
+        &model.config,
+        model.weights.as_ref(),
+        DType::F32,
+        1024,
+        &mut |_, _| {},
+    )
+    .unwrap();
     let bs = 16;
     let mut kv = KvCache::new(&be, &model.config, 64, bs).unwrap();
     let vocab = model.config.vocab_size;
@@ -53,12 +79,18 @@ fn check_logits(path: std::path::PathBuf, model_id: &str) {
         let table: Vec<u32> = (1..64u32).rev().collect();
         let mut done = 0;
         for (step, want) in e["first_steps"].as_array().unwrap().iter().enumerate() {
-            let toks: Vec<u32> = if step == 0 { prompt.clone() } else { vec![generated[step - 1]] };
+            let toks: Vec<u32> = if step == 0 {
+                prompt.clone()
+            } else {
+                vec![generated[step - 1]]
+            };
             let n = toks.len();
             let input = BatchInput {
                 token_ids: toks,
                 positions: (done..done + n).map(|p| p as u32).collect(),
-                slot_mapping: (done..done + n).map(|p| table[p / bs] * bs as u32 + (p % bs) as u32).collect(),
+                slot_mapping: (done..done + n)
+                    .map(|p| table[p / bs] * bs as u32 + (p % bs) as u32)
+                    .collect(),
                 query_start: vec![0, n as u32],
                 seq_lens: vec![(done + n) as u32],
                 block_tables: table.clone(),
@@ -70,13 +102,25 @@ fn check_logits(path: std::path::PathBuf, model_id: &str) {
             let logits = be_download(&be, &llama.forward(&be, &batch, &mut kv).unwrap());
             assert_eq!(logits.len(), vocab);
             for pair in want["top5"].as_array().unwrap() {
-                let (id, gold) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+                let (id, gold) = (
+                    pair[0].as_u64().unwrap() as usize,
+                    pair[1].as_f64().unwrap(),
+                );
                 let got = logits[id] as f64;
                 let rel = (got - gold).abs() / gold.abs().max(1.0);
-                assert!(rel < 1e-3, "{} step {step} token {id}: logit {got} vs golden {gold}", e["name"]);
+                assert!(
+                    rel < 1e-3,
+                    "{} step {step} token {id}: logit {got} vs golden {gold}",
+                    e["name"]
+                );
             }
             let top = pagoda::backend::argmax(&logits);
-            assert_eq!(top as u64, want["top5"][0][0].as_u64().unwrap(), "{} step {step}", e["name"]);
+            assert_eq!(
+                top as u64,
+                want["top5"][0][0].as_u64().unwrap(),
+                "{} step {step}",
+                e["name"]
+            );
         }
     }
 }

@@ -70,7 +70,9 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend { threads: rayon::current_num_threads() }
+        CpuBackend {
+            threads: rayon::current_num_threads(),
+        }
     }
 }
 
@@ -90,18 +92,38 @@ unsafe impl Sync for SendPtr {}
 const HALF_CHUNK: usize = 64;
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ` with f32 weights, via `gemm`.
-fn gemm_f32(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, out: *mut f32, ldo: usize, par: gemm::Parallelism) {
+fn gemm_f32(
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    out: *mut f32,
+    ldo: usize,
+    par: gemm::Parallelism,
+) {
     // SAFETY: the slices cover m×k and n×k elements (checked by callers); `out` covers m rows
     // of stride `ldo` with n valid columns, and no other task writes those columns.
     unsafe {
         gemm::gemm(
-            m, n, k,
-            out, 1, ldo as isize,
+            m,
+            n,
+            k,
+            out,
+            1,
+            ldo as isize,
             false,
-            x.as_ptr(), 1, k as isize,
-            w.as_ptr(), k as isize, 1,
-            0.0, 1.0,
-            false, false, false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
             par,
         );
     }
@@ -119,15 +141,26 @@ fn matmul_half<T: Copy + Send + Sync>(
     // NOTE: weights stay half in memory; each task widens a slab of HALF_CHUNK output rows of W
     // and multiplies it with gemm, so the f32 copy stays in cache.
     let ptr = SendPtr(out.as_mut_ptr());
-    (0..n.div_ceil(HALF_CHUNK)).into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<f32>, c| {
-        let j0 = c * HALF_CHUNK;
-        let nj = HALF_CHUNK.min(n - j0);
-        buf.clear();
-        buf.extend(w[j0 * k..(j0 + nj) * k].iter().map(|&v| to_f32(v)));
-        let p = ptr;
-        // SAFETY: columns j0..j0+nj of `out` belong to this task only.
-        gemm_f32(x, buf, m, k, nj, unsafe { p.0.add(j0) }, n, gemm::Parallelism::None);
-    });
+    (0..n.div_ceil(HALF_CHUNK))
+        .into_par_iter()
+        .for_each_init(Vec::new, |buf: &mut Vec<f32>, c| {
+            let j0 = c * HALF_CHUNK;
+            let nj = HALF_CHUNK.min(n - j0);
+            buf.clear();
+            buf.extend(w[j0 * k..(j0 + nj) * k].iter().map(|&v| to_f32(v)));
+            let p = ptr;
+            // SAFETY: columns j0..j0+nj of `out` belong to this task only.
+            gemm_f32(
+                x,
+                buf,
+                m,
+                k,
+                nj,
+                unsafe { p.0.add(j0) },
+                n,
+                gemm::Parallelism::None,
+            );
+        });
 }
 
 impl Backend for CpuBackend {
@@ -180,13 +213,22 @@ impl Backend for CpuBackend {
         ensure!(out.len() >= ids.len() * dim, "embedding: output too small");
         let vocab = table.len() / dim;
         for (t, &id) in ids.iter().enumerate() {
-            ensure!((id as usize) < vocab, "token id {id} is outside the vocabulary ({vocab})");
+            ensure!(
+                (id as usize) < vocab,
+                "token id {id} is outside the vocabulary ({vocab})"
+            );
             let src = id as usize * dim..(id as usize + 1) * dim;
             let dst = &mut out[t * dim..(t + 1) * dim];
             match table {
                 CpuBuf::F32(v) => dst.copy_from_slice(&v[src]),
-                CpuBuf::F16(v) => dst.iter_mut().zip(&v[src]).for_each(|(d, s)| *d = s.to_f32()),
-                CpuBuf::BF16(v) => dst.iter_mut().zip(&v[src]).for_each(|(d, s)| *d = s.to_f32()),
+                CpuBuf::F16(v) => dst
+                    .iter_mut()
+                    .zip(&v[src])
+                    .for_each(|(d, s)| *d = s.to_f32()),
+                CpuBuf::BF16(v) => dst
+                    .iter_mut()
+                    .zip(&v[src])
+                    .for_each(|(d, s)| *d = s.to_f32()),
                 CpuBuf::U32(_) => bail!("embedding: table must be a float buffer"),
             }
         }
@@ -205,8 +247,15 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let x = x.f32()?;
         let out = out.f32_mut()?;
-        ensure!(x.len() >= m * k && out.len() >= m * n, "matmul: buffer too small for {m}x{k}x{n}");
-        ensure!(w.len() == n * k, "matmul: weight has {} elements, expected {n}x{k}", w.len());
+        ensure!(
+            x.len() >= m * k && out.len() >= m * n,
+            "matmul: buffer too small for {m}x{k}x{n}"
+        );
+        ensure!(
+            w.len() == n * k,
+            "matmul: weight has {} elements, expected {n}x{k}",
+            w.len()
+        );
         let out = &mut out[..m * n];
         let x = &x[..m * k];
         match w {
@@ -224,8 +273,13 @@ impl Backend for CpuBackend {
         }
         if let Some(b) = bias {
             let b = b.f32()?;
-            ensure!(b.len() == n, "matmul: bias has {} elements, expected {n}", b.len());
-            out.par_chunks_mut(n).for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
+            ensure!(
+                b.len() == n,
+                "matmul: bias has {} elements, expected {n}",
+                b.len()
+            );
+            out.par_chunks_mut(n)
+                .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
         }
         Ok(())
     }
@@ -242,19 +296,31 @@ impl Backend for CpuBackend {
         let x = x.f32()?;
         let w = w.f32()?;
         let out = out.f32_mut()?;
-        ensure!(x.len() >= rows * dim && out.len() >= rows * dim && w.len() == dim, "rms_norm: bad sizes");
-        out[..rows * dim].par_chunks_mut(dim).zip(x[..rows * dim].par_chunks(dim)).for_each(|(o, x)| {
-            let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-            let inv = 1.0 / (ss + eps).sqrt();
-            o.iter_mut().zip(x).zip(w).for_each(|((o, x), w)| *o = x * inv * w);
-        });
+        ensure!(
+            x.len() >= rows * dim && out.len() >= rows * dim && w.len() == dim,
+            "rms_norm: bad sizes"
+        );
+        out[..rows * dim]
+            .par_chunks_mut(dim)
+            .zip(x[..rows * dim].par_chunks(dim))
+            .for_each(|(o, x)| {
+                let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+                let inv = 1.0 / (ss + eps).sqrt();
+                o.iter_mut()
+                    .zip(x)
+                    .zip(w)
+                    .for_each(|((o, x), w)| *o = x * inv * w);
+            });
         Ok(())
     }
 
     fn add_assign(&self, x: &mut CpuBuf, y: &CpuBuf, n: usize) -> Result<()> {
         let x = x.f32_mut()?;
         let y = y.f32()?;
-        ensure!(x.len() >= n && y.len() >= n, "add_assign: buffers too small");
+        ensure!(
+            x.len() >= n && y.len() >= n,
+            "add_assign: buffers too small"
+        );
         x[..n].iter_mut().zip(&y[..n]).for_each(|(a, b)| *a += b);
         Ok(())
     }
@@ -274,37 +340,49 @@ impl Backend for CpuBackend {
         let d = layout.head_dim;
         let half = d / 2;
         let stride = layout.row_len();
-        ensure!(qkv.len() >= rows * stride && pos.len() >= rows, "rope: bad sizes");
+        ensure!(
+            qkv.len() >= rows * stride && pos.len() >= rows,
+            "rope: bad sizes"
+        );
         let max_pos = cos.len() / half;
         if let Some(&p) = pos[..rows].iter().find(|&&p| p as usize >= max_pos) {
             bail!("rope: position {p} is beyond the table ({max_pos})");
         }
         let heads = layout.num_heads + layout.num_kv_heads;
-        qkv[..rows * stride].par_chunks_mut(stride).zip(&pos[..rows]).for_each(|(row, &p)| {
-            let c = &cos[p as usize * half..(p as usize + 1) * half];
-            let s = &sin[p as usize * half..(p as usize + 1) * half];
-            for h in row[..heads * d].chunks_mut(d) {
-                let (a, b) = h.split_at_mut(half);
-                for i in 0..half {
-                    let (x1, x2) = (a[i], b[i]);
-                    a[i] = x1 * c[i] - x2 * s[i];
-                    b[i] = x2 * c[i] + x1 * s[i];
+        qkv[..rows * stride]
+            .par_chunks_mut(stride)
+            .zip(&pos[..rows])
+            .for_each(|(row, &p)| {
+                let c = &cos[p as usize * half..(p as usize + 1) * half];
+                let s = &sin[p as usize * half..(p as usize + 1) * half];
+                for h in row[..heads * d].chunks_mut(d) {
+                    let (a, b) = h.split_at_mut(half);
+                    for i in 0..half {
+                        let (x1, x2) = (a[i], b[i]);
+                        a[i] = x1 * c[i] - x2 * s[i];
+                        b[i] = x2 * c[i] + x1 * s[i];
+                    }
                 }
-            }
-        });
+            });
         Ok(())
     }
 
     fn silu_mul(&self, gate_up: &CpuBuf, rows: usize, ffn: usize, out: &mut CpuBuf) -> Result<()> {
         let gu = gate_up.f32()?;
         let out = out.f32_mut()?;
-        ensure!(gu.len() >= rows * 2 * ffn && out.len() >= rows * ffn, "silu_mul: bad sizes");
-        out[..rows * ffn].par_chunks_mut(ffn).zip(gu.par_chunks(2 * ffn)).for_each(|(o, gu)| {
-            let (g, u) = gu.split_at(ffn);
-            for i in 0..ffn {
-                o[i] = g[i] / (1.0 + (-g[i]).exp()) * u[i];
-            }
-        });
+        ensure!(
+            gu.len() >= rows * 2 * ffn && out.len() >= rows * ffn,
+            "silu_mul: bad sizes"
+        );
+        out[..rows * ffn]
+            .par_chunks_mut(ffn)
+            .zip(gu.par_chunks(2 * ffn))
+            .for_each(|(o, gu)| {
+                let (g, u) = gu.split_at(ffn);
+                for i in 0..ffn {
+                    o[i] = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+                }
+            });
         Ok(())
     }
 
@@ -312,10 +390,16 @@ impl Backend for CpuBackend {
         let x = x.f32()?;
         let rows = rows.u32()?;
         let out = out.f32_mut()?;
-        ensure!(out.len() >= rows.len() * dim, "gather_rows: output too small");
+        ensure!(
+            out.len() >= rows.len() * dim,
+            "gather_rows: output too small"
+        );
         for (i, &r) in rows.iter().enumerate() {
             let r = r as usize;
-            ensure!((r + 1) * dim <= x.len(), "gather_rows: row {r} out of range");
+            ensure!(
+                (r + 1) * dim <= x.len(),
+                "gather_rows: row {r} out of range"
+            );
             out[i * dim..(i + 1) * dim].copy_from_slice(&x[r * dim..(r + 1) * dim]);
         }
         Ok(())
@@ -336,11 +420,17 @@ impl Backend for CpuBackend {
         let (kc, vc) = (k_cache.f32_mut()?, v_cache.f32_mut()?);
         let (d, hkv, bs) = (layout.head_dim, layout.num_kv_heads, kv.block_size);
         let stride = layout.row_len();
-        ensure!(kc.len() == kv.numel() && vc.len() == kv.numel(), "write_kv: cache size mismatch");
+        ensure!(
+            kc.len() == kv.numel() && vc.len() == kv.numel(),
+            "write_kv: cache size mismatch"
+        );
         for t in 0..rows {
             let slot = slots[t] as usize;
             let (block, off) = (slot / bs, slot % bs);
-            ensure!(block < kv.num_blocks, "write_kv: slot {slot} outside the pool");
+            ensure!(
+                block < kv.num_blocks,
+                "write_kv: slot {slot} outside the pool"
+            );
             let row = &qkv[t * stride..(t + 1) * stride];
             let k = &row[layout.q_len()..layout.q_len() + layout.kv_len()];
             let v = &row[layout.q_len() + layout.kv_len()..];
@@ -368,11 +458,19 @@ impl Backend for CpuBackend {
         let (kc, vc) = (k_cache.f32()?, v_cache.f32()?);
         let out = out.f32_mut()?;
         let b = &batch.host;
-        let (d, h, hkv, bs) = (layout.head_dim, layout.num_heads, layout.num_kv_heads, kv.block_size);
+        let (d, h, hkv, bs) = (
+            layout.head_dim,
+            layout.num_heads,
+            layout.num_kv_heads,
+            kv.block_size,
+        );
         let rep = h / hkv;
         let t_rows = b.num_tokens();
         let stride = layout.row_len();
-        ensure!(out.len() >= t_rows * h * d, "paged_attention: output too small");
+        ensure!(
+            out.len() >= t_rows * h * d,
+            "paged_attention: output too small"
+        );
         // Which sequence each row belongs to, and its position.
         let mut row_seq = vec![0usize; t_rows];
         for s in 0..b.num_seqs() {
@@ -386,9 +484,10 @@ impl Backend for CpuBackend {
         }
         // NOTE: one task per (row, kv head): decode of a single sequence still uses every thread
         // when there are several kv heads, and each task reads its K/V block by block.
-        out[..t_rows * h * d].par_chunks_mut(rep * d).enumerate().for_each_init(
-            Vec::new,
-            |scores: &mut Vec<f32>, (task, o)| {
+        out[..t_rows * h * d]
+            .par_chunks_mut(rep * d)
+            .enumerate()
+            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, o)| {
                 let (t, g) = (task / hkv, task % hkv);
                 let s = row_seq[t];
                 let q_end = b.query_start[s + 1] as usize;
@@ -426,8 +525,7 @@ impl Backend for CpuBackend {
                         acc.iter_mut().zip(v).for_each(|(a, v)| *a += p * v);
                     }
                 }
-            },
-        );
+            });
         Ok(())
     }
 }

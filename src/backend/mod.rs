@@ -190,8 +190,13 @@ pub trait Backend: Send + Sync + 'static {
     // ---- dense ops ----------------------------------------------------------------------
 
     /// `out[t, :] = table[ids[t], :]`; table `[vocab, dim]` in any weight dtype.
-    fn embedding(&self, table: &Self::Buf, ids: &Self::Buf, dim: usize, out: &mut Self::Buf)
-    -> Result<()>;
+    fn embedding(
+        &self,
+        table: &Self::Buf,
+        ids: &Self::Buf,
+        dim: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
 
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ + bias[n]`.
     #[allow(clippy::too_many_arguments)]
@@ -233,12 +238,22 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
 
     /// `out[r, i] = silu(gate_up[r, i]) * gate_up[r, ffn + i]`: gate and up projections fused.
-    fn silu_mul(&self, gate_up: &Self::Buf, rows: usize, ffn: usize, out: &mut Self::Buf)
-    -> Result<()>;
+    fn silu_mul(
+        &self,
+        gate_up: &Self::Buf,
+        rows: usize,
+        ffn: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
 
     /// `out[i, :] = x[rows[i], :]` for the rows whose logits are wanted.
-    fn gather_rows(&self, x: &Self::Buf, rows: &Self::Buf, dim: usize, out: &mut Self::Buf)
-    -> Result<()>;
+    fn gather_rows(
+        &self,
+        x: &Self::Buf,
+        rows: &Self::Buf,
+        dim: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
 
     // ---- paged KV cache ----------------------------------------------------------------
 
@@ -276,7 +291,9 @@ pub trait Backend: Send + Sync + 'static {
     /// The default brings the logits to the host; GPU backends may do it on the device.
     fn argmax_rows(&self, logits: &Self::Buf, rows: usize, cols: usize) -> Result<Vec<u32>> {
         let v = self.download_f32(logits)?;
-        Ok((0..rows).map(|r| argmax(&v[r * cols..(r + 1) * cols]) as u32).collect())
+        Ok((0..rows)
+            .map(|r| argmax(&v[r * cols..(r + 1) * cols]) as u32)
+            .collect())
     }
 }
 

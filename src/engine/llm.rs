@@ -35,7 +35,9 @@ pub struct LLM {
 
 impl LLM {
     pub fn new(args: EngineArgs) -> Result<Self> {
-        Ok(LLM { engine: Engine::new(args)? })
+        Ok(LLM {
+            engine: Engine::new(args)?,
+        })
     }
 
     pub fn engine(&mut self) -> &mut Engine {
@@ -45,12 +47,25 @@ impl LLM {
     /// Generates for every prompt, all submitted at once and batched continuously. Outputs come
     /// back in the order of the prompts. A prompt that is refused fails the whole call before
     /// anything runs.
-    pub fn generate<P: Into<Prompt> + Clone>(&mut self, prompts: &[P], params: &SamplingParams) -> Result<Vec<RequestOutput>> {
-        self.generate_each(prompts.iter().cloned().map(|p| (p.into(), params.clone())).collect())
+    pub fn generate<P: Into<Prompt> + Clone>(
+        &mut self,
+        prompts: &[P],
+        params: &SamplingParams,
+    ) -> Result<Vec<RequestOutput>> {
+        self.generate_each(
+            prompts
+                .iter()
+                .cloned()
+                .map(|p| (p.into(), params.clone()))
+                .collect(),
+        )
     }
 
     /// As [`LLM::generate`], with sampling parameters per prompt.
-    pub fn generate_each(&mut self, requests: Vec<(Prompt, SamplingParams)>) -> Result<Vec<RequestOutput>> {
+    pub fn generate_each(
+        &mut self,
+        requests: Vec<(Prompt, SamplingParams)>,
+    ) -> Result<Vec<RequestOutput>> {
         let mut order = Vec::with_capacity(requests.len());
         let mut results: HashMap<RequestId, RequestOutput> = HashMap::new();
         for (prompt, params) in requests {
@@ -68,14 +83,22 @@ impl LLM {
                 }
             };
             order.push(id);
-            let prompt_token_ids = self.engine.scheduler.request(id).map(|r| r.prompt().to_vec()).unwrap_or_default();
-            results.insert(id, RequestOutput {
-                request_id: id,
-                prompt: text,
-                prompt_token_ids,
-                outputs: vec![CompletionOutput::default()],
-                finished: false,
-            });
+            let prompt_token_ids = self
+                .engine
+                .scheduler
+                .request(id)
+                .map(|r| r.prompt().to_vec())
+                .unwrap_or_default();
+            results.insert(
+                id,
+                RequestOutput {
+                    request_id: id,
+                    prompt: text,
+                    prompt_token_ids,
+                    outputs: vec![CompletionOutput::default()],
+                    finished: false,
+                },
+            );
         }
         while self.engine.has_unfinished() {
             let step = match self.engine.step() {
@@ -100,11 +123,18 @@ impl LLM {
                 }
             }
         }
-        Ok(order.into_iter().filter_map(|id| results.remove(&id)).collect())
+        Ok(order
+            .into_iter()
+            .filter_map(|id| results.remove(&id))
+            .collect())
     }
 
     /// Applies the model's chat template and generates the assistant's reply.
-    pub fn chat(&mut self, messages: &[ChatMessage], params: &SamplingParams) -> Result<RequestOutput> {
+    pub fn chat(
+        &mut self,
+        messages: &[ChatMessage],
+        params: &SamplingParams,
+    ) -> Result<RequestOutput> {
         let prompt = self.engine.apply_chat_template(messages)?;
         let mut out = self.generate(&[prompt], params)?;
         out.pop().ok_or_else(|| anyhow::anyhow!("no output"))

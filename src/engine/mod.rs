@@ -12,8 +12,12 @@ use crate::backend::{BackendKind, BatchInput};
 use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{ModelConfig, load_model};
-use crate::sampling::{IncrementalDetokenizer, InvalidParam, SamplingParams, StopChecker, TokenLogprobs, sample};
-use crate::sched::{FinishReason, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy};
+use crate::sampling::{
+    IncrementalDetokenizer, InvalidParam, SamplingParams, StopChecker, TokenLogprobs, sample,
+};
+use crate::sched::{
+    FinishReason, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
+};
 use crate::tensor::DType;
 use anyhow::{Context, Result};
 use rand_chacha::ChaCha8Rng;
@@ -176,8 +180,10 @@ impl Engine {
         let bar = args.progress.then(|| {
             let b = indicatif::ProgressBar::new(cfg.num_layers as u64 + 2);
             b.set_style(
-                indicatif::ProgressStyle::with_template("loading {msg} {bar:40} {pos}/{len} tensors groups")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                indicatif::ProgressStyle::with_template(
+                    "loading {msg} {bar:40} {pos}/{len} tensors groups",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
             b.set_message(model.name.clone());
             b
@@ -214,7 +220,9 @@ impl Engine {
             eff_len
         );
         if eff_len < max_model_len {
-            tracing::warn!("max model len lowered from {max_model_len} to {eff_len}: the KV pool holds no more");
+            tracing::warn!(
+                "max model len lowered from {max_model_len} to {eff_len}: the KV pool holds no more"
+            );
         }
         Ok(Engine {
             runner,
@@ -276,7 +284,11 @@ impl Engine {
     }
 
     /// Validates and queues a request. Nothing is queued when it fails.
-    pub fn add_request(&mut self, prompt: Prompt, params: SamplingParams) -> Result<RequestId, RequestError> {
+    pub fn add_request(
+        &mut self,
+        prompt: Prompt,
+        params: SamplingParams,
+    ) -> Result<RequestId, RequestError> {
         params.validate()?;
         let ids = match prompt {
             Prompt::Text(t) => self.tokenizer.encode(&t).map_err(RequestError::Internal)?,
@@ -317,7 +329,11 @@ impl Engine {
         self.next_id += 1;
         let seed = params.seed.unwrap_or_else(|| self.seed_rng.next_u64());
         let state = RequestState {
-            detok: IncrementalDetokenizer::new(self.tokenizer.clone(), &ids, params.skip_special_tokens),
+            detok: IncrementalDetokenizer::new(
+                self.tokenizer.clone(),
+                &ids,
+                params.skip_special_tokens,
+            ),
             stop: StopChecker::new(&params.stop),
             params,
             seed,
@@ -351,22 +367,42 @@ impl Engine {
 
         // Build the flattened batch (see ARCHITECTURE.md, "One engine step").
         let bs = self.scheduler.kv().block_size();
-        let max_blocks = sched.scheduled.iter().map(|s| s.block_table.len()).max().unwrap_or(1);
-        let mut input = BatchInput { max_blocks, ..Default::default() };
+        let max_blocks = sched
+            .scheduled
+            .iter()
+            .map(|s| s.block_table.len())
+            .max()
+            .unwrap_or(1);
+        let mut input = BatchInput {
+            max_blocks,
+            ..Default::default()
+        };
         input.query_start.push(0);
         let mut sampling = Vec::new();
         for s in &sched.scheduled {
-            let req = self.scheduler.request(s.id).context("scheduled request is unknown")?;
+            let req = self
+                .scheduler
+                .request(s.id)
+                .context("scheduled request is unknown")?;
             let range = s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens;
-            input.token_ids.extend_from_slice(&req.tokens[range.clone()]);
+            input
+                .token_ids
+                .extend_from_slice(&req.tokens[range.clone()]);
             for pos in range {
                 input.positions.push(pos as u32);
-                input.slot_mapping.push(s.block_table[pos / bs] * bs as u32 + (pos % bs) as u32);
+                input
+                    .slot_mapping
+                    .push(s.block_table[pos / bs] * bs as u32 + (pos % bs) as u32);
             }
             input.query_start.push(input.token_ids.len() as u32);
-            input.seq_lens.push((s.num_computed_tokens + s.num_new_tokens) as u32);
+            input
+                .seq_lens
+                .push((s.num_computed_tokens + s.num_new_tokens) as u32);
             input.block_tables.extend_from_slice(&s.block_table);
-            input.block_tables.extend(std::iter::repeat_n(NULL_BLOCK, max_blocks - s.block_table.len()));
+            input.block_tables.extend(std::iter::repeat_n(
+                NULL_BLOCK,
+                max_blocks - s.block_table.len(),
+            ));
             if s.sample {
                 input.logits_rows.push(input.token_ids.len() as u32 - 1);
                 sampling.push(s.id);
@@ -379,10 +415,20 @@ impl Engine {
         let mut sampled = HashMap::new();
         let mut logprobs = HashMap::new();
         for (i, id) in sampling.iter().enumerate() {
-            let req = self.scheduler.request(*id).context("sampled request is unknown")?;
+            let req = self
+                .scheduler
+                .request(*id)
+                .context("sampled request is unknown")?;
             let st = &self.states[id];
             let row = &logits[i * vocab..(i + 1) * vocab];
-            let tok = sample(row, &st.params, req.prompt(), req.output(), st.seed, req.output().len());
+            let tok = sample(
+                row,
+                &st.params,
+                req.prompt(),
+                req.output(),
+                st.seed,
+                req.output().len(),
+            );
             sampled.insert(*id, tok.token_id);
             if let Some(lp) = tok.logprobs {
                 logprobs.insert(*id, lp);
@@ -393,7 +439,10 @@ impl Engine {
         let mut outputs = Vec::with_capacity(events.len());
         for ev in events {
             self.stats.generated_tokens += 1;
-            let st = self.states.get_mut(&ev.id).context("request state is missing")?;
+            let st = self
+                .states
+                .get_mut(&ev.id)
+                .context("request state is missing")?;
             let delta = st.detok.push(ev.token)?;
             let (mut text, stopped) = st.stop.push(&delta);
             let mut finish = ev.finished;
@@ -404,7 +453,10 @@ impl Engine {
             } else if finish.is_some() {
                 text.push_str(&st.stop.flush());
             }
-            let req = self.scheduler.request(ev.id).context("request is unknown")?;
+            let req = self
+                .scheduler
+                .request(ev.id)
+                .context("request is unknown")?;
             outputs.push(StepOutput {
                 request_id: ev.id,
                 new_token_ids: vec![ev.token],

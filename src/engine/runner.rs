@@ -2,7 +2,9 @@
 //! paged KV pool, and runs one flattened batch per step. Everything behind the object-safe
 //! [`ModelRunner`] trait, so the engine above it is not generic.
 
-use crate::backend::{Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, HipBackend, WgpuBackend};
+use crate::backend::{
+    Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, HipBackend, WgpuBackend,
+};
 use crate::models::config::Arch;
 use crate::models::llama::{KvCache, Llama};
 use crate::models::{LoadedModel, ModelConfig};
@@ -129,8 +131,15 @@ fn build<B: Backend>(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn ModelRunner>> {
     let cfg = &model.config;
-    let llama = Llama::load(&backend, cfg, model.weights.as_ref(), args.dtype, args.max_model_len, progress)
-        .with_context(|| format!("loading {}", model.path.display()))?;
+    let llama = Llama::load(
+        &backend,
+        cfg,
+        model.weights.as_ref(),
+        args.dtype,
+        args.max_model_len,
+        progress,
+    )
+    .with_context(|| format!("loading {}", model.path.display()))?;
     let wbytes = weight_bytes(cfg, args.dtype);
     let per_block = KvCache::<B>::bytes_per_block(cfg, args.block_size) as u64;
     let budget = match args.kv_budget {
@@ -143,9 +152,14 @@ fn build<B: Backend>(
                 .device_memory()
                 .or_else(system_memory_bytes)
                 .context("cannot tell how much memory this device has; pass --kv-cache-memory")?;
-            ((total as f64 * f) as u64).checked_sub(wbytes).with_context(|| {
-                format!("the weights ({} MiB) leave no room for a KV cache in {f} of the memory", wbytes >> 20)
-            })?
+            ((total as f64 * f) as u64)
+                .checked_sub(wbytes)
+                .with_context(|| {
+                    format!(
+                        "the weights ({} MiB) leave no room for a KV cache in {f} of the memory",
+                        wbytes >> 20
+                    )
+                })?
         }
         None => match backend.device_memory() {
             Some(total) => ((total as f64 * 0.9) as u64).saturating_sub(wbytes),
@@ -161,5 +175,11 @@ fn build<B: Backend>(
     }
     let kv = KvCache::new(&backend, cfg, num_blocks, args.block_size)
         .with_context(|| format!("allocating a KV pool of {num_blocks} blocks"))?;
-    Ok(Box::new(Runner { backend, model: llama, kv, weight_bytes: wbytes, kv_bytes: num_blocks as u64 * per_block }))
+    Ok(Box::new(Runner {
+        backend,
+        model: llama,
+        kv,
+        weight_bytes: wbytes,
+        kv_bytes: num_blocks as u64 * per_block,
+    }))
 }

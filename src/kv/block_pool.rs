@@ -30,7 +30,10 @@ pub struct BlockPool {
 impl BlockPool {
     /// A pool of `num_blocks` blocks, block 0 reserved as the null block.
     pub fn new(num_blocks: usize) -> Self {
-        assert!(num_blocks >= 2, "a KV pool needs at least 2 blocks (one is the null block)");
+        assert!(
+            num_blocks >= 2,
+            "a KV pool needs at least 2 blocks (one is the null block)"
+        );
         assert!(num_blocks < NIL as usize, "too many KV blocks");
         let n = num_blocks;
         let mut pool = BlockPool {

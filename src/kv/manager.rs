@@ -33,7 +33,11 @@ struct Table {
 impl KvCacheManager {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         assert!(block_size > 0);
-        KvCacheManager { pool: BlockPool::new(num_blocks), block_size, tables: HashMap::new() }
+        KvCacheManager {
+            pool: BlockPool::new(num_blocks),
+            block_size,
+            tables: HashMap::new(),
+        }
     }
 
     pub fn block_size(&self) -> usize {
@@ -82,7 +86,10 @@ impl KvCacheManager {
     }
 
     pub fn block_table(&self, request_id: u64) -> &[BlockId] {
-        self.tables.get(&request_id).map(|t| t.blocks.as_slice()).unwrap_or(&[])
+        self.tables
+            .get(&request_id)
+            .map(|t| t.blocks.as_slice())
+            .unwrap_or(&[])
     }
 
     pub fn num_requests(&self) -> usize {
@@ -97,7 +104,11 @@ impl KvCacheManager {
             blocks_used: used,
             blocks_free: self.pool.num_free(),
             tokens_stored: tokens,
-            utilization: if used == 0 { 1.0 } else { tokens as f64 / (used * self.block_size) as f64 },
+            utilization: if used == 0 {
+                1.0
+            } else {
+                tokens as f64 / (used * self.block_size) as f64
+            },
             usage: used as f64 / self.pool.num_usable() as f64,
         }
     }
@@ -108,14 +119,21 @@ impl KvCacheManager {
         let n = self.pool.num_blocks();
         let mut owners = vec![0u32; n];
         for t in self.tables.values() {
-            assert!(t.blocks.len() * self.block_size >= t.num_tokens, "table too short");
+            assert!(
+                t.blocks.len() * self.block_size >= t.num_tokens,
+                "table too short"
+            );
             for &b in &t.blocks {
                 assert_ne!(b, super::NULL_BLOCK, "null block in a block table");
                 owners[b as usize] += 1;
             }
         }
         let free = self.pool.free_blocks();
-        assert_eq!(free.len(), self.pool.num_free(), "free count disagrees with free list");
+        assert_eq!(
+            free.len(),
+            self.pool.num_free(),
+            "free count disagrees with free list"
+        );
         let mut is_free = vec![false; n];
         for b in free {
             assert!(!is_free[b as usize], "block {b} twice in the free list");
@@ -123,10 +141,18 @@ impl KvCacheManager {
         }
         for b in 1..n {
             let rc = self.pool.ref_count(b as BlockId);
-            assert_eq!(rc, owners[b], "block {b}: ref count {rc} but {} owners", owners[b]);
+            assert_eq!(
+                rc, owners[b],
+                "block {b}: ref count {rc} but {} owners",
+                owners[b]
+            );
             // NOTE: without sharing (not implemented yet) a block has at most one owner.
             assert!(owners[b] <= 1, "block {b} owned {} times", owners[b]);
-            assert_eq!(is_free[b], rc == 0, "block {b}: free-list membership disagrees with rc");
+            assert_eq!(
+                is_free[b],
+                rc == 0,
+                "block {b}: free-list membership disagrees with rc"
+            );
         }
     }
 }

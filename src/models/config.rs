@@ -60,14 +60,14 @@ impl ModelConfig {
         if c.hidden_size == 0 || c.num_layers == 0 || c.num_heads == 0 || c.num_kv_heads == 0 {
             bail!("config has a zero size: {c:?}");
         }
-        if c.num_heads % c.num_kv_heads != 0 {
+        if !c.num_heads.is_multiple_of(c.num_kv_heads) {
             bail!(
                 "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 c.num_heads,
                 c.num_kv_heads
             );
         }
-        if c.head_dim == 0 || c.head_dim % 2 != 0 {
+        if c.head_dim == 0 || !c.head_dim.is_multiple_of(2) {
             bail!("head_dim must be even and non-zero, got {}", c.head_dim);
         }
         if c.vocab_size == 0 || c.intermediate_size == 0 {
@@ -102,9 +102,7 @@ impl ModelConfig {
             "llama" | "mistral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "" => bail!("config.json has no model_type"),
-            other => bail!(
-                "unknown architecture '{other}' (supported: llama, mistral, qwen2)"
-            ),
+            other => bail!("unknown architecture '{other}' (supported: llama, mistral, qwen2)"),
         };
         if model_type == "mistral" && !v["sliding_window"].is_null() {
             // NOTE: a sliding window changes which keys a query sees; running it as full attention
@@ -122,7 +120,10 @@ impl ModelConfig {
         };
         let hidden_size = req("hidden_size")?;
         let num_heads = req("num_attention_heads")?;
-        let num_kv_heads = v["num_key_value_heads"].as_u64().map(|x| x as usize).unwrap_or(num_heads);
+        let num_kv_heads = v["num_key_value_heads"]
+            .as_u64()
+            .map(|x| x as usize)
+            .unwrap_or(num_heads);
         let head_dim = match v["head_dim"].as_u64() {
             Some(d) => d as usize,
             None => hidden_size / num_heads.max(1),
@@ -130,7 +131,10 @@ impl ModelConfig {
         let rope_scaling = match &v["rope_scaling"] {
             Value::Null => None,
             s => {
-                let ty = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or_default();
+                let ty = s["rope_type"]
+                    .as_str()
+                    .or(s["type"].as_str())
+                    .unwrap_or_default();
                 match ty {
                     "llama3" => Some(Llama3RopeScaling {
                         factor: s["factor"].as_f64().context("rope_scaling.factor")?,
@@ -138,7 +142,8 @@ impl ModelConfig {
                         high_freq_factor: s["high_freq_factor"].as_f64().unwrap_or(4.0),
                         original_max_position_embeddings: s["original_max_position_embeddings"]
                             .as_u64()
-                            .unwrap_or(8192) as usize,
+                            .unwrap_or(8192)
+                            as usize,
                     }),
                     "default" | "" => None,
                     other => bail!("rope_scaling of type '{other}' is not supported (only llama3)"),
@@ -147,7 +152,11 @@ impl ModelConfig {
         };
         let eos_token_ids = match &v["eos_token_id"] {
             Value::Number(n) => vec![n.as_u64().unwrap_or(0) as u32],
-            Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+            Value::Array(a) => a
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect(),
             _ => vec![],
         };
         let c = ModelConfig {

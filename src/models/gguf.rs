@@ -232,7 +232,20 @@ impl GgmlType {
         use GgmlType::*;
         matches!(
             self,
-            F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_NL | IQ4_XS
+            F32 | F16
+                | BF16
+                | Q4_0
+                | Q4_1
+                | Q5_0
+                | Q5_1
+                | Q8_0
+                | Q2_K
+                | Q3_K
+                | Q4_K
+                | Q5_K
+                | Q6_K
+                | IQ4_NL
+                | IQ4_XS
         )
     }
 }
@@ -404,7 +417,10 @@ impl<'a> Reader<'a> {
             VT_STRING => GgufValue::String(self.string(what)?),
             VT_ARRAY => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    bail!("{} nests arrays deeper than {MAX_ARRAY_DEPTH} levels", what());
+                    bail!(
+                        "{} nests arrays deeper than {MAX_ARRAY_DEPTH} levels",
+                        what()
+                    );
                 }
                 let et = self.u32(&|| format!("the element type of {}", what()))?;
                 let Some(min) = min_value_size(et) else {
@@ -443,7 +459,12 @@ impl GgufFile {
             mmap,
             version: parsed.version,
             metadata: parsed.metadata,
-            by_name: parsed.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect(),
+            by_name: parsed
+                .tensors
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.name.clone(), i))
+                .collect(),
             tensors: parsed.tensors,
         })
     }
@@ -472,15 +493,15 @@ impl GgufFile {
 
     /// `general.architecture`.
     pub fn architecture(&self) -> Result<&str> {
+        self.arch_str().map_err(|e| in_file(&self.path, e))
+    }
+
+    fn arch_str(&self) -> Result<&str> {
         match self.metadata.get("general.architecture") {
             Some(v) => v.as_str().ok_or_else(|| {
-                anyhow!(
-                    "{}: general.architecture is a {}, not a string",
-                    self.path.display(),
-                    v.type_name()
-                )
+                anyhow!("general.architecture is a {}, not a string", v.type_name())
             }),
-            None => bail!("{}: no general.architecture in the metadata", self.path.display()),
+            None => bail!("no general.architecture in the metadata"),
         }
     }
 
@@ -490,7 +511,7 @@ impl GgufFile {
     }
 
     fn config_inner(&self) -> Result<ModelConfig> {
-        let arch_name = self.architecture().map_err(|e| anyhow!("{e:#}"))?.to_owned();
+        let arch_name = self.arch_str()?.to_owned();
         let arch = match arch_name.as_str() {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
@@ -521,12 +542,19 @@ impl GgufFile {
         let opt_u32 = |k: &str| -> Result<Option<u32>> {
             match opt_usize(k)? {
                 None => Ok(None),
-                Some(x) => Ok(Some(
-                    u32::try_from(x).map_err(|_| anyhow!("metadata '{k}' = {x} is not a token id"))?,
-                )),
+                Some(x) => {
+                    Ok(Some(u32::try_from(x).map_err(|_| {
+                        anyhow!("metadata '{k}' = {x} is not a token id")
+                    })?))
+                }
             }
         };
 
+        if let Some(n) = opt_usize(&format!("{a}.expert_count"))?
+            && n > 0
+        {
+            bail!("mixture-of-experts models ({a}.expert_count = {n}) are not supported");
+        }
         let hidden_size = req_usize(&format!("{a}.embedding_length"))?;
         let num_heads = req_usize(&format!("{a}.attention.head_count"))?;
         let num_kv_heads = opt_usize(&format!("{a}.attention.head_count_kv"))?.unwrap_or(num_heads);
@@ -543,15 +571,19 @@ impl GgufFile {
         if let Some(rd) = opt_usize(&format!("{a}.rope.dimension_count"))?
             && rd != head_dim
         {
-            bail!("partial rotary embeddings (rope.dimension_count {rd}, head_dim {head_dim}) are not supported");
+            bail!(
+                "partial rotary embeddings (rope.dimension_count {rd}, head_dim {head_dim}) are not supported"
+            );
         }
         let rope_theta = opt_f64(&format!("{a}.rope.freq_base"))?.unwrap_or(10000.0);
         let vocab_size = match self.metadata.get("tokenizer.ggml.tokens") {
-            Some(v) => {
-                v.as_array().ok_or_else(|| anyhow!("tokenizer.ggml.tokens is not an array"))?.len()
-            }
-            None => opt_usize(&format!("{a}.vocab_size"))?
-                .ok_or_else(|| anyhow!("metadata has neither tokenizer.ggml.tokens nor {a}.vocab_size"))?,
+            Some(v) => v
+                .as_array()
+                .ok_or_else(|| anyhow!("tokenizer.ggml.tokens is not an array"))?
+                .len(),
+            None => opt_usize(&format!("{a}.vocab_size"))?.ok_or_else(|| {
+                anyhow!("metadata has neither tokenizer.ggml.tokens nor {a}.vocab_size")
+            })?,
         };
         let rope_scaling = self.rope_scaling(a, head_dim, rope_theta)?;
         let bos_token_id = opt_u32("tokenizer.ggml.bos_token_id")?;
@@ -574,7 +606,8 @@ impl GgufFile {
             head_dim,
             vocab_size,
             max_position_embeddings: opt_usize(&format!("{a}.context_length"))?.unwrap_or(4096),
-            rms_norm_eps: opt_f64(&format!("{a}.attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
+            rms_norm_eps: opt_f64(&format!("{a}.attention.layer_norm_rms_epsilon"))?
+                .unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
             tie_word_embeddings: !self.by_name.contains_key("output.weight"),
@@ -590,10 +623,19 @@ impl GgufFile {
     /// recognised from a `rope_freqs.weight` tensor (what llama.cpp's converter stores for
     /// Llama 3.1+), which must match the Llama 3 formula with the usual low/high frequency
     /// factors 1 and 4 and original context 8192.
-    fn rope_scaling(&self, a: &str, head_dim: usize, theta: f64) -> Result<Option<Llama3RopeScaling>> {
+    fn rope_scaling(
+        &self,
+        a: &str,
+        head_dim: usize,
+        theta: f64,
+    ) -> Result<Option<Llama3RopeScaling>> {
         let key = |k: &str| format!("{a}.rope.scaling.{k}");
         let num = |k: &str| self.metadata.get(&key(k)).and_then(GgufValue::as_f64);
-        let ty = self.metadata.get(&key("type")).and_then(GgufValue::as_str).unwrap_or("none");
+        let ty = self
+            .metadata
+            .get(&key("type"))
+            .and_then(GgufValue::as_str)
+            .unwrap_or("none");
         let from_keys = match ty {
             "none" => None,
             "llama3" => Some(Llama3RopeScaling {
@@ -614,7 +656,11 @@ impl GgufFile {
         };
         let factors = self.load_gguf_tensor(info)?;
         if factors.len() * 2 != head_dim || factors.is_empty() {
-            bail!("rope_freqs.weight has {} entries, expected head_dim/2 = {}", factors.len(), head_dim / 2);
+            bail!(
+                "rope_freqs.weight has {} entries, expected head_dim/2 = {}",
+                factors.len(),
+                head_dim / 2
+            );
         }
         if factors.iter().all(|&f| f == 1.0) {
             return Ok(None);
@@ -650,9 +696,13 @@ impl GgufFile {
         let Some(info) = self.tensor_info(&gguf_name) else {
             return Ok(None);
         };
-        self.load_hf(info, permute)
-            .map(Some)
-            .map_err(|e| anyhow!("{}: tensor '{}' ({hf_name}): {e:#}", self.path.display(), info.name))
+        self.load_hf(info, permute).map(Some).map_err(|e| {
+            anyhow!(
+                "{}: tensor '{}' ({hf_name}): {e:#}",
+                self.path.display(),
+                info.name
+            )
+        })
     }
 
     fn load_hf(&self, info: &TensorInfo, permute: Option<QkPermute>) -> Result<HostTensor> {
@@ -664,7 +714,7 @@ impl GgufFile {
             .collect::<Result<Vec<usize>>>()?;
         let mut data = self.load_gguf_tensor(info)?;
         if let Some(which) = permute
-            && self.architecture().ok() == Some("llama")
+            && self.arch_str().ok() == Some("llama")
         {
             let a = "llama";
             let heads_key = match which {
@@ -680,7 +730,8 @@ impl GgufFile {
                     .ok_or_else(|| anyhow!("metadata lacks {a}.attention.head_count"))?,
                 None => bail!("metadata lacks {heads_key}"),
             };
-            let n_head = usize::try_from(n_head).map_err(|_| anyhow!("{heads_key} is too large"))?;
+            let n_head =
+                usize::try_from(n_head).map_err(|_| anyhow!("{heads_key} is too large"))?;
             let rows = shape.first().copied().unwrap_or(0);
             let cols = shape.iter().skip(1).product::<usize>();
             data = unpermute_rows(&data, rows, cols, n_head)?;
@@ -692,8 +743,13 @@ impl GgufFile {
     fn load_gguf_tensor(&self, info: &TensorInfo) -> Result<Vec<f32>> {
         // Both were checked against the file size at open.
         let start = usize::try_from(info.offset)?;
-        let end = start.checked_add(usize::try_from(info.n_bytes)?).context("tensor range overflows")?;
-        let bytes = self.mmap.get(start..end).context("tensor data outside the file")?;
+        let end = start
+            .checked_add(usize::try_from(info.n_bytes)?)
+            .context("tensor range overflows")?;
+        let bytes = self
+            .mmap
+            .get(start..end)
+            .context("tensor data outside the file")?;
         let n = usize::try_from(info.n_elements())?;
         dequantize(info.ty, bytes, n)
     }
@@ -713,19 +769,30 @@ impl GgufFile {
         use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
         use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
-        let model = self.metadata.get("tokenizer.ggml.model").and_then(GgufValue::as_str);
+        let model = self
+            .metadata
+            .get("tokenizer.ggml.model")
+            .and_then(GgufValue::as_str);
         match model {
             Some("gpt2") => {}
-            Some(other) => bail!("tokenizer model '{other}' is not supported yet (only 'gpt2', byte-level BPE)"),
+            Some(other) => bail!(
+                "tokenizer model '{other}' is not supported yet (only 'gpt2', byte-level BPE)"
+            ),
             None => bail!("no tokenizer in the metadata (tokenizer.ggml.model is missing)"),
         }
-        let pre = self.metadata.get("tokenizer.ggml.pre").and_then(GgufValue::as_str).unwrap_or("default");
+        let pre = self
+            .metadata
+            .get("tokenizer.ggml.pre")
+            .and_then(GgufValue::as_str)
+            .unwrap_or("default");
         let tokens = self.string_array("tokenizer.ggml.tokens")?;
         let merges = self.string_array("tokenizer.ggml.merges")?;
         let types: Vec<i64> = match self.metadata.get("tokenizer.ggml.token_type") {
             None => vec![1; tokens.len()],
             Some(v) => {
-                let a = v.as_array().ok_or_else(|| anyhow!("tokenizer.ggml.token_type is not an array"))?;
+                let a = v
+                    .as_array()
+                    .ok_or_else(|| anyhow!("tokenizer.ggml.token_type is not an array"))?;
                 let t = a
                     .iter()
                     .map(|x| match *x {
@@ -747,14 +814,20 @@ impl GgufFile {
         if u32::try_from(tokens.len()).is_err() {
             bail!("vocabulary of {} tokens is too large", tokens.len());
         }
-        let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), i as u32))
+            .collect();
         let merges = merges
             .iter()
             .enumerate()
             .map(|(i, m)| {
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| anyhow!("tokenizer.ggml.merges[{i}] = {m:?} is not a space-separated pair"))
+                    .ok_or_else(|| {
+                        anyhow!("tokenizer.ggml.merges[{i}] = {m:?} is not a space-separated pair")
+                    })
             })
             .collect::<Result<Vec<_>>>()?;
         let bpe = BPE::builder()
@@ -774,8 +847,12 @@ impl GgufFile {
             }
             "qwen2" => {
                 let pat = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-                let split = Split::new(SplitPattern::Regex(pat.to_string()), SplitDelimiterBehavior::Isolated, false)
-                    .map_err(|e| anyhow!("cannot build the qwen2 pre-tokenizer: {e}"))?;
+                let split = Split::new(
+                    SplitPattern::Regex(pat.to_string()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(|e| anyhow!("cannot build the qwen2 pre-tokenizer: {e}"))?;
                 tk.with_normalizer(Some(NFC))
                     .map_err(|e| anyhow!("cannot set the normalizer: {e}"))?;
                 tk.with_pre_tokenizer(Some(Sequence::new(vec![
@@ -787,7 +864,9 @@ impl GgufFile {
             "default" | "gpt2" | "gpt-2" => {
                 tk.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
             }
-            other => bail!("tokenizer pre-tokenizer '{other}' (tokenizer.ggml.pre) is not supported yet"),
+            other => {
+                bail!("tokenizer pre-tokenizer '{other}' (tokenizer.ggml.pre) is not supported yet")
+            }
         }
         tk.with_decoder(Some(ByteLevel::default()));
         tk.with_post_processor(Some(ByteLevel::default().trim_offsets(false)));
@@ -798,32 +877,51 @@ impl GgufFile {
             .map(|(tok, &t)| AddedToken::from(tok.to_string(), t == 3).normalized(false))
             .collect();
         // Their ids are already in the vocabulary, so they keep them.
-        tk.add_tokens(added).map_err(|e| anyhow!("cannot add the special tokens: {e}"))?;
+        tk.add_tokens(added)
+            .map_err(|e| anyhow!("cannot add the special tokens: {e}"))?;
         Ok(tk)
     }
 
     fn string_array(&self, key: &str) -> Result<Vec<&str>> {
-        let v = self.metadata.get(key).ok_or_else(|| anyhow!("metadata lacks '{key}'"))?;
-        let a = v.as_array().ok_or_else(|| anyhow!("'{key}' is a {}, not an array", v.type_name()))?;
+        let v = self
+            .metadata
+            .get(key)
+            .ok_or_else(|| anyhow!("metadata lacks '{key}'"))?;
+        let a = v
+            .as_array()
+            .ok_or_else(|| anyhow!("'{key}' is a {}, not an array", v.type_name()))?;
         a.iter()
             .enumerate()
-            .map(|(i, x)| x.as_str().ok_or_else(|| anyhow!("'{key}'[{i}] is a {}, not a string", x.type_name())))
+            .map(|(i, x)| {
+                x.as_str()
+                    .ok_or_else(|| anyhow!("'{key}'[{i}] is a {}, not a string", x.type_name()))
+            })
             .collect()
     }
 
     /// `tokenizer.chat_template`.
     pub fn chat_template(&self) -> Option<String> {
-        self.metadata.get("tokenizer.chat_template").and_then(GgufValue::as_str).map(str::to_owned)
+        self.metadata
+            .get("tokenizer.chat_template")
+            .and_then(GgufValue::as_str)
+            .map(str::to_owned)
     }
 
     /// The text of token `id` in `tokenizer.ggml.tokens` (byte-level BPE form, e.g. `Ġthe`).
     pub fn token_text(&self, id: u32) -> Option<&str> {
-        self.metadata.get("tokenizer.ggml.tokens")?.as_array()?.get(id as usize)?.as_str()
+        self.metadata
+            .get("tokenizer.ggml.tokens")?
+            .as_array()?
+            .get(id as usize)?
+            .as_str()
     }
 
     /// `tokenizer.ggml.add_bos_token` (false when absent).
     pub fn add_bos_token(&self) -> bool {
-        self.metadata.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(false)
+        self.metadata
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(GgufValue::as_bool)
+            .unwrap_or(false)
     }
 }
 
@@ -847,7 +945,9 @@ fn parse(data: &[u8]) -> Result<Parsed> {
     match version {
         2 | 3 => {}
         v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => {
-            bail!("unsupported GGUF version {v}: this is a big-endian GGUF file, only little-endian is supported")
+            bail!(
+                "unsupported GGUF version {v}: this is a big-endian GGUF file, only little-endian is supported"
+            )
         }
         v => bail!("unsupported GGUF version {v} (supported: 2, 3)"),
     }
@@ -920,14 +1020,18 @@ fn parse(data: &[u8]) -> Result<Parsed> {
             .filter(|&n| n <= i64::MAX as u64)
             .ok_or_else(|| anyhow!("tensor '{name}' has an absurd shape {dims:?}"))?;
         let ne0 = dims.first().copied().unwrap_or(1);
-        if ne0 % block as u64 != 0 {
-            bail!("tensor '{name}' of type {ty}: its first dimension {ne0} is not a multiple of the block size {block}");
+        if !ne0.is_multiple_of(block as u64) {
+            bail!(
+                "tensor '{name}' of type {ty}: its first dimension {ne0} is not a multiple of the block size {block}"
+            );
         }
         let n_bytes = (n_elements / block as u64)
             .checked_mul(type_size as u64)
             .ok_or_else(|| anyhow!("tensor '{name}' is too large"))?;
-        if rel % alignment != 0 {
-            bail!("tensor '{name}' has offset {rel}, which is not a multiple of the alignment {alignment}");
+        if !rel.is_multiple_of(alignment) {
+            bail!(
+                "tensor '{name}' has offset {rel}, which is not a multiple of the alignment {alignment}"
+            );
         }
         let offset = data_start.checked_add(rel);
         let end = offset.and_then(|o| o.checked_add(n_bytes));
@@ -947,7 +1051,11 @@ fn parse(data: &[u8]) -> Result<Parsed> {
             ),
         }
     }
-    Ok(Parsed { version, metadata, tensors })
+    Ok(Parsed {
+        version,
+        metadata,
+        tensors,
+    })
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -996,8 +1104,10 @@ fn gguf_name_for(hf: &str) -> Option<(String, Option<QkPermute>)> {
 /// within each of the `n_head` heads of `rows / n_head` rows, GGUF row `2j + t` is HF row
 /// `t * half + j`. `data` is `rows x cols`, row-major.
 fn unpermute_rows(data: &[f32], rows: usize, cols: usize, n_head: usize) -> Result<Vec<f32>> {
-    if n_head == 0 || rows % n_head != 0 || (rows / n_head) % 2 != 0 {
-        bail!("cannot undo the Q/K permutation: {rows} rows do not split into {n_head} heads of even size");
+    if n_head == 0 || !rows.is_multiple_of(n_head) || !(rows / n_head).is_multiple_of(2) {
+        bail!(
+            "cannot undo the Q/K permutation: {rows} rows do not split into {n_head} heads of even size"
+        );
     }
     if rows.checked_mul(cols) != Some(data.len()) {
         bail!("internal: {} values for a {rows}x{cols} tensor", data.len());
@@ -1028,7 +1138,8 @@ fn llama3_rope_factors(s: &Llama3RopeScaling, head_dim: usize, theta: f64) -> Ve
             } else if wavelen > low_wavelen {
                 s.factor
             } else {
-                let smooth = (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                let smooth = (old_ctx / wavelen - s.low_freq_factor)
+                    / (s.high_freq_factor - s.low_freq_factor);
                 1.0 / ((1.0 - smooth) / s.factor + smooth)
             }
         })
@@ -1040,7 +1151,9 @@ fn llama3_rope_factors(s: &Llama3RopeScaling, head_dim: usize, theta: f64) -> Ve
 // `gguf.quants`), with the same f32 operations in the same order, so results are bit-exact.
 
 /// The non-uniform 4-bit levels of IQ4_NL / IQ4_XS.
-const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+const IQ4_LEVELS: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 
 #[inline(always)]
 fn f16_at(b: &[u8], i: usize) -> f32 {
@@ -1256,14 +1369,17 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f3
         bail!("tensor type {ty} is not supported (cannot dequantize it)");
     }
     let (block, type_size) = ty.block_layout();
-    if n_elements % block != 0 {
+    if !n_elements.is_multiple_of(block) {
         bail!("{n_elements} values of type {ty} are not a whole number of blocks of {block}");
     }
     let need = (n_elements / block)
         .checked_mul(type_size)
         .ok_or_else(|| anyhow!("{n_elements} values of type {ty} are too many"))?;
     if data.len() != need {
-        bail!("{n_elements} values of type {ty} take {need} bytes, but {} were given", data.len());
+        bail!(
+            "{n_elements} values of type {ty} take {need} bytes, but {} were given",
+            data.len()
+        );
     }
     let mut out = vec![0f32; n_elements];
     use GgmlType::*;
@@ -1313,7 +1429,12 @@ mod tests {
 
     impl Writer {
         fn new() -> Self {
-            Writer { version: 3, alignment: 32, kvs: vec![], tensors: vec![] }
+            Writer {
+                version: 3,
+                alignment: 32,
+                kvs: vec![],
+                tensors: vec![],
+            }
         }
         fn kv(mut self, k: &str, vt: u32, bytes: Vec<u8>) -> Self {
             self.kvs.push((k.to_string(), vt, bytes));
@@ -1345,7 +1466,8 @@ mod tests {
             self.kv(k, VT_ARRAY, b)
         }
         fn tensor(mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Self {
-            self.tensors.push((name.to_string(), dims.to_vec(), ty, data));
+            self.tensors
+                .push((name.to_string(), dims.to_vec(), ty, data));
             self
         }
         fn f32_tensor(self, name: &str, dims: &[u64], f: impl Fn(usize) -> f32) -> Self {
@@ -1422,7 +1544,9 @@ mod tests {
         for r in 0..K_ROWS {
             k_data.extend(q8_0_block(0.25, |c| k_quant(r, c)));
         }
-        let v_data: Vec<u8> = (0..K_ROWS).flat_map(|r| q8_0_block(-1.5, |c| (c as i8) - (r as i8))).collect();
+        let v_data: Vec<u8> = (0..K_ROWS)
+            .flat_map(|r| q8_0_block(-1.5, |c| (c as i8) - (r as i8)))
+            .collect();
         Writer::new()
             .str("general.architecture", arch)
             .str("general.name", "tiny")
@@ -1456,7 +1580,12 @@ mod tests {
     /// GGUF row `2 * r` in the first half of the head and `2 * (r - hd/2) + 1` in the second.
     fn gguf_row_of_hf_row(r: usize, hd: usize) -> usize {
         let (h, i) = (r / hd, r % hd);
-        h * hd + if i < hd / 2 { 2 * i } else { 2 * (i - hd / 2) + 1 }
+        h * hd
+            + if i < hd / 2 {
+                2 * i
+            } else {
+                2 * (i - hd / 2) + 1
+            }
     }
 
     // ---- dequantization against gguf.quants ----------------------------------------------
@@ -1490,11 +1619,17 @@ mod tests {
                 .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
                 .collect();
             assert!(expected.len() >= 200, "{name}: fixture too small");
-            assert!(expected.iter().any(|&x| x != 0.0), "{name}: fixture is all zeros");
+            assert!(
+                expected.iter().any(|&x| x != 0.0),
+                "{name}: fixture is all zeros"
+            );
             let got = dequantize(ty, &raw, expected.len()).unwrap();
             assert_eq!(got.len(), expected.len());
             for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-                assert!(g.to_bits() == e.to_bits(), "{name}[{i}]: got {g}, expected {e} (gguf.quants)");
+                assert!(
+                    g.to_bits() == e.to_bits(),
+                    "{name}[{i}]: got {g}, expected {e} (gguf.quants)"
+                );
             }
         }
     }
@@ -1514,13 +1649,22 @@ mod tests {
 
     #[test]
     fn dequantize_rejects_bad_sizes_and_unsupported_types() {
-        let e = dequantize(GgmlType::Q8_0, &[0u8; 34], 31).unwrap_err().to_string();
+        let e = dequantize(GgmlType::Q8_0, &[0u8; 34], 31)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a whole number of blocks"), "{e}");
-        let e = dequantize(GgmlType::Q8_0, &[0u8; 33], 32).unwrap_err().to_string();
+        let e = dequantize(GgmlType::Q8_0, &[0u8; 33], 32)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("take 34 bytes, but 33"), "{e}");
-        let e = dequantize(GgmlType::Q8_K, &[0u8; 292], 256).unwrap_err().to_string();
+        let e = dequantize(GgmlType::Q8_K, &[0u8; 292], 256)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("tensor type Q8_K is not supported"), "{e}");
-        assert_eq!(dequantize(GgmlType::F32, &[], 0).unwrap(), Vec::<f32>::new());
+        assert_eq!(
+            dequantize(GgmlType::F32, &[], 0).unwrap(),
+            Vec::<f32>::new()
+        );
     }
 
     #[test]
@@ -1547,7 +1691,10 @@ mod tests {
         assert_eq!(g.tensors().len(), 7);
         assert_eq!(g.metadata()["general.name"].as_str(), Some("tiny"));
         let k = g.tensor_info("blk.0.attn_k.weight").unwrap();
-        assert_eq!((k.ty, k.dims.clone(), k.n_bytes), (GgmlType::Q8_0, vec![32, 16], 16 * 34));
+        assert_eq!(
+            (k.ty, k.dims.clone(), k.n_bytes),
+            (GgmlType::Q8_0, vec![32, 16], 16 * 34)
+        );
         assert_eq!(k.offset % 32, 0);
 
         let c = g.config().unwrap();
@@ -1574,7 +1721,10 @@ mod tests {
         let emb = g.tensor("model.embed_tokens.weight").unwrap().unwrap();
         assert_eq!(emb.shape, vec![8, 32]);
         assert_eq!(emb.data[33], 16.5);
-        let down = g.tensor("model.layers.0.mlp.down_proj.weight").unwrap().unwrap();
+        let down = g
+            .tensor("model.layers.0.mlp.down_proj.weight")
+            .unwrap()
+            .unwrap();
         assert_eq!(down.shape, vec![32, 64]);
         assert_eq!(down.data[64 * 3 + 5], -(64.0 * 3.0 + 5.0));
         let norm = g.tensor("model.norm.weight").unwrap().unwrap();
@@ -1582,33 +1732,53 @@ mod tests {
         assert_eq!(norm.data[32 - 1], 1.0 + 31.0 / 64.0);
 
         // Q: F32 with value = GGUF row * 32 + col; 4 heads of 8 rows.
-        let q = g.tensor("model.layers.0.self_attn.q_proj.weight").unwrap().unwrap();
+        let q = g
+            .tensor("model.layers.0.self_attn.q_proj.weight")
+            .unwrap()
+            .unwrap();
         assert_eq!(q.shape, vec![32, 32]);
         for r in 0..32 {
             let src = gguf_row_of_hf_row(r, 8);
             for c in 0..32 {
-                assert_eq!(q.data[r * 32 + c], (src * 32 + c) as f32, "q row {r} col {c}");
+                assert_eq!(
+                    q.data[r * 32 + c],
+                    (src * 32 + c) as f32,
+                    "q row {r} col {c}"
+                );
             }
         }
         // e.g. head 0: HF rows 0..8 come from GGUF rows 0,2,4,6,1,3,5,7
         assert_eq!(q.data[32], (2 * 32) as f32);
         assert_eq!(q.data[4 * 32], 32.0);
-        let qb = g.tensor("model.layers.0.self_attn.q_proj.bias").unwrap().unwrap();
+        let qb = g
+            .tensor("model.layers.0.self_attn.q_proj.bias")
+            .unwrap()
+            .unwrap();
         assert_eq!(qb.shape, vec![32]);
         for r in 0..32 {
             assert_eq!(qb.data[r], 1000.0 + gguf_row_of_hf_row(r, 8) as f32);
         }
         // K: Q8_0, 2 KV heads of 8 rows.
-        let k = g.tensor("model.layers.0.self_attn.k_proj.weight").unwrap().unwrap();
+        let k = g
+            .tensor("model.layers.0.self_attn.k_proj.weight")
+            .unwrap()
+            .unwrap();
         assert_eq!(k.shape, vec![16, 32]);
         for r in 0..K_ROWS {
             let src = gguf_row_of_hf_row(r, 8);
             for c in 0..32 {
-                assert_eq!(k.data[r * 32 + c], 0.25 * k_quant(src, c) as f32, "k row {r} col {c}");
+                assert_eq!(
+                    k.data[r * 32 + c],
+                    0.25 * k_quant(src, c) as f32,
+                    "k row {r} col {c}"
+                );
             }
         }
         // V: not permuted.
-        let v = g.tensor("model.layers.0.self_attn.v_proj.weight").unwrap().unwrap();
+        let v = g
+            .tensor("model.layers.0.self_attn.v_proj.weight")
+            .unwrap()
+            .unwrap();
         assert_eq!(v.shape, vec![16, 32]);
         assert_eq!(v.data[3 * 32 + 10], -1.5 * (10.0 - 3.0));
 
@@ -1645,9 +1815,15 @@ mod tests {
         let c = g.config().unwrap();
         assert_eq!(c.arch, Arch::Qwen2);
         assert!(c.attention_bias);
-        let q = g.tensor("model.layers.0.self_attn.q_proj.weight").unwrap().unwrap();
+        let q = g
+            .tensor("model.layers.0.self_attn.q_proj.weight")
+            .unwrap()
+            .unwrap();
         assert!(q.data.iter().enumerate().all(|(i, &x)| x == i as f32));
-        let k = g.tensor("model.layers.0.self_attn.k_proj.weight").unwrap().unwrap();
+        let k = g
+            .tensor("model.layers.0.self_attn.k_proj.weight")
+            .unwrap()
+            .unwrap();
         assert_eq!(k.data[32 + 1], 0.25 * k_quant(1, 1) as f32);
     }
 
@@ -1683,7 +1859,11 @@ mod tests {
 
         let w = synthetic("llama").f32_tensor("rope_freqs.weight", &[4], |i| f[i] as f32 * 1.5);
         let t = write_tmp(&w.bytes());
-        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err().to_string();
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .config()
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("does not match Llama 3 RoPE scaling"), "{e}");
 
         let w = synthetic("llama")
@@ -1691,13 +1871,28 @@ mod tests {
             .f32("llama.rope.scaling.factor", 8.0)
             .u32("llama.rope.scaling.original_context_length", 4096);
         let t = write_tmp(&w.bytes());
-        let rs = GgufFile::open(&t.path).unwrap().config().unwrap().rope_scaling.unwrap();
-        assert_eq!((rs.factor, rs.original_max_position_embeddings), (8.0, 4096));
+        let rs = GgufFile::open(&t.path)
+            .unwrap()
+            .config()
+            .unwrap()
+            .rope_scaling
+            .unwrap();
+        assert_eq!(
+            (rs.factor, rs.original_max_position_embeddings),
+            (8.0, 4096)
+        );
 
         let w = synthetic("llama").str("llama.rope.scaling.type", "yarn");
         let t = write_tmp(&w.bytes());
-        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err().to_string();
-        assert!(e.contains("RoPE scaling of type 'yarn' is not supported"), "{e}");
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .config()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("RoPE scaling of type 'yarn' is not supported"),
+            "{e}"
+        );
     }
 
     // ---- malformed files -----------------------------------------------------------------
@@ -1716,7 +1911,10 @@ mod tests {
             let mut w = synthetic("llama");
             w.version = v;
             let (e, path) = open_err(&w.bytes());
-            assert!(e.contains(&path) && e.contains(&format!("unsupported GGUF version {v}")), "{e}");
+            assert!(
+                e.contains(&path) && e.contains(&format!("unsupported GGUF version {v}")),
+                "{e}"
+            );
         }
     }
 
@@ -1736,7 +1934,10 @@ mod tests {
         // The last tensor (output_norm.weight, 128 bytes) loses its end.
         let (e, path) = open_err(&b[..b.len() - 10]);
         assert!(e.contains(&path), "{e}");
-        assert!(e.contains("tensor 'output_norm.weight'") && e.contains("truncated"), "{e}");
+        assert!(
+            e.contains("tensor 'output_norm.weight'") && e.contains("truncated"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1744,7 +1945,10 @@ mod tests {
         let w = synthetic("llama").tensor("blk.0.ffn_up.weight", &[32, 2], 99, vec![0; 256]);
         let (e, path) = open_err(&w.bytes());
         assert!(e.contains(&path), "{e}");
-        assert!(e.contains("tensor 'blk.0.ffn_up.weight' has the unknown tensor type id 99"), "{e}");
+        assert!(
+            e.contains("tensor 'blk.0.ffn_up.weight' has the unknown tensor type id 99"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1753,9 +1957,15 @@ mod tests {
         let w = synthetic("llama").tensor("blk.0.ffn_norm.weight", &[256], 15, vec![0; 292]);
         let t = write_tmp(&w.bytes());
         let g = GgufFile::open(&t.path).unwrap();
-        let e = g.tensor("model.layers.0.post_attention_layernorm.weight").unwrap_err().to_string();
+        let e = g
+            .tensor("model.layers.0.post_attention_layernorm.weight")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(&t.path.display().to_string()), "{e}");
-        assert!(e.contains("blk.0.ffn_norm.weight") && e.contains("tensor type Q8_K is not supported"), "{e}");
+        assert!(
+            e.contains("blk.0.ffn_norm.weight") && e.contains("tensor type Q8_K is not supported"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1766,12 +1976,32 @@ mod tests {
             assert_eq!(g.architecture().unwrap(), arch);
             let e = g.config().unwrap_err().to_string();
             assert!(e.contains(&t.path.display().to_string()), "{e}");
-            assert!(e.contains(&format!("unknown architecture '{arch}' (supported: llama, qwen2)")), "{e}");
+            assert!(
+                e.contains(&format!(
+                    "unknown architecture '{arch}' (supported: llama, qwen2)"
+                )),
+                "{e}"
+            );
         }
         let w = Writer::new().u32("general.alignment", 32);
         let t = write_tmp(&w.bytes());
-        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err().to_string();
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .config()
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no general.architecture"), "{e}");
+        let path = t.path.display().to_string();
+        assert_eq!(e.matches(&path).count(), 1, "{e}");
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .architecture()
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            format!("{path}: no general.architecture in the metadata")
+        );
     }
 
     #[test]
@@ -1779,15 +2009,33 @@ mod tests {
         // 3 KV heads do not divide 4 heads: ModelConfig::validate must run.
         let w = synthetic("llama").u32("llama.attention.head_count_kv", 3);
         let mut w2 = w.clone();
-        w2.kvs.retain(|(k, _, v)| k != "llama.attention.head_count_kv" || v == &3u32.to_le_bytes());
+        w2.kvs
+            .retain(|(k, _, v)| k != "llama.attention.head_count_kv" || v == &3u32.to_le_bytes());
         let t = write_tmp(&w2.bytes());
-        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err().to_string();
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .config()
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a multiple of num_key_value_heads"), "{e}");
+        // Mixture of experts (Mixtral is stored as arch llama).
+        let w = synthetic("llama").u32("llama.expert_count", 8);
+        let t = write_tmp(&w.bytes());
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .config()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mixture-of-experts"), "{e}");
         // A missing required key.
         let mut w3 = synthetic("llama");
         w3.kvs.retain(|(k, _, _)| k != "llama.block_count");
         let t = write_tmp(&w3.bytes());
-        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err().to_string();
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .config()
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("llama.block_count"), "{e}");
     }
 
@@ -1808,9 +2056,16 @@ mod tests {
         arr.extend((1u64 << 62).to_le_bytes());
         let w = Writer::new().kv("tokenizer.ggml.tokens", VT_ARRAY, arr);
         let (e, _) = open_err(&w.bytes());
-        assert!(e.contains("element count of metadata 'tokenizer.ggml.tokens'"), "{e}");
+        assert!(
+            e.contains("element count of metadata 'tokenizer.ggml.tokens'"),
+            "{e}"
+        );
         // a string claiming 2^63 bytes
-        let w = Writer::new().kv("general.name", VT_STRING, (1u64 << 63).to_le_bytes().to_vec());
+        let w = Writer::new().kv(
+            "general.name",
+            VT_STRING,
+            (1u64 << 63).to_le_bytes().to_vec(),
+        );
         let (e, _) = open_err(&w.bytes());
         assert!(e.contains("length of metadata 'general.name'"), "{e}");
         // a tensor whose dims overflow
@@ -1830,13 +2085,22 @@ mod tests {
         assert!(e.contains("duplicate metadata key 'general.name'"), "{e}");
         let w = synthetic("llama").f32_tensor("output_norm.weight", &[32], |_| 0.0);
         let (e, _) = open_err(&w.bytes());
-        assert!(e.contains("duplicate tensor name 'output_norm.weight'"), "{e}");
+        assert!(
+            e.contains("duplicate tensor name 'output_norm.weight'"),
+            "{e}"
+        );
         let w = synthetic("llama").u32("general.alignment", 24);
         let (e, _) = open_err(&w.bytes());
-        assert!(e.contains("general.alignment must be a power of two"), "{e}");
+        assert!(
+            e.contains("general.alignment must be a power of two"),
+            "{e}"
+        );
         let w = synthetic("llama").kv("x", 13, vec![0; 8]);
         let (e, _) = open_err(&w.bytes());
-        assert!(e.contains("metadata 'x' has the unknown value type 13"), "{e}");
+        assert!(
+            e.contains("metadata 'x' has the unknown value type 13"),
+            "{e}"
+        );
         let w = synthetic("llama").kv("x", VT_STRING, [enc_str("").as_slice(), &[]].concat());
         assert!(GgufFile::open(&write_tmp(&w.bytes()).path).is_ok());
         let mut bad = 2u64.to_le_bytes().to_vec();
@@ -1867,21 +2131,40 @@ mod tests {
         w.kvs.retain(|(k, _, _)| k != "tokenizer.ggml.model");
         let w = w.str("tokenizer.ggml.model", "llama");
         let t = write_tmp(&w.bytes());
-        let e = GgufFile::open(&t.path).unwrap().tokenizer().unwrap_err().to_string();
-        assert!(e.contains(&t.path.display().to_string()) && e.contains("tokenizer model 'llama' is not supported yet"), "{e}");
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .tokenizer()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&t.path.display().to_string())
+                && e.contains("tokenizer model 'llama' is not supported yet"),
+            "{e}"
+        );
 
         let mut w = synthetic("llama");
         w.kvs.retain(|(k, _, _)| k != "tokenizer.ggml.pre");
         let w = w.str("tokenizer.ggml.pre", "deepseek-llm");
         let t = write_tmp(&w.bytes());
-        let e = GgufFile::open(&t.path).unwrap().tokenizer().unwrap_err().to_string();
-        assert!(e.contains("'deepseek-llm'") && e.contains("not supported yet"), "{e}");
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .tokenizer()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("'deepseek-llm'") && e.contains("not supported yet"),
+            "{e}"
+        );
 
         let mut w = synthetic("llama");
         w.kvs.retain(|(k, _, _)| k != "tokenizer.ggml.merges");
         let w = w.strs("tokenizer.ggml.merges", &["ab"]);
         let t = write_tmp(&w.bytes());
-        let e = GgufFile::open(&t.path).unwrap().tokenizer().unwrap_err().to_string();
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .tokenizer()
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a space-separated pair"), "{e}");
     }
 

@@ -11,13 +11,13 @@ use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail};
 
 struct Layer<B: Backend> {
-    attn_norm: B::Buf, // [hidden] f32
-    wqkv: B::Buf,      // [(H + 2 Hkv) D, hidden]: q, k and v projections stacked
+    attn_norm: B::Buf,    // [hidden] f32
+    wqkv: B::Buf,         // [(H + 2 Hkv) D, hidden]: q, k and v projections stacked
     bqkv: Option<B::Buf>, // [(H + 2 Hkv) D] f32 (Qwen2)
-    wo: B::Buf,        // [hidden, H D]
-    mlp_norm: B::Buf,  // [hidden] f32
-    w_gate_up: B::Buf, // [2 F, hidden]: gate and up projections stacked
-    w_down: B::Buf,    // [hidden, F]
+    wo: B::Buf,           // [hidden, H D]
+    mlp_norm: B::Buf,     // [hidden] f32
+    w_gate_up: B::Buf,    // [2 F, hidden]: gate and up projections stacked
+    w_down: B::Buf,       // [hidden, F]
 }
 
 /// The paged K and V caches of every layer: `[num_blocks, Hkv, block_size, D]` each.
@@ -28,8 +28,18 @@ pub struct KvCache<B: Backend> {
 }
 
 impl<B: Backend> KvCache<B> {
-    pub fn new(backend: &B, cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Result<Self> {
-        let layout = KvLayout { num_blocks, block_size, num_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
+    pub fn new(
+        backend: &B,
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self> {
+        let layout = KvLayout {
+            num_blocks,
+            block_size,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
         let mut k = Vec::with_capacity(cfg.num_layers);
         let mut v = Vec::with_capacity(cfg.num_layers);
         for _ in 0..cfg.num_layers {
@@ -47,7 +57,7 @@ impl<B: Backend> KvCache<B> {
 
 pub struct Llama<B: Backend> {
     pub cfg: ModelConfig,
-    embed: B::Buf,           // [vocab, hidden]
+    embed: B::Buf, // [vocab, hidden]
     layers: Vec<Layer<B>>,
     norm: B::Buf,            // [hidden] f32
     lm_head: Option<B::Buf>, // [vocab, hidden]; None when tied to `embed`
@@ -59,9 +69,15 @@ pub struct Llama<B: Backend> {
 
 /// Loads a tensor and checks its shape against what the config implies.
 fn fetch(src: &dyn WeightSource, name: &str, shape: &[usize]) -> Result<HostTensor> {
-    let t = src.get(name)?.with_context(|| format!("the model has no tensor '{name}'"))?;
+    let t = src
+        .get(name)?
+        .with_context(|| format!("the model has no tensor '{name}'"))?;
     if t.shape != shape {
-        bail!("tensor '{name}' has shape {:?} but the config implies {:?}", t.shape, shape);
+        bail!(
+            "tensor '{name}' has shape {:?} but the config implies {:?}",
+            t.shape,
+            shape
+        );
     }
     Ok(t)
 }
@@ -113,7 +129,13 @@ impl<B: Backend> Llama<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = cfg;
-        let (h, hkv, d, hid, f) = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size);
+        let (h, hkv, d, hid, f) = (
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.hidden_size,
+            c.intermediate_size,
+        );
         let total = c.num_layers + 2;
         let up = |t: &HostTensor, dt: DType| backend.upload_weight(t, dt);
         let embed_t = fetch(src, "model.embed_tokens.weight", &[c.vocab_size, hid])?;
@@ -160,7 +182,11 @@ impl<B: Backend> Llama<B> {
         } else {
             match src.get("lm_head.weight")? {
                 Some(t) if t.shape == [c.vocab_size, hid] => Some(up(&t, dtype)?),
-                Some(t) => bail!("tensor 'lm_head.weight' has shape {:?}, expected {:?}", t.shape, [c.vocab_size, hid]),
+                Some(t) => bail!(
+                    "tensor 'lm_head.weight' has shape {:?}, expected {:?}",
+                    t.shape,
+                    [c.vocab_size, hid]
+                ),
                 // NOTE: some checkpoints omit lm_head although the config says untied.
                 None => None,
             }
@@ -194,18 +220,30 @@ impl<B: Backend> Llama<B> {
     }
 
     fn qkv_layout(&self) -> QkvLayout {
-        QkvLayout { num_heads: self.cfg.num_heads, num_kv_heads: self.cfg.num_kv_heads, head_dim: self.cfg.head_dim }
+        QkvLayout {
+            num_heads: self.cfg.num_heads,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
     }
 
     /// Runs every layer over the whole flattened batch and returns the logits of the rows in
     /// `batch.logits_rows`, as a device buffer `[R, vocab]`.
-    pub fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
+    pub fn forward(
+        &self,
+        backend: &B,
+        batch: &DeviceBatch<B>,
+        kv: &mut KvCache<B>,
+    ) -> Result<B::Buf> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
         let r = batch.host.logits_rows.len();
         if let Some(&p) = batch.host.positions.iter().max() {
             if p as usize >= self.max_positions {
-                bail!("position {p} is beyond the maximum model length {}", self.max_positions);
+                bail!(
+                    "position {p} is beyond the maximum model length {}",
+                    self.max_positions
+                );
             }
         }
         let (hid, f) = (c.hidden_size, c.intermediate_size);
@@ -224,9 +262,26 @@ impl<B: Backend> Llama<B> {
         for (l, w) in self.layers.iter().enumerate() {
             backend.rms_norm(&x, &w.attn_norm, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.wqkv, w.bqkv.as_ref(), t, hid, ql.row_len(), &mut qkv)?;
-            backend.rope(&mut qkv, &batch.positions, &self.rope_cos, &self.rope_sin, t, ql)?;
-            backend.write_kv(&qkv, &batch.slot_mapping, t, ql, &mut kv.k[l], &mut kv.v[l], kv.layout)?;
-            backend.paged_attention(&qkv, &kv.k[l], &kv.v[l], batch, ql, kv.layout, scale, &mut attn)?;
+            backend.rope(
+                &mut qkv,
+                &batch.positions,
+                &self.rope_cos,
+                &self.rope_sin,
+                t,
+                ql,
+            )?;
+            backend.write_kv(
+                &qkv,
+                &batch.slot_mapping,
+                t,
+                ql,
+                &mut kv.k[l],
+                &mut kv.v[l],
+                kv.layout,
+            )?;
+            backend.paged_attention(
+                &qkv, &kv.k[l], &kv.v[l], batch, ql, kv.layout, scale, &mut attn,
+            )?;
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut h)?;
             backend.add_assign(&mut x, &h, t * hid)?;
             backend.rms_norm(&x, &w.mlp_norm, t, hid, eps, &mut h)?;

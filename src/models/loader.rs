@@ -47,8 +47,10 @@ impl SafetensorsWeights {
             let map = v["weight_map"]
                 .as_object()
                 .with_context(|| format!("{} has no weight_map", index_path.display()))?;
-            let mut files: Vec<String> =
-                map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+            let mut files: Vec<String> = map
+                .values()
+                .filter_map(|f| f.as_str().map(String::from))
+                .collect();
             files.sort();
             files.dedup();
             files.into_iter().map(|f| dir.join(f)).collect()
@@ -64,9 +66,11 @@ impl SafetensorsWeights {
             let f = File::open(&p).with_context(|| format!("cannot open {}", p.display()))?;
             // SAFETY: the file is opened read-only; a change of the file under us while mapped
             // is outside what we can guard against (as with every mmap-based loader).
-            let mmap = unsafe { Mmap::map(&f) }.with_context(|| format!("cannot map {}", p.display()))?;
-            let st = SafeTensors::deserialize(&mmap)
-                .map_err(|e| anyhow::anyhow!("{} is not a valid safetensors file: {e}", p.display()))?;
+            let mmap =
+                unsafe { Mmap::map(&f) }.with_context(|| format!("cannot map {}", p.display()))?;
+            let st = SafeTensors::deserialize(&mmap).map_err(|e| {
+                anyhow::anyhow!("{} is not a valid safetensors file: {e}", p.display())
+            })?;
             for name in st.names() {
                 index.insert(name.to_string(), i);
             }
@@ -78,17 +82,33 @@ impl SafetensorsWeights {
 
 impl WeightSource for SafetensorsWeights {
     fn get(&self, name: &str) -> Result<Option<HostTensor>> {
-        let Some(&i) = self.index.get(name) else { return Ok(None) };
+        let Some(&i) = self.index.get(name) else {
+            return Ok(None);
+        };
         let (path, mmap) = &self.files[i];
         let st = SafeTensors::deserialize(mmap)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let t = st.tensor(name).map_err(|e| anyhow::anyhow!("{}: {name}: {e}", path.display()))?;
+        let t = st
+            .tensor(name)
+            .map_err(|e| anyhow::anyhow!("{}: {name}: {e}", path.display()))?;
         let b = t.data();
         let data: Vec<f32> = match t.dtype() {
-            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Dtype::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            Dtype::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            other => bail!("{}: tensor {name} has dtype {other:?} (supported: F32, F16, BF16)", path.display()),
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Dtype::F16 => b
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => b
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            other => bail!(
+                "{}: tensor {name} has dtype {other:?} (supported: F32, F16, BF16)",
+                path.display()
+            ),
         };
         Ok(Some(HostTensor::new(t.shape().to_vec(), data)))
     }
@@ -111,12 +131,22 @@ pub struct LoadedModel {
 /// End-of-turn tokens of common chat formats. NOTE: chat models end a turn with these while their
 /// config names only one EOS (SmolLM2: `<|im_end|>`, while `<|endoftext|>` ends documents);
 /// llama.cpp stops on the same set.
-const END_OF_GENERATION_TOKENS: &[&str] =
-    &["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>"];
+const END_OF_GENERATION_TOKENS: &[&str] = &[
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+];
 
 fn end_of_generation_ids(mut ids: Vec<u32>, tokenizer: &Tokenizer) -> Vec<u32> {
     ids.extend(tokenizer.eos_token_id());
-    ids.extend(END_OF_GENERATION_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)));
+    ids.extend(
+        END_OF_GENERATION_TOKENS
+            .iter()
+            .filter_map(|t| tokenizer.token_to_id(t)),
+    );
     ids.sort();
     ids.dedup();
     ids
@@ -147,7 +177,9 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
         let mut eos = config.eos_token_ids.clone();
         match &generation_defaults["eos_token_id"] {
             serde_json::Value::Number(n) => eos.extend(n.as_u64().map(|x| x as u32)),
-            serde_json::Value::Array(a) => eos.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
+            serde_json::Value::Array(a) => {
+                eos.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32))
+            }
             _ => {}
         }
         let eos = end_of_generation_ids(eos, &tokenizer);
@@ -162,17 +194,23 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
         })
     } else {
         let g = GgufFile::open(path)?;
-        let config = g.config().with_context(|| format!("in {}", path.display()))?;
+        let config = g
+            .config()
+            .with_context(|| format!("in {}", path.display()))?;
         let text = |id: Option<u32>| id.and_then(|i| g.token_text(i)).map(String::from);
         let tokenizer = Tokenizer::from_parts(
-            g.tokenizer().with_context(|| format!("tokenizer of {}", path.display()))?,
+            g.tokenizer()
+                .with_context(|| format!("tokenizer of {}", path.display()))?,
             g.chat_template(),
             text(config.bos_token_id),
             text(config.eos_token_ids.first().copied()),
-            g.metadata().get("tokenizer.ggml.add_bos_token").and_then(|v| match v {
-                super::gguf::GgufValue::Bool(b) => Some(*b),
-                _ => None,
-            }) == Some(true),
+            g.metadata()
+                .get("tokenizer.ggml.add_bos_token")
+                .and_then(|v| match v {
+                    super::gguf::GgufValue::Bool(b) => Some(*b),
+                    _ => None,
+                })
+                == Some(true),
         );
         let eos = end_of_generation_ids(config.eos_token_ids.clone(), &tokenizer);
         Ok(LoadedModel {

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::path::Path;
+use std::sync::OnceLock;
 
 use anyhow::{Context, anyhow, bail};
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value, context};
@@ -33,7 +34,12 @@ pub struct Tokenizer {
     add_bos_token: bool,
     bos_id: Option<u32>,
     eos_id: Option<u32>,
+    /// The chat template compiled on first use (or why it does not compile).
+    chat_env: OnceLock<Result<Environment<'static>, String>>,
 }
+
+/// Name of the chat template in its environment.
+const CHAT_TEMPLATE: &str = "chat_template";
 
 impl fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -48,7 +54,11 @@ impl fmt::Debug for Tokenizer {
 }
 
 /// `tokenizer_config.json` token fields are a string or an AddedToken object `{"content": ...}`.
-fn token_field(config: &serde_json::Map<String, Json>, key: &str, path: &Path) -> anyhow::Result<Option<String>> {
+fn token_field(
+    config: &serde_json::Map<String, Json>,
+    key: &str,
+    path: &Path,
+) -> anyhow::Result<Option<String>> {
     match config.get(key) {
         None | Some(Json::Null) => Ok(None),
         Some(Json::String(s)) => Ok(Some(s.clone())),
@@ -67,7 +77,10 @@ fn token_field(config: &serde_json::Map<String, Json>, key: &str, path: &Path) -
 }
 
 /// `chat_template` is a string, or a list of `{"name", "template"}` of which we take "default".
-fn chat_template_field(config: &serde_json::Map<String, Json>, path: &Path) -> anyhow::Result<Option<String>> {
+fn chat_template_field(
+    config: &serde_json::Map<String, Json>,
+    path: &Path,
+) -> anyhow::Result<Option<String>> {
     match config.get("chat_template") {
         None | Some(Json::Null) => Ok(None),
         Some(Json::String(s)) => Ok(Some(s.clone())),
@@ -185,6 +198,7 @@ impl Tokenizer {
             add_bos_token,
             bos_id,
             eos_id,
+            chat_env: OnceLock::new(),
         }
     }
 
@@ -268,9 +282,13 @@ impl Tokenizer {
                  tokenizer_config.json or the GGUF metadata); send a plain prompt instead"
             );
         };
-        let env = jinja_environment()?;
+        let env = self
+            .chat_env
+            .get_or_init(|| chat_environment(source))
+            .as_ref()
+            .map_err(|e| anyhow!("the chat template does not compile: {e}"))?;
         let template = env
-            .template_from_named_str("chat_template", source)
+            .get_template(CHAT_TEMPLATE)
             .map_err(|e| anyhow!("the chat template does not compile: {}", jinja_error(&e)))?;
         let messages: Vec<Value> = messages
             .iter()
@@ -303,20 +321,26 @@ fn jinja_error(e: &JinjaError) -> String {
     out
 }
 
-/// The Jinja environment HF renders chat templates in.
-fn jinja_environment() -> anyhow::Result<Environment<'static>> {
+/// The Jinja environment HF renders chat templates in (`trim_blocks`, `lstrip_blocks`, Python
+/// string methods, `raise_exception`), holding the compiled chat template.
+fn chat_environment(source: &str) -> Result<Environment<'static>, String> {
     let mut env = Environment::new();
     let syntax = minijinja::syntax::SyntaxConfig::builder()
         .trim_blocks(true)
         .lstrip_blocks(true)
         .build()
-        .map_err(|e| anyhow!("configuring the template syntax: {e}"))?;
+        .map_err(|e| jinja_error(&e))?;
     env.set_syntax(syntax);
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> Result<Value, JinjaError> {
-        Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
-    });
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<Value, JinjaError> {
+            Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+        },
+    );
+    env.add_template_owned(CHAT_TEMPLATE, source.to_string())
+        .map_err(|e| jinja_error(&e))?;
     Ok(env)
 }
 
@@ -397,6 +421,12 @@ pub(crate) mod tests {
                 "add_bos_token": false, "chat_template": {}{extra}}}"#,
             serde_json::to_string(template).unwrap()
         )
+    }
+
+    #[test]
+    fn tokenizer_is_shareable_across_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
     }
 
     #[test]
@@ -522,10 +552,14 @@ pub(crate) mod tests {
             .to_string();
         assert!(err.contains("no chat template"), "{err}");
         // chat_template.jinja is picked up when the config has none.
-        std::fs::write(dir.path().join("chat_template.jinja"), "J{{ add_generation_prompt }}")
-            .unwrap();
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "J{{ add_generation_prompt }}",
+        )
+        .unwrap();
         let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
-        assert_eq!(tok.apply_chat_template(&[], true).unwrap(), "Jtrue");
+        // Booleans print the Python way, as in HF's Jinja.
+        assert_eq!(tok.apply_chat_template(&[], true).unwrap(), "JTrue");
     }
 
     #[test]
@@ -540,19 +574,31 @@ pub(crate) mod tests {
     fn missing_or_invalid_files_are_named() {
         let dir = tempfile::tempdir().unwrap();
         let err = format!("{:#}", Tokenizer::from_hf_dir(dir.path()).unwrap_err());
-        assert!(err.contains("tokenizer.json") && err.contains("not found"), "{err}");
+        assert!(
+            err.contains("tokenizer.json") && err.contains("not found"),
+            "{err}"
+        );
 
         std::fs::write(dir.path().join("tokenizer.json"), "{ not json").unwrap();
         let err = format!("{:#}", Tokenizer::from_hf_dir(dir.path()).unwrap_err());
-        assert!(err.contains("tokenizer.json") && err.contains("not a valid tokenizer"), "{err}");
+        assert!(
+            err.contains("tokenizer.json") && err.contains("not a valid tokenizer"),
+            "{err}"
+        );
 
         let dir = write_dir(Some("{ nope"));
         let err = format!("{:#}", Tokenizer::from_hf_dir(dir.path()).unwrap_err());
-        assert!(err.contains("tokenizer_config.json") && err.contains("invalid JSON"), "{err}");
+        assert!(
+            err.contains("tokenizer_config.json") && err.contains("invalid JSON"),
+            "{err}"
+        );
 
         let dir = write_dir(Some(r#"{"add_bos_token": "yes"}"#));
         let err = format!("{:#}", Tokenizer::from_hf_dir(dir.path()).unwrap_err());
-        assert!(err.contains("tokenizer_config.json") && err.contains("add_bos_token"), "{err}");
+        assert!(
+            err.contains("tokenizer_config.json") && err.contains("add_bos_token"),
+            "{err}"
+        );
 
         let dir = write_dir(Some(r#"{"chat_template": 3}"#));
         let err = format!("{:#}", Tokenizer::from_hf_dir(dir.path()).unwrap_err());
@@ -560,6 +606,9 @@ pub(crate) mod tests {
 
         let missing = Path::new("/nonexistent/pagoda/model");
         let err = format!("{:#}", Tokenizer::from_hf_dir(missing).unwrap_err());
-        assert!(err.contains("/nonexistent/pagoda/model/tokenizer.json"), "{err}");
+        assert!(
+            err.contains("/nonexistent/pagoda/model/tokenizer.json"),
+            "{err}"
+        );
     }
 }

@@ -256,7 +256,10 @@ mod tests {
         check_invalid(SamplingParams { n: 0, ..d() }, "n");
         check_invalid(SamplingParams { n: 2, ..d() }, "n");
         assert_eq!(
-            SamplingParams { n: 2, ..d() }.validate().unwrap_err().message,
+            SamplingParams { n: 2, ..d() }
+                .validate()
+                .unwrap_err()
+                .message,
             "n > 1 (parallel sampling) is not supported yet"
         );
         check_invalid(

@@ -18,7 +18,6 @@
 //! else is in the batch, and after preemption and recompute.
 
 use std::borrow::Cow;
-use std::cmp::Ordering;
 
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
@@ -64,9 +63,7 @@ pub fn sample(
     step: usize,
 ) -> SampledToken {
     let token_id = choose(logits, params, prompt_ids, output_ids, seed, step);
-    let logprobs = params
-        .logprobs
-        .map(|k| raw_logprobs(logits, token_id, k));
+    let logprobs = params.logprobs.map(|k| raw_logprobs(logits, token_id, k));
     SampledToken { token_id, logprobs }
 }
 
@@ -138,15 +135,22 @@ fn apply_penalties(
 /// Index of the largest value; ties go to the lowest index, NaN never wins, and a row with
 /// nothing above -inf gives 0.
 fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    for (i, &v) in x.iter().enumerate() {
-        if v > best_v {
-            best_v = v;
-            best = i;
+    // Two simple passes (a vectorised max, then a search that stops early) beat one pass that
+    // carries the index along.
+    let max = max_ignoring_nan(x);
+    if max == f32::NEG_INFINITY {
+        return 0;
+    }
+    const BLOCK: usize = 64;
+    for (b, block) in x.chunks(BLOCK).enumerate() {
+        // No early exit inside a block, so this test vectorises.
+        if block.iter().fold(false, |hit, &v| hit | (v == max))
+            && let Some(j) = block.iter().position(|&v| v == max)
+        {
+            return (b * BLOCK + j) as u32;
         }
     }
-    best as u32
+    0
 }
 
 /// A uniform draw in [0, 1) that depends only on `(seed, step)`.
@@ -157,125 +161,330 @@ fn uniform(seed: u64, step: usize) -> f64 {
     (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
-/// Descending probability, then ascending id: a total order, so the result of the selection and
-/// sorting below does not depend on the input order.
-fn by_prob_desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
-    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
-}
+/// Thresholds tried (relative to p_max = 1) to find a small candidate set that surely holds the
+/// top-p nucleus, before falling back to every token with p > 0.
+const NUCLEUS_THRESHOLDS: [f32; 4] = [1e-2, 1e-4, 1e-6, 1e-9];
+
+/// top_k up to this size is found with one pass over a small sorted vector; larger with
+/// `select_nth_unstable`.
+const SMALL_TOP_K: usize = 64;
 
 fn sample_random(x: &[f32], params: &SamplingParams, top_k: Option<usize>, u: f64) -> u32 {
-    let max = x
-        .iter()
-        .copied()
-        .filter(|v| !v.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
-    let inv_t = 1.0 / params.temperature;
-    // Unnormalised probabilities relative to the most likely token (p_max = exp(0) = 1), one
-    // pass. Tokens whose probability underflows to 0 (or NaN logits) can never be drawn; leaving
-    // them out makes the selections below cheaper and changes nothing else.
-    let mut cands: Vec<(f32, u32)> = Vec::with_capacity(x.len());
-    for (i, &v) in x.iter().enumerate() {
-        let p = ((v - max) * inv_t).exp();
-        if p > 0.0 {
-            cands.push((p, i as u32));
-        }
-    }
-    if cands.is_empty() {
-        // Only -inf/NaN logits, or +inf ones: nothing to normalise.
+    let max = max_ignoring_nan(x);
+    if !max.is_finite() {
+        // Only -inf/NaN logits, or +inf ones: nothing to normalise; take the argmax.
         return argmax(x);
     }
+    let inv_t = 1.0 / params.temperature;
+    let prob = |v: f32| exp_nonpos((v - max) * inv_t);
 
-    if let Some(k) = top_k
-        && k < cands.len()
-    {
-        // O(V) partition instead of a full sort: the first k are the k most likely.
-        cands.select_nth_unstable_by(k - 1, by_prob_desc);
-        cands.truncate(k);
+    let chosen = match top_k.filter(|&k| k < x.len()) {
+        Some(k) => {
+            // Select on the logits (same order as the probabilities), then exponentiate only k.
+            let cands: Vec<Cand> = top_k_logits(x, k)
+                .into_iter()
+                .map(|(v, id)| (prob(v), id))
+                .filter(|&(p, _)| p > 0.0)
+                .map(|(p, id)| Cand::new(p, id))
+                .collect();
+            let z: f64 = cands.iter().map(|c| f64::from(c.p())).sum();
+            draw_candidates(cands, params, f64::from(params.top_p) * z, u)
+        }
+        None if params.top_p < 1.0 => {
+            let p = probs(x, max, inv_t, 0.0);
+            let target = f64::from(params.top_p) * sum_f64(&p);
+            draw_candidates(top_p_superset(&p, target), params, target, u)
+        }
+        None => {
+            // min_p: p / p_max >= min_p with p_max = 1 (the most likely token always stays).
+            let p = probs(x, max, inv_t, params.min_p);
+            draw_weights(&p, u).map(|i| i as u32)
+        }
+    };
+    chosen.unwrap_or_else(|| argmax(x))
+}
+
+/// Unnormalised probabilities relative to the most likely token, `exp((x - max) / T)` (so
+/// p_max = exp(0) = 1 exactly), with those below `min_p` (and NaN logits) set to 0.
+///
+/// NOTE: kept out of line so that it is compiled as one vectorised loop.
+#[inline(never)]
+fn probs(x: &[f32], max: f32, inv_t: f32, min_p: f32) -> Vec<f32> {
+    x.iter()
+        .map(|&v| {
+            let q = exp_nonpos((v - max) * inv_t);
+            if q >= min_p { q } else { 0.0 }
+        })
+        .collect()
+}
+
+/// A candidate token, packed so that sorting the integers ascending orders by probability
+/// descending, then by id ascending (a total order: the result does not depend on the input
+/// order). High half: `!p.to_bits()` (for p >= 0 the bits grow with p); low half: the id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Cand(u64);
+
+impl Cand {
+    fn new(p: f32, id: u32) -> Self {
+        Self((u64::from(!p.to_bits()) << 32) | u64::from(id))
     }
+
+    fn p(self) -> f32 {
+        f32::from_bits(!((self.0 >> 32) as u32))
+    }
+
+    fn id(self) -> u32 {
+        self.0 as u32
+    }
+}
+
+/// Candidates that surely include the top-p nucleus of `p` (whose most-likely-first prefix must
+/// reach `target`), usually far fewer than the vocabulary.
+///
+/// NOTE: the nucleus is a most-likely-first prefix, so if the tokens with p >= tau already hold
+/// `target`, the nucleus is among them, and only those need sorting.
+fn top_p_superset(p: &[f32], target: f64) -> Vec<Cand> {
+    let tau = NUCLEUS_THRESHOLDS
+        .into_iter()
+        .find(|&tau| masked_sum_f64(p, tau) >= target)
+        .unwrap_or(0.0);
+    // Blocks with no candidate (nearly all, for a peaked distribution) are skipped after a
+    // vectorised test; inside the others, a branch-free compaction (the test is taken at random,
+    // which a branch would mispredict).
+    const BLOCK: usize = 64;
+    let mut out = Vec::new();
+    let mut buf = [Cand(0); BLOCK];
+    for (b, block) in p.chunks(BLOCK).enumerate() {
+        if !block.iter().fold(false, |hit, &q| hit | (q >= tau)) {
+            continue;
+        }
+        let mut n = 0;
+        for (j, &q) in block.iter().enumerate() {
+            buf[n] = Cand::new(q, (b * BLOCK + j) as u32);
+            n += usize::from(q >= tau && q > 0.0);
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+    out
+}
+
+/// Applies top_p (when < 1: the smallest most-likely-first prefix whose mass reaches `target`,
+/// at least one token) and min_p to candidates (p relative to p_max = 1).
+fn truncate_candidates(mut cands: Vec<Cand>, params: &SamplingParams, target: f64) -> Vec<Cand> {
     if params.top_p < 1.0 {
-        let keep = nucleus_len(&mut cands, params.top_p);
-        cands.truncate(keep);
+        cands.sort_unstable();
+        let mut cum = 0.0f64;
+        let keep = cands
+            .iter()
+            .position(|c| {
+                cum += f64::from(c.p());
+                cum >= target
+            })
+            .map_or(cands.len(), |i| i + 1);
+        cands.truncate(keep.max(1));
     }
     if params.min_p > 0.0 {
-        // p / p_max >= min_p, with p_max = 1. The most likely token always stays (min_p <= 1),
-        // and since the test is a ratio it is not affected by the renormalisation after
-        // top_k / top_p.
+        // A ratio test, so the renormalisation after top_k / top_p does not affect it.
         let min_p = params.min_p;
-        cands.retain(|&(p, _)| p >= min_p);
-        if cands.is_empty() {
-            return argmax(x);
-        }
+        cands.retain(|c| c.p() >= min_p);
     }
+    cands
+}
 
-    let total: f64 = cands.iter().map(|&(p, _)| f64::from(p)).sum();
+/// [`truncate_candidates`], then one draw proportional to p.
+fn draw_candidates(cands: Vec<Cand>, params: &SamplingParams, target: f64, u: f64) -> Option<u32> {
+    let cands = truncate_candidates(cands, params, target);
+    let total: f64 = cands.iter().map(|c| f64::from(c.p())).sum();
+    if !(total > 0.0 && total.is_finite()) {
+        return None;
+    }
     let target = u * total;
     let mut cum = 0.0f64;
-    for &(p, id) in &cands {
-        cum += f64::from(p);
+    for c in &cands {
+        cum += f64::from(c.p());
         if cum > target {
-            return id;
+            return Some(c.id());
         }
     }
     // Rounding put the target at the very end.
-    cands.last().map_or(0, |&(_, id)| id)
+    cands.last().map(|c| c.id())
 }
 
-/// Length of the smallest most-likely-first prefix of `cands` whose probability reaches `top_p`
-/// of the whole (at least 1). Reorders `cands` so that this prefix comes first, sorted.
+/// Draws an index with probability proportional to `w` (non-negative; 0 = excluded). `None` when
+/// all weights are 0.
 ///
-/// NOTE: instead of sorting the whole vocabulary, it sorts the top `m` candidates (found with an
-/// O(V) selection) and grows `m` only when the nucleus is not inside them; the nucleus is
-/// usually a few dozen tokens.
-fn nucleus_len(cands: &mut [(f32, u32)], top_p: f32) -> usize {
-    let n = cands.len();
-    if n == 0 {
-        return 0;
+/// NOTE: block sums first, then a scan inside one block: the long sequential f64 scan over the
+/// whole vocabulary would dominate otherwise.
+fn draw_weights(w: &[f32], u: f64) -> Option<usize> {
+    const BLOCK: usize = 256;
+    let block_sums: Vec<f64> = w.chunks(BLOCK).map(sum_f64).collect();
+    let total: f64 = block_sums.iter().sum();
+    if !(total > 0.0 && total.is_finite()) {
+        return None;
     }
-    let z: f64 = cands.iter().map(|&(p, _)| f64::from(p)).sum();
-    let target = f64::from(top_p) * z;
-    let mut m = n.min(64);
-    loop {
-        if m < n {
-            cands.select_nth_unstable_by(m - 1, by_prob_desc);
-        }
-        cands[..m].sort_unstable_by(by_prob_desc);
-        let mut cum = 0.0f64;
-        for (i, &(p, _)) in cands[..m].iter().enumerate() {
-            cum += f64::from(p);
-            if cum >= target {
-                return i + 1;
+    let target = u * total;
+    let mut cum = 0.0f64;
+    for (b, (&s, block)) in block_sums.iter().zip(w.chunks(BLOCK)).enumerate() {
+        if cum + s > target {
+            let mut c = cum;
+            let mut last = None;
+            for (j, &p) in block.iter().enumerate() {
+                if p > 0.0 {
+                    last = Some(b * BLOCK + j);
+                    c += f64::from(p);
+                    if c > target {
+                        return last;
+                    }
+                }
             }
+            // Rounding: the block sum said the target is in here.
+            return last;
         }
-        if m == n {
-            return n;
-        }
-        m = m.saturating_mul(8).min(n);
+        cum += s;
     }
+    w.iter().rposition(|&p| p > 0.0)
+}
+
+/// The `k` largest logits `(logit, id)` (k < len), ties broken towards the lowest id. NaN counts
+/// as -inf. Unordered.
+fn top_k_logits(x: &[f32], k: usize) -> Vec<(f32, u32)> {
+    if k <= SMALL_TOP_K {
+        return top_k_small(x, k);
+    }
+    let mut vals: Vec<f32> = x.iter().map(|&v| nan_to_neg_inf(v)).collect();
+    let (_, &mut kth, _) = vals.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+    let mut out: Vec<(f32, u32)> = Vec::with_capacity(k);
+    out.extend(
+        x.iter()
+            .enumerate()
+            .filter(|&(_, &v)| v > kth)
+            .map(|(i, &v)| (v, i as u32)),
+    );
+    // Ties with the k-th value fill the rest, lowest ids first.
+    for (i, &v) in x.iter().enumerate() {
+        if out.len() >= k {
+            break;
+        }
+        if v == kth {
+            out.push((v, i as u32));
+        }
+    }
+    out
+}
+
+/// The `k` largest values `(value, id)`, sorted descending (ties: lowest id first), in one pass
+/// over a small sorted vector. NaN counts as -inf.
+///
+/// NOTE: once k values are held, a block of 64 whose (vectorised) max does not beat the k-th is
+/// skipped whole; that is nearly every block.
+fn top_k_small(x: &[f32], k: usize) -> Vec<(f32, u32)> {
+    const BLOCK: usize = 64;
+    let mut top: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+    if k == 0 {
+        return top;
+    }
+    for (b, block) in x.chunks(BLOCK).enumerate() {
+        if top.len() == k
+            && let Some(&(kth, _)) = top.last()
+            && max_ignoring_nan(block) <= kth
+        {
+            continue;
+        }
+        for (j, &v) in block.iter().enumerate() {
+            let v = nan_to_neg_inf(v);
+            if top.len() == k && top.last().is_some_and(|&(w, _)| v <= w) {
+                continue;
+            }
+            // After the equal ones: earlier (lower) ids stay first.
+            let pos = top.partition_point(|&(w, _)| w >= v);
+            top.insert(pos, (v, (b * BLOCK + j) as u32));
+            top.truncate(k);
+        }
+    }
+    top
+}
+
+fn nan_to_neg_inf(v: f32) -> f32 {
+    if v.is_nan() { f32::NEG_INFINITY } else { v }
+}
+
+/// Largest non-NaN value (-inf for an empty or all-NaN row). Eight independent lanes, so the
+/// loop vectorises.
+fn max_ignoring_nan(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    rest.iter()
+        .chain(lanes.iter())
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
+/// Σ w in f64, in eight lanes (deterministic; vectorises).
+fn sum_f64(w: &[f32]) -> f64 {
+    masked_sum_f64(w, f32::NEG_INFINITY)
+}
+
+/// Σ of the `w` that are >= `tau`, in f64, in eight lanes.
+fn masked_sum_f64(w: &[f32], tau: f32) -> f64 {
+    let mut lanes = [0.0f64; 8];
+    let chunks = w.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (s, &v) in lanes.iter_mut().zip(c) {
+            *s += if v >= tau { f64::from(v) } else { 0.0 };
+        }
+    }
+    let tail: f64 = rest
+        .iter()
+        .map(|&v| if v >= tau { f64::from(v) } else { 0.0 })
+        .sum();
+    lanes.iter().sum::<f64>() + tail
+}
+
+/// exp(x) for x <= 0: within about 2 ulp of the exact value for x >= -87, and 0 below -87 (and
+/// for NaN). Branch-free and without libm calls, so loops over it vectorise; exp(0) = 1 exactly.
+///
+/// Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-7 polynomial,
+/// 2^n put in the exponent bits.
+#[inline(always)]
+fn exp_nonpos(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split in two so that n * LN2_HI is exact.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding it rounds to the nearest integer, which lands in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let xc = if x >= -87.0 { x } else { -87.0 }; // also NaN -> -87
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND; // integer in [-126, 0]
+    let ni = t.to_bits() as i32 - ROUND.to_bits() as i32;
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    let poly = ((((1.987_569_2e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
+        * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    let er = poly * r * r + r + 1.0;
+    let scale = f32::from_bits(((ni + 127) as u32) << 23);
+    if x >= -87.0 { er * scale } else { 0.0 }
 }
 
 /// Log-probabilities of the raw logits: the chosen token's and the `k` largest.
 fn raw_logprobs(logits: &[f32], chosen: u32, k: usize) -> TokenLogprobs {
     // NaN counts as -inf; +inf as the largest finite value (so no inf - inf below).
-    let clean = |v: f32| {
-        if v.is_nan() {
-            f32::NEG_INFINITY
-        } else {
-            v.min(f32::MAX)
-        }
-    };
-    let max = logits
-        .iter()
-        .map(|&v| clean(v))
-        .fold(f32::NEG_INFINITY, f32::max);
+    let clean = |v: f32| nan_to_neg_inf(v).min(f32::MAX);
+    let max = max_ignoring_nan(logits).min(f32::MAX);
     // log Σ exp(l - max), accumulated in f64.
     let log_sum = if max == f32::NEG_INFINITY {
         0.0
     } else {
-        let s: f64 = logits
-            .iter()
-            .map(|&v| f64::from((clean(v) - max).exp()))
-            .sum();
-        s.ln() as f32
+        let e: Vec<f32> = logits.iter().map(|&v| exp_nonpos(clean(v) - max)).collect();
+        sum_f64(&e).ln() as f32
     };
     let logprob = |v: f32| -> f32 {
         if max == f32::NEG_INFINITY {
@@ -285,34 +494,44 @@ fn raw_logprobs(logits: &[f32], chosen: u32, k: usize) -> TokenLogprobs {
             clean(v) - max - log_sum
         }
     };
-
-    // The k largest logits, kept sorted (descending, ties by lowest id) in a small vector:
-    // one pass, and most entries are rejected by one comparison with the smallest kept.
-    let mut top: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
-    if k > 0 {
-        for (i, &v) in logits.iter().enumerate() {
-            let v = clean(v);
-            if top.len() == k && top.last().is_some_and(|&(w, _)| v <= w) {
-                continue;
-            }
-            let pos = top.partition_point(|&(w, _)| w >= v);
-            top.insert(pos, (v, i as u32));
-            top.truncate(k);
-        }
-    }
     let chosen_logprob = logits
         .get(chosen as usize)
         .map_or(f32::NEG_INFINITY, |&v| logprob(v));
     TokenLogprobs {
         token_id: chosen,
         logprob: chosen_logprob,
-        top: top.into_iter().map(|(v, id)| (id, logprob(v))).collect(),
+        top: top_k_small(logits, k)
+            .into_iter()
+            .map(|(v, id)| (id, logprob(v)))
+            .collect(),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cmp::Ordering;
+
+    /// Descending probability (or logit), then ascending id: a total order, so selections and
+    /// sorts give the same result whatever the input order.
+    fn by_prob_desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
+        b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+    }
+
+    #[test]
+    fn cand_orders_by_probability_then_id() {
+        let mut c = [
+            Cand::new(0.5, 3),
+            Cand::new(1.0, 9),
+            Cand::new(0.5, 1),
+            Cand::new(1e-30, 0),
+            Cand::new(0.75, 2),
+        ];
+        c.sort_unstable();
+        let got: Vec<(f32, u32)> = c.iter().map(|c| (c.p(), c.id())).collect();
+        assert_eq!(got, [(1.0, 9), (0.75, 2), (0.5, 1), (0.5, 3), (1e-30, 0)]);
+        assert_eq!(Cand::new(0.3, u32::MAX).id(), u32::MAX);
+    }
 
     fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
         let mut p = SamplingParams::default();
@@ -323,7 +542,9 @@ mod tests {
 
     /// Deterministic pseudo-random logits (a simple LCG, so the test has no RNG dependence).
     fn random_logits(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
                 s = s
@@ -358,9 +579,18 @@ mod tests {
     #[test]
     fn greedy_is_argmax_with_lowest_id_on_ties() {
         let g = SamplingParams::greedy();
-        assert_eq!(sample(&[0.1, 3.0, -2.0, 2.9], &g, &[], &[], 0, 0).token_id, 1);
-        assert_eq!(sample(&[1.0, 5.0, 5.0, 5.0], &g, &[], &[], 0, 0).token_id, 1);
-        assert_eq!(sample(&[f32::NAN, -1.0, -3.0], &g, &[], &[], 0, 0).token_id, 1);
+        assert_eq!(
+            sample(&[0.1, 3.0, -2.0, 2.9], &g, &[], &[], 0, 0).token_id,
+            1
+        );
+        assert_eq!(
+            sample(&[1.0, 5.0, 5.0, 5.0], &g, &[], &[], 0, 0).token_id,
+            1
+        );
+        assert_eq!(
+            sample(&[f32::NAN, -1.0, -3.0], &g, &[], &[], 0, 0).token_id,
+            1
+        );
         for seed in 0..20 {
             let x = random_logits(1000, seed, 10.0);
             let want = argmax(&x);
@@ -493,45 +723,90 @@ mod tests {
 
     #[test]
     fn top_p_on_a_large_vocab_matches_a_full_sort() {
-        // Flat-ish distributions make the nucleus larger than the first window of 64.
-        for (seed, scale, top_p) in [(1u64, 0.5f32, 0.9f32), (2, 4.0, 0.95), (3, 0.01, 0.5)] {
+        // From peaked to flat: the nucleus ranges from a few tokens to most of the vocabulary,
+        // which exercises every threshold of the candidate pre-filter.
+        for (seed, scale, top_p) in [
+            (1u64, 0.5f32, 0.9f32),
+            (2, 4.0, 0.95),
+            (3, 0.01, 0.5),
+            (4, 20.0, 0.9),
+            (5, 40.0, 0.5),
+            (6, 200.0, 0.99),
+            (7, 1000.0, 0.999),
+        ] {
             let x = random_logits(151_936, seed, scale);
-            let mut cands: Vec<(f32, u32)> = x
-                .iter()
-                .enumerate()
-                .map(|(i, &v)| (v.exp(), i as u32))
-                .collect();
-            let mut sorted = cands.clone();
+            let max = max_ignoring_nan(&x);
+            let p: Vec<f32> = x.iter().map(|&v| exp_nonpos(v - max)).collect();
+            let target = top_p as f64 * sum_f64(&p);
+            let sup = top_p_superset(&p, target);
+            let nucleus: Vec<(f32, u32)> =
+                truncate_candidates(sup.clone(), &params(|q| q.top_p = top_p), target)
+                    .into_iter()
+                    .map(|c| (c.p(), c.id()))
+                    .collect();
+
+            let mut sorted: Vec<(f32, u32)> =
+                p.iter().enumerate().map(|(i, &q)| (q, i as u32)).collect();
             sorted.sort_by(by_prob_desc);
-            let z: f64 = sorted.iter().map(|c| c.0 as f64).sum();
             let mut cum = 0.0;
             let want = sorted
                 .iter()
                 .position(|c| {
                     cum += c.0 as f64;
-                    cum >= top_p as f64 * z
+                    cum >= target
                 })
                 .unwrap()
                 + 1;
-            let got = nucleus_len(&mut cands, top_p);
             assert!(
-                got.abs_diff(want) <= 1,
-                "seed {seed}: nucleus {got} vs {want}"
+                nucleus.len().abs_diff(want) <= 1,
+                "seed {seed}: nucleus {} vs {want} (pre-filter kept {})",
+                nucleus.len(),
+                sup.len()
             );
-            let mut got_set: Vec<u32> = cands[..got].iter().map(|c| c.1).collect();
-            let mut want_set: Vec<u32> = sorted[..got].iter().map(|c| c.1).collect();
-            got_set.sort_unstable();
-            want_set.sort_unstable();
-            assert_eq!(got_set, want_set);
+            let n = nucleus.len().min(want);
+            assert_eq!(nucleus[..n], sorted[..n], "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn exp_nonpos_is_accurate() {
+        let mut worst = 0.0f64;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            let want = (x as f64).exp();
+            let got = exp_nonpos(x) as f64;
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 3e-7, "max relative error {worst}");
+        assert_eq!(exp_nonpos(0.0), 1.0);
+        assert_eq!(exp_nonpos(-0.0), 1.0);
+        assert_eq!(exp_nonpos(-88.0), 0.0);
+        assert_eq!(exp_nonpos(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpos(f32::NAN), 0.0);
+    }
+
+    #[test]
+    fn top_k_selection_breaks_ties_by_lowest_id() {
+        let x: Vec<f32> = (0..1000).map(|i| ((i * 7) % 10) as f32).collect();
+        for k in [1, 5, 64, 65, 150, 999] {
+            let mut got = top_k_logits(&x, k);
+            got.sort_by(by_prob_desc);
+            let mut want: Vec<(f32, u32)> =
+                x.iter().enumerate().map(|(i, &v)| (v, i as u32)).collect();
+            want.sort_by(by_prob_desc);
+            want.truncate(k);
+            assert_eq!(got, want, "k = {k}");
         }
     }
 
     #[test]
     fn repetition_penalty_changes_the_argmax() {
-        let g = |f: fn(&mut SamplingParams)| params(|p| {
-            p.temperature = 0.0;
-            f(p)
-        });
+        let g = |f: fn(&mut SamplingParams)| {
+            params(|p| {
+                p.temperature = 0.0;
+                f(p)
+            })
+        };
         // Positive logit divided: 2.0 / 1.2 = 1.67 < 1.9.
         let p = g(|p| p.repetition_penalty = 1.2);
         let x = [2.0, 1.9, 0.0];
@@ -548,7 +823,10 @@ mod tests {
         let p = g(|p| p.repetition_penalty = 0.5);
         assert_eq!(sample(&[1.0, 1.9], &p, &[0], &[], 0, 0).token_id, 0);
         // Ids outside the vocabulary are ignored.
-        assert_eq!(sample(&[1.0, 1.9], &p, &[7, 1 << 31], &[9], 0, 0).token_id, 1);
+        assert_eq!(
+            sample(&[1.0, 1.9], &p, &[7, 1 << 31], &[9], 0, 0).token_id,
+            1
+        );
     }
 
     #[test]
@@ -573,7 +851,7 @@ mod tests {
         // Negative values encourage repetition.
         let p = params(|p| {
             p.temperature = 0.0;
-            p.presence_penalty = -1.0;
+            p.presence_penalty = -1.5;
         });
         assert_eq!(sample(&x, &p, &[], &[2], 0, 0).token_id, 2);
     }
@@ -681,5 +959,52 @@ mod tests {
         // A tiny but non-zero temperature behaves like greedy without overflow.
         let p = params(|p| p.temperature = 1e-4);
         assert_eq!(sample(&[1.0, 1.001, 0.5], &p, &[], &[], 0, 0).token_id, 1);
+    }
+
+    /// Timings on a Qwen-sized vocabulary: `cargo test --lib --release bench_ -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn bench_large_vocab() {
+        let x = random_logits(151_936, 1, 12.0);
+        let cases: [(&str, SamplingParams); 6] = [
+            ("greedy", SamplingParams::greedy()),
+            ("T=1", SamplingParams::default()),
+            ("top_k=50", params(|p| p.top_k = 50)),
+            ("top_p=0.9", params(|p| p.top_p = 0.9)),
+            (
+                "top_k=50 top_p=0.9 min_p=0.05",
+                params(|p| {
+                    p.top_k = 50;
+                    p.top_p = 0.9;
+                    p.min_p = 0.05;
+                }),
+            ),
+            (
+                "penalties+logprobs=5",
+                params(|p| {
+                    p.repetition_penalty = 1.1;
+                    p.frequency_penalty = 0.5;
+                    p.logprobs = Some(5);
+                }),
+            ),
+        ];
+        let prompt: Vec<u32> = (0..2000).map(|i| i * 37 % 151_936).collect();
+        // Closer to a language model: a bulk far below a few dozen plausible tokens.
+        let mut peaked = random_logits(151_936, 2, 3.0);
+        for i in 0..40 {
+            peaked[i * 3701] = 22.0 - 0.3 * i as f32;
+        }
+        let output: Vec<u32> = (0..500).map(|i| i * 101 % 151_936).collect();
+        for (logits, kind) in [(&peaked, "peaked"), (&x, "flat")] {
+            for (name, p) in &cases {
+                let n = 200;
+                let t = std::time::Instant::now();
+                for step in 0..n {
+                    std::hint::black_box(sample(logits, p, &prompt, &output, 7, step));
+                }
+                let us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+                println!("{kind:6} {name:32} {us:8.1} us/token");
+            }
+        }
     }
 }

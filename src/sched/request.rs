@@ -48,7 +48,12 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn new(id: RequestId, prompt: Vec<u32>, max_tokens: usize, stop_token_ids: Vec<u32>) -> Self {
+    pub fn new(
+        id: RequestId,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        stop_token_ids: Vec<u32>,
+    ) -> Self {
         let prompt_len = prompt.len();
         Request {
             id,

@@ -11,18 +11,31 @@ pub const QWEN_GGUF: &str = "Qwen2.5-Coder-0.5B-Instruct.gguf";
 pub fn model_path(name: &str) -> PathBuf {
     let cache = std::env::var_os("PAGODA_CACHE")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/pagoda"));
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/pagoda")
+        });
     let p = cache.join("models").join(name);
-    assert!(p.exists(), "test model {} is missing: run scripts/fetch-models.sh", p.display());
+    assert!(
+        p.exists(),
+        "test model {} is missing: run scripts/fetch-models.sh",
+        p.display()
+    );
     p
 }
 
 pub fn golden() -> serde_json::Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/golden/golden_public.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shared/golden/golden_public.json"
+    );
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
     serde_json::from_str(&text).expect("golden_public.json is valid JSON")
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().expect("an array of ids").iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .expect("an array of ids")
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }

@@ -1,0 +1,93 @@
+//! CPU decode throughput on SmolLM2-135M-Instruct: tokens/s for one sequence, and aggregate
+//! tokens/s for 16 and 64 concurrent sequences. Prefill is excluded: the clock starts once every
+//! prompt has been computed.
+//!
+//!     cargo bench --bench decode                       # all
+//!     cargo bench --bench decode -- 1 16 --tokens 64   # some batch sizes, shorter runs
+//!     PAGODA_BENCH_MODEL=path/to/model.gguf --dtype bf16 ...
+//!
+//! Prints one line per batch size and a JSON summary last.
+
+use pagoda::{DType, Engine, EngineArgs, SamplingParams};
+use std::path::PathBuf;
+use std::time::Instant;
+
+fn main() -> anyhow::Result<()> {
+    let mut batches = vec![];
+    let mut tokens = 128usize;
+    let mut dtype = DType::F32;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--tokens" => tokens = args.next().unwrap_or_default().parse()?,
+            "--dtype" => dtype = args.next().unwrap_or_default().parse()?,
+            "--bench" => {}
+            s => batches.push(s.parse::<usize>()?),
+        }
+    }
+    if batches.is_empty() {
+        batches = vec![1, 16, 64];
+    }
+    let model = match std::env::var_os("PAGODA_BENCH_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => pagoda::fetch::default_model()?,
+    };
+    let mut engine = Engine::new(EngineArgs {
+        model: Some(model.clone()),
+        dtype,
+        ..Default::default()
+    })?;
+    println!(
+        "model {} ({}), backend {}, {} threads",
+        model.display(),
+        dtype.name(),
+        engine.backend_name(),
+        rayon::current_num_threads()
+    );
+    let mut results = vec![];
+    for &n in &batches {
+        let params = SamplingParams {
+            max_tokens: Some(tokens),
+            ignore_eos: true,
+            ..SamplingParams::greedy()
+        };
+        for i in 0..n {
+            let prompt =
+                format!("Request {i}: write a long story about a lighthouse keeper and the sea.");
+            engine.add_request(prompt.into(), params.clone())?;
+        }
+        // Prefill: step until every request has its first token.
+        let mut produced = 0usize;
+        while produced < n {
+            produced += engine.step()?.len();
+        }
+        let t0 = Instant::now();
+        let mut generated = 0usize;
+        let mut steps = 0;
+        while engine.has_unfinished() {
+            generated += engine
+                .step()?
+                .iter()
+                .map(|o| o.new_token_ids.len())
+                .sum::<usize>();
+            steps += 1;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let tps = generated as f64 / secs;
+        println!(
+            "batch {n:>3}: {generated} tokens in {secs:.2} s = {tps:.1} tokens/s ({:.1} ms/step, {:.1} tokens/s per sequence)",
+            secs * 1e3 / steps as f64,
+            tps / n as f64
+        );
+        results.push(format!(
+            "{{\"batch\": {n}, \"tokens_per_s\": {tps:.2}, \"ms_per_step\": {:.2}}}",
+            secs * 1e3 / steps as f64
+        ));
+    }
+    println!(
+        "{{\"dtype\": \"{}\", \"results\": [{}]}}",
+        dtype.name(),
+        results.join(", ")
+    );
+    Ok(())
+}
