@@ -1,6 +1,10 @@
 //! The CPU backend: the reference every other backend is checked against, and the default where
-//! no GPU exists. Multi-threaded with rayon; matmuls through the `gemm` crate; paged attention
+//! no GPU exists. Multi-threaded with rayon; batch-invariant matmuls of our own (see matmul.rs); paged attention
 //! reads K and V through the block tables in place, never gathering them into a contiguous copy.
+
+mod matmul;
+
+use matmul::Weights;
 
 use super::{Backend, DeviceBatch, KvLayout, QkvLayout};
 use crate::tensor::{DType, HostTensor};
@@ -80,87 +84,6 @@ impl Default for CpuBackend {
     fn default() -> Self {
         Self::new()
     }
-}
-
-/// A raw pointer that may cross threads: each task writes a disjoint part of the output.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-/// Output columns converted per task when weights are f16/bf16.
-const HALF_CHUNK: usize = 64;
-
-/// `out[m, n] = x[m, k] · w[n, k]ᵀ` with f32 weights, via `gemm`.
-fn gemm_f32(
-    x: &[f32],
-    w: &[f32],
-    m: usize,
-    k: usize,
-    n: usize,
-    out: *mut f32,
-    ldo: usize,
-    par: gemm::Parallelism,
-) {
-    // SAFETY: the slices cover m×k and n×k elements (checked by callers); `out` covers m rows
-    // of stride `ldo` with n valid columns, and no other task writes those columns.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out,
-            1,
-            ldo as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        );
-    }
-}
-
-fn matmul_half<T: Copy + Send + Sync>(
-    x: &[f32],
-    w: &[T],
-    to_f32: fn(T) -> f32,
-    m: usize,
-    k: usize,
-    n: usize,
-    out: &mut [f32],
-) {
-    // NOTE: weights stay half in memory; each task widens a slab of HALF_CHUNK output rows of W
-    // and multiplies it with gemm, so the f32 copy stays in cache.
-    let ptr = SendPtr(out.as_mut_ptr());
-    (0..n.div_ceil(HALF_CHUNK))
-        .into_par_iter()
-        .for_each_init(Vec::new, |buf: &mut Vec<f32>, c| {
-            let j0 = c * HALF_CHUNK;
-            let nj = HALF_CHUNK.min(n - j0);
-            buf.clear();
-            buf.extend(w[j0 * k..(j0 + nj) * k].iter().map(|&v| to_f32(v)));
-            let p = ptr;
-            // SAFETY: columns j0..j0+nj of `out` belong to this task only.
-            gemm_f32(
-                x,
-                buf,
-                m,
-                k,
-                nj,
-                unsafe { p.0.add(j0) },
-                n,
-                gemm::Parallelism::None,
-            );
-        });
 }
 
 impl Backend for CpuBackend {
@@ -258,19 +181,13 @@ impl Backend for CpuBackend {
         );
         let out = &mut out[..m * n];
         let x = &x[..m * k];
-        match w {
-            CpuBuf::F32(w) => {
-                let par = if m * n * k < 1 << 16 {
-                    gemm::Parallelism::None
-                } else {
-                    gemm::Parallelism::Rayon(self.threads)
-                };
-                gemm_f32(x, w, m, k, n, out.as_mut_ptr(), n, par);
-            }
-            CpuBuf::F16(w) => matmul_half(x, w, f16::to_f32, m, k, n, out),
-            CpuBuf::BF16(w) => matmul_half(x, w, bf16::to_f32, m, k, n, out),
+        let w = match w {
+            CpuBuf::F32(w) => Weights::F32(w),
+            CpuBuf::F16(w) => Weights::F16(w),
+            CpuBuf::BF16(w) => Weights::BF16(w),
             CpuBuf::U32(_) => bail!("matmul: weight must be a float buffer"),
-        }
+        };
+        matmul::matmul(x, m, k, n, out, w);
         if let Some(b) = bias {
             let b = b.f32()?;
             ensure!(
@@ -304,7 +221,7 @@ impl Backend for CpuBackend {
             .par_chunks_mut(dim)
             .zip(x[..rows * dim].par_chunks(dim))
             .for_each(|(o, x)| {
-                let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+                let ss = dot(x, x) / dim as f32;
                 let inv = 1.0 / (ss + eps).sqrt();
                 o.iter_mut()
                     .zip(x)
@@ -507,7 +424,7 @@ impl Backend for CpuBackend {
                     let mut max = f32::NEG_INFINITY;
                     for j in 0..n_keys {
                         let k = &kc[key(j)];
-                        let sc = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+                        let sc = dot(q, k) * scale;
                         max = max.max(sc);
                         scores.push(sc);
                     }
@@ -528,4 +445,23 @@ impl Backend for CpuBackend {
             });
         Ok(())
     }
+}
+
+/// A dot product with 8 independent lanes, so the compiler can vectorise it (a plain `sum` of
+/// products is a serial chain under IEEE rules), reduced in one fixed order.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y;
+    }
+    s
 }
