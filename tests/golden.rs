@@ -130,6 +130,77 @@ fn be_download(be: &CpuBackend, b: &<CpuBackend as pagoda::backend::Backend>::Bu
     be.download_f32(b).unwrap()
 }
 
+/// Weights in f16/bf16: greedy tokens agree with the golden ones up to the first position whose
+/// top-2 margin is below the logit error of that precision. Log-probabilities are checked
+/// against the golden logits through their differences (log-softmax shifts all by one constant).
+fn check_half(dtype: DType, logit_err: f64) {
+    let entries = entries(SMOL_HF);
+    let mut llm = LLM::new(EngineArgs {
+        model: Some(model_path(SMOL_GGUF)),
+        dtype,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut compared = 0;
+    for e in &entries {
+        let want = ids(&e["generated_ids"]);
+        let margins: Vec<f64> = e["top2_margin"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m.as_f64().unwrap())
+            .collect();
+        let n = margins
+            .iter()
+            .position(|&m| m < logit_err)
+            .unwrap_or(want.len());
+        if n == 0 {
+            continue;
+        }
+        let p = SamplingParams {
+            max_tokens: Some(n),
+            logprobs: Some(5),
+            ..SamplingParams::greedy()
+        };
+        let out = llm
+            .generate(&[Prompt::Tokens(ids(&e["prompt_ids"]))], &p)
+            .unwrap()
+            .remove(0);
+        assert_eq!(
+            out.outputs[0].token_ids,
+            want[..n],
+            "{} in {dtype:?}",
+            e["name"]
+        );
+        compared += n;
+        let lp = &out.outputs[0].logprobs[0];
+        let top5 = e["first_steps"][0]["top5"].as_array().unwrap();
+        let (id0, l0) = (
+            top5[0][0].as_u64().unwrap() as u32,
+            top5[0][1].as_f64().unwrap(),
+        );
+        assert_eq!(lp.token_id, id0);
+        for pair in top5 {
+            let (id, l) = (pair[0].as_u64().unwrap() as u32, pair[1].as_f64().unwrap());
+            if let Some(&(_, got)) = lp.top.iter().find(|(t, _)| *t == id) {
+                let diff = (got - lp.logprob) as f64 - (l - l0);
+                assert!(
+                    diff.abs() < 2.0 * logit_err,
+                    "{}: logprob difference off by {diff}",
+                    e["name"]
+                );
+            }
+        }
+    }
+    assert!(compared >= 8, "too few positions compared ({compared})");
+}
+
+#[test]
+fn smollm2_f16_and_bf16_follow_golden_within_their_precision() {
+    check_half(DType::F16, 0.1);
+    check_half(DType::BF16, 0.25);
+}
+
 #[test]
 fn smollm2_gguf_greedy_matches_golden() {
     check_greedy(model_path(SMOL_GGUF), SMOL_HF);

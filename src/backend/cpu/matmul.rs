@@ -143,6 +143,7 @@ unsafe fn tile<const MR: usize, const NR: usize>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)]
 unsafe fn tile_avx2<const MR: usize, const NR: usize>(
     x: &[f32],
     w: &[f32],
@@ -184,6 +185,7 @@ unsafe fn tile_avx2<const MR: usize, const NR: usize>(
     }
 }
 
+#[allow(clippy::needless_range_loop)]
 fn tile_portable<const MR: usize, const NR: usize>(
     x: &[f32],
     w: &[f32],
