@@ -182,8 +182,10 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 fn main() {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .init();
     if let Err(e) = run(Cli::parse()) {
