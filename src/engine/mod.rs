@@ -409,12 +409,37 @@ impl Engine {
             }
         }
         self.stats.batched_tokens += input.token_ids.len() as u64;
-        let logits = self.runner.execute(input)?;
         let vocab = self.config.vocab_size;
-
         let mut sampled = HashMap::new();
         let mut logprobs = HashMap::new();
+        // NOTE: when every sampled request is plain greedy (no penalties, no logprobs), the
+        // runner returns token ids instead of logits (GPU backends take the argmax on the
+        // device): the same choice as `sample`, ties to the lowest id.
+        let plain_greedy = |p: &SamplingParams| {
+            p.is_greedy()
+                && p.logprobs.is_none()
+                && p.repetition_penalty == 1.0
+                && p.presence_penalty == 0.0
+                && p.frequency_penalty == 0.0
+        };
+        let logits = if !sampling.is_empty()
+            && sampling.iter().all(|id| {
+                self.states
+                    .get(id)
+                    .is_some_and(|st| plain_greedy(&st.params))
+            }) {
+            let ids = self.runner.execute_greedy(input, vocab)?;
+            for (id, tok) in sampling.iter().zip(ids) {
+                sampled.insert(*id, tok);
+            }
+            Vec::new()
+        } else {
+            self.runner.execute(input)?
+        };
         for (i, id) in sampling.iter().enumerate() {
+            if sampled.contains_key(id) {
+                continue;
+            }
             let req = self
                 .scheduler
                 .request(*id)
