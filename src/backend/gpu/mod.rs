@@ -178,6 +178,8 @@ impl<R: GpuRuntime> Pool<R> {
     }
 
     fn release_cached(&self) {
+        // NOTE: frees need the context current; the pool may be dropped on any thread.
+        let _ = self.rt.bind();
         let blocks: Vec<u64> = self
             .free
             .lock()
