@@ -110,16 +110,16 @@ impl ModelArgs {
 #[derive(Args, Clone)]
 struct SamplingArgs {
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     top_p: f32,
     /// 0 or -1 = disabled.
     #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
     top_k: i32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     repetition_penalty: f32,
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     presence_penalty: f32,
