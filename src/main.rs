@@ -255,6 +255,7 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 fn main() {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .init();
     if let Err(e) = run(Cli::parse()) {

@@ -41,11 +41,11 @@ const TOPICS: &[&str] = &[
 /// Client `i`'s request: a prompt of varied length and a varied `max_tokens`.
 fn request_body(i: usize, stream: bool) -> (String, Value) {
     let topic = TOPICS[i % TOPICS.len()];
-    let extra = "Please be clear and precise, and use simple words. ".repeat(i % 5);
+    let extra = "Use simple words. ".repeat(i % 4);
     let text = format!("Write a short paragraph about {topic}. {extra}Paragraph {i}:");
     let disconnects = stream && i % DISCONNECT_EVERY == DISCONNECT_EVERY - 1;
     // A disconnecting client asks for many tokens, so that it is still running when it leaves.
-    let max_tokens = if disconnects { 400 } else { 6 + i % 11 };
+    let max_tokens = if disconnects { 400 } else { 4 + i % 9 };
     let chat = i % 2 == 1;
     let mut body = if chat {
         json!({"messages": [{"role": "user", "content": text}]})

@@ -17,7 +17,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 /// One sub-request of an HTTP request (a prompt of a completions batch, or the chat prompt).
@@ -127,7 +127,17 @@ impl Worker {
                 break;
             }
             if self.engine.has_unfinished() && !self.dead.load(Ordering::Relaxed) {
+                let before = self.engine.stats().batched_tokens;
                 self.step();
+                if self.engine.stats().batched_tokens == before {
+                    // NOTE: nothing could be scheduled (should not happen, as the scheduler
+                    // preempts); wait for a command a moment instead of spinning.
+                    if let Ok(cmd) = self.commands.recv_timeout(Duration::from_millis(5))
+                        && !self.handle(cmd)
+                    {
+                        break;
+                    }
+                }
             }
             self.publish_gauges();
         }
