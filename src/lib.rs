@@ -14,6 +14,7 @@
 //! See ARCHITECTURE.md for the parts and the data flow of one engine step.
 
 pub mod backend;
+pub mod bench;
 pub mod engine;
 pub mod fetch;
 pub mod kv;

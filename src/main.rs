@@ -1,4 +1,4 @@
-//! The `pagoda` command line: generate, chat, serve, info.
+//! The `pagoda` command line: generate, chat, serve, bench, info.
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -59,6 +59,34 @@ enum Command {
         #[command(flatten)]
         model: ModelArgs,
     },
+    /// Benchmarks: throughput, latency, a serving load, reports (see docs/benchmarks.md).
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Offline throughput: all requests at once; continuous against static batching, KV
+    /// utilization against a reserve-per-request engine.
+    Throughput {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        bench: pagoda::bench::ThroughputArgs,
+    },
+    /// Latency of one batch run repeatedly (TTFT, TPOT, end-to-end), swept over batch sizes.
+    Latency {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        bench: pagoda::bench::LatencyArgs,
+    },
+    /// Load against any OpenAI-compatible server (Pagoda, llama-server, vLLM), streaming.
+    Serve(pagoda::bench::ServeBenchArgs),
+    /// Markdown table and SVG chart from JSON results.
+    Report(pagoda::bench::ReportArgs),
 }
 
 #[derive(Args, Clone)]
@@ -66,9 +94,9 @@ struct ModelArgs {
     /// A GGUF file or an HF-layout directory. Default: SmolLM2-135M-Instruct (fetched once).
     #[arg(long, short)]
     model: Option<PathBuf>,
-    /// cpu, wgpu, cuda, hip or auto.
-    #[arg(long, default_value = "cpu")]
-    backend: BackendKind,
+    /// cpu, wgpu, cuda, hip or auto. `bench` takes a list (cpu,wgpu,cuda): one run each.
+    #[arg(long, default_value = "cpu", value_delimiter = ',')]
+    backend: Vec<BackendKind>,
     /// Weight dtype in memory: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: DType,
@@ -98,9 +126,12 @@ impl ModelArgs {
             (None, Some(f)) => Some(KvBudget::Fraction(f)),
             _ => None,
         };
+        if self.backend.len() > 1 {
+            tracing::warn!("several backends given: only `bench` runs each; using the first");
+        }
         EngineArgs {
             model: self.model.clone(),
-            backend: self.backend,
+            backend: self.backend.first().copied().unwrap_or(BackendKind::Cpu),
             dtype: self.dtype,
             block_size: self.block_size,
             kv_budget,
@@ -111,6 +142,22 @@ impl ModelArgs {
             seed: 0,
             progress: true,
         }
+    }
+
+    /// One `EngineArgs` per backend in `--backend`, for `bench`.
+    fn engine_args_per_backend(&self) -> Vec<(BackendKind, EngineArgs)> {
+        let mut kinds = self.backend.clone();
+        kinds.dedup();
+        kinds
+            .into_iter()
+            .map(|b| {
+                let one = ModelArgs {
+                    backend: vec![b],
+                    ..self.clone()
+                };
+                (b, one.engine_args())
+            })
+            .collect()
     }
 }
 
@@ -336,6 +383,7 @@ fn run(cli: Cli) -> Result<()> {
             let args = server.server_args(&model)?;
             pagoda::server::serve(model.engine_args(), args)?;
         }
+        Command::Bench { command } => bench(command)?,
         Command::Info { model } => {
             let mut llm = LLM::new(model.engine_args())?;
             let e = llm.engine();
@@ -375,6 +423,20 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn bench(command: BenchCommand) -> Result<()> {
+    use pagoda::bench::cli;
+    match command {
+        BenchCommand::Throughput { model, bench } => {
+            cli::throughput_cmd(&model.engine_args_per_backend(), &bench)
+        }
+        BenchCommand::Latency { model, bench } => {
+            cli::latency_cmd(&model.engine_args_per_backend(), &bench)
+        }
+        BenchCommand::Serve(args) => cli::serve_cmd(&args),
+        BenchCommand::Report(args) => cli::report_cmd(&args),
+    }
 }
 
 fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Result<()> {
