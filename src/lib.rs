@@ -14,12 +14,14 @@
 //! See ARCHITECTURE.md for the parts and the data flow of one engine step.
 
 pub mod backend;
+pub mod bench;
 pub mod engine;
 pub mod fetch;
 pub mod kv;
 pub mod models;
 pub mod sampling;
 pub mod sched;
+pub mod server;
 pub mod tensor;
 
 pub use backend::BackendKind;

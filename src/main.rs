@@ -1,4 +1,4 @@
-//! The `pagoda` command line: generate, chat, info.
+//! The `pagoda` command line: generate, chat, serve, bench, info.
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -51,6 +51,13 @@ enum Command {
         #[command(flatten)]
         sampling: SamplingArgs,
     },
+    /// Serve the OpenAI API (`/v1/completions`, `/v1/chat/completions`, ...) over HTTP.
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        server: ServeArgs,
+    },
     /// Show the model, its architecture and size, the backend and the KV pool.
     Info {
         #[command(flatten)]
@@ -66,6 +73,34 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Benchmarks: throughput, latency, a serving load, reports (see docs/benchmarks.md).
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Offline throughput: all requests at once; continuous against static batching, KV
+    /// utilization against a reserve-per-request engine.
+    Throughput {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        bench: pagoda::bench::ThroughputArgs,
+    },
+    /// Latency of one batch run repeatedly (TTFT, TPOT, end-to-end), swept over batch sizes.
+    Latency {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        bench: pagoda::bench::LatencyArgs,
+    },
+    /// Load against any OpenAI-compatible server (Pagoda, llama-server, vLLM), streaming.
+    Serve(pagoda::bench::ServeBenchArgs),
+    /// Markdown table and SVG chart from JSON results.
+    Report(pagoda::bench::ReportArgs),
 }
 
 #[derive(Args, Clone)]
@@ -73,9 +108,9 @@ struct ModelArgs {
     /// A GGUF file or an HF-layout directory. Default: SmolLM2-135M-Instruct (fetched once).
     #[arg(long, short)]
     model: Option<PathBuf>,
-    /// cpu, wgpu, cuda, hip or auto.
-    #[arg(long, default_value = "cpu")]
-    backend: BackendKind,
+    /// cpu, wgpu, cuda, hip or auto. `bench` takes a list (cpu,wgpu,cuda): one run each.
+    #[arg(long, default_value = "cpu", value_delimiter = ',')]
+    backend: Vec<BackendKind>,
     /// Weight dtype in memory: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: DType,
@@ -105,9 +140,12 @@ impl ModelArgs {
             (None, Some(f)) => Some(KvBudget::Fraction(f)),
             _ => None,
         };
+        if self.backend.len() > 1 {
+            tracing::warn!("several backends given: only `bench` runs each; using the first");
+        }
         EngineArgs {
             model: self.model.clone(),
-            backend: self.backend,
+            backend: self.backend.first().copied().unwrap_or(BackendKind::Cpu),
             dtype: self.dtype,
             block_size: self.block_size,
             kv_budget,
@@ -119,21 +157,101 @@ impl ModelArgs {
             progress: true,
         }
     }
+
+    /// One `EngineArgs` per backend in `--backend`, for `bench`.
+    fn engine_args_per_backend(&self) -> Vec<(BackendKind, EngineArgs)> {
+        let mut kinds = self.backend.clone();
+        kinds.dedup();
+        kinds
+            .into_iter()
+            .map(|b| {
+                let one = ModelArgs {
+                    backend: vec![b],
+                    ..self.clone()
+                };
+                (b, one.engine_args())
+            })
+            .collect()
+    }
+}
+
+#[derive(Args, Clone)]
+struct ServeArgs {
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the log says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Model names clients may send (default: the --model argument, else the model's name).
+    #[arg(long, num_args = 1..)]
+    served_model_name: Vec<String>,
+    /// Require `Authorization: Bearer KEY` on every /v1 route (default: $PAGODA_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Most requests waiting for the engine; more are refused with 503.
+    #[arg(long, default_value_t = 1024)]
+    max_waiting: usize,
+    /// Seconds that running requests get to finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout: f64,
+    /// Largest request body in bytes (suffixes as for --kv-cache-memory).
+    #[arg(long, default_value = "8MiB", value_parser = parse_bytes)]
+    max_body_size: u64,
+    /// Accepted for vLLM compatibility; only 1 works until tensor parallelism lands.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: usize,
+}
+
+impl ServeArgs {
+    fn server_args(&self, model: &ModelArgs) -> Result<pagoda::server::ServerArgs> {
+        if self.tensor_parallel_size != 1 {
+            anyhow::bail!(
+                "--tensor-parallel-size {} is not supported: Pagoda runs a model on one device until tensor parallelism lands; use --tensor-parallel-size 1",
+                self.tensor_parallel_size
+            );
+        }
+        if !(self.shutdown_timeout.is_finite() && self.shutdown_timeout >= 0.0) {
+            anyhow::bail!("--shutdown-timeout must be a number of seconds >= 0");
+        }
+        let served_model_names = if self.served_model_name.is_empty() {
+            // As vLLM: the model is served under the name it was given on the command line.
+            model
+                .model
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect()
+        } else {
+            self.served_model_name.clone()
+        };
+        Ok(pagoda::server::ServerArgs {
+            host: self.host.clone(),
+            port: self.port,
+            served_model_names,
+            api_key: self
+                .api_key
+                .clone()
+                .or_else(|| std::env::var("PAGODA_API_KEY").ok())
+                .filter(|k| !k.is_empty()),
+            max_waiting: self.max_waiting,
+            shutdown_grace: std::time::Duration::from_secs_f64(self.shutdown_timeout),
+            max_body_bytes: usize::try_from(self.max_body_size).unwrap_or(usize::MAX),
+        })
+    }
 }
 
 #[derive(Args, Clone)]
 struct SamplingArgs {
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     top_p: f32,
     /// 0 or -1 = disabled.
     #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
     top_k: i32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     repetition_penalty: f32,
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     presence_penalty: f32,
@@ -305,6 +423,11 @@ fn run(cli: Cli) -> Result<()> {
                 std::process::exit(1);
             }
         }
+        Command::Serve { model, server } => {
+            let args = server.server_args(&model)?;
+            pagoda::server::serve(model.engine_args(), args)?;
+        }
+        Command::Bench { command } => bench(command)?,
         Command::Info { model } => {
             let mut llm = LLM::new(model.engine_args())?;
             let e = llm.engine();
@@ -344,6 +467,20 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn bench(command: BenchCommand) -> Result<()> {
+    use pagoda::bench::cli;
+    match command {
+        BenchCommand::Throughput { model, bench } => {
+            cli::throughput_cmd(&model.engine_args_per_backend(), &bench)
+        }
+        BenchCommand::Latency { model, bench } => {
+            cli::latency_cmd(&model.engine_args_per_backend(), &bench)
+        }
+        BenchCommand::Serve(args) => cli::serve_cmd(&args),
+        BenchCommand::Report(args) => cli::report_cmd(&args),
+    }
 }
 
 fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Result<()> {

@@ -274,6 +274,10 @@ impl Engine {
     pub fn num_waiting(&self) -> usize {
         self.scheduler.num_waiting()
     }
+    /// The requests that hold KV blocks now (benchmarks compare them with a reserving engine).
+    pub fn running_request_ids(&self) -> &[RequestId] {
+        self.scheduler.running_ids()
+    }
     pub fn has_unfinished(&self) -> bool {
         self.scheduler.has_unfinished()
     }

@@ -140,6 +140,11 @@ impl Scheduler {
         self.running.len()
     }
 
+    /// The running requests (those holding KV blocks), in admission order.
+    pub fn running_ids(&self) -> &[RequestId] {
+        &self.running
+    }
+
     pub fn has_unfinished(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
     }

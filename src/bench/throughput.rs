@@ -1,0 +1,301 @@
+//! Offline throughput: every request of a workload is submitted at once and the engine steps
+//! until all have ended. After each step the KV pool is sampled, and the same moment is
+//! measured against an engine that reserves KV memory per request:
+//!
+//! ```text
+//!   Pagoda:              stored tokens / slots of the blocks allocated        (kv_utilization)
+//!   reserve max len:     stored tokens / Σ max_model_len          over running (reserve_baseline)
+//!   reserve max tokens:  stored tokens / Σ (prompt + max_tokens)  over running (reserve_max_tokens)
+//! ```
+//!
+//! Means are over steps (each step one sample, steps with nothing allocated left out); peaks
+//! are the largest sample.
+
+use super::stats::{Summary, mean};
+use super::workload::{RequestLens, prompt_tokens, word_token_ids};
+use crate::engine::{Engine, Prompt};
+use crate::sampling::SamplingParams;
+use crate::sched::RequestId;
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+/// Most points of the KV time series kept in a result (longer runs are thinned evenly).
+pub const MAX_TIMELINE_POINTS: usize = 2000;
+
+/// The KV pool at the end of one step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct KvSample {
+    /// Seconds since the run started.
+    pub t_s: f64,
+    /// Tokens stored over the slots of the allocated blocks.
+    pub kv_utilization: f64,
+    /// Blocks allocated over usable blocks.
+    pub kv_blocks_used: f64,
+    /// Tokens stored over what a reserve-per-request engine (max_model_len each) would hold.
+    pub reserve_baseline_utilization: f64,
+    /// Tokens stored over what an engine reserving prompt + max_tokens would hold.
+    pub reserve_max_tokens_utilization: f64,
+    pub running: usize,
+    pub waiting: usize,
+}
+
+/// One request's life in a run, in seconds since the start and in step indices.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    pub prompt_len: usize,
+    pub output_len: usize,
+    /// Output tokens actually produced (less than `output_len` only when interrupted).
+    pub produced: usize,
+    pub first_token_s: Option<f64>,
+    pub finish_s: Option<f64>,
+    pub first_token_step: Option<u64>,
+    pub finish_step: Option<u64>,
+}
+
+/// Every figure of one throughput run (one backend, one scheduling policy).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ThroughputResult {
+    /// The backend asked for (`cpu`, `wgpu`, ...).
+    pub backend: String,
+    /// The backend as the engine describes it (device, threads).
+    pub backend_detail: String,
+    pub scheduling: String,
+    pub num_requests: usize,
+    pub completed: usize,
+    pub duration_s: f64,
+    pub requests_per_s: f64,
+    pub output_tokens_per_s: f64,
+    pub total_tokens_per_s: f64,
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    pub steps: u64,
+    pub step_time_ms: Summary,
+    pub kv_utilization_mean: f64,
+    pub kv_utilization_peak: f64,
+    pub kv_blocks_used_mean: f64,
+    pub kv_blocks_used_peak: f64,
+    /// Largest number of token slots allocated at once (blocks × block size).
+    pub kv_peak_tokens: usize,
+    pub kv_peak_bytes: u64,
+    pub kv_capacity_tokens: usize,
+    pub max_model_len: usize,
+    /// Mean over steps of stored / Σ max_model_len over the running requests.
+    pub reserve_baseline_kv_utilization: f64,
+    /// Largest Σ max_model_len over the running requests: what that engine must reserve.
+    pub reserve_baseline_peak_tokens: usize,
+    pub reserve_baseline_peak_bytes: u64,
+    /// Mean over steps of stored / Σ (prompt + max_tokens) over the running requests.
+    pub reserve_max_tokens_kv_utilization: f64,
+    pub reserve_max_tokens_peak_tokens: usize,
+    pub reserve_max_tokens_peak_bytes: u64,
+    pub preemptions: u64,
+    pub interrupted: bool,
+    pub kv_timeline: Vec<KvSample>,
+    pub requests: Vec<RequestRecord>,
+}
+
+/// What the run loop needs to know besides the engine.
+pub struct ThroughputOptions<'a> {
+    pub backend: String,
+    pub scheduling: String,
+    pub block_size: usize,
+    pub seed: u64,
+    /// Set (by Ctrl-C) to end the run early; what was measured is still returned.
+    pub stop: &'a AtomicBool,
+    pub progress: bool,
+}
+
+/// Submits every request at once (exact prompt lengths as token ids, EOS ignored so that each
+/// produces exactly its `output_len`), steps until all have ended, and measures.
+pub fn run(
+    engine: &mut Engine,
+    reqs: &[RequestLens],
+    opts: &ThroughputOptions,
+) -> Result<ThroughputResult> {
+    let tok = engine.tokenizer().clone();
+    let vocab = word_token_ids(|w| tok.encode(w))?;
+    let max_model_len = engine.max_model_len();
+    let mut ids: HashMap<RequestId, usize> = HashMap::new();
+    let mut records: Vec<RequestRecord> = reqs
+        .iter()
+        .map(|r| RequestRecord {
+            prompt_len: r.prompt_len,
+            output_len: r.output_len,
+            produced: 0,
+            first_token_s: None,
+            finish_s: None,
+            first_token_step: None,
+            finish_step: None,
+        })
+        .collect();
+    for (i, r) in reqs.iter().enumerate() {
+        let params = SamplingParams {
+            max_tokens: Some(r.output_len),
+            ignore_eos: true,
+            ..SamplingParams::greedy()
+        };
+        let prompt = Prompt::Tokens(prompt_tokens(opts.seed, i, r.prompt_len, &vocab));
+        let id = engine
+            .add_request(prompt, params)
+            .map_err(|e| anyhow::anyhow!("request {i} refused: {e}"))?;
+        ids.insert(id, i);
+    }
+
+    let usage0 = engine.kv_usage();
+    let bytes_per_token =
+        engine.kv_bytes() as f64 / ((usage0.num_blocks + 1) * opts.block_size) as f64;
+    let preempt0 = engine.stats().preemptions;
+    let bar = super::progress_bar(opts.progress, reqs.len() as u64, "requests");
+
+    let t0 = Instant::now();
+    let mut step_times = Vec::new();
+    let mut timeline = Vec::new();
+    let (mut peak_blocks, mut peak_reserve_len, mut peak_reserve_tok) = (0usize, 0usize, 0usize);
+    let mut completed = 0;
+    let mut output_tokens = 0usize;
+    let mut step: u64 = 0;
+    let mut interrupted = false;
+    while engine.has_unfinished() {
+        if opts.stop.load(Ordering::Relaxed) {
+            interrupted = true;
+            break;
+        }
+        let ts = Instant::now();
+        let outs = engine.step()?;
+        let now = t0.elapsed().as_secs_f64();
+        step_times.push(ts.elapsed().as_secs_f64());
+        for o in &outs {
+            let Some(&i) = ids.get(&o.request_id) else {
+                continue;
+            };
+            let rec = &mut records[i];
+            rec.produced += o.new_token_ids.len();
+            output_tokens += o.new_token_ids.len();
+            if rec.first_token_s.is_none() {
+                rec.first_token_s = Some(now);
+                rec.first_token_step = Some(step);
+            }
+            if o.finished() {
+                rec.finish_s = Some(now);
+                rec.finish_step = Some(step);
+                completed += 1;
+                bar.inc(1);
+            }
+        }
+        let u = engine.kv_usage();
+        let (mut reserve_len, mut reserve_tok) = (0usize, 0usize);
+        for id in engine.running_request_ids() {
+            if let Some(&i) = ids.get(id) {
+                reserve_len += max_model_len;
+                reserve_tok += reqs[i].prompt_len + reqs[i].output_len;
+            }
+        }
+        peak_blocks = peak_blocks.max(u.blocks_used);
+        peak_reserve_len = peak_reserve_len.max(reserve_len);
+        peak_reserve_tok = peak_reserve_tok.max(reserve_tok);
+        let ratio = |den: usize| {
+            if den == 0 {
+                0.0
+            } else {
+                u.tokens_stored as f64 / den as f64
+            }
+        };
+        timeline.push(KvSample {
+            t_s: now,
+            kv_utilization: if u.blocks_used == 0 {
+                0.0
+            } else {
+                u.utilization
+            },
+            kv_blocks_used: u.usage,
+            reserve_baseline_utilization: ratio(reserve_len),
+            reserve_max_tokens_utilization: ratio(reserve_tok),
+            running: engine.num_running(),
+            waiting: engine.num_waiting(),
+        });
+        if step.is_multiple_of(8) {
+            let secs = t0.elapsed().as_secs_f64().max(1e-9);
+            bar.set_message(format!(
+                "{:.1} output tokens/s",
+                output_tokens as f64 / secs
+            ));
+        }
+        step += 1;
+    }
+    let duration = t0.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+
+    // NOTE: samples taken while nothing is allocated (the very end) say nothing about waste.
+    let live: Vec<&KvSample> = timeline.iter().filter(|s| s.running > 0).collect();
+    let col = |f: fn(&KvSample) -> f64| live.iter().map(|s| f(s)).collect::<Vec<f64>>();
+    let util = col(|s| s.kv_utilization);
+    let blocks = col(|s| s.kv_blocks_used);
+    let peak = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    let prompt_tokens: usize = records
+        .iter()
+        .filter(|r| r.finish_s.is_some())
+        .map(|r| r.prompt_len)
+        .sum();
+    let bytes = |tokens: usize| (tokens as f64 * bytes_per_token).round() as u64;
+    let per_s = |x: f64| if duration > 0.0 { x / duration } else { 0.0 };
+    Ok(ThroughputResult {
+        backend: opts.backend.clone(),
+        backend_detail: engine.backend_name(),
+        scheduling: opts.scheduling.clone(),
+        num_requests: reqs.len(),
+        completed,
+        duration_s: duration,
+        requests_per_s: per_s(completed as f64),
+        output_tokens_per_s: per_s(output_tokens as f64),
+        total_tokens_per_s: per_s((prompt_tokens + output_tokens) as f64),
+        prompt_tokens,
+        output_tokens,
+        steps: step,
+        step_time_ms: Summary::of(&step_times).scaled(1e3),
+        kv_utilization_mean: mean(&util),
+        kv_utilization_peak: peak(&util),
+        kv_blocks_used_mean: mean(&blocks),
+        kv_blocks_used_peak: peak(&blocks),
+        kv_peak_tokens: peak_blocks * opts.block_size,
+        kv_peak_bytes: bytes(peak_blocks * opts.block_size),
+        kv_capacity_tokens: usage0.num_blocks * opts.block_size,
+        max_model_len,
+        reserve_baseline_kv_utilization: mean(&col(|s| s.reserve_baseline_utilization)),
+        reserve_baseline_peak_tokens: peak_reserve_len,
+        reserve_baseline_peak_bytes: bytes(peak_reserve_len),
+        reserve_max_tokens_kv_utilization: mean(&col(|s| s.reserve_max_tokens_utilization)),
+        reserve_max_tokens_peak_tokens: peak_reserve_tok,
+        reserve_max_tokens_peak_bytes: bytes(peak_reserve_tok),
+        preemptions: engine.stats().preemptions - preempt0,
+        interrupted,
+        kv_timeline: thin(timeline, MAX_TIMELINE_POINTS),
+        requests: records,
+    })
+}
+
+/// Keeps at most `max` points, evenly spaced, the last one always kept.
+pub fn thin<T: Copy>(v: Vec<T>, max: usize) -> Vec<T> {
+    if v.len() <= max || max < 2 {
+        return v;
+    }
+    let n = v.len();
+    (0..max).map(|k| v[k * (n - 1) / (max - 1)]).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::thin;
+
+    #[test]
+    fn thinning_keeps_ends_and_spacing() {
+        let v: Vec<usize> = (0..10_000).collect();
+        let t = thin(v.clone(), 101);
+        assert_eq!(t.len(), 101);
+        assert_eq!((t[0], t[100]), (0, 9999));
+        assert!(t.windows(2).all(|w| (99..=100).contains(&(w[1] - w[0]))));
+        assert_eq!(thin(vec![1, 2, 3], 10), vec![1, 2, 3]);
+    }
+}

@@ -1,0 +1,138 @@
+//! The benchmark runs on the real (small) SmolLM2 model with tiny workloads: the static
+//! baseline really waits for the longest request of its batch, and the figures hang together.
+
+mod common;
+
+use pagoda::bench::latency::{self, LatencyOptions};
+use pagoda::bench::throughput::{self, ThroughputOptions, ThroughputResult};
+use pagoda::bench::workload::RequestLens;
+use pagoda::engine::KvBudget;
+use pagoda::sched::SchedulingPolicy;
+use pagoda::{Engine, EngineArgs};
+use std::sync::atomic::AtomicBool;
+
+fn engine(policy: SchedulingPolicy, max_num_seqs: usize) -> Engine {
+    Engine::new(EngineArgs {
+        model: Some(common::model_path(common::SMOL_GGUF)),
+        max_num_seqs,
+        max_model_len: Some(512),
+        kv_budget: Some(KvBudget::Bytes(32 << 20)),
+        scheduling: policy,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn run(policy: SchedulingPolicy, reqs: &[RequestLens], stop: &AtomicBool) -> ThroughputResult {
+    let mut e = engine(policy, 2);
+    let opts = ThroughputOptions {
+        backend: "cpu".into(),
+        scheduling: format!("{policy:?}"),
+        block_size: 16,
+        seed: 5,
+        stop,
+        progress: false,
+    };
+    throughput::run(&mut e, reqs, &opts).unwrap()
+}
+
+fn lens(v: &[(usize, usize)]) -> Vec<RequestLens> {
+    v.iter()
+        .map(|&(prompt_len, output_len)| RequestLens {
+            prompt_len,
+            output_len,
+        })
+        .collect()
+}
+
+#[test]
+fn static_batching_waits_for_the_longest_request_and_continuous_does_not() {
+    // two at a time: request 1 is the long one of the first batch
+    let reqs = lens(&[(8, 2), (8, 12), (8, 2), (8, 2)]);
+    let stop = AtomicBool::new(false);
+    let st = run(SchedulingPolicy::Static, &reqs, &stop);
+    let co = run(SchedulingPolicy::Continuous, &reqs, &stop);
+    for r in [&st, &co] {
+        assert_eq!(r.completed, 4);
+        assert_eq!(r.output_tokens, 18);
+        assert_eq!(r.prompt_tokens, 32);
+        assert!(r.requests.iter().all(|q| q.produced == q.output_len));
+        assert_eq!(r.preemptions, 0);
+        assert!(!r.interrupted);
+    }
+    let first = |r: &ThroughputResult, i: usize| r.requests[i].first_token_step.unwrap();
+    let end = |r: &ThroughputResult, i: usize| r.requests[i].finish_step.unwrap();
+    // static: the second batch (2 and 3) starts only after the longest of the first ends
+    assert!(end(&st, 0) < end(&st, 1));
+    assert!(first(&st, 2) > end(&st, 1), "{:?}", st.requests);
+    assert!(first(&st, 3) > end(&st, 1));
+    // while request 1 finishes alone, others wait although a slot is free: for 10 steps under
+    // static batching, for one step at a time (until the next admission) under continuous
+    let idle_slot = |r: &ThroughputResult| {
+        r.kv_timeline
+            .iter()
+            .filter(|s| s.running == 1 && s.waiting > 0)
+            .count()
+    };
+    assert!(idle_slot(&st) >= 9, "{}", idle_slot(&st));
+    assert!(idle_slot(&co) <= 2, "{}", idle_slot(&co));
+    // continuous: request 2 takes request 0's place while request 1 still runs
+    assert!(first(&co, 2) < end(&co, 1), "{:?}", co.requests);
+    assert!(co.steps < st.steps);
+}
+
+#[test]
+fn kv_figures_hang_together() {
+    let reqs = lens(&[(40, 6), (3, 20), (17, 9), (60, 3), (5, 5)]);
+    let stop = AtomicBool::new(false);
+    let r = run(SchedulingPolicy::Continuous, &reqs, &stop);
+    assert_eq!(r.steps as usize, r.kv_timeline.len());
+    assert_eq!(r.step_time_ms.count as u64, r.steps);
+    assert!(r.kv_utilization_mean > 0.3 && r.kv_utilization_mean <= 1.0);
+    assert!(r.kv_utilization_peak >= r.kv_utilization_mean && r.kv_utilization_peak <= 1.0);
+    // an engine reserving prompt + max_tokens uses at most all of it, and one reserving the
+    // whole context (512) uses less still
+    assert!(r.reserve_max_tokens_kv_utilization <= 1.0);
+    assert!(r.reserve_baseline_kv_utilization < r.reserve_max_tokens_kv_utilization);
+    assert_eq!(r.max_model_len, 512);
+    assert_eq!(r.reserve_baseline_peak_tokens, 2 * 512);
+    assert!(r.reserve_max_tokens_peak_tokens <= 46 + 63);
+    assert!(r.kv_peak_tokens <= r.reserve_max_tokens_peak_tokens + 2 * 16);
+    assert!(r.kv_peak_bytes > 0 && r.reserve_baseline_peak_bytes > r.kv_peak_bytes);
+    assert!(r.output_tokens_per_s > 0.0 && r.total_tokens_per_s > r.output_tokens_per_s);
+}
+
+#[test]
+fn an_interrupted_run_returns_what_it_has() {
+    let stop = AtomicBool::new(true);
+    let r = run(SchedulingPolicy::Continuous, &lens(&[(8, 4)]), &stop);
+    assert!(r.interrupted);
+    assert_eq!((r.completed, r.steps), (0, 0));
+    assert_eq!(r.requests_per_s, 0.0);
+}
+
+#[test]
+fn latency_measures_each_request_of_each_iteration() {
+    let mut e = engine(SchedulingPolicy::Continuous, 8);
+    let stop = AtomicBool::new(false);
+    let opts = LatencyOptions {
+        backend: "cpu".into(),
+        input_len: 8,
+        output_len: 5,
+        iterations: 2,
+        warmup: 1,
+        seed: 1,
+        stop: &stop,
+        progress: false,
+    };
+    let r = latency::run(&mut e, 3, &opts).unwrap();
+    assert_eq!(r.iterations, 2);
+    assert_eq!(
+        (r.ttft_ms.count, r.tpot_ms.count, r.e2e_ms.count),
+        (6, 6, 6)
+    );
+    assert_eq!(r.batch_latency_ms.count, 2);
+    assert!(r.ttft_ms.p50 > 0.0 && r.e2e_ms.min >= r.ttft_ms.min);
+    assert!(r.tpot_ms.p50 > 0.0 && r.output_tokens_per_s > 0.0);
+    assert!(!e.has_unfinished());
+}
