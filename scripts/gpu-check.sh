@@ -11,9 +11,10 @@
 #        cargo build --release --features cuda
 #        mkdir -p .gpu && cp target/release/pagoda .gpu/pagoda && strip .gpu/pagoda
 #        cp ~/.cache/pagoda/models/smollm2-135m-instruct-f32/tokenizer.json .gpu/tokenizer.json
-#        grep -qx '/.gpu/' .git/info/exclude || echo /.gpu/ >> .git/info/exclude
-#      (.gpu/ is about 15 MiB: the stripped binary and SmolLM2's tokenizer.json, which
-#      gpu_check.py pads to each model's vocabulary.)
+#        X="$(git rev-parse --git-common-dir)/info/exclude"; grep -qx '/.gpu/' "$X" || echo /.gpu/ >> "$X"
+#      (.gpu/ is about 10 MiB: the stripped binary and SmolLM2's tokenizer.json — from
+#      scripts/fetch-models.sh — which gpu_check.py pads to each model's vocabulary.) The call
+#      sends the checkout the session started in: build and copy there.
 #   2. One call of the device tool, carrying .gpu:
 #        run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=540)
 #   3. The table is the end of the output; $OUT/summary.txt, $OUT/log.txt (every step's output)
@@ -72,6 +73,7 @@ step() {
 echo "== gpu-check $(date -u +%FT%TZ)" | tee -a "$LOG"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$LOG"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >>"$LOG"
+chmod +x "$BIN" 2>/dev/null
 if ! "$BIN" --version >>"$LOG" 2>&1; then
     echo "the binary $BIN does not run here:" | tee -a "$LOG"
     ldd "$BIN" 2>&1 | tee -a "$LOG"

@@ -144,15 +144,50 @@ def save(model, spec, out_dir, dtype_name, tokenizer, rope_scaling=None):
     torch.cuda.empty_cache()
 
 
+def save_plain(spec, out_dir, torch_dtype, dtype_name, tokenizer, rope_scaling=None):
+    """The fallback when transformers cannot build or save the model: the same tensor names
+    and shapes, drawn with torch and written with safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    h, f, L = spec["hidden_size"], spec["intermediate_size"], spec["num_hidden_layers"]
+    H, Hkv, d, v = spec["num_attention_heads"], spec["num_key_value_heads"], spec["head_dim"], spec["vocab_size"]
+    std = spec["initializer_range"]
+    r = lambda *shape: (torch.randn(*shape, device="cuda") * std).to(torch_dtype)
+    one = lambda n: torch.ones(n, device="cuda", dtype=torch_dtype)
+    t = {"model.embed_tokens.weight": r(v, h), "model.norm.weight": one(h)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t.update({
+            p + "self_attn.q_proj.weight": r(H * d, h), p + "self_attn.k_proj.weight": r(Hkv * d, h),
+            p + "self_attn.v_proj.weight": r(Hkv * d, h), p + "self_attn.o_proj.weight": r(h, H * d),
+            p + "mlp.gate_proj.weight": r(f, h), p + "mlp.up_proj.weight": r(f, h),
+            p + "mlp.down_proj.weight": r(h, f), p + "input_layernorm.weight": one(h),
+            p + "post_attention_layernorm.weight": one(h),
+        })
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: x.contiguous().cpu() for k, x in t.items()}, os.path.join(out_dir, "model.safetensors"))
+    json.dump(pagoda_config(spec, dtype_name, rope_scaling), open(os.path.join(out_dir, "config.json"), "w"), indent=1)
+    extend_tokenizer(tokenizer, spec["vocab_size"], os.path.join(out_dir, "tokenizer.json"))
+
+
 def make_models(work, tokenizer):
     import torch
 
     torch.manual_seed(1234)
     t0 = time.time()
-    tiny = build_model(TINY, torch.float32, "cuda")
-    save(tiny, TINY, os.path.join(work, "tiny"), "float32", tokenizer)
-    big = build_model(LLAMA_1B, torch.bfloat16, "cuda")
-    save(big, LLAMA_1B, os.path.join(work, "llama-1b"), "bfloat16", tokenizer, LLAMA3_ROPE_SCALING)
+    for name, spec, dt, dt_name, scaling in [
+        ("tiny", TINY, torch.float32, "float32", None),
+        ("llama-1b", LLAMA_1B, torch.bfloat16, "bfloat16", LLAMA3_ROPE_SCALING),
+    ]:
+        out_dir = os.path.join(work, name)
+        try:
+            save(build_model(spec, dt, "cuda"), spec, out_dir, dt_name, tokenizer, scaling)
+            log(f"{name}: made with transformers' save_pretrained")
+        except Exception as e:
+            log(f"{name}: transformers failed ({e!r}); writing the safetensors directly")
+            traceback.print_exc()
+            save_plain(spec, out_dir, dt, dt_name, tokenizer, scaling)
     log(f"models made in {time.time() - t0:.1f} s")
 
 

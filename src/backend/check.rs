@@ -321,7 +321,9 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             (130, 256, 320, false),
             (5, 130, 33, true),
         ] {
-            let tol = if dtype == DType::F32 || m <= 8 {
+            // NOTE: half weights with a decode-sized batch go through the GEMV kernels, which
+            // keep x in f32; elsewhere a vendor GEMM may round x to the weights' type first.
+            let tol = if dtype == DType::F32 || (m <= 8 && usize::is_multiple_of(k, 8)) {
                 1e-5
             } else {
                 1e-2
