@@ -9,6 +9,7 @@ use super::workload::Workload;
 use anyhow::{Context, Result, bail};
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde_json::Value;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -319,7 +320,8 @@ fn throughput_panel(area: &Area, bars: &[(String, f64)]) -> Result<()> {
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(70)
-        .build_cartesian_2d((0..n).into_segmented(), 0.0..ymax)
+        // NOTE: integer ranges are inclusive as segments: 0..n-1 gives n of them.
+        .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..ymax)
         .map_err(plot_err)?;
     chart
         .configure_mesh()
@@ -347,11 +349,11 @@ fn throughput_panel(area: &Area, bars: &[(String, f64)]) -> Result<()> {
         .map_err(plot_err)?;
     chart
         .draw_series(bars.iter().enumerate().map(|(i, (_, v))| {
-            Text::new(
-                format!("{v:.1}"),
-                (SegmentValue::CenterOf(i), *v),
-                ("sans-serif", 15),
-            )
+            let style = ("sans-serif", 15)
+                .into_font()
+                .into_text_style(area)
+                .pos(Pos::new(HPos::Center, VPos::Bottom));
+            Text::new(format!("{v:.1}"), (SegmentValue::CenterOf(i), *v), style)
         }))
         .map_err(plot_err)?;
     Ok(())
@@ -374,7 +376,7 @@ fn latency_panel(area: &Area, groups: &[(String, [f64; 6])]) -> Result<()> {
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(70)
-        .build_cartesian_2d((0..n).into_segmented(), (ymin..ymax).log_scale())
+        .build_cartesian_2d((0..n - 1).into_segmented(), (ymin..ymax).log_scale())
         .map_err(plot_err)?;
     chart
         .configure_mesh()
@@ -430,7 +432,7 @@ fn kv_panel(area: &Area, rows: &[&ThroughputResult]) -> Result<()> {
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(70)
-        .build_cartesian_2d(0.0..tmax, 0.0..105.0)
+        .build_cartesian_2d(0.0..tmax, 0.0..102.0)
         .map_err(plot_err)?;
     chart
         .configure_mesh()
@@ -476,11 +478,17 @@ fn kv_panel(area: &Area, rows: &[&ThroughputResult]) -> Result<()> {
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
         }
     }
+    // NOTE: the legend goes where there is least data: Pagoda's lines run high, the baselines
+    // that reserve max_model_len hug zero.
+    let (pw, ph) = chart.plotting_area().dim_in_pixel();
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::MiddleRight)
+        .position(SeriesLabelPosition::Coordinate(
+            pw as i32 - 430,
+            (ph as f64 * 0.42) as i32,
+        ))
         .draw()
         .map_err(plot_err)?;
     Ok(())
