@@ -204,6 +204,16 @@ async fn one_request(client: &reqwest::Client, url: &str, body: &Value) -> Outco
     if o.error.is_none() && o.ttft.is_none() {
         o.error = Some("the stream ended without a token".into());
     }
+    // NOTE: a server may cut a stream short, even with a `[DONE]` (llama-cpp-python does when
+    // another request arrives, unless started with --interrupt_requests False): a request
+    // completed only if its stream gave a finish reason.
+    if o.error.is_none() && o.finish_reason.is_none() {
+        o.error = Some(if done {
+            "the stream ended ([DONE]) without a finish reason".into()
+        } else {
+            "the stream ended without a finish reason".into()
+        });
+    }
     o
 }
 
@@ -468,6 +478,13 @@ mod tests {
                     sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
                         .await
                         .unwrap();
+                    if req["prompt"].as_str().unwrap().starts_with("cut") {
+                        // cut short, as llama-cpp-python does to a stream when another arrives
+                        sock.write_all(b"data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\ndata: [DONE]\n\n")
+                            .await
+                            .unwrap();
+                        return;
+                    }
                     let k = req["max_tokens"].as_u64().unwrap();
                     // k tokens in k - 1 chunks: the last chunk holds two (as a server that
                     // held back text sends them); usage tells the truth, or the finish reason
@@ -483,7 +500,8 @@ mod tests {
                         "data: {\"choices\":[{\"index\":0,\"text\":\"\",\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n".to_string()
                     } else {
                         format!(
-                            "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":7,\"completion_tokens\":{k}}}}}\n\ndata: [DONE]\n\n"
+                            "data: {{\"choices\":[{{\"index\":0,\"text\":\"\",\"finish_reason\":\"length\"}}]}}\n\n\
+                             data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":7,\"completion_tokens\":{k}}}}}\n\ndata: [DONE]\n\n"
                         )
                     };
                     sock.write_all(usage.as_bytes()).await.unwrap();
@@ -541,13 +559,22 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn counts_failures_and_unreachable_servers() {
-        let (url, server) = fake_server(1).await;
+        let (url, server) = fake_server(2).await;
         let stop = AtomicBool::new(false);
         // the fake server answers 500 to a prompt starting with "fail"
         let client = client().unwrap();
         let body = json!({"model": "fake-model", "prompt": "fail now", "max_tokens": 2, "min_tokens": 2, "stream": true});
         let o = one_request(&client, &format!("{url}/v1/completions"), &body).await;
         assert!(o.error.as_deref().unwrap().contains("500"), "{o:?}");
+        let body = json!({"model": "fake-model", "prompt": "cut short", "max_tokens": 2, "min_tokens": 2, "stream": true});
+        let o = one_request(&client, &format!("{url}/v1/completions"), &body).await;
+        assert!(
+            o.error
+                .as_deref()
+                .unwrap()
+                .contains("without a finish reason"),
+            "{o:?}"
+        );
         server.await.unwrap();
         // nothing listens there any more
         let reqs = [RequestLens {
