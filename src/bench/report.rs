@@ -98,7 +98,7 @@ pub fn markdown(files: &[Loaded], chart: Option<&str>) -> String {
             let wl = f
                 .workload
                 .as_ref()
-                .map(|w| format!("{} (seed {})", w.kind.name(), w.seed))
+                .map(|w| format!("{} (seed {})", workload_tag(w), w.seed))
                 .unwrap_or_default();
             let _ = writeln!(
                 md,
@@ -122,13 +122,23 @@ pub fn markdown(files: &[Loaded], chart: Option<&str>) -> String {
             );
         }
         md.push('\n');
-        let rows: Vec<&ThroughputResult> = tp.iter().map(|(_, r)| *r).collect();
-        for (backend, ratio) in scheduling_ratios(&rows) {
-            let _ = writeln!(
-                md,
-                "- {backend}: continuous batching gives **{ratio:.2}×** the output tokens/s of static batching."
-            );
+        // NOTE: ratios pair rows of one file: one workload, run back to back.
+        for f in files {
+            let rows: Vec<&ThroughputResult> = f.throughput.iter().collect();
+            let tag = f.workload.as_ref().map(workload_tag).unwrap_or_default();
+            for (backend, ratio) in scheduling_ratios(&rows) {
+                let who = if tag.is_empty() {
+                    backend
+                } else {
+                    format!("{backend}, {tag}")
+                };
+                let _ = writeln!(
+                    md,
+                    "- {who}: continuous batching gives **{ratio:.2}×** the output tokens/s of static batching."
+                );
+            }
         }
+        let rows: Vec<&ThroughputResult> = tp.iter().map(|(_, r)| *r).collect();
         for r in &rows {
             let _ = writeln!(
                 md,
@@ -202,6 +212,11 @@ pub fn markdown(files: &[Loaded], chart: Option<&str>) -> String {
         let _ = writeln!(md, "![benchmark chart]({c})\n");
     }
     md
+}
+
+/// `sharegpt 100/64`: the workload's kind and its prompt and output lengths.
+fn workload_tag(w: &Workload) -> String {
+    format!("{} {}/{}", w.kind.name(), w.input_len, w.output_len)
 }
 
 fn load_label(r: &ServeResult) -> String {
@@ -603,8 +618,26 @@ mod tests {
         assert!(md.contains("| wgpu | continuous |"));
         assert!(md.contains("| cuda | 8 |"));
         assert!(md.contains("**2.50×**"), "{md}");
+        // a second file on another workload: its ratio pairs its own rows
+        let mut more = files();
+        let other = json!({
+            "kind": "throughput", "model": "tiny",
+            "workload": crate::bench::workload::Workload::new(
+                crate::bench::workload::WorkloadKind::Fixed, 10, Some(8), Some(4), 1),
+            "results": [tp("cpu", "static", 100.0), tp("cpu", "continuous", 150.0)],
+        });
+        more.push(parse("c.json", &other).unwrap());
         assert!(md.contains("95.0% / 99.0%") && md.contains("2.0% / 50.0%"));
         assert!(md.contains("![benchmark chart](chart.svg)"));
+        let md2 = markdown(&more, None);
+        assert!(
+            md2.contains("- cpu: continuous batching gives **2.50×**"),
+            "{md2}"
+        );
+        assert!(
+            md2.contains("- cpu, fixed 8/4: continuous batching gives **1.50×**"),
+            "{md2}"
+        );
     }
 
     #[test]
