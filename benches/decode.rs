@@ -45,6 +45,22 @@ fn main() -> anyhow::Result<()> {
         rayon::current_num_threads()
     );
     let mut results = vec![];
+    // Prefill: one prompt of 512 tokens, timed to its first token.
+    let long: Vec<u32> = (0..512u32).map(|i| 1000 + (i * 7919) % 30000).collect();
+    let t0 = Instant::now();
+    engine.add_request(
+        long.into(),
+        SamplingParams {
+            max_tokens: Some(1),
+            ..SamplingParams::greedy()
+        },
+    )?;
+    while engine.has_unfinished() {
+        engine.step()?;
+    }
+    let prefill = 512.0 / t0.elapsed().as_secs_f64();
+    println!("prefill 512 tokens: {prefill:.1} tokens/s");
+    results.push(format!("{{\"prefill_tokens_per_s\": {prefill:.2}}}"));
     for &n in &batches {
         let params = SamplingParams {
             max_tokens: Some(tokens),

@@ -21,6 +21,7 @@ pub mod kv;
 pub mod models;
 pub mod sampling;
 pub mod sched;
+pub mod server;
 pub mod tensor;
 
 pub use backend::BackendKind;

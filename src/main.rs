@@ -1,4 +1,4 @@
-//! The `pagoda` command line: generate, chat, info, bench.
+//! The `pagoda` command line: generate, chat, serve, bench, info.
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -46,6 +46,13 @@ enum Command {
         model: ModelArgs,
         #[command(flatten)]
         sampling: SamplingArgs,
+    },
+    /// Serve the OpenAI API (`/v1/completions`, `/v1/chat/completions`, ...) over HTTP.
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        server: ServeArgs,
     },
     /// Show the model, its architecture and size, the backend and the KV pool.
     Info {
@@ -155,18 +162,82 @@ impl ModelArgs {
 }
 
 #[derive(Args, Clone)]
+struct ServeArgs {
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the log says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Model names clients may send (default: the --model argument, else the model's name).
+    #[arg(long, num_args = 1..)]
+    served_model_name: Vec<String>,
+    /// Require `Authorization: Bearer KEY` on every /v1 route (default: $PAGODA_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Most requests waiting for the engine; more are refused with 503.
+    #[arg(long, default_value_t = 1024)]
+    max_waiting: usize,
+    /// Seconds that running requests get to finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout: f64,
+    /// Largest request body in bytes (suffixes as for --kv-cache-memory).
+    #[arg(long, default_value = "8MiB", value_parser = parse_bytes)]
+    max_body_size: u64,
+    /// Accepted for vLLM compatibility; only 1 works until tensor parallelism lands.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: usize,
+}
+
+impl ServeArgs {
+    fn server_args(&self, model: &ModelArgs) -> Result<pagoda::server::ServerArgs> {
+        if self.tensor_parallel_size != 1 {
+            anyhow::bail!(
+                "--tensor-parallel-size {} is not supported: Pagoda runs a model on one device until tensor parallelism lands; use --tensor-parallel-size 1",
+                self.tensor_parallel_size
+            );
+        }
+        if !(self.shutdown_timeout.is_finite() && self.shutdown_timeout >= 0.0) {
+            anyhow::bail!("--shutdown-timeout must be a number of seconds >= 0");
+        }
+        let served_model_names = if self.served_model_name.is_empty() {
+            // As vLLM: the model is served under the name it was given on the command line.
+            model
+                .model
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect()
+        } else {
+            self.served_model_name.clone()
+        };
+        Ok(pagoda::server::ServerArgs {
+            host: self.host.clone(),
+            port: self.port,
+            served_model_names,
+            api_key: self
+                .api_key
+                .clone()
+                .or_else(|| std::env::var("PAGODA_API_KEY").ok())
+                .filter(|k| !k.is_empty()),
+            max_waiting: self.max_waiting,
+            shutdown_grace: std::time::Duration::from_secs_f64(self.shutdown_timeout),
+            max_body_bytes: usize::try_from(self.max_body_size).unwrap_or(usize::MAX),
+        })
+    }
+}
+
+#[derive(Args, Clone)]
 struct SamplingArgs {
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     top_p: f32,
     /// 0 or -1 = disabled.
     #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
     top_k: i32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     repetition_penalty: f32,
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     presence_penalty: f32,
@@ -229,8 +300,10 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 fn main() {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .init();
     if let Err(e) = run(Cli::parse()) {
@@ -306,6 +379,10 @@ fn run(cli: Cli) -> Result<()> {
             model,
             sampling,
         } => chat(system, model, sampling)?,
+        Command::Serve { model, server } => {
+            let args = server.server_args(&model)?;
+            pagoda::server::serve(model.engine_args(), args)?;
+        }
         Command::Bench { command } => bench(command)?,
         Command::Info { model } => {
             let mut llm = LLM::new(model.engine_args())?;

@@ -204,13 +204,7 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
             g.chat_template(),
             text(config.bos_token_id),
             text(config.eos_token_ids.first().copied()),
-            g.metadata()
-                .get("tokenizer.ggml.add_bos_token")
-                .and_then(|v| match v {
-                    super::gguf::GgufValue::Bool(b) => Some(*b),
-                    _ => None,
-                })
-                == Some(true),
+            g.add_bos_token(),
         );
         let eos = end_of_generation_ids(config.eos_token_ids.clone(), &tokenizer);
         Ok(LoadedModel {

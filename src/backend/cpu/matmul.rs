@@ -173,10 +173,11 @@ unsafe fn tile_avx2<const MR: usize, const NR: usize>(
     }
     for a in 0..MR {
         for b in 0..NR {
-            let mut lanes = [0f32; 8];
-            // SAFETY: lanes holds 8 floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[a][b]) };
-            let mut s = reduce8(&lanes);
+            // The order of `reduce8`: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
+            let v = acc[a][b];
+            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            let mut s = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
             for t in k8..k {
                 s += x[a * k + t] * w[b * k + t];
             }

@@ -417,29 +417,36 @@ impl Backend for CpuBackend {
                     let start = ((blk * hkv + g) * bs + j % bs) * d;
                     start..start + d
                 };
-                for r in 0..rep {
-                    let hq = g * rep + r;
-                    let q = &qkv[t * stride + hq * d..t * stride + (hq + 1) * d];
-                    scores.clear();
-                    let mut max = f32::NEG_INFINITY;
-                    for j in 0..n_keys {
-                        let k = &kc[key(j)];
-                        let sc = dot(q, k) * scale;
-                        max = max.max(sc);
-                        scores.push(sc);
+                // NOTE: the `rep` query heads of one kv head share a pass over its keys and
+                // values, so K and V are read once per group.
+                let q0 = t * stride + g * rep * d;
+                scores.clear();
+                scores.resize(rep * n_keys, 0.0);
+                for j in 0..n_keys {
+                    let k = &kc[key(j)];
+                    for r in 0..rep {
+                        scores[r * n_keys + j] = dot(&qkv[q0 + r * d..q0 + (r + 1) * d], k) * scale;
                     }
+                }
+                for row in scores.chunks_mut(n_keys) {
+                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
                     let mut sum = 0.0f32;
-                    for sc in scores.iter_mut() {
+                    for sc in row.iter_mut() {
                         *sc = (*sc - max).exp();
                         sum += *sc;
                     }
                     let inv = 1.0 / sum;
-                    let acc = &mut o[r * d..(r + 1) * d];
-                    acc.iter_mut().for_each(|a| *a = 0.0);
-                    for (j, &p) in scores.iter().enumerate() {
-                        let v = &vc[key(j)];
-                        let p = p * inv;
-                        acc.iter_mut().zip(v).for_each(|(a, v)| *a += p * v);
+                    row.iter_mut().for_each(|p| *p *= inv);
+                }
+                o.iter_mut().for_each(|a| *a = 0.0);
+                for j in 0..n_keys {
+                    let v = &vc[key(j)];
+                    for r in 0..rep {
+                        let p = scores[r * n_keys + j];
+                        o[r * d..(r + 1) * d]
+                            .iter_mut()
+                            .zip(v)
+                            .for_each(|(a, v)| *a += p * v);
                     }
                 }
             });

@@ -1,0 +1,897 @@
+//! The HTTP routes: OpenAI's `/v1/models`, `/v1/completions`, `/v1/chat/completions`, and vLLM's
+//! `/health`, `/version`, `/tokenize`, `/detokenize`, `/metrics`.
+//!
+//! A handler parses and checks the body, tokenizes the prompt (off the async workers), sends the
+//! engine thread one `Add`, then either collects the request's events into one response or turns
+//! them into a stream of Server-Sent Events. An [`AbortGuard`] aborts the engine requests when
+//! the handler (or the stream) is dropped before the end — which is what happens when the client
+//! disconnects.
+
+use super::AppState;
+use super::error::ApiError;
+use super::streaming::{self, ChatStream, CompletionStream};
+use super::types::*;
+use super::worker::{AddError, Command, Event, EventKind, SubRequest};
+use crate::engine::{Prompt, RequestError};
+use crate::models::tokenizer::{ChatMessage, Tokenizer};
+use crate::sampling::{SamplingParams, TokenLogprobs};
+use crate::sched::{FinishReason, RequestId};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, Uri, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+type St = State<Arc<AppState>>;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/models", get(list_models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/version", get(version))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/metrics", get(metrics))
+        .fallback(fallback)
+        .layer(axum::extract::DefaultBodyLimit::max(state.max_body_bytes))
+        .with_state(state)
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn require_api_key(State(st): St, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Compares without an early exit, so the time taken does not tell how much of a key matched.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, x) in a.iter().enumerate() {
+        diff |= usize::from(x ^ b.get(i).copied().unwrap_or(!x));
+    }
+    diff == 0
+}
+
+async fn fallback(uri: Uri) -> ApiError {
+    ApiError::not_found(uri.path())
+}
+
+async fn health(State(st): St) -> StatusCode {
+    if st.dead.load(Ordering::Relaxed) {
+        StatusCode::INTERNAL_SERVER_ERROR
+    } else if st.draining.load(Ordering::Relaxed) {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+async fn version() -> Json<Value> {
+    Json(serde_json::json!({ "version": env!("CARGO_PKG_VERSION") }))
+}
+
+async fn metrics(State(st): St) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        st.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn list_models(State(st): St) -> Json<ModelList> {
+    let data = st
+        .model_names
+        .iter()
+        .map(|name| ModelCard {
+            id: name.clone(),
+            object: "model",
+            created: st.created,
+            owned_by: "pagoda",
+            root: st.model_root.clone(),
+            parent: None,
+            max_model_len: st.max_model_len,
+        })
+        .collect();
+    Json(ModelList {
+        object: "list",
+        data,
+    })
+}
+
+/// Reads a JSON body (413 over the size limit, 400 when it is not JSON).
+fn read_json(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
+    let bytes = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(st.max_body_bytes)
+        } else {
+            ApiError::invalid(format!("cannot read the request body: {e}"), None)
+        }
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))
+}
+
+/// A request struct from a JSON value; a value of the wrong type names its field in `param`.
+fn from_json<T: DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
+    if !v.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object", None));
+    }
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ApiError::invalid(format!("invalid request: {inner}"), None)
+        } else {
+            let field = path.split(['.', '[']).next().unwrap_or(&path).to_string();
+            ApiError::invalid(format!("invalid value for '{path}': {inner}"), Some(&field))
+        }
+    })
+}
+
+fn parse_body<T: DeserializeOwned>(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    from_json(&read_json(st, body)?)
+}
+
+fn check_model(st: &AppState, model: &Option<String>) -> Result<String, ApiError> {
+    match model {
+        Some(m) if !st.model_names.iter().any(|n| n == m) => Err(ApiError::model_not_found(m)),
+        Some(m) => Ok(m.clone()),
+        None => Ok(st.model_names[0].clone()),
+    }
+}
+
+fn check_accepting(st: &AppState) -> Result<(), ApiError> {
+    if st.draining.load(Ordering::Relaxed) {
+        return Err(ApiError::overloaded("the server is shutting down"));
+    }
+    if st.dead.load(Ordering::Relaxed) {
+        return Err(ApiError::internal(
+            "the engine has failed; restart the server",
+        ));
+    }
+    Ok(())
+}
+
+/// The engine's sampling parameters from the request's fields.
+fn sampling_params(
+    f: &SamplingFields,
+    max_tokens: Option<usize>,
+    logprobs: Option<usize>,
+) -> Result<SamplingParams, ApiError> {
+    if f.best_of.is_some_and(|b| b > 1) {
+        return Err(ApiError::unsupported(
+            "best_of > 1 is not supported yet",
+            "best_of",
+        ));
+    }
+    if f.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+        return Err(ApiError::unsupported(
+            "logit_bias is not supported yet",
+            "logit_bias",
+        ));
+    }
+    let d = SamplingParams::default();
+    let p = SamplingParams {
+        n: f.n.unwrap_or(1),
+        max_tokens,
+        temperature: f.temperature.unwrap_or(d.temperature),
+        top_p: f.top_p.unwrap_or(d.top_p),
+        top_k: f.top_k.unwrap_or(d.top_k),
+        min_p: f.min_p.unwrap_or(d.min_p),
+        repetition_penalty: f.repetition_penalty.unwrap_or(d.repetition_penalty),
+        presence_penalty: f.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: f.frequency_penalty.unwrap_or(d.frequency_penalty),
+        seed: f.seed,
+        stop: f.stop.clone().map(StopField::into_vec).unwrap_or_default(),
+        stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+        logprobs,
+        skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+    };
+    p.validate()
+        .map_err(|e| ApiError::invalid(e.message, Some(e.param)))?;
+    Ok(p)
+}
+
+/// A prompt of a completions request, before tokenizing.
+enum PromptIn {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+fn token_list(v: &[Value]) -> Option<Vec<u32>> {
+    v.iter()
+        .map(|x| x.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}
+
+fn parse_prompts(v: &Value) -> Result<Vec<PromptIn>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "prompt must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
+            Some("prompt"),
+        )
+    };
+    match v {
+        Value::String(s) => Ok(vec![PromptIn::Text(s.clone())]),
+        Value::Array(items) if items.is_empty() => Err(ApiError::invalid(
+            "prompt must not be an empty list",
+            Some("prompt"),
+        )),
+        Value::Array(items) => {
+            if items.iter().all(Value::is_string) {
+                Ok(items
+                    .iter()
+                    .filter_map(|s| s.as_str().map(|s| PromptIn::Text(s.to_string())))
+                    .collect())
+            } else if items.iter().all(Value::is_number) {
+                Ok(vec![PromptIn::Tokens(token_list(items).ok_or_else(bad)?)])
+            } else if items.iter().all(Value::is_array) {
+                items
+                    .iter()
+                    .map(|x| {
+                        let list = x.as_array().map(Vec::as_slice).unwrap_or_default();
+                        token_list(list).map(PromptIn::Tokens).ok_or_else(bad)
+                    })
+                    .collect()
+            } else {
+                Err(bad())
+            }
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// Runs tokenizer work on the blocking pool: long prompts must not hold up the async workers.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+}
+
+/// Aborts the engine requests when dropped before [`AbortGuard::disarm`]: a dropped handler or
+/// stream means the client is gone.
+pub struct AbortGuard {
+    ids: Vec<RequestId>,
+    st: Arc<AppState>,
+    armed: bool,
+}
+
+impl AbortGuard {
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.st.send(Command::Abort(std::mem::take(&mut self.ids)));
+        }
+    }
+}
+
+/// Queues the sub-requests; returns their event channel and the guard that aborts them.
+async fn submit(
+    st: &Arc<AppState>,
+    requests: Vec<SubRequest>,
+    log_id: &str,
+    arrival: Instant,
+    prompt_param: &str,
+    max_tokens_given: bool,
+) -> Result<(tmpsc::UnboundedReceiver<Event>, AbortGuard), ApiError> {
+    let lens: Vec<usize> = requests
+        .iter()
+        .map(|r| match &r.prompt {
+            Prompt::Tokens(t) => t.len(),
+            Prompt::Text(_) => 0,
+        })
+        .collect();
+    let (events, rx) = tmpsc::unbounded_channel();
+    let (reply, reply_rx) = oneshot::channel();
+    st.send(Command::Add {
+        requests,
+        log_id: log_id.to_string(),
+        arrival,
+        events,
+        reply,
+    })?;
+    let ids = reply_rx
+        .await
+        .map_err(|_| ApiError::internal("the engine thread is gone"))?
+        .map_err(|e| match e {
+            AddError::QueueFull { max_waiting } => ApiError::overloaded(format!(
+                "the server is at capacity: {max_waiting} requests are already waiting (--max-waiting); try again later"
+            )),
+            AddError::Dead => ApiError::internal("the engine has failed; restart the server"),
+            AddError::Request { index, error } => match error {
+                RequestError::InvalidParam(p) => ApiError::invalid(p.message, Some(p.param)),
+                RequestError::PromptTooLong(m) => {
+                    let prompt_fits = lens.get(index).is_some_and(|&l| l < st.max_model_len);
+                    let param = if max_tokens_given && prompt_fits {
+                        "max_tokens"
+                    } else {
+                        prompt_param
+                    };
+                    ApiError::invalid(m, Some(param))
+                }
+                RequestError::InvalidPrompt(m) => ApiError::invalid(m, Some(prompt_param)),
+                RequestError::Internal(e) => ApiError::internal(format!("{e:#}")),
+            },
+        })?;
+    let guard = AbortGuard {
+        ids,
+        st: st.clone(),
+        armed: true,
+    };
+    Ok((rx, guard))
+}
+
+/// One sub-request's complete result.
+#[derive(Default)]
+struct Collected {
+    text: String,
+    logprobs: Vec<TokenLogprobs>,
+    finish: Option<FinishReason>,
+    prompt_tokens: usize,
+    output_tokens: usize,
+}
+
+async fn collect(
+    rx: &mut tmpsc::UnboundedReceiver<Event>,
+    n: usize,
+) -> Result<Vec<Collected>, ApiError> {
+    let mut out: Vec<Collected> = (0..n).map(|_| Collected::default()).collect();
+    let mut left = n;
+    while left > 0 {
+        let Some(ev) = rx.recv().await else {
+            return Err(ApiError::internal("the engine thread is gone"));
+        };
+        let Some(c) = out.get_mut(ev.index) else {
+            continue;
+        };
+        match ev.kind {
+            EventKind::Output(o) => {
+                c.text.push_str(&o.new_text);
+                c.logprobs.extend(o.new_logprobs);
+                c.prompt_tokens = o.num_prompt_tokens;
+                c.output_tokens = o.num_output_tokens;
+                if o.finish_reason.is_some() && c.finish.is_none() {
+                    left -= 1;
+                }
+                c.finish = c.finish.or(o.finish_reason);
+            }
+            EventKind::Error(m) => return Err(ApiError::internal(m)),
+        }
+    }
+    Ok(out)
+}
+
+/// The text of one token, as log-probs show it.
+pub fn token_text(tok: &Tokenizer, id: u32) -> String {
+    tok.decode(&[id], false).unwrap_or_default()
+}
+
+pub fn completion_logprobs(
+    tok: &Tokenizer,
+    lps: &[TokenLogprobs],
+    start_offset: usize,
+) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    let mut offset = start_offset;
+    for lp in lps {
+        let s = token_text(tok, lp.token_id);
+        out.text_offset.push(offset);
+        offset += s.chars().count();
+        out.token_logprobs.push(Some(lp.logprob));
+        let mut top = serde_json::Map::new();
+        for &(id, l) in &lp.top {
+            top.entry(token_text(tok, id)).or_insert(Value::from(l));
+        }
+        top.entry(s.clone()).or_insert(Value::from(lp.logprob));
+        out.top_logprobs.push(top);
+        out.tokens.push(s);
+    }
+    out
+}
+
+pub fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprobs]) -> ChatLogprobs {
+    ChatLogprobs {
+        content: lps
+            .iter()
+            .map(|lp| {
+                let s = token_text(tok, lp.token_id);
+                ChatTokenLogprob {
+                    bytes: s.as_bytes().to_vec(),
+                    token: s,
+                    logprob: lp.logprob,
+                    top_logprobs: lp
+                        .top
+                        .iter()
+                        .map(|&(id, l)| {
+                            let t = token_text(tok, id);
+                            TopLogprob {
+                                bytes: t.as_bytes().to_vec(),
+                                token: t,
+                                logprob: l,
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect(),
+    }
+}
+
+fn finish_str(f: Option<FinishReason>) -> Option<&'static str> {
+    f.map(FinishReason::as_str)
+}
+
+async fn completions(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
+    match completions_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions_inner(
+    st: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let body = read_json(&st, body)?;
+    let req: CompletionRequest = from_json(&body)?;
+    let sampling: SamplingFields = from_json(&body)?;
+    let model = check_model(&st, &req.model)?;
+    check_accepting(&st)?;
+    if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::unsupported("suffix is not supported", "suffix"));
+    }
+    let echo = req.echo.unwrap_or(false);
+    if echo && req.logprobs.is_some() {
+        return Err(ApiError::unsupported(
+            "echo together with logprobs (prompt log-probs) is not supported yet",
+            "echo",
+        ));
+    }
+    let params = sampling_params(&sampling, req.max_tokens, req.logprobs)?;
+    let prompts = parse_prompts(&req.prompt)?;
+    let tok = st.tokenizer.clone();
+    // (token ids, prompt text for echo)
+    let prompts: Vec<(Vec<u32>, String)> = blocking(move || {
+        prompts
+            .into_iter()
+            .map(|p| match p {
+                PromptIn::Text(t) if t.is_empty() => {
+                    Err(ApiError::invalid("the prompt is empty", Some("prompt")))
+                }
+                PromptIn::Text(t) => tok
+                    .encode(&t)
+                    .map(|ids| (ids, t))
+                    .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("prompt"))),
+                PromptIn::Tokens(ids) => {
+                    let text = if echo {
+                        tok.decode(&ids, false).unwrap_or_default()
+                    } else {
+                        String::new()
+                    };
+                    Ok((ids, text))
+                }
+            })
+            .collect()
+    })
+    .await?;
+    let n = prompts.len();
+    let requests = prompts
+        .iter()
+        .map(|(ids, _)| SubRequest {
+            prompt: Prompt::Tokens(ids.clone()),
+            params: params.clone(),
+        })
+        .collect();
+    let id = st.new_id("cmpl");
+    let (mut rx, mut guard) = submit(
+        &st,
+        requests,
+        &id,
+        arrival,
+        "prompt",
+        req.max_tokens.is_some(),
+    )
+    .await?;
+    let created = unix_now();
+    let echo_texts: Vec<String> = prompts
+        .into_iter()
+        .map(|(_, t)| if echo { t } else { String::new() })
+        .collect();
+
+    if req.stream.unwrap_or(false) {
+        let include_usage = req
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        let fmt = CompletionStream::new(
+            id,
+            created,
+            model,
+            st.tokenizer.clone(),
+            echo_texts,
+            req.logprobs.is_some(),
+        );
+        return Ok(streaming::response(rx, guard, n, include_usage, fmt));
+    }
+
+    let results = collect(&mut rx, n).await?;
+    guard.disarm();
+    let mut usage = Usage::default();
+    let choices = results
+        .into_iter()
+        .zip(echo_texts)
+        .enumerate()
+        .map(|(index, (c, echo_text))| {
+            usage = Usage::new(
+                usage.prompt_tokens + c.prompt_tokens,
+                usage.completion_tokens + c.output_tokens,
+            );
+            let logprobs = req.logprobs.is_some().then(|| {
+                completion_logprobs(&st.tokenizer, &c.logprobs, echo_text.chars().count())
+            });
+            CompletionChoice {
+                index,
+                text: echo_text + &c.text,
+                logprobs,
+                finish_reason: finish_str(c.finish),
+            }
+        })
+        .collect();
+    Ok(Json(CompletionResponse {
+        id,
+        object: "text_completion",
+        created,
+        model,
+        choices,
+        usage: UsageField::Some(usage),
+    })
+    .into_response())
+}
+
+/// The conversation as the chat template sees it.
+fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid(
+            "messages must not be empty",
+            Some("messages"),
+        ));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = match m.role.as_str() {
+                "system" | "developer" => "system",
+                "user" => "user",
+                "assistant" => "assistant",
+                other => {
+                    return Err(ApiError::unsupported(
+                        format!(
+                            "messages[{i}].role '{other}' is not supported: use system, user or assistant"
+                        ),
+                        "messages",
+                    ));
+                }
+            };
+            let content = match &m.content {
+                Some(MessageContent::Text(t)) => t.clone(),
+                Some(MessageContent::Parts(parts)) => {
+                    let mut text = String::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        match (p.kind.as_str(), &p.text) {
+                            ("text", Some(t)) => {
+                                if !text.is_empty() {
+                                    text.push('\n');
+                                }
+                                text.push_str(t);
+                            }
+                            (kind, _) => {
+                                return Err(ApiError::unsupported(
+                                    format!(
+                                        "messages[{i}].content[{j}]: only text parts are supported, got '{kind}'"
+                                    ),
+                                    "messages",
+                                ));
+                            }
+                        }
+                    }
+                    text
+                }
+                None if role == "assistant" => String::new(),
+                None => {
+                    return Err(ApiError::invalid(
+                        format!("messages[{i}].content is missing"),
+                        Some("messages"),
+                    ));
+                }
+            };
+            Ok(ChatMessage::new(role, content))
+        })
+        .collect()
+}
+
+async fn chat_completions(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
+    match chat_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_inner(
+    st: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let body = read_json(&st, body)?;
+    let req: ChatRequest = from_json(&body)?;
+    let sampling: SamplingFields = from_json(&body)?;
+    let model = check_model(&st, &req.model)?;
+    check_accepting(&st)?;
+    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::unsupported(
+            "tools (function calling) are not supported yet",
+            "tools",
+        ));
+    }
+    if let Some(rf) = &req.response_format
+        && rf.get("type").and_then(Value::as_str) != Some("text")
+    {
+        return Err(ApiError::unsupported(
+            "response_format other than {\"type\": \"text\"} is not supported yet",
+            "response_format",
+        ));
+    }
+    let want_logprobs = req.logprobs.unwrap_or(false);
+    if req.top_logprobs.is_some() && !want_logprobs {
+        return Err(ApiError::invalid(
+            "top_logprobs requires logprobs to be true",
+            Some("top_logprobs"),
+        ));
+    }
+    let logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0));
+    let max_tokens = req.max_completion_tokens.or(req.max_tokens);
+    let params = sampling_params(&sampling, max_tokens, logprobs).map_err(|mut e| {
+        if e.param.as_deref() == Some("logprobs") {
+            e.param = Some("top_logprobs".into());
+        }
+        e
+    })?;
+    let messages = chat_messages(&req.messages)?;
+    let tok = st.tokenizer.clone();
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let ids = blocking(move || {
+        let text = tok
+            .apply_chat_template(&messages, add_generation_prompt)
+            .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("messages")))?;
+        tok.encode(&text)
+            .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("messages")))
+    })
+    .await?;
+    let id = st.new_id("chatcmpl");
+    let (mut rx, mut guard) = submit(
+        &st,
+        vec![SubRequest {
+            prompt: Prompt::Tokens(ids),
+            params,
+        }],
+        &id,
+        arrival,
+        "messages",
+        max_tokens.is_some(),
+    )
+    .await?;
+    let created = unix_now();
+
+    if req.stream.unwrap_or(false) {
+        let include_usage = req
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        let fmt = ChatStream::new(id, created, model, st.tokenizer.clone(), want_logprobs);
+        return Ok(streaming::response(rx, guard, 1, include_usage, fmt));
+    }
+
+    let mut results = collect(&mut rx, 1).await?;
+    guard.disarm();
+    let c = results.pop().unwrap_or_default();
+    let usage = Usage::new(c.prompt_tokens, c.output_tokens);
+    Ok(Json(ChatResponse {
+        id,
+        object: "chat.completion",
+        created,
+        model,
+        choices: vec![ChatChoice {
+            index: 0,
+            logprobs: want_logprobs.then(|| chat_logprobs(&st.tokenizer, &c.logprobs)),
+            message: ChatMessageOut {
+                role: "assistant",
+                content: c.text,
+            },
+            finish_reason: finish_str(c.finish),
+        }],
+        usage,
+    })
+    .into_response())
+}
+
+async fn tokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
+    let run = async {
+        let req: TokenizeRequest = parse_body(&st, body)?;
+        check_model(&st, &req.model)?;
+        let tok = st.tokenizer.clone();
+        let special = req.add_special_tokens.unwrap_or(true);
+        let text = match (req.prompt, req.messages) {
+            (Some(p), None) => p,
+            (None, Some(m)) => {
+                let messages = chat_messages(&m)?;
+                let agp = req.add_generation_prompt.unwrap_or(true);
+                let tok = tok.clone();
+                blocking(move || {
+                    tok.apply_chat_template(&messages, agp)
+                        .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("messages")))
+                })
+                .await?
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "give either prompt or messages",
+                    Some("prompt"),
+                ));
+            }
+        };
+        let tokens = blocking(move || {
+            let r = if special {
+                tok.encode(&text)
+            } else {
+                tok.inner()
+                    .encode_fast(text.as_str(), false)
+                    .map(|e| e.get_ids().to_vec())
+                    .map_err(|e| anyhow::anyhow!("tokenizing failed: {e}"))
+            };
+            r.map_err(|e| ApiError::invalid(format!("{e:#}"), Some("prompt")))
+        })
+        .await?;
+        Ok::<_, ApiError>(Json(TokenizeResponse {
+            count: tokens.len(),
+            max_model_len: st.max_model_len,
+            tokens,
+        }))
+    };
+    match run.await {
+        Ok(r) => r.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn detokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
+    let run = async {
+        let req: DetokenizeRequest = parse_body(&st, body)?;
+        check_model(&st, &req.model)?;
+        let vocab = st.vocab_size;
+        if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                Some("tokens"),
+            ));
+        }
+        let tok = st.tokenizer.clone();
+        let prompt = blocking(move || {
+            tok.decode(&req.tokens, false)
+                .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("tokens")))
+        })
+        .await?;
+        Ok::<_, ApiError>(Json(DetokenizeResponse { prompt }))
+    };
+    match run.await {
+        Ok(r) => r.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_of_every_shape() {
+        let p = parse_prompts(&serde_json::json!("hi")).unwrap();
+        assert!(matches!(&p[..], [PromptIn::Text(t)] if t == "hi"));
+        let p = parse_prompts(&serde_json::json!(["a", "b"])).unwrap();
+        assert_eq!(p.len(), 2);
+        let p = parse_prompts(&serde_json::json!([1, 2, 3])).unwrap();
+        assert!(matches!(&p[..], [PromptIn::Tokens(t)] if t == &[1, 2, 3]));
+        let p = parse_prompts(&serde_json::json!([[1], [2, 3]])).unwrap();
+        assert_eq!(p.len(), 2);
+        for bad in [
+            serde_json::json!([]),
+            serde_json::json!([1, "a"]),
+            serde_json::json!([-1]),
+            serde_json::json!([1.5]),
+            serde_json::json!(5),
+            serde_json::json!(null),
+            serde_json::json!([[1], ["a"]]),
+        ] {
+            let e = parse_prompts(&bad).err().unwrap();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert_eq!(e.param.as_deref(), Some("prompt"));
+        }
+    }
+
+    #[test]
+    fn key_comparison() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+        assert!(!constant_time_eq(b"", b"a"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn messages_with_parts_and_bad_roles() {
+        let m: Vec<ChatMessageIn> = serde_json::from_value(serde_json::json!([
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": null},
+        ]))
+        .unwrap();
+        let out = chat_messages(&m).unwrap();
+        assert_eq!(out[1].content, "a\nb");
+        assert_eq!(out[2].content, "");
+        let m: Vec<ChatMessageIn> =
+            serde_json::from_value(serde_json::json!([{"role": "tool", "content": "x"}])).unwrap();
+        assert!(chat_messages(&m).is_err());
+        let m: Vec<ChatMessageIn> = serde_json::from_value(serde_json::json!([
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+        ]))
+        .unwrap();
+        assert!(chat_messages(&m).is_err());
+        assert!(chat_messages(&[]).is_err());
+    }
+}

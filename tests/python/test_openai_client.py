@@ -1,0 +1,183 @@
+"""The official `openai` Python client against a running `pagoda serve` on SmolLM2.
+
+Run by tests/server_openai_python.rs, which starts the server and sets PAGODA_BASE_URL,
+PAGODA_API_KEY and PAGODA_MODEL.
+"""
+
+import os
+
+import openai
+import pytest
+
+BASE_URL = os.environ["PAGODA_BASE_URL"]
+API_KEY = os.environ["PAGODA_API_KEY"]
+MODEL = os.environ["PAGODA_MODEL"]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client():
+    return openai.OpenAI(base_url=BASE_URL, api_key=API_KEY, timeout=120, max_retries=0)
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_max_tokens_length(client):
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.object == "text_completion"
+    assert len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].text
+    assert r.usage.completion_tokens == 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 5
+
+
+def test_completion_stream_equals_non_stream(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == full.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 16
+
+
+def test_chat_stream_equals_non_stream(client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Name three colors."}]}]
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=12, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_stop(client):
+    base = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0
+    ).choices[0].text
+    stop = base[3:5]
+    cut = base.index(stop)
+    r = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == base[:cut]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducible(client):
+    def sample(seed):
+        return client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=16,
+            temperature=1.0,
+            top_p=0.95,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        ).choices[0].text
+
+    a = sample(1234)
+    assert a == sample(1234)
+    others = {sample(s) for s in (1, 2, 3)}
+    assert len(others | {a}) > 1, "different seeds all gave the same text"
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(x <= 0 for x in lp.token_logprobs)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 2 <= len(top) <= 3
+        assert abs(max(top.values()) - chosen) < 1e-4
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3
+    for t in content:
+        assert t.logprob <= 0
+        assert len(t.top_logprobs) == 3
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-4
+
+
+def test_authentication_failure():
+    bad = openai.OpenAI(base_url=BASE_URL, api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert e.value.status_code == 401
+
+
+def test_invalid_request(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=-1)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=2
+        )
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10_000_000)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)

@@ -1,0 +1,570 @@
+//! The OpenAI-compatible server on the real SmolLM2 model, on an ephemeral loopback port: routes,
+//! request shapes, streaming format, errors, authentication, aborts on disconnect, shutdown.
+
+mod common;
+mod server_util;
+
+use common::{SMOL_GGUF, model_path};
+use pagoda::server::{ServerArgs, ServerHandle};
+use serde_json::{Value, json};
+use server_util::*;
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const KEY: &str = "sk-test-key";
+const MODEL: &str = "smol";
+
+/// One server for the tests of this file (the model loads once); it requires [`KEY`].
+fn server() -> SocketAddr {
+    static SERVER: OnceLock<ServerHandle> = OnceLock::new();
+    SERVER
+        .get_or_init(|| {
+            start(
+                model_path(SMOL_GGUF),
+                256,
+                ServerArgs {
+                    served_model_names: vec![MODEL.into(), "smol-alias".into()],
+                    api_key: Some(KEY.into()),
+                    max_body_bytes: 1 << 20,
+                    ..ServerArgs::default()
+                },
+            )
+        })
+        .addr()
+}
+
+fn post(path: &str, body: Value) -> HttpResponse {
+    post_json(server(), path, Some(KEY), &body)
+}
+
+fn completion(body: Value) -> Value {
+    let r = post("/v1/completions", body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+fn chat(body: Value) -> Value {
+    let r = post("/v1/chat/completions", body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+fn stream(path: &str, body: Value) -> Vec<String> {
+    let s = Sse::open(
+        server(),
+        path,
+        &[("Authorization", &format!("Bearer {KEY}"))],
+        &body,
+    );
+    assert_eq!(s.status, 200);
+    assert!(
+        s.headers
+            .iter()
+            .any(|(k, v)| k.eq_ignore_ascii_case("content-type")
+                && v.starts_with("text/event-stream"))
+    );
+    s.all()
+}
+
+fn assert_error(r: &HttpResponse, status: u16, param: Option<&str>) -> Value {
+    assert_eq!(r.status, status, "{}", r.text());
+    let v = r.json();
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string(), "{v}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+    if let Some(p) = param {
+        assert_eq!(e["param"], p, "{v}");
+    }
+    v
+}
+
+const PROMPT: &str = "The capital of France is";
+
+#[test]
+fn models_health_version_metrics() {
+    let addr = server();
+    let r = get(addr, "/v1/models", Some(KEY));
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], MODEL);
+    assert_eq!(v["data"][1]["id"], "smol-alias");
+    assert_eq!(v["data"][0]["object"], "model");
+    assert!(v["data"][0]["max_model_len"].as_u64().unwrap() > 100);
+    assert_eq!(get(addr, "/health", None).status, 200);
+    let v = get(addr, "/version", None).json();
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+    let m = get(addr, "/metrics", None);
+    assert_eq!(m.status, 200);
+    let text = m.text();
+    for name in [
+        "pagoda:num_requests_running",
+        "pagoda:num_requests_waiting",
+        "pagoda:kv_cache_usage_perc",
+        "pagoda:prompt_tokens_total",
+        "pagoda:generation_tokens_total",
+        "pagoda:request_success_total",
+        "pagoda:time_to_first_token_seconds_bucket",
+        "pagoda:time_per_output_token_seconds_bucket",
+        "pagoda:e2e_request_latency_seconds_bucket",
+    ] {
+        assert!(text.contains(name), "{name} missing:\n{text}");
+    }
+    assert_error(&get(addr, "/nope", None), 404, None);
+}
+
+#[test]
+fn authentication() {
+    let addr = server();
+    for key in [None, Some("wrong")] {
+        let r = get(addr, "/v1/models", key);
+        let v = assert_error(&r, 401, None);
+        assert_eq!(v["error"]["code"], "invalid_api_key");
+        let r = post_json(addr, "/v1/completions", key, &json!({"prompt": "x"}));
+        assert_error(&r, 401, None);
+    }
+    // Routes outside /v1 need no key, as in vLLM.
+    assert_eq!(get(addr, "/health", None).status, 200);
+}
+
+#[test]
+fn completion_greedy_length_and_usage() {
+    let v = completion(json!({
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": true
+    }));
+    assert_eq!(v["object"], "text_completion");
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(v["model"], MODEL);
+    let c = &v["choices"][0];
+    assert_eq!(c["index"], 0);
+    assert_eq!(c["finish_reason"], "length");
+    assert!(!c["text"].as_str().unwrap().is_empty());
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    let tokens = post("/tokenize", json!({"prompt": PROMPT})).json();
+    assert_eq!(v["usage"]["prompt_tokens"], tokens["count"]);
+    assert_eq!(
+        v["usage"]["total_tokens"].as_u64().unwrap(),
+        tokens["count"].as_u64().unwrap() + 6
+    );
+
+    // The same prompt as token ids, in a list of prompts, and under the alias: the same text.
+    let ids = tokens["tokens"].clone();
+    let v2 = completion(
+        json!({"model": "smol-alias", "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(v2["choices"][0]["text"], c["text"]);
+    let v3 = completion(
+        json!({"prompt": ["Hello", PROMPT], "max_tokens": 6, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(v3["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(v3["choices"][1]["index"], 1);
+    assert_eq!(v3["choices"][1]["text"], c["text"]);
+    assert_eq!(v3["usage"]["completion_tokens"], 12);
+    let v4 = completion(
+        json!({"prompt": [ids.clone(), ids], "max_tokens": 6, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(v4["choices"][0]["text"], c["text"]);
+    assert_eq!(v4["choices"][1]["text"], c["text"]);
+
+    // echo prepends the prompt.
+    let v5 = completion(
+        json!({"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": true, "echo": true}),
+    );
+    assert_eq!(
+        v5["choices"][0]["text"].as_str().unwrap(),
+        format!("{PROMPT}{}", c["text"].as_str().unwrap())
+    );
+}
+
+#[test]
+fn completion_stream_equals_non_stream() {
+    let body = json!({"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": true});
+    let full = completion(body.clone());
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let events = stream("/v1/completions", sb);
+    let (texts, finish, usage) = check_stream(&events, false);
+    assert_eq!(texts[0], full["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(finish[0], "length");
+    assert_eq!(usage.unwrap(), full["usage"]);
+    // With include_usage every other chunk has "usage": null.
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert!(first["usage"].is_null() && first.get("usage").is_some());
+
+    // Without stream_options, no usage chunk and no usage field.
+    let mut sb = body;
+    sb["stream"] = json!(true);
+    sb["prompt"] = json!([PROMPT, "Once upon a time"]);
+    let events = stream("/v1/completions", sb);
+    let (texts, finish, usage) = check_stream(&events, false);
+    assert!(usage.is_none());
+    assert_eq!(texts.len(), 2);
+    assert_eq!(texts[0], full["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(finish, vec!["length", "length"]);
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert!(first.get("usage").is_none());
+}
+
+#[test]
+fn chat_non_stream_and_stream() {
+    let body = json!({
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]}
+        ],
+        "max_completion_tokens": 12,
+        "temperature": 0
+    });
+    let v = chat(body.clone());
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let c = &v["choices"][0];
+    assert_eq!(c["message"]["role"], "assistant");
+    let text = c["message"]["content"].as_str().unwrap().to_string();
+    assert!(!text.is_empty());
+    assert!(["stop", "length"].contains(&c["finish_reason"].as_str().unwrap()));
+    let mut sb = body;
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let events = stream("/v1/chat/completions", sb);
+    let (texts, finish, usage) = check_stream(&events, true);
+    assert_eq!(texts[0], text);
+    assert_eq!(finish[0], c["finish_reason"].as_str().unwrap());
+    assert_eq!(usage.unwrap(), v["usage"]);
+}
+
+#[test]
+fn stop_strings_and_seeds() {
+    let base = json!({"prompt": "Count: 1, 2, 3, 4, 5, 6,", "max_tokens": 16, "temperature": 0, "ignore_eos": true});
+    let text = completion(base.clone())["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // Stop at the second character that is not at the start: the text before it comes back.
+    let stop: String = text.chars().skip(3).take(2).collect();
+    let cut = text.find(&stop).unwrap();
+    let mut b = base.clone();
+    b["stop"] = json!(stop);
+    let v = completion(b);
+    assert_eq!(v["choices"][0]["text"], &text[..cut]);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    let sampled = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 1234, "ignore_eos": true});
+    let a = completion(sampled.clone());
+    let b = completion(sampled);
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+}
+
+#[test]
+fn logprobs() {
+    let v = completion(
+        json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": true, "logprobs": 3}),
+    );
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["text_offset"][0], 0);
+    let joined: String = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(joined, v["choices"][0]["text"].as_str().unwrap());
+    for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let top = top.as_object().unwrap();
+        assert!((3..=4).contains(&top.len()));
+        let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+        assert!(chosen <= 0.0);
+        // Greedy: the chosen token is the most likely one.
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert!((best - chosen).abs() < 1e-4);
+    }
+
+    let v = chat(
+        json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0, "ignore_eos": true, "logprobs": true, "top_logprobs": 2}),
+    );
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 3);
+    for t in content {
+        assert!(t["logprob"].as_f64().unwrap() <= 0.0);
+        assert_eq!(t["top_logprobs"].as_array().unwrap().len(), 2);
+        assert_eq!(
+            t["bytes"].as_array().unwrap().len(),
+            t["token"].as_str().unwrap().len()
+        );
+    }
+    let v = chat(json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}));
+    assert!(v["choices"][0]["logprobs"].is_null());
+}
+
+#[test]
+fn invalid_requests() {
+    let r = request(
+        server(),
+        "POST",
+        "/v1/completions",
+        &[("Authorization", &format!("Bearer {KEY}"))],
+        Some(b"{not json"),
+    );
+    assert_error(&r, 400, None);
+    let cases = [
+        (json!({"prompt": PROMPT, "temperature": -1}), "temperature"),
+        (
+            json!({"prompt": PROMPT, "temperature": "hot"}),
+            "temperature",
+        ),
+        (json!({"prompt": PROMPT, "top_p": 0}), "top_p"),
+        (json!({"prompt": PROMPT, "n": 2}), "n"),
+        (json!({"prompt": PROMPT, "max_tokens": 0}), "max_tokens"),
+        (json!({"prompt": PROMPT, "max_tokens": -5}), "max_tokens"),
+        (
+            json!({"prompt": PROMPT, "max_tokens": 100_000_000}),
+            "max_tokens",
+        ),
+        (json!({"prompt": PROMPT, "logprobs": 50}), "logprobs"),
+        (json!({"prompt": PROMPT, "stop": [""]}), "stop"),
+        (json!({"prompt": []}), "prompt"),
+        (json!({"prompt": [1, "a"]}), "prompt"),
+        (json!({"prompt": [99_999_999]}), "prompt"),
+        (json!({"prompt": ""}), "prompt"),
+    ];
+    for (body, param) in cases {
+        let r = post("/v1/completions", body.clone());
+        let v = assert_error(&r, 400, Some(param));
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
+    }
+    let r = post("/v1/completions", json!({"max_tokens": 3}));
+    assert_error(&r, 400, None);
+    let chat_cases = [
+        (json!({"messages": []}), "messages"),
+        (
+            json!({"messages": [{"role": "tool", "content": "x"}]}),
+            "messages",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}),
+            "messages",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100_000_000}),
+            "max_tokens",
+        ),
+    ];
+    for (body, param) in chat_cases {
+        let r = post("/v1/chat/completions", body);
+        assert_error(&r, 400, Some(param));
+    }
+    // Unknown model: 404.
+    let r = post("/v1/completions", json!({"model": "gpt-5", "prompt": "x"}));
+    let v = assert_error(&r, 404, Some("model"));
+    assert_eq!(v["error"]["code"], "model_not_found");
+    // A body over the limit: 413, still in OpenAI's shape.
+    let big = "a".repeat(2 << 20);
+    let r = post("/v1/completions", json!({"prompt": big}));
+    assert_error(&r, 413, None);
+    // The server still answers after all that.
+    completion(json!({"prompt": PROMPT, "max_tokens": 2}));
+}
+
+#[test]
+fn tokenize_detokenize() {
+    let t = post("/tokenize", json!({"prompt": "Hello world"})).json();
+    let ids = t["tokens"].clone();
+    assert_eq!(t["count"], ids.as_array().unwrap().len());
+    assert!(t["max_model_len"].as_u64().unwrap() > 0);
+    let d = post("/detokenize", json!({"tokens": ids})).json();
+    assert_eq!(d["prompt"], "Hello world");
+    let t = post(
+        "/tokenize",
+        json!({"messages": [{"role": "user", "content": "Hi"}]}),
+    )
+    .json();
+    assert!(t["count"].as_u64().unwrap() > 3);
+    assert_error(
+        &post("/detokenize", json!({"tokens": [999_999_999u32]})),
+        400,
+        Some("tokens"),
+    );
+}
+
+/// A streaming client that goes away halfway and a non-streaming one that goes away before the
+/// answer: both requests are aborted and all their KV blocks freed. (Its own server, so that no
+/// other test's requests count.)
+#[test]
+fn disconnects_abort_requests() {
+    let h = start(model_path(SMOL_GGUF), 64, ServerArgs::default());
+    let addr = h.addr();
+    let aborts = |m: &str| {
+        metric(
+            m,
+            "pagoda:request_success_total",
+            "finished_reason=\"abort\"",
+        )
+    };
+    let mut s = Sse::open(
+        addr,
+        "/v1/completions",
+        &[],
+        &json!({"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": true, "stream": true}),
+    );
+    assert_eq!(s.status, 200);
+    for _ in 0..3 {
+        s.next_data().expect("a chunk");
+    }
+    drop(s);
+    let m = wait_idle(addr, Duration::from_secs(60));
+    assert_eq!(aborts(&m), 1.0, "{m}");
+
+    // Send a request and leave without reading the answer.
+    let body =
+        serde_json::to_vec(&json!({"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": true}))
+            .unwrap();
+    let mut conn = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    conn.write_all(&body).unwrap();
+    let t0 = Instant::now();
+    while metric(
+        &get(addr, "/metrics", None).text(),
+        "pagoda:num_requests_running",
+        "",
+    ) == 0.0
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the request never ran"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(conn);
+    let m = wait_idle(addr, Duration::from_secs(60));
+    assert_eq!(aborts(&m), 2.0, "{m}");
+    assert_eq!(metric(&m, "pagoda:kv_cache_usage_perc", ""), 0.0);
+    h.shutdown().unwrap();
+}
+
+/// A client that stops reading its stream holds up no one: its tokens queue on its own channel.
+#[test]
+fn slow_reader_does_not_stall_others() {
+    let addr = server();
+    let mut slow = Sse::open(
+        addr,
+        "/v1/completions",
+        &[("Authorization", &format!("Bearer {KEY}"))],
+        &json!({"prompt": PROMPT, "max_tokens": 300, "ignore_eos": true, "stream": true}),
+    );
+    slow.next_data().expect("a first chunk");
+    let t0 = Instant::now();
+    for _ in 0..2 {
+        completion(json!({"prompt": "Hello", "max_tokens": 4, "ignore_eos": true}));
+    }
+    assert!(t0.elapsed() < Duration::from_secs(60));
+    drop(slow);
+}
+
+/// The greedy reply to a chat request is what `pagoda generate --chat-template` gives for the
+/// same message.
+#[test]
+fn chat_equals_generate() {
+    let question = "What is the capital of France?";
+    let v = chat(
+        json!({"messages": [{"role": "user", "content": question}], "max_tokens": 24, "temperature": 0}),
+    );
+    let served = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pagoda"))
+        .args([
+            "generate",
+            "--chat-template",
+            "--max-tokens",
+            "24",
+            "--kv-cache-memory",
+            "64MiB",
+            "--model",
+        ])
+        .arg(model_path(SMOL_GGUF))
+        .arg(question)
+        .output()
+        .expect("run pagoda generate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let generated = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(generated.strip_suffix('\n').unwrap(), served);
+}
+
+/// A full waiting queue answers 503.
+#[test]
+fn queue_full_is_503() {
+    let h = start(
+        model_path(SMOL_GGUF),
+        32,
+        ServerArgs {
+            max_waiting: 0,
+            ..ServerArgs::default()
+        },
+    );
+    let r = post_json(
+        h.addr(),
+        "/v1/completions",
+        None,
+        &json!({"prompt": "x", "max_tokens": 1}),
+    );
+    let v = assert_error(&r, 503, None);
+    assert_eq!(v["error"]["type"], "server_error");
+    h.shutdown().unwrap();
+}
+
+/// Shutdown lets a running stream finish, then the port is closed.
+#[test]
+fn graceful_shutdown_finishes_running_requests() {
+    let h = start(model_path(SMOL_GGUF), 32, ServerArgs::default());
+    let addr = h.addr();
+    let mut s = Sse::open(
+        addr,
+        "/v1/completions",
+        &[],
+        &json!({"prompt": PROMPT, "max_tokens": 24, "ignore_eos": true, "stream": true, "temperature": 0}),
+    );
+    s.next_data().expect("first chunk");
+    let t = std::thread::spawn(move || h.shutdown());
+    let mut rest = Vec::new();
+    while let Some(d) = s.next_data() {
+        rest.push(d);
+    }
+    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"));
+    let n_chunks = rest.len();
+    assert!(n_chunks >= 2, "{rest:?}");
+    t.join().unwrap().unwrap();
+    assert!(
+        std::net::TcpStream::connect(addr).is_err() || {
+            // The port may be reused by then; a connection, if any, must not be served by us.
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            let mut buf = [0u8; 1];
+            c.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            c.read(&mut buf).map(|n| n == 0).unwrap_or(true)
+        }
+    );
+}

@@ -1,0 +1,147 @@
+//! The official `openai` Python package against `pagoda serve` (the real binary) on SmolLM2:
+//! tests/python/test_openai_client.py, run with pytest from a virtual environment under
+//! `$PAGODA_CACHE` (created, and `openai` and `pytest` installed into it, on first use). Then
+//! SIGTERM must stop the server cleanly.
+
+mod common;
+
+use common::{SMOL_GGUF, model_path};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const KEY: &str = "sk-pagoda-python-test";
+const MODEL: &str = "SmolLM2-135M-Instruct";
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("PAGODA_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/pagoda")
+        })
+}
+
+fn run(cmd: &mut Command) {
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(status.success(), "{cmd:?} failed: {status}");
+}
+
+/// A virtual environment with `openai` and `pytest`.
+fn venv() -> PathBuf {
+    let dir = cache_dir().join("venv-openai");
+    let python = dir.join("bin/python");
+    let ready = |p: &Path| {
+        Command::new(p)
+            .args(["-c", "import openai, pytest"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !ready(&python) {
+        run(Command::new("python3").args(["-m", "venv"]).arg(&dir));
+        run(Command::new(&python).args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "openai>=1.40",
+            "pytest",
+        ]));
+        assert!(
+            ready(&python),
+            "openai and pytest do not import after pip install"
+        );
+    }
+    python
+}
+
+/// Kills the server if the test fails before it is stopped.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn openai_python_client() {
+    let python = venv();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pagoda"))
+        .args(["serve", "--port", "0", "--kv-cache-memory", "256MiB"])
+        .args(["--served-model-name", MODEL, "--api-key", KEY, "--model"])
+        .arg(model_path(SMOL_GGUF))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start pagoda serve");
+    let stderr = child.stderr.take().unwrap();
+    let mut server = Server(child);
+
+    // Pass the log through, and pick the address from the "serving ... on http://ADDR/v1" line.
+    let (tx, rx) = mpsc::channel();
+    let log = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("[server] {line}");
+            if let Some(rest) = line.split("on http://").nth(1)
+                && let Some(addr) = rest.split("/v1").next()
+            {
+                let _ = tx.send(addr.to_string());
+            }
+            lines.push(line);
+        }
+        lines
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the server did not start listening");
+
+    let out = Command::new(&python)
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/python/test_openai_client.py"
+        ))
+        .env("PAGODA_BASE_URL", format!("http://{addr}/v1"))
+        .env("PAGODA_API_KEY", KEY)
+        .env("PAGODA_MODEL", MODEL)
+        .output()
+        .expect("run pytest");
+    let report = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{report}{}", String::from_utf8_lossy(&out.stderr));
+    // NOTE: exit code 5 is pytest's "no tests collected": a failure here too.
+    assert!(out.status.success(), "pytest failed: {}", out.status);
+    assert!(report.contains(" passed"), "pytest ran no test");
+
+    // SIGTERM: a clean exit.
+    run(Command::new("kill").args(["-TERM", &server.0.id().to_string()]));
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = server.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the server did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "pagoda serve exited with {status}");
+    let lines = log.join().unwrap();
+    assert!(lines.iter().any(|l| l.contains("server stopped")));
+    // One log line per request.
+    assert!(
+        lines
+            .iter()
+            .filter(|l| l.contains("request cmpl-") && l.contains("time to first token"))
+            .count()
+            >= 5
+    );
+}
