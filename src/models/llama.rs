@@ -238,13 +238,13 @@ impl<B: Backend> Llama<B> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
         let r = batch.host.logits_rows.len();
-        if let Some(&p) = batch.host.positions.iter().max() {
-            if p as usize >= self.max_positions {
-                bail!(
-                    "position {p} is beyond the maximum model length {}",
-                    self.max_positions
-                );
-            }
+        if let Some(&p) = batch.host.positions.iter().max()
+            && p as usize >= self.max_positions
+        {
+            bail!(
+                "position {p} is beyond the maximum model length {}",
+                self.max_positions
+            );
         }
         let (hid, f) = (c.hidden_size, c.intermediate_size);
         let ql = self.qkv_layout();
