@@ -532,6 +532,8 @@ fn wgpu_backend(max_binding_bytes: Option<u64>) -> pagoda::backend::WgpuBackend 
         WgpuBackend::with_options(WgpuOptions {
             max_binding_bytes,
             disable_f16: max_binding_bytes.is_some(),
+            // the GPU-tuned kernels on the split backend, whatever the adapter
+            software_kernels: max_binding_bytes.map(|_| false),
             ..Default::default()
         })
         .unwrap_or_else(|e| panic!("no wgpu adapter for the op tests: {e:#}"))
@@ -543,6 +545,7 @@ fn wgpu_backend(max_binding_bytes: Option<u64>) -> pagoda::backend::WgpuBackend 
 backend_ops!(wgpu, wgpu_backend(None));
 // Storage bindings of 16 KiB: weights, the embedding table and the KV pool are split into parts
 // and activations are bound in windows of rows, as on an adapter whose limits are small for the
-// model; and no shader-f16, so f16 weights take the f32 fallback.
+// model; and no shader-f16, so f16 weights take the f32 fallback; and the kernels tuned for GPUs
+// even on a software adapter (the other instance takes the adapter's choice).
 #[cfg(feature = "wgpu")]
 backend_ops!(wgpu_split, wgpu_backend(Some(16 << 10)));

@@ -12,6 +12,7 @@ use anyhow::{Context, Result, bail};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     Matmul,
+    Matvec,
     Embedding,
     RmsNorm,
     Add,
@@ -25,8 +26,9 @@ pub enum Kernel {
 
 impl Kernel {
     #[cfg(test)]
-    pub const ALL: [Kernel; 10] = [
+    pub const ALL: [Kernel; 11] = [
         Kernel::Matmul,
+        Kernel::Matvec,
         Kernel::Embedding,
         Kernel::RmsNorm,
         Kernel::Add,
@@ -41,6 +43,7 @@ impl Kernel {
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Matmul => "matmul",
+            Kernel::Matvec => "matvec",
             Kernel::Embedding => "embedding",
             Kernel::RmsNorm => "rms_norm",
             Kernel::Add => "add",
@@ -56,6 +59,7 @@ impl Kernel {
     fn source(self) -> &'static str {
         match self {
             Kernel::Matmul => include_str!("../../../shaders/matmul.wgsl"),
+            Kernel::Matvec => include_str!("../../../shaders/matvec.wgsl"),
             Kernel::Embedding => include_str!("../../../shaders/embedding.wgsl"),
             Kernel::RmsNorm => include_str!("../../../shaders/rms_norm.wgsl"),
             Kernel::Add => include_str!("../../../shaders/add.wgsl"),
@@ -70,7 +74,7 @@ impl Kernel {
 
     /// Whether the kernel reads a weight through `load_w` (and so has a variant per storage type).
     pub fn reads_weights(self) -> bool {
-        matches!(self, Kernel::Matmul | Kernel::Embedding)
+        matches!(self, Kernel::Matmul | Kernel::Matvec | Kernel::Embedding)
     }
 }
 

@@ -137,6 +137,9 @@ pub struct WgpuOptions {
     /// Cap storage bindings (and so the parts of split buffers) below the adapter's limit; tests
     /// use it to run the split paths on small data.
     pub max_binding_bytes: Option<u64>,
+    /// Use the kernels tuned for software rasterisers (`Some(true)`) or for GPUs
+    /// (`Some(false)`) whatever the adapter; `None`: by the adapter.
+    pub software_kernels: Option<bool>,
     /// Do without `shader-f16` even where the adapter has it (f16 weights then go to f32, as
     /// on an adapter without it).
     pub disable_f16: bool,
@@ -148,7 +151,11 @@ pub struct WgpuBackend {
     gpu: Arc<Gpu>,
     why: String,
     warned_f16: Arc<AtomicBool>,
+    software_kernels: bool,
 }
+
+/// Output columns per thread of matvec.wgsl.
+const MATVEC_TN: usize = 8;
 
 impl WgpuBackend {
     /// The best adapter there is, a software rasteriser if there is nothing else.
@@ -179,10 +186,14 @@ impl WgpuBackend {
             gpu.limits.max_buffer_size >> 20,
             if gpu.f16 { "yes" } else { "no" }
         );
+        let software_kernels = opts
+            .software_kernels
+            .unwrap_or_else(|| device::is_software(&gpu.info));
         Ok(WgpuBackend {
             gpu: Arc::new(gpu),
             why,
             warned_f16: Arc::new(AtomicBool::new(false)),
+            software_kernels,
         })
     }
 
@@ -308,18 +319,51 @@ impl WgpuBackend {
         n: usize,
         outb: &wgpu::Buffer,
     ) -> Result<()> {
-        // NOTE: up to 8 rows (decode), one thread per output column and all rows in registers;
-        // beyond, 64x64 tiles. Both accumulate each output in the same order (see matmul.wgsl).
+        let weights = Some(w.elem.weights()?);
+        let mr = match m {
+            1 => 1,
+            2 => 2,
+            3..=4 => 4,
+            _ => 8,
+        };
+        if m <= 8 && self.software_kernels {
+            // NOTE: on a software rasteriser, matvec.wgsl: no workgroup memory, no barriers
+            let key = PipelineKey {
+                kernel: Kernel::Matvec,
+                weights,
+                constants: vec![("MR", mr), ("TN", MATVEC_TN as u32)],
+            };
+            for (buf, n0, nc) in w.row_parts(n) {
+                let params = [
+                    m as u32,
+                    k as u32,
+                    nc as u32,
+                    n as u32,
+                    n0 as u32,
+                    bias.is_some() as u32,
+                ];
+                let binds = [
+                    rows(xb, r0, m, k),
+                    Bind::whole(buf),
+                    Bind::whole(bias.unwrap_or(&self.gpu.dummy)),
+                    rows(outb, r0, m, n),
+                ];
+                self.gpu
+                    .dispatch(&key, &params, &binds, self.grid(nc.div_ceil(MATVEC_TN)))?;
+            }
+            return Ok(());
+        }
+        // NOTE: up to 8 rows (decode), 64 columns a workgroup with every row in registers;
+        // up to 32, 32x64 tiles; beyond, 64x64 tiles. All accumulate each output in the same
+        // order (see matmul.wgsl), so a row's logits do not depend on the step's size.
         let (wg_x, wg_y, tm, tn) = match m {
-            1 => (64, 1, 1, 1),
-            2 => (64, 1, 2, 1),
-            3..=4 => (64, 1, 4, 1),
-            5..=8 => (64, 1, 8, 1),
+            0..=8 => (64, 1, mr, 1),
+            9..=32 => (8, 4, 8, 8),
             _ => (8, 8, 8, 8),
         };
         let key = PipelineKey {
             kernel: Kernel::Matmul,
-            weights: Some(w.elem.weights()?),
+            weights,
             constants: vec![("WG_X", wg_x), ("WG_Y", wg_y), ("TM", tm), ("TN", tn)],
         };
         let (bm, bn) = ((wg_y * tm) as usize, (wg_x * tn) as usize);
