@@ -12,12 +12,18 @@
 
 pub mod cpu;
 mod stubs;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 use crate::tensor::{DType, HostTensor};
 use anyhow::Result;
 
+#[cfg(feature = "wgpu")]
+pub use self::wgpu::WgpuBackend;
 pub use cpu::CpuBackend;
-pub use stubs::{CudaBackend, HipBackend, WgpuBackend};
+#[cfg(not(feature = "wgpu"))]
+pub use stubs::WgpuBackend;
+pub use stubs::{CudaBackend, HipBackend};
 
 /// Which backend to run on (`--backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

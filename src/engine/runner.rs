@@ -32,6 +32,9 @@ pub trait ModelRunner: Send {
     /// Runs the batch: writes its K/V into the pool and returns the logits `[R, vocab]` of the
     /// rows in `logits_rows`, on the host.
     fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>>;
+    /// Runs the batch like [`Self::execute`] but returns the argmax token of each row in
+    /// `logits_rows` (greedy requests): on a GPU only the token ids come back.
+    fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>>;
 }
 
 struct Runner<B: Backend> {
@@ -59,6 +62,13 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let batch = DeviceBatch::upload(&self.backend, input)?;
         let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
         self.backend.download_f32(&logits)
+    }
+    fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>> {
+        let rows = input.logits_rows.len();
+        let batch = DeviceBatch::upload(&self.backend, input)?;
+        let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
+        self.backend
+            .argmax_rows(&logits, rows, self.model.cfg.vocab_size)
     }
 }
 
@@ -95,16 +105,22 @@ pub fn create_runner(
     match args.backend {
         BackendKind::Cpu => build(CpuBackend::new(), model, args, progress),
         BackendKind::Auto => {
-            // NOTE: GPU backends come first once they exist; until then each one's reason for
-            // being unavailable is logged and the CPU is used.
+            // NOTE: CUDA, then HIP, then wgpu on a real GPU (never a software rasteriser), then
+            // the CPU; each one passed over is logged with its reason.
             for (kind, err) in [
                 (BackendKind::Cuda, CudaBackend::new().err()),
                 (BackendKind::Hip, HipBackend::new().err()),
-                (BackendKind::Wgpu, WgpuBackend::new().err()),
             ] {
                 if let Some(e) = err {
                     tracing::info!("backend auto: {} unavailable: {e:#}", kind.name());
                 }
+            }
+            match WgpuBackend::new_hardware() {
+                Ok(b) => {
+                    tracing::info!("backend auto: using {} (a real GPU)", b.name());
+                    return build(b, model, args, progress);
+                }
+                Err(e) => tracing::info!("backend auto: wgpu unavailable: {e:#}"),
             }
             tracing::info!("backend auto: using cpu");
             build(CpuBackend::new(), model, args, progress)
@@ -117,10 +133,7 @@ pub fn create_runner(
             HipBackend::new()?;
             bail!("unreachable: the HIP backend cannot be constructed in this build")
         }
-        BackendKind::Wgpu => {
-            WgpuBackend::new()?;
-            bail!("unreachable: the wgpu backend cannot be constructed in this build")
-        }
+        BackendKind::Wgpu => build(WgpuBackend::new()?, model, args, progress),
     }
 }
 
