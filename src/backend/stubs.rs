@@ -173,5 +173,11 @@ impl WgpuBackend {
         Self::new()
     }
 }
+#[cfg(not(feature = "cuda"))]
 unavailable_backend!(CudaBackend, "cuda", "CUDA");
+#[cfg(not(feature = "cuda"))]
+stub_backend_impl!(CudaBackend);
+#[cfg(not(feature = "hip"))]
 unavailable_backend!(HipBackend, "hip", "HIP");
+#[cfg(not(feature = "hip"))]
+stub_backend_impl!(HipBackend);

@@ -67,8 +67,7 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let rows = input.logits_rows.len();
         let batch = DeviceBatch::upload(&self.backend, input)?;
         let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
-        self.backend
-            .argmax_rows(&logits, rows, self.model.cfg.vocab_size)
+        self.backend.argmax_rows(&logits, rows, self.model.cfg.vocab_size)
     }
 }
 
@@ -107,13 +106,13 @@ pub fn create_runner(
         BackendKind::Auto => {
             // NOTE: CUDA, then HIP, then wgpu on a real GPU (never a software rasteriser), then
             // the CPU; each one passed over is logged with its reason.
-            for (kind, err) in [
-                (BackendKind::Cuda, CudaBackend::new().err()),
-                (BackendKind::Hip, HipBackend::new().err()),
-            ] {
-                if let Some(e) = err {
-                    tracing::info!("backend auto: {} unavailable: {e:#}", kind.name());
-                }
+            match CudaBackend::new() {
+                Ok(b) => return build(b, model, args, progress),
+                Err(e) => tracing::info!("backend auto: cuda unavailable: {e:#}"),
+            }
+            match HipBackend::new() {
+                Ok(b) => return build(b, model, args, progress),
+                Err(e) => tracing::info!("backend auto: hip unavailable: {e:#}"),
             }
             match WgpuBackend::new_hardware() {
                 Ok(b) => {
@@ -125,16 +124,41 @@ pub fn create_runner(
             tracing::info!("backend auto: using cpu");
             build(CpuBackend::new(), model, args, progress)
         }
-        BackendKind::Cuda => {
-            CudaBackend::new()?;
-            bail!("unreachable: the CUDA backend cannot be constructed in this build")
-        }
-        BackendKind::Hip => {
-            HipBackend::new()?;
-            bail!("unreachable: the HIP backend cannot be constructed in this build")
-        }
+        BackendKind::Cuda => build(CudaBackend::new()?, model, args, progress),
+        BackendKind::Hip => build(HipBackend::new()?, model, args, progress),
         BackendKind::Wgpu => build(WgpuBackend::new()?, model, args, progress),
     }
+}
+
+/// The KV budget on a device with its own memory, measured after the weights are loaded, as
+/// vLLM's `--gpu-memory-utilization` does: `fraction × total − (total − free now)`, less a
+/// reserve for the step's activations. Everything in use — the weights, the context, other
+/// processes — counts against the fraction. `None` where the backend reports no free memory.
+fn gpu_kv_budget<B: Backend>(backend: &B, fraction: f64) -> Result<Option<u64>> {
+    let (Some(total), Some(free)) = (backend.device_memory(), backend.free_device_memory()) else {
+        return Ok(None);
+    };
+    const ACTIVATION_RESERVE: u64 = 1 << 30;
+    let used = total.saturating_sub(free);
+    let allowed = (total as f64 * fraction) as u64;
+    let budget = allowed
+        .checked_sub(used + ACTIVATION_RESERVE)
+        .with_context(|| {
+            format!(
+                "{fraction} of the device's {} MiB leaves no room for a KV cache: {} MiB are in use (weights included) and {} MiB are kept for activations",
+                total >> 20,
+                used >> 20,
+                ACTIVATION_RESERVE >> 20
+            )
+        })?;
+    tracing::info!(
+        "KV budget: {fraction} x {} MiB of device memory - {} MiB in use after loading the weights - {} MiB for activations = {} MiB",
+        total >> 20,
+        used >> 20,
+        ACTIVATION_RESERVE >> 20,
+        budget >> 20
+    );
+    Ok(Some(budget))
 }
 
 fn build<B: Backend>(
@@ -161,22 +185,31 @@ fn build<B: Backend>(
             if !(f > 0.0 && f <= 1.0) {
                 bail!("memory utilization must be in (0, 1], got {f}");
             }
-            let total = backend
-                .device_memory()
-                .or_else(system_memory_bytes)
-                .context("cannot tell how much memory this device has; pass --kv-cache-memory")?;
-            ((total as f64 * f) as u64)
-                .checked_sub(wbytes)
-                .with_context(|| {
-                    format!(
-                        "the weights ({} MiB) leave no room for a KV cache in {f} of the memory",
-                        wbytes >> 20
-                    )
-                })?
+            if let Some(b) = gpu_kv_budget(&backend, f)? {
+                b
+            } else {
+                let total = backend
+                    .device_memory()
+                    .or_else(system_memory_bytes)
+                    .context(
+                        "cannot tell how much memory this device has; pass --kv-cache-memory",
+                    )?;
+                ((total as f64 * f) as u64)
+                    .checked_sub(wbytes)
+                    .with_context(|| {
+                        format!(
+                            "the weights ({} MiB) leave no room for a KV cache in {f} of the memory",
+                            wbytes >> 20
+                        )
+                    })?
+            }
         }
-        None => match backend.device_memory() {
-            Some(total) => ((total as f64 * 0.9) as u64).saturating_sub(wbytes),
-            None => DEFAULT_CPU_KV_BYTES,
+        None => match gpu_kv_budget(&backend, 0.9)? {
+            Some(b) => b,
+            None => match backend.device_memory() {
+                Some(total) => ((total as f64 * 0.9) as u64).saturating_sub(wbytes),
+                None => DEFAULT_CPU_KV_BYTES,
+            },
         },
     };
     let num_blocks = ((budget / per_block) as usize).min(args.max_useful_blocks + 1);
