@@ -32,6 +32,10 @@ enum Command {
         /// Apply the model's chat template to each prompt (as a user message).
         #[arg(long)]
         chat_template: bool,
+        /// Print one JSON object per request (prompt and output token ids, text, logprobs)
+        /// instead of the text.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         model: ModelArgs,
         #[command(flatten)]
@@ -58,6 +62,16 @@ enum Command {
     Info {
         #[command(flatten)]
         model: ModelArgs,
+    },
+    /// Run every backend operation against the CPU backend on fresh random inputs and print
+    /// a table of the errors (exit status 1 if any case fails).
+    CheckBackend {
+        /// cuda, hip, wgpu or cpu.
+        #[arg(long, default_value = "cuda")]
+        backend: BackendKind,
+        /// Seed of the random inputs.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
     /// Benchmarks: throughput, latency, a serving load, reports (see docs/benchmarks.md).
     Bench {
@@ -107,8 +121,8 @@ struct ModelArgs {
     #[arg(long, value_parser = parse_bytes)]
     kv_cache_memory: Option<u64>,
     /// Fraction of device (or system) memory for weights plus KV pool, as vLLM's
-    /// --gpu-memory-utilization. Ignored when --kv-cache-memory is given.
-    #[arg(long)]
+    /// --gpu-memory-utilization (also accepted). Ignored when --kv-cache-memory is given.
+    #[arg(long, alias = "gpu-memory-utilization")]
     memory_utilization: Option<f64>,
     #[arg(long, default_value_t = 2048)]
     max_num_batched_tokens: usize,
@@ -255,6 +269,9 @@ struct SamplingArgs {
     stop_token_id: Vec<u32>,
     #[arg(long)]
     ignore_eos: bool,
+    /// Log-probabilities of the N most likely tokens at each step (with --json).
+    #[arg(long)]
+    logprobs: Option<usize>,
 }
 
 impl SamplingArgs {
@@ -272,6 +289,7 @@ impl SamplingArgs {
             stop: self.stop.clone(),
             stop_token_ids: self.stop_token_id.clone(),
             ignore_eos: self.ignore_eos,
+            logprobs: self.logprobs,
             ..Default::default()
         }
     }
@@ -318,6 +336,7 @@ fn run(cli: Cli) -> Result<()> {
             prompts,
             file,
             chat_template,
+            json,
             model,
             sampling,
         } => {
@@ -356,6 +375,24 @@ fn run(cli: Cli) -> Result<()> {
             for (i, o) in outs.iter().enumerate() {
                 let c = &o.outputs[0];
                 n_out += c.token_ids.len();
+                if json {
+                    let logprobs: Vec<_> = c
+                        .logprobs
+                        .iter()
+                        .map(|l| serde_json::json!({"token_id": l.token_id, "logprob": l.logprob, "top": l.top}))
+                        .collect();
+                    println!(
+                        "{}",
+                        serde_json::json!({
+                            "index": i,
+                            "prompt_token_ids": o.prompt_token_ids,
+                            "token_ids": c.token_ids,
+                            "text": c.text,
+                            "logprobs": logprobs,
+                        })
+                    );
+                    continue;
+                }
                 if outs.len() > 1 {
                     println!("--- [{i}] {:?}", o.prompt.as_deref().unwrap_or_default());
                 }
@@ -369,7 +406,7 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
             eprintln!(
-                "\n{} requests, {n_out} tokens generated in {secs:.2} s: {:.1} tokens/s",
+                "\n{} requests, {n_out} tokens generated in {secs:.3} s: {:.1} tokens/s",
                 outs.len(),
                 n_out as f64 / secs
             );
@@ -379,6 +416,13 @@ fn run(cli: Cli) -> Result<()> {
             model,
             sampling,
         } => chat(system, model, sampling)?,
+        Command::CheckBackend { backend, seed } => {
+            let (name, rows) = pagoda::backend::check::check_backend_kind(backend, seed)?;
+            print!("{}", pagoda::backend::check::format_table(&name, &rows));
+            if rows.iter().any(|r| !r.passed()) {
+                std::process::exit(1);
+            }
+        }
         Command::Serve { model, server } => {
             let args = server.server_args(&model)?;
             pagoda::server::serve(model.engine_args(), args)?;

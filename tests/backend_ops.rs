@@ -149,11 +149,11 @@ pub fn check_elementwise<B: Backend>(be: &B, rows: usize, ffn: usize, seed: u64)
         "add_assign"
     );
 
-    // embedding and gather_rows
-    let (vocab, dim) = (37, ffn);
+    // embedding and gather_rows (ids spread over the table, which a backend may split by rows)
+    let (vocab, dim) = (301, ffn);
     let table = randn(&mut r, vocab * dim);
     let ids: Vec<u32> = (0..rows as u32)
-        .map(|i| (i * 11 + 3) % vocab as u32)
+        .map(|i| (i * 97 + 3) % vocab as u32)
         .collect();
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let tq = round_to(dtype, &table);
@@ -405,17 +405,41 @@ pub fn check_paged_attention<B: Backend>(
     );
 }
 
-/// Instantiates every op test for one backend.
+/// Greedy argmax of each row, against `pagoda::backend::argmax` (ties: the lowest index; NaN
+/// never wins).
+pub fn check_argmax<B: Backend>(be: &B, rows: usize, cols: usize, seed: u64) {
+    let mut r = rng(seed);
+    let mut x = randn(&mut r, rows * cols);
+    // a tie in row 0, a NaN before the maximum of row 1, a row of -inf
+    x[3] = 5.0;
+    x[cols - 2] = 5.0;
+    if rows > 2 {
+        x[cols + 1] = f32::NAN;
+        x[cols + 7] = 4.0;
+        x[2 * cols..3 * cols].fill(f32::NEG_INFINITY);
+    }
+    let want: Vec<u32> = (0..rows)
+        .map(|i| pagoda::backend::argmax(&x[i * cols..(i + 1) * cols]) as u32)
+        .collect();
+    let got = be
+        .argmax_rows(&be.upload_f32(&x).unwrap(), rows, cols)
+        .unwrap();
+    assert_eq!(got, want, "argmax_rows {rows}x{cols}");
+}
+
+/// Instantiates every op test for one backend. `$make` gives `Some(backend)`, or `None` where
+/// the backend is compiled but its device is missing (each test then says so and passes: CI
+/// has no GPU).
 macro_rules! backend_ops {
     ($name:ident, $make:expr) => {
         mod $name {
             use super::*;
-            fn be() -> impl Backend {
+            fn be() -> Option<impl Backend> {
                 $make
             }
             #[test]
             fn matmul_f32() {
-                let b = be();
+                let Some(b) = be() else { return };
                 for (i, &(m, k, n)) in [(1, 64, 96), (7, 130, 33), (64, 576, 192), (3, 1, 5)]
                     .iter()
                     .enumerate()
@@ -425,7 +449,7 @@ macro_rules! backend_ops {
             }
             #[test]
             fn matmul_half() {
-                let b = be();
+                let Some(b) = be() else { return };
                 for dtype in [DType::F16, DType::BF16] {
                     for (i, &(m, k, n)) in [(1, 64, 130), (9, 200, 70)].iter().enumerate() {
                         check_matmul(&b, dtype, m, k, n, i == 1, 10 + i as u64);
@@ -434,17 +458,20 @@ macro_rules! backend_ops {
             }
             #[test]
             fn rms_norm() {
-                check_rms_norm(&be(), 5, 576, 1);
-                check_rms_norm(&be(), 1, 33, 2);
+                let Some(b) = be() else { return };
+                check_rms_norm(&b, 5, 576, 1);
+                check_rms_norm(&b, 1, 33, 2);
             }
             #[test]
             fn elementwise_embedding_gather() {
-                check_elementwise(&be(), 6, 48, 3);
+                let Some(b) = be() else { return };
+                check_elementwise(&b, 6, 48, 3);
             }
             #[test]
             fn rope() {
+                let Some(b) = be() else { return };
                 check_rope(
-                    &be(),
+                    &b,
                     9,
                     QkvLayout {
                         num_heads: 4,
@@ -454,7 +481,7 @@ macro_rules! backend_ops {
                     4,
                 );
                 check_rope(
-                    &be(),
+                    &b,
                     3,
                     QkvLayout {
                         num_heads: 9,
@@ -465,14 +492,21 @@ macro_rules! backend_ops {
                 );
             }
             #[test]
+            fn argmax_rows() {
+                let Some(b) = be() else { return };
+                check_argmax(&b, 4, 1000, 7);
+                check_argmax(&b, 1, 3001, 8);
+            }
+            #[test]
             fn paged_attention() {
-                let b = be();
+                let Some(b) = be() else { return };
                 for (i, &(bs, h, hkv, d)) in [
                     (16, 4, 4, 32),
                     (16, 9, 3, 64),
                     (8, 14, 2, 64),
                     (1, 2, 1, 8),
                     (5, 6, 2, 16),
+                    (3, 16, 2, 128),
                 ]
                 .iter()
                 .enumerate()
@@ -484,4 +518,57 @@ macro_rules! backend_ops {
     };
 }
 
-backend_ops!(cpu, pagoda::backend::CpuBackend::new());
+backend_ops!(cpu, Some(pagoda::backend::CpuBackend::new()));
+
+/// A compiled GPU backend, or `None` (with the reason printed) where this machine lacks it.
+#[allow(dead_code)]
+fn gpu_or_skip<B: Backend>(b: anyhow::Result<B>) -> Option<B> {
+    match b {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("skipped: {e:#}");
+            None
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+backend_ops!(cuda, gpu_or_skip(pagoda::backend::CudaBackend::new()));
+#[cfg(feature = "hip")]
+backend_ops!(hip, gpu_or_skip(pagoda::backend::HipBackend::new()));
+
+
+/// One wgpu device for the whole test binary (pipelines compile once); `WGPU_BACKEND=vulkan`
+/// with Mesa's llvmpipe in CI.
+#[cfg(feature = "wgpu")]
+fn wgpu_backend(max_binding_bytes: Option<u64>) -> pagoda::backend::WgpuBackend {
+    use pagoda::backend::wgpu::{WgpuBackend, WgpuOptions};
+    use std::sync::OnceLock;
+    static WHOLE: OnceLock<WgpuBackend> = OnceLock::new();
+    static SPLIT: OnceLock<WgpuBackend> = OnceLock::new();
+    let cell = if max_binding_bytes.is_some() {
+        &SPLIT
+    } else {
+        &WHOLE
+    };
+    cell.get_or_init(|| {
+        WgpuBackend::with_options(WgpuOptions {
+            max_binding_bytes,
+            disable_f16: max_binding_bytes.is_some(),
+            // the GPU-tuned kernels on the split backend, whatever the adapter
+            software_kernels: max_binding_bytes.map(|_| false),
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("no wgpu adapter for the op tests: {e:#}"))
+    })
+    .clone()
+}
+
+#[cfg(feature = "wgpu")]
+backend_ops!(wgpu, Some(wgpu_backend(None)));
+// Storage bindings of 16 KiB: weights, the embedding table and the KV pool are split into parts
+// and activations are bound in windows of rows, as on an adapter whose limits are small for the
+// model; and no shader-f16, so f16 weights take the f32 fallback; and the kernels tuned for GPUs
+// even on a software adapter (the other instance takes the adapter's choice).
+#[cfg(feature = "wgpu")]
+backend_ops!(wgpu_split, Some(wgpu_backend(Some(16 << 10))));

@@ -10,14 +10,33 @@
 //!   `y = x · Wᵀ (+ b)`;
 //! - index buffers (token ids, positions, slots, block tables) are u32.
 
+pub mod check;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod gpu;
+#[cfg(feature = "hip")]
+pub mod hip;
 mod stubs;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 use crate::tensor::{DType, HostTensor};
 use anyhow::Result;
 
+#[cfg(feature = "wgpu")]
+pub use self::wgpu::WgpuBackend;
 pub use cpu::CpuBackend;
-pub use stubs::{CudaBackend, HipBackend, WgpuBackend};
+#[cfg(not(feature = "wgpu"))]
+pub use stubs::WgpuBackend;
+#[cfg(feature = "cuda")]
+pub use cuda::CudaBackend;
+#[cfg(feature = "hip")]
+pub use hip::HipBackend;
+#[cfg(not(feature = "cuda"))]
+pub use stubs::CudaBackend;
+#[cfg(not(feature = "hip"))]
+pub use stubs::HipBackend;
 
 /// Which backend to run on (`--backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +164,11 @@ pub struct DeviceBatch<B: Backend + ?Sized> {
 
 impl<B: Backend + ?Sized> DeviceBatch<B> {
     pub fn upload(backend: &B, host: BatchInput) -> Result<Self> {
+        backend.upload_batch(host)
+    }
+
+    /// Each array in its own buffer: [`Backend::upload_batch`]'s default.
+    pub fn upload_each(backend: &B, host: BatchInput) -> Result<Self> {
         Ok(DeviceBatch {
             token_ids: backend.upload_u32(&host.token_ids)?,
             positions: backend.upload_u32(&host.positions)?,
@@ -173,12 +197,22 @@ pub trait Backend: Send + Sync + 'static {
         None
     }
 
+    /// Bytes of device memory free now (GPUs): the KV pool is sized from it once the weights
+    /// are loaded. `None` for host memory.
+    fn free_device_memory(&self) -> Option<u64> {
+        None
+    }
+
     // ---- memory -------------------------------------------------------------------------
 
     /// Uploads a weight, converting to `dtype`.
     fn upload_weight(&self, t: &HostTensor, dtype: DType) -> Result<Self::Buf>;
     fn upload_f32(&self, data: &[f32]) -> Result<Self::Buf>;
     fn upload_u32(&self, data: &[u32]) -> Result<Self::Buf>;
+    /// Uploads a step's batch arrays. GPU backends override it to copy them in one transfer.
+    fn upload_batch(&self, host: BatchInput) -> Result<DeviceBatch<Self>> {
+        DeviceBatch::upload_each(self, host)
+    }
     /// A zero-filled f32 buffer of `n` elements.
     fn alloc_f32(&self, n: usize) -> Result<Self::Buf>;
     /// One layer's K or V cache, zero-filled.
@@ -221,6 +255,23 @@ pub trait Backend: Send + Sync + 'static {
         eps: f32,
         out: &mut Self::Buf,
     ) -> Result<()>;
+
+    /// `x += y` over the first `rows × dim` elements, then `out = rms_norm(x) * w`: the
+    /// residual add and the norm after it. GPU backends fuse the two into one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Buf,
+        y: &Self::Buf,
+        w: &Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        self.add_assign(x, y, rows * dim)?;
+        self.rms_norm(x, w, rows, dim, eps, out)
+    }
 
     /// `x += y` over the first `n` elements.
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize) -> Result<()>;

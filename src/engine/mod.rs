@@ -67,6 +67,16 @@ impl Default for EngineArgs {
     }
 }
 
+/// Whether a request's next token is the argmax of the raw logits: greedy (or top-k 1), no
+/// penalties, no logprobs.
+fn argmax_suffices(p: &SamplingParams) -> bool {
+    (p.is_greedy() || p.effective_top_k() == Some(1))
+        && p.repetition_penalty == 1.0
+        && p.presence_penalty == 0.0
+        && p.frequency_penalty == 0.0
+        && p.logprobs.is_none()
+}
+
 /// Why a request was refused. The server maps these to HTTP 400 with the `param` named.
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
@@ -413,12 +423,28 @@ impl Engine {
             }
         }
         self.stats.batched_tokens += input.token_ids.len() as u64;
-        let logits = self.runner.execute(input)?;
+        // NOTE: when every sampled row is plain greedy, the backend reduces the logits to token
+        // ids itself (on a GPU, only those come back).
+        let greedy_only = !sampling.is_empty()
+            && sampling.iter().all(|id| {
+                self.states
+                    .get(id)
+                    .is_some_and(|st| argmax_suffices(&st.params))
+            });
+        let (logits, greedy_ids) = if greedy_only {
+            (Vec::new(), Some(self.runner.execute_greedy(input)?))
+        } else {
+            (self.runner.execute(input)?, None)
+        };
         let vocab = self.config.vocab_size;
 
         let mut sampled = HashMap::new();
         let mut logprobs = HashMap::new();
         for (i, id) in sampling.iter().enumerate() {
+            if let Some(g) = &greedy_ids {
+                sampled.insert(*id, g[i]);
+                continue;
+            }
             let req = self
                 .scheduler
                 .request(*id)

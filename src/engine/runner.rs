@@ -32,6 +32,9 @@ pub trait ModelRunner: Send {
     /// Runs the batch: writes its K/V into the pool and returns the logits `[R, vocab]` of the
     /// rows in `logits_rows`, on the host.
     fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>>;
+    /// Runs the batch like [`Self::execute`] but returns the argmax token of each row in
+    /// `logits_rows` (greedy requests): on a GPU only the token ids come back.
+    fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>>;
 }
 
 struct Runner<B: Backend> {
@@ -59,6 +62,12 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let batch = DeviceBatch::upload(&self.backend, input)?;
         let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
         self.backend.download_f32(&logits)
+    }
+    fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>> {
+        let rows = input.logits_rows.len();
+        let batch = DeviceBatch::upload(&self.backend, input)?;
+        let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
+        self.backend.argmax_rows(&logits, rows, self.model.cfg.vocab_size)
     }
 }
 
@@ -95,33 +104,61 @@ pub fn create_runner(
     match args.backend {
         BackendKind::Cpu => build(CpuBackend::new(), model, args, progress),
         BackendKind::Auto => {
-            // NOTE: GPU backends come first once they exist; until then each one's reason for
-            // being unavailable is logged and the CPU is used.
-            for (kind, err) in [
-                (BackendKind::Cuda, CudaBackend::new().err()),
-                (BackendKind::Hip, HipBackend::new().err()),
-                (BackendKind::Wgpu, WgpuBackend::new().err()),
-            ] {
-                if let Some(e) = err {
-                    tracing::info!("backend auto: {} unavailable: {e:#}", kind.name());
+            // NOTE: CUDA, then HIP, then wgpu on a real GPU (never a software rasteriser), then
+            // the CPU; each one passed over is logged with its reason.
+            match CudaBackend::new() {
+                Ok(b) => return build(b, model, args, progress),
+                Err(e) => tracing::info!("backend auto: cuda unavailable: {e:#}"),
+            }
+            match HipBackend::new() {
+                Ok(b) => return build(b, model, args, progress),
+                Err(e) => tracing::info!("backend auto: hip unavailable: {e:#}"),
+            }
+            match WgpuBackend::new_hardware() {
+                Ok(b) => {
+                    tracing::info!("backend auto: using {} (a real GPU)", b.name());
+                    return build(b, model, args, progress);
                 }
+                Err(e) => tracing::info!("backend auto: wgpu unavailable: {e:#}"),
             }
             tracing::info!("backend auto: using cpu");
             build(CpuBackend::new(), model, args, progress)
         }
-        BackendKind::Cuda => {
-            CudaBackend::new()?;
-            bail!("unreachable: the CUDA backend cannot be constructed in this build")
-        }
-        BackendKind::Hip => {
-            HipBackend::new()?;
-            bail!("unreachable: the HIP backend cannot be constructed in this build")
-        }
-        BackendKind::Wgpu => {
-            WgpuBackend::new()?;
-            bail!("unreachable: the wgpu backend cannot be constructed in this build")
-        }
+        BackendKind::Cuda => build(CudaBackend::new()?, model, args, progress),
+        BackendKind::Hip => build(HipBackend::new()?, model, args, progress),
+        BackendKind::Wgpu => build(WgpuBackend::new()?, model, args, progress),
     }
+}
+
+/// The KV budget on a device with its own memory, measured after the weights are loaded, as
+/// vLLM's `--gpu-memory-utilization` does: `fraction × total − (total − free now)`, less a
+/// reserve for the step's activations. Everything in use — the weights, the context, other
+/// processes — counts against the fraction. `None` where the backend reports no free memory.
+fn gpu_kv_budget<B: Backend>(backend: &B, fraction: f64) -> Result<Option<u64>> {
+    let (Some(total), Some(free)) = (backend.device_memory(), backend.free_device_memory()) else {
+        return Ok(None);
+    };
+    const ACTIVATION_RESERVE: u64 = 1 << 30;
+    let used = total.saturating_sub(free);
+    let allowed = (total as f64 * fraction) as u64;
+    let budget = allowed
+        .checked_sub(used + ACTIVATION_RESERVE)
+        .with_context(|| {
+            format!(
+                "{fraction} of the device's {} MiB leaves no room for a KV cache: {} MiB are in use (weights included) and {} MiB are kept for activations",
+                total >> 20,
+                used >> 20,
+                ACTIVATION_RESERVE >> 20
+            )
+        })?;
+    tracing::info!(
+        "KV budget: {fraction} x {} MiB of device memory - {} MiB in use after loading the weights - {} MiB for activations = {} MiB",
+        total >> 20,
+        used >> 20,
+        ACTIVATION_RESERVE >> 20,
+        budget >> 20
+    );
+    Ok(Some(budget))
 }
 
 fn build<B: Backend>(
@@ -148,22 +185,31 @@ fn build<B: Backend>(
             if !(f > 0.0 && f <= 1.0) {
                 bail!("memory utilization must be in (0, 1], got {f}");
             }
-            let total = backend
-                .device_memory()
-                .or_else(system_memory_bytes)
-                .context("cannot tell how much memory this device has; pass --kv-cache-memory")?;
-            ((total as f64 * f) as u64)
-                .checked_sub(wbytes)
-                .with_context(|| {
-                    format!(
-                        "the weights ({} MiB) leave no room for a KV cache in {f} of the memory",
-                        wbytes >> 20
-                    )
-                })?
+            if let Some(b) = gpu_kv_budget(&backend, f)? {
+                b
+            } else {
+                let total = backend
+                    .device_memory()
+                    .or_else(system_memory_bytes)
+                    .context(
+                        "cannot tell how much memory this device has; pass --kv-cache-memory",
+                    )?;
+                ((total as f64 * f) as u64)
+                    .checked_sub(wbytes)
+                    .with_context(|| {
+                        format!(
+                            "the weights ({} MiB) leave no room for a KV cache in {f} of the memory",
+                            wbytes >> 20
+                        )
+                    })?
+            }
         }
-        None => match backend.device_memory() {
-            Some(total) => ((total as f64 * 0.9) as u64).saturating_sub(wbytes),
-            None => DEFAULT_CPU_KV_BYTES,
+        None => match gpu_kv_budget(&backend, 0.9)? {
+            Some(b) => b,
+            None => match backend.device_memory() {
+                Some(total) => ((total as f64 * 0.9) as u64).saturating_sub(wbytes),
+                None => DEFAULT_CPU_KV_BYTES,
+            },
         },
     };
     let num_blocks = ((budget / per_block) as usize).min(args.max_useful_blocks + 1);

@@ -257,10 +257,15 @@ impl<B: Backend> Llama<B> {
         let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
         let mut gu = backend.alloc_f32(t * 2 * f)?; // [T, 2 F]
         let mut act = backend.alloc_f32(t * f)?; // [T, F]
+        let mut o = backend.alloc_f32(t * hid)?; // [T, hidden] output of o_proj / down_proj
 
+        // NOTE: each residual add is fused with the norm that follows it (add_rms_norm): the
+        // layer's input norm is applied at the end of the previous layer.
         backend.embedding(&self.embed, &batch.token_ids, hid, &mut x)?;
+        if let Some(first) = self.layers.first() {
+            backend.rms_norm(&x, &first.attn_norm, t, hid, eps, &mut h)?;
+        }
         for (l, w) in self.layers.iter().enumerate() {
-            backend.rms_norm(&x, &w.attn_norm, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.wqkv, w.bqkv.as_ref(), t, hid, ql.row_len(), &mut qkv)?;
             backend.rope(
                 &mut qkv,
@@ -282,13 +287,17 @@ impl<B: Backend> Llama<B> {
             backend.paged_attention(
                 &qkv, &kv.k[l], &kv.v[l], batch, ql, kv.layout, scale, &mut attn,
             )?;
-            backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut h)?;
-            backend.add_assign(&mut x, &h, t * hid)?;
-            backend.rms_norm(&x, &w.mlp_norm, t, hid, eps, &mut h)?;
+            backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
+            backend.add_rms_norm(&mut x, &o, &w.mlp_norm, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_gate_up, None, t, hid, 2 * f, &mut gu)?;
             backend.silu_mul(&gu, t, f, &mut act)?;
-            backend.matmul(&act, &w.w_down, None, t, f, hid, &mut h)?;
-            backend.add_assign(&mut x, &h, t * hid)?;
+            backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
+            match self.layers.get(l + 1) {
+                Some(next) => {
+                    backend.add_rms_norm(&mut x, &o, &next.attn_norm, t, hid, eps, &mut h)?
+                }
+                None => backend.add_assign(&mut x, &o, t * hid)?,
+            }
         }
         // Only the rows that are sampled go through the final norm and the lm_head.
         let mut xs = backend.alloc_f32(r * hid)?; // [R, hidden]

@@ -1,0 +1,177 @@
+// Paged attention over block tables, for every kind of query row at once: decode rows (one
+// new token), prefill chunks (many rows, causal inside the chunk, after a cached prefix) and
+// mixed batches of both. Grouped-query: the `rep = H / Hkv` query heads of one kv head share
+// each K/V tile that a block loads.
+//
+// One block = (a tile of up to q_tile consecutive query rows of one sequence) × (one kv head)
+// × (one partition of the context). The block walks its partition in tiles of k_tile keys
+// with an online softmax (running max m, running sum l, unnormalised accumulator):
+//
+//   grid.x = query tile    grid.y = sequence    grid.z = kv_head * num_splits + split
+//
+//   keys 0 ............................................ ctx-1
+//        |-- split 0 --|-- split 1 --|-- split 2 --|--...
+//         [k_tile][k_tile] ...  (K tile → scores → softmax update → V tile → acc)
+//
+// Row r of a sequence with nq new rows and context ctx sits at position ctx - nq + r and sees
+// keys 0 ..= that position (causal). With one split the block writes the normalised output;
+// with several (long contexts and few blocks, e.g. decode of one sequence) each block writes
+// (m, l, acc) for its partition and attention_reduce_f32 merges them.
+//
+// Shared memory (floats), R = q_tile * rep rows:
+//   q_s [R][D] | acc_s [R][D] | kv_s [k_tile][D + 1] | p_s [R][k_tile] | m_s, l_s, c_s [R]
+// kv_s rows are padded by one float so that threads reading one column of different keys hit
+// different banks.
+#include "common.cuh"
+
+#define PA_THREADS 128
+
+extern "C" __global__ void __launch_bounds__(PA_THREADS)
+    paged_attention_f32(const float* qkv, const float* k_cache, const float* v_cache, const u32* query_start,
+                        const u32* seq_lens, const u32* block_tables, float* out, float* part_acc, float* part_ml,
+                        u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 block_size, u32 row_len,
+                        float scale, u32 q_tile, u32 k_tile, u32 part_size, u32 num_splits) {
+    extern __shared__ float smem[];
+    const u32 s = blockIdx.y;
+    const u32 q0 = query_start[s], nq = query_start[s + 1] - q0;
+    const u32 tile0 = blockIdx.x * q_tile;
+    if (tile0 >= nq) return;
+    const u32 rows_here = min(q_tile, nq - tile0);
+    const u32 ctx = seq_lens[s];
+    const u32 split = blockIdx.z % num_splits, g = blockIdx.z / num_splits;
+    const u32 rep = num_heads / num_kv_heads;
+    const u32 D = head_dim, KT = k_tile;
+    // Row r of this tile sees base_keys + r keys.
+    const u32 base_keys = ctx - (nq - 1 - tile0);
+    const u32 kmax = base_keys + rows_here - 1;
+    const u32 k_begin = split * part_size;
+    if (k_begin >= kmax) return;
+    const u32 k_end = min(kmax, k_begin + part_size);
+    const u32 nr = rows_here * rep;
+    const u32 R = q_tile * rep;
+
+    float* q_s = smem;
+    float* acc_s = q_s + R * D;
+    float* kv_s = acc_s + R * D;
+    float* p_s = kv_s + KT * (D + 1);
+    float* m_s = p_s + R * KT;
+    float* l_s = m_s + R;
+    float* c_s = l_s + R;
+    const u32* table = block_tables + (u64)s * max_blocks;
+    const u32 warp = threadIdx.x / PG_WARP_SIZE, lane = threadIdx.x % PG_WARP_SIZE;
+    const u32 nwarps = blockDim.x / PG_WARP_SIZE;
+
+    // local row lr = r * rep + j  ↔  query row q0 + tile0 + r, query head g * rep + j
+    for (u32 e = threadIdx.x; e < nr * D; e += blockDim.x) {
+        const u32 lr = e / D, i = e % D, r = lr / rep, j = lr % rep;
+        q_s[e] = qkv[(u64)(q0 + tile0 + r) * row_len + (u64)(g * rep + j) * D + i];
+        acc_s[e] = 0.0f;
+    }
+    for (u32 lr = threadIdx.x; lr < nr; lr += blockDim.x) {
+        m_s[lr] = PG_NEG_INF;
+        l_s[lr] = 0.0f;
+    }
+
+    for (u32 kt0 = k_begin; kt0 < k_end; kt0 += KT) {
+        const u32 nk = min(KT, k_end - kt0);
+        for (u32 e = threadIdx.x; e < nk * D; e += blockDim.x) {
+            const u32 jj = e / D, i = e % D, key = kt0 + jj;
+            const u64 blk = table[key / block_size];
+            kv_s[jj * (D + 1) + i] = k_cache[((blk * num_kv_heads + g) * block_size + key % block_size) * D + i];
+        }
+        __syncthreads();
+        // scores (masked keys: -inf)
+        for (u32 e = threadIdx.x; e < nr * KT; e += blockDim.x) {
+            const u32 lr = e / KT, jj = e % KT, key = kt0 + jj;
+            float sc = PG_NEG_INF;
+            if (jj < nk && key < base_keys + lr / rep) {
+                const float* q = q_s + lr * D;
+                const float* k = kv_s + jj * (D + 1);
+                float dot = 0.0f;
+                for (u32 i = 0; i < D; ++i) dot += q[i] * k[i];
+                sc = dot * scale;
+            }
+            p_s[e] = sc;
+        }
+        __syncthreads();
+        // V tile into kv_s, and the online softmax update of each row, side by side
+        for (u32 e = threadIdx.x; e < nk * D; e += blockDim.x) {
+            const u32 jj = e / D, i = e % D, key = kt0 + jj;
+            const u64 blk = table[key / block_size];
+            kv_s[jj * (D + 1) + i] = v_cache[((blk * num_kv_heads + g) * block_size + key % block_size) * D + i];
+        }
+        for (u32 lr = warp; lr < nr; lr += nwarps) {
+            float mx = PG_NEG_INF;
+            for (u32 jj = lane; jj < KT; jj += PG_WARP_SIZE) mx = fmaxf(mx, p_s[lr * KT + jj]);
+            mx = warp_max(mx);
+            const float m_old = m_s[lr];
+            const float m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (u32 jj = lane; jj < KT; jj += PG_WARP_SIZE) {
+                const float p = m_new == PG_NEG_INF ? 0.0f : expf(p_s[lr * KT + jj] - m_new);
+                p_s[lr * KT + jj] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float corr = m_new == PG_NEG_INF ? 1.0f : expf(m_old - m_new);
+                l_s[lr] = l_s[lr] * corr + sum;
+                m_s[lr] = m_new;
+                c_s[lr] = corr;
+            }
+        }
+        __syncthreads();
+        for (u32 e = threadIdx.x; e < nr * D; e += blockDim.x) {
+            const u32 lr = e / D, i = e % D;
+            const float* p = p_s + lr * KT;
+            float a = acc_s[e] * c_s[lr];
+            for (u32 jj = 0; jj < nk; ++jj) a += p[jj] * kv_s[jj * (D + 1) + i];
+            acc_s[e] = a;
+        }
+        __syncthreads();
+    }
+
+    for (u32 e = threadIdx.x; e < nr * D; e += blockDim.x) {
+        const u32 lr = e / D, i = e % D, r = lr / rep, j = lr % rep;
+        const u64 t = q0 + tile0 + r;
+        const u32 h = g * rep + j;
+        if (num_splits == 1) {
+            out[(t * num_heads + h) * D + i] = acc_s[e] / l_s[lr];
+        } else if (k_begin < base_keys + r) {  // rows with no key in this partition write nothing
+            const u64 pi = (t * num_heads + h) * num_splits + split;
+            part_acc[pi * D + i] = acc_s[e];
+            if (i == 0) {
+                part_ml[pi * 2] = m_s[lr];
+                part_ml[pi * 2 + 1] = l_s[lr];
+            }
+        }
+    }
+}
+
+// Merges the partitions of each (row, head): out = Σ acc_p e^(m_p − M) / Σ l_p e^(m_p − M).
+// grid = (T, H); a row uses the first ceil(n_keys / part_size) partitions.
+extern "C" __global__ void attention_reduce_f32(const float* part_acc, const float* part_ml, const u32* query_start,
+                                                const u32* seq_lens, float* out, u32 num_seqs, u32 num_heads,
+                                                u32 head_dim, u32 part_size, u32 num_splits) {
+    const u32 t = blockIdx.x, h = blockIdx.y;
+    // the sequence of row t: the last s with query_start[s] <= t
+    u32 lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const u32 mid = (lo + hi + 1) / 2;
+        if (query_start[mid] <= t) lo = mid;
+        else hi = mid - 1;
+    }
+    const u32 n_keys = seq_lens[lo] - (query_start[lo + 1] - 1 - t);
+    const u32 ns = min(num_splits, (n_keys + part_size - 1) / part_size);
+    const u64 base = ((u64)t * num_heads + h) * num_splits;
+    float mx = PG_NEG_INF;
+    for (u32 p = 0; p < ns; ++p) mx = fmaxf(mx, part_ml[(base + p) * 2]);
+    float l = 0.0f;
+    for (u32 p = 0; p < ns; ++p) l += part_ml[(base + p) * 2 + 1] * expf(part_ml[(base + p) * 2] - mx);
+    const float inv = 1.0f / l;
+    for (u32 i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        float a = 0.0f;
+        for (u32 p = 0; p < ns; ++p) a += part_acc[(base + p) * head_dim + i] * expf(part_ml[(base + p) * 2] - mx);
+        out[((u64)t * num_heads + h) * head_dim + i] = a * inv;
+    }
+}

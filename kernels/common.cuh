@@ -1,0 +1,89 @@
+// Shared by every kernel file. The same sources build three ways:
+//   - NVRTC at run time, for the device's own architecture (sm_XY), cached on disk;
+//   - nvcc, where a toolkit is present (`nvcc -arch=sm_90 -cubin kernels/attention.cu`);
+//   - hipRTC at run time, with hip_compat.h placed before this header (PG_HIP defined).
+// NVRTC and hipRTC are given the sources with this header inlined, and no system header is
+// needed: the half-precision conversions below are our own, so no cuda_fp16.h is required.
+//
+// Conventions: activations and the KV cache are f32; weights are f32, f16 or bf16 (stored as
+// raw 16-bit words); index buffers are u32. Every kernel is `extern "C"` so that it is looked up
+// by its plain name; dtype variants are stamped out by macros, never copied by hand.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+// Lanes per warp (32 on NVIDIA; 64 or 32 on AMD): the host passes -DPG_WARP_SIZE=N.
+#ifndef PG_WARP_SIZE
+#define PG_WARP_SIZE 32
+#endif
+
+#ifndef PG_HIP
+#define PG_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#endif
+
+#define PG_NEG_INF (__int_as_float(0xff800000))
+
+// Storage types of weights. Plain structs, so that overloads pick the conversion.
+struct bf16_t {
+    u16 x;
+};
+struct f16_t {
+    u16 x;
+};
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16_t v) { return __uint_as_float(((u32)v.x) << 16); }
+__device__ __forceinline__ float bf16_bits_to_f32(u32 bits) { return __uint_as_float(bits << 16); }
+
+#ifndef PG_HIP
+__device__ __forceinline__ float f16_bits_to_f32(u32 bits) {
+    float f;
+    unsigned short h = (unsigned short)bits;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f32_to_f16_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#endif
+__device__ __forceinline__ float to_f32(f16_t v) { return f16_bits_to_f32(v.x); }
+
+// Round to nearest even; NaN stays a (quiet) NaN.
+__device__ __forceinline__ u16 f32_to_bf16_bits(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (u16)(x >> 16);
+}
+
+// ---- reductions -----------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int m = PG_WARP_SIZE / 2; m > 0; m >>= 1) v += PG_SHFL_XOR(v, m);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int m = PG_WARP_SIZE / 2; m > 0; m >>= 1) v = fmaxf(v, PG_SHFL_XOR(v, m));
+    return v;
+}
+
+// Sum over the whole block; `scratch` holds at least blockDim.x / PG_WARP_SIZE floats. Every
+// thread gets the result. The reduction order is fixed by the launch shape, not the data.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % PG_WARP_SIZE, warp = threadIdx.x / PG_WARP_SIZE;
+    const int nwarps = (blockDim.x + PG_WARP_SIZE - 1) / PG_WARP_SIZE;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by an earlier reduction
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < nwarps; ++w) s += scratch[w];
+    return s;
+}

@@ -1,0 +1,60 @@
+// Elementwise and row-copy kernels: residual add, SiLU·up, embedding lookup, row gather,
+// bias add, and the f32 → f16/bf16 casts that feed cuBLAS when weights are half precision.
+// One thread per output element, grid-stride loops.
+#include "common.cuh"
+
+// x[i] += y[i]
+extern "C" __global__ void add_assign_f32(float* x, const float* y, u32 n) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        x[i] += y[i];
+}
+
+// out[r, i] = silu(gu[r, i]) * gu[r, ffn + i]          gu: [rows, 2 ffn]   out: [rows, ffn]
+extern "C" __global__ void silu_mul_f32(const float* gu, float* out, u32 rows, u32 ffn) {
+    const u64 n = (u64)rows * ffn;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / ffn, c = i % ffn;
+        const float g = gu[r * 2 * ffn + c], u = gu[r * 2 * ffn + ffn + c];
+        out[i] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+// out[i, :] = x[rows[i], :]     (rows checked on the host)
+extern "C" __global__ void gather_rows_f32(const float* x, const u32* rows, float* out, u32 nrows, u32 dim) {
+    const u64 n = (u64)nrows * dim;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / dim, c = i % dim;
+        out[i] = x[(u64)rows[r] * dim + c];
+    }
+}
+
+// y[r, j] += b[j]
+extern "C" __global__ void add_bias_f32(float* y, const float* b, u32 rows, u32 n) {
+    const u64 total = (u64)rows * n;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x)
+        y[i] += b[i % n];
+}
+
+extern "C" __global__ void cast_f32_bf16(const float* x, u16* out, u32 n) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        out[i] = f32_to_bf16_bits(x[i]);
+}
+
+extern "C" __global__ void cast_f32_f16(const float* x, u16* out, u32 n) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        out[i] = f32_to_f16_bits(x[i]);
+}
+
+// out[t, :] = table[ids[t], :]      table: [vocab, dim] in the weight dtype (ids checked on the host)
+#define EMBEDDING(NAME, W)                                                                      \
+    extern "C" __global__ void NAME(const W* table, const u32* ids, float* out, u32 n, u32 dim) { \
+        const u64 total = (u64)n * dim;                                                          \
+        for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;                      \
+             i += (u64)gridDim.x * blockDim.x) {                                                 \
+            const u64 t = i / dim, c = i % dim;                                                  \
+            out[i] = to_f32(table[(u64)ids[t] * dim + c]);                                       \
+        }                                                                                        \
+    }
+EMBEDDING(embedding_f32, float)
+EMBEDDING(embedding_f16, f16_t)
+EMBEDDING(embedding_bf16, bf16_t)

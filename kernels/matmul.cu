@@ -1,0 +1,152 @@
+// Our own matrix products, y[m, n] = x[m, k] · W[n, k]ᵀ (+ b[n]), f32 activations, weights in
+// f32, f16 or bf16, f32 accumulation:
+//   - matvec_<dtype>_<M>: M ≤ 8 rows (decode). Memory-bound: each weight row is streamed once
+//     with 16-byte loads, one warp per weight row, while the M rows of x (a few KiB) stay in
+//     L1/L2. Needs k to be a multiple of 8 (16-bit weights) or 4 (f32) — checked on the host.
+//   - gemm_<dtype>: any shape, 64 × 64 output tiles through shared memory. The GEMM of the HIP
+//     backend, and the CUDA backend's fallback when cuBLAS is not used.
+#include "common.cuh"
+
+// Eight (or four) weights from one 16-byte word.
+__device__ __forceinline__ void unpack16(uint4 raw, float* out, const bf16_t*) {
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        out[2 * q] = __uint_as_float(w[q] << 16);
+        out[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void unpack16(uint4 raw, float* out, const f16_t*) {
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        out[2 * q] = f16_bits_to_f32(w[q] & 0xffffu);
+        out[2 * q + 1] = f16_bits_to_f32(w[q] >> 16);
+    }
+}
+__device__ __forceinline__ void unpack16(uint4 raw, float* out, const float*) {
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+}
+
+#define MATVEC_THREADS 256
+
+template <typename W, int M>
+__device__ __forceinline__ void matvec_impl(const float* __restrict__ x, const W* __restrict__ w,
+                                            const float* __restrict__ bias, float* __restrict__ y, u32 n, u32 k) {
+    constexpr int VEC = 16 / sizeof(W);  // weights per 16-byte load
+    const u32 row = blockIdx.x * (blockDim.x / PG_WARP_SIZE) + threadIdx.x / PG_WARP_SIZE;
+    const u32 lane = threadIdx.x % PG_WARP_SIZE;
+    if (row >= n) return;
+    const W* wr = w + (u64)row * k;
+    float acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+    // NOTE: unrolled so that several 16-byte weight loads are in flight per lane.
+#pragma unroll 4
+    for (u32 k0 = lane * VEC; k0 < k; k0 += PG_WARP_SIZE * VEC) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(wr + k0));
+        float wv[VEC];
+        unpack16(raw, wv, (const W*)0);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * k + k0);
+#pragma unroll
+            for (int v = 0; v < VEC / 4; ++v) {
+                const float4 xv = __ldg(xp + v);
+                acc[m] += xv.x * wv[4 * v] + xv.y * wv[4 * v + 1] + xv.z * wv[4 * v + 2] + xv.w * wv[4 * v + 3];
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+    if (lane == 0) {
+        const float b = bias ? bias[row] : 0.0f;
+#pragma unroll
+        for (int m = 0; m < M; ++m) y[(u64)m * n + row] = acc[m] + b;
+    }
+}
+
+#define MATVEC(DT, W, M)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS)                                          \
+        matvec_##DT##_##M(const float* x, const W* w, const float* bias, float* y, u32 n, u32 k) {        \
+        matvec_impl<W, M>(x, w, bias, y, n, k);                                                           \
+    }
+#define MATVEC_ALL_M(DT, W) \
+    MATVEC(DT, W, 1)        \
+    MATVEC(DT, W, 2)        \
+    MATVEC(DT, W, 3)        \
+    MATVEC(DT, W, 4)        \
+    MATVEC(DT, W, 5)        \
+    MATVEC(DT, W, 6)        \
+    MATVEC(DT, W, 7)        \
+    MATVEC(DT, W, 8)
+MATVEC_ALL_M(f32, float)
+MATVEC_ALL_M(f16, f16_t)
+MATVEC_ALL_M(bf16, bf16_t)
+
+// ---- tiled GEMM ------------------------------------------------------------------------------
+//
+//   block: 256 threads, a 64 (rows of x) × 64 (rows of W) tile of y, k in steps of 16;
+//   thread (ty, tx) = (tid / 16, tid % 16) owns y[m0 + 4 ty .. +4, n0 + 4 tx .. +4].
+#define GT 64
+#define GK 16
+
+template <typename W>
+__device__ __forceinline__ void gemm_impl(const float* __restrict__ x, const W* __restrict__ w,
+                                          const float* __restrict__ bias, float* __restrict__ y, u32 m, u32 n,
+                                          u32 k) {
+    __shared__ float xs[GK][GT + 4];
+    __shared__ float ws[GK][GT + 4];
+    const u32 tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    const u32 m0 = blockIdx.y * GT, n0 = blockIdx.x * GT;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    for (u32 k0 = 0; k0 < k; k0 += GK) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const u32 e = tid + 256 * q, r = e / GK, c = e % GK;
+            const u32 gm = m0 + r, gn = n0 + r, gk = k0 + c;
+            xs[c][r] = (gm < m && gk < k) ? x[(u64)gm * k + gk] : 0.0f;
+            ws[c][r] = (gn < n && gk < k) ? to_f32(w[(u64)gn * k + gk]) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < GK; ++kk) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = xs[kk][ty * 4 + i];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) b[j] = ws[kk][tx * 4 + j];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 gm = m0 + ty * 4 + i;
+        if (gm >= m) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 gn = n0 + tx * 4 + j;
+            if (gn < n) y[(u64)gm * n + gn] = acc[i][j] + (bias ? bias[gn] : 0.0f);
+        }
+    }
+}
+
+#define GEMM(DT, W)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256)                                                       \
+        gemm_##DT(const float* x, const W* w, const float* bias, float* y, u32 m, u32 n, u32 k) {           \
+        gemm_impl<W>(x, w, bias, y, m, n, k);                                                               \
+    }
+GEMM(f32, float)
+GEMM(f16, f16_t)
+GEMM(bf16, bf16_t)

@@ -1,0 +1,68 @@
+// Row reductions: RMSNorm (alone, and fused with the residual add that precedes it) and the
+// greedy argmax that lets a greedy step bring back token ids instead of logits.
+// One block per row; blockDim.x is a multiple of PG_WARP_SIZE (at most 1024).
+#include "common.cuh"
+
+// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w
+extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* out, u32 dim, float eps) {
+    __shared__ float scratch[32];
+    const float* xr = x + (u64)blockIdx.x * dim;
+    float* o = out + (u64)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (u32 i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (u32 i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * w[i];
+}
+
+// x[r, :] += y[r, :]; out[r, :] = rms_norm(x[r, :]) * w. The residual stream is read once and
+// written once instead of twice each.
+extern "C" __global__ void add_rms_norm_f32(float* x, const float* y, const float* w, float* out, u32 dim,
+                                            float eps) {
+    __shared__ float scratch[32];
+    float* xr = x + (u64)blockIdx.x * dim;
+    const float* yr = y + (u64)blockIdx.x * dim;
+    float* o = out + (u64)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (u32 i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = xr[i] + yr[i];
+        xr[i] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    // NOTE: each thread reads back only the elements it wrote itself.
+    for (u32 i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * w[i];
+}
+
+// out[r] = the index of the largest value of row r; ties go to the lowest index, NaN and -inf
+// never win, and a row with no finite-or-+inf value gives 0 (as the CPU backend does).
+extern "C" __global__ void argmax_f32(const float* logits, u32* out, u32 cols) {
+    __shared__ float sv[1024];
+    __shared__ u32 si[1024];
+    const float* row = logits + (u64)blockIdx.x * cols;
+    float bv = PG_NEG_INF;
+    u32 bi = 0xffffffffu;
+    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = row[i];
+        if (v > bv) {  // strictly greater: this thread visits indices in increasing order
+            bv = v;
+            bi = i;
+        }
+    }
+    sv[threadIdx.x] = bv;
+    si[threadIdx.x] = bi;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const float ov = sv[threadIdx.x + s];
+            const u32 oi = si[threadIdx.x + s];
+            if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
+                sv[threadIdx.x] = ov;
+                si[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = si[0] == 0xffffffffu ? 0u : si[0];
+}

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# The whole CUDA check on a GPU machine, in one run: kernels against the CPU backend, greedy
+# tokens and log-probabilities against transformers on the same random weights, and the
+# benchmark of issue 6 (decode of one sequence against the memory roofline; throughput with 64
+# and 256 concurrent requests beside transformers' generate). Prints a short table last.
+# Budget: about 5 minutes of commands on an H200 (plus the machine's start).
+#
+# The GPU machine has no Rust toolchain and no network: the binary is built here.
+#
+#   1. Here (no GPU needed), from the repository root:
+#        cargo build --release --features cuda
+#        mkdir -p .gpu && cp target/release/pagoda .gpu/pagoda && strip .gpu/pagoda
+#        cp ~/.cache/pagoda/models/smollm2-135m-instruct-f32/tokenizer.json .gpu/tokenizer.json
+#        grep -qx '/.gpu/' .git/info/exclude || echo /.gpu/ >> .git/info/exclude
+#      (.gpu/ is about 15 MiB: the stripped binary and SmolLM2's tokenizer.json, which
+#      gpu_check.py pads to each model's vocabulary.)
+#   2. One call of the device tool, carrying .gpu:
+#        run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=540)
+#   3. The table is the end of the output; $OUT/summary.txt, $OUT/log.txt (every step's output)
+#      and $OUT/results.tgz (check-backend tables, JSON lines, compare.json, bench JSON) come
+#      back. Record the numbers in docs/benchmarks.md with this command.
+#
+# Environment knobs: SKIP_BENCH=1 (correctness only), BATCHES="64 256", PROMPT_LEN=512,
+# GEN_LEN=256, DECODE_LEN=256; for a dry run of the script without a GPU: BACKEND=cpu,
+# SKIP_MODELS=1 (models already in $WORK), BENCH_MODEL=$WORK/tiny.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check-out}
+WORK=${WORK:-/tmp/pagoda-gpu}
+RES="$WORK/res"
+BIN=${PAGODA_BIN:-.gpu/pagoda}
+BACKEND=${BACKEND:-cuda}
+TOK=${TOKENIZER:-.gpu/tokenizer.json}
+BATCHES=${BATCHES:-"64 256"}
+PROMPT_LEN=${PROMPT_LEN:-512}
+GEN_LEN=${GEN_LEN:-256}
+DECODE_LEN=${DECODE_LEN:-256}
+export BATCHES PROMPT_LEN GEN_LEN PYTHONUNBUFFERED=1
+export PAGODA_KERNEL_CACHE="$WORK/kernels"
+mkdir -p "$OUT" "$RES"
+LOG="$OUT/log.txt"
+: >"$LOG"
+PY="python3 scripts/gpu_check.py"
+
+# cuBLAS and NVRTC: the toolkit's, or the pip wheels beside PyTorch (nvidia/cu13/lib, ...).
+NV_LIBS=$(python3 - <<'EOF'
+import glob, os, site
+dirs = []
+for sp in site.getsitepackages():
+    for d in sorted(glob.glob(os.path.join(sp, "nvidia", "*", "lib"))):
+        if glob.glob(d + "/libcublas.so*") or glob.glob(d + "/libnvrtc.so*"):
+            dirs.append(d)
+print(":".join(dirs))
+EOF
+)
+export LD_LIBRARY_PATH="${NV_LIBS}:/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}"
+
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+# step NAME TIMEOUT CMD...: runs CMD with a time limit, output appended to the log.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local t0
+    t0=$(now_ms)
+    echo "=== $name: $*" >>"$LOG"
+    timeout "$limit" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    printf '%-26s rc=%-3s %6.1f s\n' "$name" "$rc" "$(echo "$(($(now_ms) - t0))" | awk '{print $1/1000}')" | tee -a "$LOG"
+    return $rc
+}
+
+echo "== gpu-check $(date -u +%FT%TZ)" | tee -a "$LOG"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$LOG"
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >>"$LOG"
+if ! "$BIN" --version >>"$LOG" 2>&1; then
+    echo "the binary $BIN does not run here:" | tee -a "$LOG"
+    ldd "$BIN" 2>&1 | tee -a "$LOG"
+    exit 1
+fi
+
+[ "${SKIP_MODELS:-0}" = 1 ] || step make-models 300 $PY make-models "$WORK" "$TOK"
+
+# 1. every op against the CPU backend: with cuBLAS, then with our own GEMM kernels only (the
+#    HIP backend's path)
+step check-backend 240 sh -c "'$BIN' check-backend --backend $BACKEND > '$RES/check-backend.txt' 2>&1"
+cat "$RES/check-backend.txt" >>"$LOG"
+step check-backend-kernels 180 sh -c "PAGODA_GPU_GEMM=kernel '$BIN' check-backend --backend $BACKEND --seed 1 > '$RES/check-backend-kernels.txt' 2>&1"
+cat "$RES/check-backend-kernels.txt" >>"$LOG"
+
+# 2. greedy tokens and log-probabilities on the tiny model (one batch of prompts of mixed
+#    lengths; chunked prefill in one run; the device-argmax path when no logprobs are asked)
+P="$WORK/prompts-tiny.txt"
+{
+    echo "Hello"
+    echo "The capital of France is a city that"
+    echo "Once upon a time, in a land far away, there lived a king who had three daughters and a very old dog named Rex."
+    python3 -c "print(' '.join(['lorem ipsum dolor sit amet'] * 30))"
+} >"$P"
+TINY=(generate --model "$WORK/tiny" --json --max-tokens 24 --ignore-eos --file "$P")
+step tiny-cuda-f32 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype f32 --logprobs 5 > '$RES/tiny-cuda-f32.jsonl'"
+step tiny-cuda-f32-chunked 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype f32 --logprobs 5 --max-num-batched-tokens 16 > '$RES/tiny-cuda-f32-chunked.jsonl'"
+step tiny-cuda-f32-greedy 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype f32 > '$RES/tiny-cuda-f32-greedy.jsonl'"
+step tiny-cpu-f32 120 sh -c "'$BIN' ${TINY[*]} --backend cpu --dtype f32 --logprobs 5 > '$RES/tiny-cpu-f32.jsonl'"
+step tiny-cuda-bf16 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype bf16 --logprobs 5 > '$RES/tiny-cuda-bf16.jsonl'"
+step compare 240 $PY compare "$WORK" "$RES"
+
+# 3. benchmark on the Llama-3.2-1B-shaped model, bf16, with `pagoda bench`
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+    M=(--model "${BENCH_MODEL:-$WORK/llama-1b}" --backend "$BACKEND" --dtype bf16 --max-model-len 1024)
+    # decode of one sequence: time per output token after the first (128-token prompt)
+    step bench-latency 240 "$BIN" bench latency "${M[@]}" --batch-size 1 --input-len 128 \
+        --output-len "$DECODE_LEN" --num-iters 3 --output-json "$RES/bench-latency.json"
+    # throughput: all requests at once
+    for b in $BATCHES; do
+        step "bench-throughput-$b" 300 "$BIN" bench throughput "${M[@]}" --max-num-seqs "$b" \
+            --workload fixed --num-prompts "$b" --input-len "$PROMPT_LEN" --output-len "$GEN_LEN" \
+            --output-json "$RES/bench-throughput-$b.json"
+    done
+    python3 - "$RES" "$DECODE_LEN" <<'EOF' >>"$LOG" 2>&1
+import json, os, sys
+res, decode_len = sys.argv[1], int(sys.argv[2])
+out = {"decode": {}, "throughput": {}}
+try:
+    r = json.load(open(os.path.join(res, "bench-latency.json")))["results"][0]
+    step_ms = r["tpot_ms"]["p50"]
+    # bytes read per decode step: every weight once in bf16 (the tied embedding as lm_head),
+    # norms in f32, and Pagoda's f32 KV cache of the average context (128 + decode_len / 2)
+    h, f, L, hkv, d, v = 2048, 8192, 16, 8, 64, 128256
+    weights = 2 * (v * h + L * (h * (32 + 2 * hkv) * d + 32 * d * h + 2 * f * h + f * h)) + 4 * (2 * L + 1) * h
+    kv = 4 * 2 * L * hkv * d * (128 + decode_len / 2)
+    out["decode"] = {"step_ms": step_ms, "bytes_per_step": weights + kv, "weight_bytes": weights,
+                     "kv_bytes": kv, "tpot_ms": r["tpot_ms"], "ttft_ms": r["ttft_ms"]}
+except Exception as e:
+    out["decode"] = {"error": repr(e)}
+for b in os.environ.get("BATCHES", "64 256").split():
+    try:
+        r = json.load(open(os.path.join(res, f"bench-throughput-{b}.json")))["results"][0]
+        out["throughput"][b] = {"tok_per_s": r["output_tokens_per_s"], "seconds": r["duration_s"],
+                                "tokens": r["output_tokens"], "step_time_ms": r.get("step_time_ms")}
+    except Exception as e:
+        out["throughput"][b] = {"error": repr(e)}
+json.dump(out, open(os.path.join(res, "pagoda-bench.json"), "w"), indent=1)
+print(json.dumps(out, indent=1))
+EOF
+    step hf-bench 300 $PY hf-bench "$WORK" "$RES"
+fi
+
+# 4. the compiler's resource report of every kernel for this GPU (registers, spills), when
+#    nvcc is there: the starting point for tuning
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+    NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+    ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
+    step ptxas 120 sh -c "for f in kernels/*.cu; do '$NVCC' -arch=sm_${ARCH:-90} -cubin -o /dev/null -Xptxas -v \$f; done > '$RES/ptxas.txt' 2>&1"
+fi
+
+tar czf "$OUT/results.tgz" -C "$WORK" res 2>>"$LOG"
+$PY summary "$RES" 2>&1 | tee "$OUT/summary.txt"

@@ -1,0 +1,582 @@
+//! `pagoda check-backend`: every backend operation against the CPU backend on fresh random
+//! inputs, with the error of each in a table. Users run it on new hardware; the GPU checks run
+//! it first (see scripts/gpu-check.sh).
+//!
+//! The error of a case is `max |got − cpu| / max |cpu|` (normalised by the reference's scale,
+//! like tests/backend_ops.rs). Tolerances: 1e-5 for f32 arithmetic, 1e-2 where a vendor GEMM
+//! rounds activations to f16/bf16 first.
+
+use super::{
+    Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, HipBackend, KvLayout,
+    QkvLayout, WgpuBackend,
+};
+use crate::tensor::{DType, HostTensor};
+use anyhow::{Result, bail};
+use rand_chacha::ChaCha8Rng;
+use rand_chacha::rand_core::{Rng, SeedableRng};
+
+/// One row of the table.
+#[derive(Debug, Clone)]
+pub struct CheckRow {
+    pub op: String,
+    pub case: String,
+    /// Normalised error; `None` when the op failed (see `error`).
+    pub err: Option<f64>,
+    pub tol: f64,
+    pub error: Option<String>,
+    pub micros: f64,
+}
+
+impl CheckRow {
+    pub fn passed(&self) -> bool {
+        self.err.is_some_and(|e| e <= self.tol)
+    }
+}
+
+fn rand_vec(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| (r.next_u32() as f64 / u32::MAX as f64 * 2.0 - 1.0) as f32)
+        .collect()
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let scale = want
+        .iter()
+        .fold(0f64, |m, x| m.max((*x as f64).abs()))
+        .max(1e-30);
+    let mut worst = 0f64;
+    for (g, w) in got.iter().zip(want) {
+        let d = (*g as f64 - *w as f64).abs();
+        if d.is_nan() {
+            return f64::INFINITY;
+        }
+        worst = worst.max(d);
+    }
+    worst / scale
+}
+
+/// The inputs of one op case, built once and run on both backends.
+enum Case {
+    Matmul {
+        dtype: DType,
+        m: usize,
+        k: usize,
+        n: usize,
+        x: Vec<f32>,
+        w: Vec<f32>,
+        b: Option<Vec<f32>>,
+    },
+    RmsNorm {
+        rows: usize,
+        dim: usize,
+        x: Vec<f32>,
+        y: Vec<f32>,
+        w: Vec<f32>,
+        fused: bool,
+    },
+    Elementwise {
+        rows: usize,
+        ffn: usize,
+        gu: Vec<f32>,
+        a: Vec<f32>,
+        b: Vec<f32>,
+    },
+    Embedding {
+        dtype: DType,
+        dim: usize,
+        table: Vec<f32>,
+        ids: Vec<u32>,
+        rows: Vec<u32>,
+    },
+    Rope {
+        rows: usize,
+        layout: QkvLayout,
+        x: Vec<f32>,
+        pos: Vec<u32>,
+        cos: Vec<f32>,
+        sin: Vec<f32>,
+    },
+    Attention {
+        layout: QkvLayout,
+        kv: KvLayout,
+        prefix_rows: Vec<f32>,
+        prefix_slots: Vec<u32>,
+        qkv: Vec<f32>,
+        batch: BatchInput,
+    },
+    Argmax {
+        rows: usize,
+        cols: usize,
+        logits: Vec<f32>,
+    },
+}
+
+fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
+    Ok(match case {
+        Case::Matmul {
+            dtype,
+            m,
+            k,
+            n,
+            x,
+            w,
+            b,
+        } => {
+            let xb = be.upload_f32(x)?;
+            let wb = be.upload_weight(&HostTensor::new(vec![*n, *k], w.clone()), *dtype)?;
+            let bb = b.as_ref().map(|b| be.upload_f32(b)).transpose()?;
+            let mut out = be.alloc_f32(m * n)?;
+            be.matmul(&xb, &wb, bb.as_ref(), *m, *k, *n, &mut out)?;
+            be.download_f32(&out)?
+        }
+        Case::RmsNorm {
+            rows,
+            dim,
+            x,
+            y,
+            w,
+            fused,
+        } => {
+            let mut xb = be.upload_f32(x)?;
+            let wb = be.upload_weight(&HostTensor::new(vec![*dim], w.clone()), DType::F32)?;
+            let mut out = be.alloc_f32(rows * dim)?;
+            if *fused {
+                let yb = be.upload_f32(y)?;
+                be.add_rms_norm(&mut xb, &yb, &wb, *rows, *dim, 1e-5, &mut out)?;
+                let mut v = be.download_f32(&out)?;
+                v.extend(be.download_f32(&xb)?);
+                v
+            } else {
+                be.rms_norm(&xb, &wb, *rows, *dim, 1e-5, &mut out)?;
+                be.download_f32(&out)?
+            }
+        }
+        Case::Elementwise {
+            rows,
+            ffn,
+            gu,
+            a,
+            b,
+        } => {
+            let mut out = be.alloc_f32(rows * ffn)?;
+            be.silu_mul(&be.upload_f32(gu)?, *rows, *ffn, &mut out)?;
+            let mut v = be.download_f32(&out)?;
+            let mut ab = be.upload_f32(a)?;
+            be.add_assign(&mut ab, &be.upload_f32(b)?, rows * ffn)?;
+            v.extend(be.download_f32(&ab)?);
+            v
+        }
+        Case::Embedding {
+            dtype,
+            dim,
+            table,
+            ids,
+            rows,
+        } => {
+            let vocab = table.len() / dim;
+            let tb =
+                be.upload_weight(&HostTensor::new(vec![vocab, *dim], table.clone()), *dtype)?;
+            let mut out = be.alloc_f32(ids.len() * dim)?;
+            be.embedding(&tb, &be.upload_u32(ids)?, *dim, &mut out)?;
+            let mut g = be.alloc_f32(rows.len() * dim)?;
+            be.gather_rows(&out, &be.upload_u32(rows)?, *dim, &mut g)?;
+            let mut v = be.download_f32(&out)?;
+            v.extend(be.download_f32(&g)?);
+            v
+        }
+        Case::Rope {
+            rows,
+            layout,
+            x,
+            pos,
+            cos,
+            sin,
+        } => {
+            let mut xb = be.upload_f32(x)?;
+            let (cb, sb) = (be.upload_f32(cos)?, be.upload_f32(sin)?);
+            be.rope(&mut xb, &be.upload_u32(pos)?, &cb, &sb, *rows, *layout)?;
+            be.download_f32(&xb)?
+        }
+        Case::Attention {
+            layout,
+            kv,
+            prefix_rows,
+            prefix_slots,
+            qkv,
+            batch,
+        } => {
+            let mut kc = be.alloc_kv(*kv)?;
+            let mut vc = be.alloc_kv(*kv)?;
+            if !prefix_slots.is_empty() {
+                be.write_kv(
+                    &be.upload_f32(prefix_rows)?,
+                    &be.upload_u32(prefix_slots)?,
+                    prefix_slots.len(),
+                    *layout,
+                    &mut kc,
+                    &mut vc,
+                    *kv,
+                )?;
+            }
+            let t = batch.num_tokens();
+            let db = DeviceBatch::upload(be, batch.clone())?;
+            let qb = be.upload_f32(qkv)?;
+            be.write_kv(&qb, &db.slot_mapping, t, *layout, &mut kc, &mut vc, *kv)?;
+            let mut out = be.alloc_f32(t * layout.q_len())?;
+            let scale = 1.0 / (layout.head_dim as f32).sqrt();
+            be.paged_attention(&qb, &kc, &vc, &db, *layout, *kv, scale, &mut out)?;
+            let mut v = be.download_f32(&out)?;
+            v.extend(be.download_f32(&kc)?);
+            v
+        }
+        Case::Argmax { rows, cols, logits } => {
+            let lb = be.upload_f32(logits)?;
+            be.argmax_rows(&lb, *rows, *cols)?
+                .into_iter()
+                .map(|i| i as f32)
+                .collect()
+        }
+    })
+}
+
+/// A mixed batch: decode rows, a prefill from scratch and chunks after cached prefixes, over
+/// randomly permuted blocks. `seqs` is (cached, new) tokens per sequence.
+fn attention_case(
+    r: &mut ChaCha8Rng,
+    layout: QkvLayout,
+    block_size: usize,
+    seqs: &[(usize, usize)],
+) -> Case {
+    let blocks_needed: usize = seqs.iter().map(|(c, n)| (c + n).div_ceil(block_size)).sum();
+    let num_blocks = blocks_needed + 5;
+    let kv = KvLayout {
+        num_blocks,
+        block_size,
+        num_kv_heads: layout.num_kv_heads,
+        head_dim: layout.head_dim,
+    };
+    let mut perm: Vec<u32> = (1..num_blocks as u32).collect();
+    for i in (1..perm.len()).rev() {
+        perm.swap(i, r.next_u32() as usize % (i + 1));
+    }
+    let mut next = 0;
+    let tables: Vec<Vec<u32>> = seqs
+        .iter()
+        .map(|(c, n)| {
+            let nb = (c + n).div_ceil(block_size);
+            next += nb;
+            perm[next - nb..next].to_vec()
+        })
+        .collect();
+    let max_blocks = tables.iter().map(|t| t.len()).max().unwrap_or(1);
+    let rl = layout.row_len();
+    let slot = |s: usize, p: usize| {
+        tables[s][p / block_size] * block_size as u32 + (p % block_size) as u32
+    };
+    let (mut prefix_rows, mut prefix_slots, mut qkv) = (vec![], vec![], vec![]);
+    let mut batch = BatchInput {
+        max_blocks,
+        query_start: vec![0],
+        ..Default::default()
+    };
+    for (s, &(c, n)) in seqs.iter().enumerate() {
+        prefix_rows.extend(rand_vec(r, c * rl));
+        prefix_slots.extend((0..c).map(|p| slot(s, p)));
+        qkv.extend(rand_vec(r, n * rl));
+        for p in c..c + n {
+            batch.token_ids.push(0);
+            batch.positions.push(p as u32);
+            batch.slot_mapping.push(slot(s, p));
+        }
+        batch.query_start.push(batch.positions.len() as u32);
+        batch.seq_lens.push((c + n) as u32);
+        batch.block_tables.extend_from_slice(&tables[s]);
+        batch
+            .block_tables
+            .extend(std::iter::repeat_n(0, max_blocks - tables[s].len()));
+    }
+    Case::Attention {
+        layout,
+        kv,
+        prefix_rows,
+        prefix_slots,
+        qkv,
+        batch,
+    }
+}
+
+fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    // matmul: decode rows (matvec), larger batches (vendor GEMM or our tiled kernel), odd k
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &(m, k, n, bias) in &[
+            (1, 576, 1536, false),
+            (3, 2048, 512, true),
+            (8, 1024, 384, false),
+            (17, 576, 192, true),
+            (130, 256, 320, false),
+            (5, 130, 33, true),
+        ] {
+            let tol = if dtype == DType::F32 || m <= 8 {
+                1e-5
+            } else {
+                1e-2
+            };
+            out.push((
+                "matmul".into(),
+                format!(
+                    "{} {m}x{k}x{n}{}",
+                    dtype.name(),
+                    if bias { " +bias" } else { "" }
+                ),
+                tol,
+                Case::Matmul {
+                    dtype,
+                    m,
+                    k,
+                    n,
+                    x: rand_vec(&mut r, m * k),
+                    w: rand_vec(&mut r, n * k),
+                    b: bias.then(|| rand_vec(&mut r, n)),
+                },
+            ));
+        }
+    }
+    for &(rows, dim) in &[(1, 2048), (7, 576), (3, 33)] {
+        for fused in [false, true] {
+            out.push((
+                if fused { "add_rms_norm" } else { "rms_norm" }.into(),
+                format!("{rows}x{dim}"),
+                1e-5,
+                Case::RmsNorm {
+                    rows,
+                    dim,
+                    x: rand_vec(&mut r, rows * dim),
+                    y: rand_vec(&mut r, rows * dim),
+                    w: rand_vec(&mut r, dim),
+                    fused,
+                },
+            ));
+        }
+    }
+    out.push((
+        "silu_mul+add".into(),
+        "9x1000".into(),
+        1e-5,
+        Case::Elementwise {
+            rows: 9,
+            ffn: 1000,
+            gu: rand_vec(&mut r, 9 * 2000).iter().map(|v| v * 6.0).collect(),
+            a: rand_vec(&mut r, 9000),
+            b: rand_vec(&mut r, 9000),
+        },
+    ));
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let (vocab, dim) = (301, 96);
+        out.push((
+            "embedding+gather".into(),
+            format!("{} {vocab}x{dim}", dtype.name()),
+            1e-6,
+            Case::Embedding {
+                dtype,
+                dim,
+                table: rand_vec(&mut r, vocab * dim),
+                ids: (0..11).map(|i| (i * 37 + 5) % vocab as u32).collect(),
+                rows: vec![10, 0, 4, 4],
+            },
+        ));
+    }
+    for &(rows, h, hkv, d) in &[(9, 4, 2, 16), (5, 32, 8, 64), (2, 14, 2, 128)] {
+        let layout = QkvLayout {
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_dim: d,
+        };
+        let max_pos = 400;
+        let (mut cos, mut sin) = (vec![], vec![]);
+        for p in 0..max_pos {
+            for i in 0..d / 2 {
+                let a = p as f64 / 10000f64.powf(2.0 * i as f64 / d as f64);
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        out.push((
+            "rope".into(),
+            format!("{rows} rows h={h} hkv={hkv} d={d}"),
+            1e-5,
+            Case::Rope {
+                rows,
+                layout,
+                x: rand_vec(&mut r, rows * layout.row_len()),
+                pos: (0..rows as u32)
+                    .map(|i| (i * 97 + 3) % max_pos as u32)
+                    .collect(),
+                cos,
+                sin,
+            },
+        ));
+    }
+    // (name, block size, heads, kv heads, head dim, (cached, new) tokens per sequence)
+    type AttnCase<'a> = (&'a str, usize, usize, usize, usize, &'a [(usize, usize)]);
+    let attn: &[AttnCase] = &[
+        (
+            "mixed",
+            16,
+            4,
+            4,
+            32,
+            &[(0, 1), (16, 1), (37, 1), (0, 23), (19, 13), (47, 5)],
+        ),
+        (
+            "mixed gqa",
+            16,
+            32,
+            8,
+            64,
+            &[(0, 7), (30, 1), (100, 40), (5, 1)],
+        ),
+        (
+            "decode x8",
+            16,
+            32,
+            8,
+            64,
+            &[
+                (20, 1),
+                (33, 1),
+                (64, 1),
+                (1, 1),
+                (90, 1),
+                (7, 1),
+                (15, 1),
+                (200, 1),
+            ],
+        ),
+        ("long decode", 16, 32, 8, 64, &[(3000, 1)]),
+        ("long prefill", 16, 14, 2, 64, &[(0, 300), (700, 64)]),
+        ("odd blocks", 5, 6, 2, 16, &[(0, 9), (11, 1), (23, 4)]),
+        ("d=128", 16, 16, 8, 128, &[(40, 1), (0, 33)]),
+    ];
+    for &(name, bs, h, hkv, d, seqs) in attn {
+        let layout = QkvLayout {
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_dim: d,
+        };
+        out.push((
+            "write_kv+attention".into(),
+            format!("{name}: bs={bs} h={h} hkv={hkv} d={d}"),
+            1e-5,
+            attention_case(&mut r, layout, bs, seqs),
+        ));
+    }
+    // argmax: random rows, plus a row of ties and a row with NaN and -inf
+    let (rows, cols) = (4, 50_000);
+    let mut logits = rand_vec(&mut r, rows * cols);
+    for v in &mut logits[cols..2 * cols] {
+        *v = 1.0;
+    }
+    logits[2 * cols] = f32::NAN;
+    logits[2 * cols + 1] = f32::NEG_INFINITY;
+    logits[3 * cols - 2] = 7.0;
+    out.push((
+        "argmax".into(),
+        format!("{rows}x{cols} (ties, NaN)"),
+        0.0,
+        Case::Argmax { rows, cols, logits },
+    ));
+    out
+}
+
+/// Runs every case on `be` and on the CPU backend; returns the table rows.
+pub fn check_backend<B: Backend>(be: &B, seed: u64) -> Vec<CheckRow> {
+    let cpu = CpuBackend::new();
+    cases(seed)
+        .into_iter()
+        .map(|(op, case_name, tol, case)| {
+            let want = run(&cpu, &case);
+            let t0 = std::time::Instant::now();
+            let got = run(be, &case);
+            let micros = t0.elapsed().as_secs_f64() * 1e6;
+            let (err, error) = match (got, want) {
+                (Ok(g), Ok(w)) => (Some(rel_err(&g, &w)), None),
+                (Err(e), _) => (None, Some(format!("{e:#}"))),
+                (_, Err(e)) => (None, Some(format!("cpu reference failed: {e:#}"))),
+            };
+            CheckRow {
+                op,
+                case: case_name,
+                err,
+                tol,
+                error,
+                micros,
+            }
+        })
+        .collect()
+}
+
+/// Creates the backend `kind` names and checks it.
+pub fn check_backend_kind(kind: BackendKind, seed: u64) -> Result<(String, Vec<CheckRow>)> {
+    fn go<B: Backend>(b: B, seed: u64) -> Result<(String, Vec<CheckRow>)> {
+        Ok((b.name(), check_backend(&b, seed)))
+    }
+    match kind {
+        BackendKind::Cpu => go(CpuBackend::new(), seed),
+        BackendKind::Cuda => go(CudaBackend::new()?, seed),
+        BackendKind::Hip => go(HipBackend::new()?, seed),
+        BackendKind::Wgpu => {
+            WgpuBackend::new()?;
+            bail!("check-backend does not drive the wgpu backend yet")
+        }
+        BackendKind::Auto => bail!("check-backend needs a named backend (cuda, hip, wgpu, cpu)"),
+    }
+}
+
+/// The table as text, one line per case, with a summary line last.
+pub fn format_table(backend: &str, rows: &[CheckRow]) -> String {
+    let mut s = format!("check-backend: {backend} against cpu\n");
+    s.push_str(&format!(
+        "{:<20} {:<44} {:>10} {:>8} {:>10}  result\n",
+        "op", "case", "error", "tol", "time (us)"
+    ));
+    for r in rows {
+        let err = r.err.map_or("-".to_string(), |e| format!("{e:.2e}"));
+        let result = match (&r.error, r.passed()) {
+            (Some(e), _) => format!("ERROR {}", e.lines().next().unwrap_or("")),
+            (None, true) => "ok".into(),
+            (None, false) => "FAIL".into(),
+        };
+        s.push_str(&format!(
+            "{:<20} {:<44} {:>10} {:>8.0e} {:>10.0}  {result}\n",
+            r.op, r.case, err, r.tol, r.micros
+        ));
+    }
+    let passed = rows.iter().filter(|r| r.passed()).count();
+    s.push_str(&format!(
+        "{passed} passed, {} failed\n",
+        rows.len() - passed
+    ));
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_agrees_with_itself() {
+        let rows = check_backend(&CpuBackend::new(), 7);
+        assert!(rows.len() > 30);
+        for r in &rows {
+            assert!(r.passed(), "{r:?}");
+            assert_eq!(r.err, Some(0.0), "{r:?}");
+        }
+        let t = format_table("cpu", &rows);
+        assert!(t.contains(&format!("{} passed, 0 failed", rows.len())));
+    }
+}

@@ -1,0 +1,304 @@
+//! The kernel sources (`kernels/*.cu`, one file per op family, and the shared header), how they
+//! are handed to a run-time compiler, and the on-disk cache of what it produced.
+//!
+//! NOTE: the sources are compiled for the device's own architecture (`sm_90` on Hopper, the
+//! `gfx…` target on AMD), never only as generic PTX. A compiled binary is cached under
+//! `~/.cache/pagoda/kernels/` (or `$PAGODA_KERNEL_CACHE`; `off` disables the cache) by a key
+//! that covers everything that changes the output:
+//!
+//! ```text
+//!   <file>-<arch>-<sha256(api, compiler version, arch, options, prepared source)[..16]>.<ext>
+//! ```
+
+use anyhow::{Context, Result};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
+pub const HIP_COMPAT: &str = include_str!("../../../kernels/hip_compat.h");
+
+/// `(file stem, source)` of every kernel file.
+pub const SOURCES: &[(&str, &str)] = &[
+    (
+        "elementwise",
+        include_str!("../../../kernels/elementwise.cu"),
+    ),
+    ("norm", include_str!("../../../kernels/norm.cu")),
+    ("rope", include_str!("../../../kernels/rope.cu")),
+    ("cache", include_str!("../../../kernels/cache.cu")),
+    ("attention", include_str!("../../../kernels/attention.cu")),
+    ("matmul", include_str!("../../../kernels/matmul.cu")),
+];
+
+/// Weight dtypes as they appear in kernel names.
+pub const WEIGHT_DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
+
+/// Largest row count served by the `matvec_<dtype>_<M>` kernels.
+pub const MATVEC_MAX_ROWS: usize = 8;
+
+/// The `extern "C"` kernels that each file defines (those stamped out by macros included).
+pub fn kernel_names(stem: &str) -> Vec<String> {
+    let fixed: &[&str] = match stem {
+        "elementwise" => &[
+            "add_assign_f32",
+            "silu_mul_f32",
+            "gather_rows_f32",
+            "add_bias_f32",
+            "cast_f32_bf16",
+            "cast_f32_f16",
+        ],
+        "norm" => &["rms_norm_f32", "add_rms_norm_f32", "argmax_f32"],
+        "rope" => &["rope_f32"],
+        "cache" => &["write_kv_f32"],
+        "attention" => &["paged_attention_f32", "attention_reduce_f32"],
+        _ => &[],
+    };
+    let mut names: Vec<String> = fixed.iter().map(|s| s.to_string()).collect();
+    match stem {
+        "elementwise" => names.extend(WEIGHT_DTYPES.iter().map(|d| format!("embedding_{d}"))),
+        "matmul" => {
+            for d in WEIGHT_DTYPES {
+                names.push(format!("gemm_{d}"));
+                for m in 1..=MATVEC_MAX_ROWS {
+                    names.push(format!("matvec_{d}_{m}"));
+                }
+            }
+        }
+        _ => {}
+    }
+    names
+}
+
+/// Which run-time compiler a source is prepared for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    Cuda,
+    Hip,
+}
+
+/// The source as one self-contained translation unit: `#include "common.cuh"` is replaced by
+/// the header (after hip_compat.h for HIP), so the compiler needs no include path and no
+/// header from a toolkit.
+pub fn prepare(source: &str, dialect: Dialect) -> String {
+    let strip = |s: &str| {
+        s.lines()
+            .filter(|l| l.trim() != "#pragma once")
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let mut header = String::new();
+    if dialect == Dialect::Hip {
+        header.push_str(&strip(HIP_COMPAT));
+        header.push('\n');
+    }
+    header.push_str(&strip(COMMON));
+    let mut out = String::with_capacity(source.len() + header.len());
+    for line in source.lines() {
+        if line.trim() == "#include \"common.cuh\"" {
+            out.push_str(&header);
+        } else {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// The cache key of one compiled file: a hash of everything that changes the binary.
+pub fn cache_key(
+    api: &str,
+    compiler: &str,
+    arch: &str,
+    options: &[String],
+    source: &str,
+) -> String {
+    let mut h = Sha256::new();
+    for part in [api, compiler, arch] {
+        h.update(part.as_bytes());
+        h.update([0u8]);
+    }
+    for o in options {
+        h.update(o.as_bytes());
+        h.update([0u8]);
+    }
+    h.update(source.as_bytes());
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Where compiled kernels are kept between runs.
+#[derive(Debug, Clone)]
+pub struct KernelCache {
+    dir: Option<PathBuf>,
+}
+
+impl KernelCache {
+    /// `$PAGODA_KERNEL_CACHE` (`off`, `0` or empty: no cache), else `~/.cache/pagoda/kernels`.
+    pub fn from_env() -> Self {
+        let dir = match std::env::var_os("PAGODA_KERNEL_CACHE") {
+            Some(v) if v.is_empty() || v == "off" || v == "0" => None,
+            Some(v) => Some(PathBuf::from(v)),
+            None => dirs::cache_dir().map(|d| d.join("pagoda").join("kernels")),
+        };
+        KernelCache { dir }
+    }
+
+    pub fn at(dir: Option<PathBuf>) -> Self {
+        KernelCache { dir }
+    }
+
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    pub fn path(&self, stem: &str, arch: &str, key: &str, ext: &str) -> Option<PathBuf> {
+        self.dir
+            .as_ref()
+            .map(|d| d.join(format!("{stem}-{arch}-{key}.{ext}")))
+    }
+
+    /// The cached binary, or `compile()`'s result (then stored). Returns whether it was cached.
+    /// A cache that cannot be read or written is only a warning: the kernel is compiled.
+    pub fn get_or_compile(
+        &self,
+        stem: &str,
+        arch: &str,
+        key: &str,
+        ext: &str,
+        compile: impl FnOnce() -> Result<Vec<u8>>,
+    ) -> Result<(Vec<u8>, bool)> {
+        let path = self.path(stem, arch, key, ext);
+        if let Some(p) = &path
+            && let Ok(bin) = std::fs::read(p)
+            && !bin.is_empty()
+        {
+            return Ok((bin, true));
+        }
+        let bin = compile().with_context(|| format!("compiling kernels/{stem}.cu for {arch}"))?;
+        if let Some(p) = &path
+            && let Err(e) = store(p, &bin)
+        {
+            tracing::warn!("cannot cache compiled kernels at {}: {e:#}", p.display());
+        }
+        Ok((bin, false))
+    }
+}
+
+/// Writes through a temporary file and a rename, so that a concurrent reader never sees half
+/// a binary.
+fn store(path: &Path, bin: &[u8]) -> Result<()> {
+    let dir = path.parent().context("cache path has no parent")?;
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        path.file_name().unwrap_or_default().to_string_lossy(),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, bin)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prepared_sources_are_self_contained() {
+        for (stem, src) in SOURCES {
+            for d in [Dialect::Cuda, Dialect::Hip] {
+                let p = prepare(src, d);
+                assert!(!p.contains("#include"), "{stem}: an include is left");
+                assert!(!p.contains("#pragma once"), "{stem}: #pragma once is left");
+                assert!(
+                    p.contains("struct bf16_t"),
+                    "{stem}: the header is not inlined"
+                );
+                assert_eq!(p.contains("#define PG_HIP 1"), d == Dialect::Hip);
+            }
+        }
+    }
+
+    #[test]
+    fn every_listed_kernel_is_defined_in_its_file() {
+        for (stem, src) in SOURCES {
+            let names = kernel_names(stem);
+            assert!(!names.is_empty(), "{stem}: no kernels listed");
+            for n in names {
+                // Macro-stamped names are checked through their macro's invocation.
+                let direct = src.contains(&format!(" {n}("));
+                let stamped = match n.split('_').collect::<Vec<_>>()[..] {
+                    ["embedding", d] => src.contains(&format!("EMBEDDING(embedding_{d},")),
+                    ["gemm", d] => src.contains(&format!("GEMM({d},")),
+                    ["matvec", d, m] => {
+                        src.contains(&format!("MATVEC_ALL_M({d},"))
+                            && src.contains(&format!("MATVEC(DT, W, {m})"))
+                    }
+                    _ => false,
+                };
+                assert!(direct || stamped, "{stem}: kernel {n} is not defined");
+            }
+        }
+    }
+
+    #[test]
+    fn cache_key_covers_every_input() {
+        let opts = vec!["--gpu-architecture=sm_90".to_string()];
+        let base = cache_key("cuda", "nvrtc 13.0", "sm_90", &opts, "src");
+        assert_eq!(base.len(), 32);
+        assert_eq!(base, cache_key("cuda", "nvrtc 13.0", "sm_90", &opts, "src"));
+        let other_opts = vec!["--gpu-architecture=sm_80".to_string()];
+        for k in [
+            cache_key("hip", "nvrtc 13.0", "sm_90", &opts, "src"),
+            cache_key("cuda", "nvrtc 13.1", "sm_90", &opts, "src"),
+            cache_key("cuda", "nvrtc 13.0", "sm_89", &opts, "src"),
+            cache_key("cuda", "nvrtc 13.0", "sm_90", &other_opts, "src"),
+            cache_key("cuda", "nvrtc 13.0", "sm_90", &opts, "src "),
+            // no ambiguity between fields
+            cache_key("cud", "anvrtc 13.0", "sm_90", &opts, "src"),
+        ] {
+            assert_ne!(k, base);
+        }
+    }
+
+    #[test]
+    fn cache_stores_and_reuses_binaries() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = KernelCache::at(Some(dir.path().join("k")));
+        let mut calls = 0;
+        let (bin, cached) = cache
+            .get_or_compile("norm", "sm_90", "abc", "cubin", || {
+                calls += 1;
+                Ok(vec![1, 2, 3])
+            })
+            .unwrap();
+        assert_eq!((bin, cached), (vec![1, 2, 3], false));
+        let (bin, cached) = cache
+            .get_or_compile("norm", "sm_90", "abc", "cubin", || {
+                calls += 1;
+                Ok(vec![9])
+            })
+            .unwrap();
+        assert_eq!((bin, cached), (vec![1, 2, 3], true));
+        assert_eq!(calls, 1);
+        assert!(dir.path().join("k/norm-sm_90-abc.cubin").exists());
+        // another key compiles again
+        let (_, cached) = cache
+            .get_or_compile("norm", "sm_90", "abd", "cubin", || Ok(vec![4]))
+            .unwrap();
+        assert!(!cached);
+        // no cache directory: always compiles, never fails for it
+        let none = KernelCache::at(None);
+        let (_, cached) = none
+            .get_or_compile("norm", "sm_90", "abc", "cubin", || Ok(vec![5]))
+            .unwrap();
+        assert!(!cached);
+        // a compile error names the file and the architecture
+        let err = none
+            .get_or_compile("norm", "sm_90", "x", "cubin", || anyhow::bail!("boom"))
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("kernels/norm.cu for sm_90"));
+    }
+}

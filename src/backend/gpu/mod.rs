@@ -1,0 +1,1254 @@
+//! What the CUDA and HIP backends share: everything but the runtime API. [`GpuBackend`]
+//! implements [`Backend`] once — buffers, the caching allocator, kernel compilation and
+//! loading, launch geometry, argument checks — over a [`GpuRuntime`], which is the thin part
+//! each vendor provides (memory, copies, the run-time compiler, module loading, launches, and
+//! optionally a vendor GEMM). The kernels are the same `kernels/*.cu` sources for both.
+//!
+//! All work goes to one in-order stream (the legacy default stream), so a buffer returned to
+//! the allocator can be handed out again at once: whatever reads it next is queued after
+//! whatever used it before. Host copies are synchronous.
+
+pub mod kernels;
+
+use super::{Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
+use crate::tensor::{DType, HostTensor};
+use anyhow::{Context, Result, bail, ensure};
+use half::{bf16, f16};
+use kernels::{Dialect, KernelCache, MATVEC_MAX_ROWS, SOURCES};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Element type of a device buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    F16,
+    BF16,
+    U32,
+}
+
+impl Elem {
+    pub fn size(self) -> usize {
+        match self {
+            Elem::F16 | Elem::BF16 => 2,
+            Elem::F32 | Elem::U32 => 4,
+        }
+    }
+    /// The suffix of kernels specialised for this weight type.
+    fn kernel_suffix(self) -> Result<&'static str> {
+        Ok(match self {
+            Elem::F32 => "f32",
+            Elem::F16 => "f16",
+            Elem::BF16 => "bf16",
+            Elem::U32 => bail!("expected a float buffer, got a u32 one"),
+        })
+    }
+}
+
+/// The vendor part of a GPU backend. Device pointers are plain `u64` addresses.
+pub trait GpuRuntime: Send + Sync + Sized + 'static {
+    type Function: Copy + Send + Sync;
+    /// "cuda" or "hip".
+    const API: &'static str;
+    const DIALECT: Dialect;
+
+    fn device_name(&self) -> String;
+    /// The compile target: "sm_90", "gfx90a", ...
+    fn arch(&self) -> String;
+    fn warp_size(&self) -> u32;
+    fn multiprocessors(&self) -> u32;
+    /// (free, total) bytes of device memory.
+    fn mem_info(&self) -> Result<(u64, u64)>;
+    /// Makes the device current on the calling thread (each op calls it first).
+    fn bind(&self) -> Result<()>;
+
+    fn malloc(&self, bytes: usize) -> Result<u64>;
+    /// # Safety
+    /// `ptr` came from [`Self::malloc`] and is not used afterwards.
+    unsafe fn free(&self, ptr: u64);
+    /// # Safety
+    /// `ptr .. ptr + bytes` is device memory of this runtime.
+    unsafe fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<()>;
+    /// Synchronous host-to-device copy (ordered after all queued work).
+    /// # Safety
+    /// `dst .. dst + src.len()` is device memory of this runtime.
+    unsafe fn htod(&self, dst: u64, src: &[u8]) -> Result<()>;
+    /// Synchronous device-to-host copy (waits for all queued work).
+    /// # Safety
+    /// `src .. src + dst.len()` is device memory of this runtime.
+    unsafe fn dtoh(&self, dst: &mut [u8], src: u64) -> Result<()>;
+    fn synchronize(&self) -> Result<()>;
+
+    /// Identifies the run-time compiler and its version, for the cache key.
+    fn compiler_id(&self) -> String;
+    /// File extension of compiled binaries ("cubin", "hsaco").
+    fn binary_ext(&self) -> &'static str;
+    fn compile_options(&self) -> Vec<String>;
+    /// Compiles one prepared source for [`Self::arch`].
+    fn compile(&self, name: &str, source: &str, options: &[String]) -> Result<Vec<u8>>;
+    /// Loads a compiled binary (kept loaded for the runtime's lifetime) and resolves the named
+    /// kernels, in order.
+    fn load(&self, image: &[u8], names: &[String]) -> Result<Vec<Self::Function>>;
+    /// # Safety
+    /// `args` point at values of the kernel's parameter types, in order; every pointer among
+    /// them is device memory large enough for what the kernel touches.
+    unsafe fn launch(
+        &self,
+        f: Self::Function,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()>;
+
+    /// Whether [`Self::gemm`] is backed by a vendor library.
+    fn has_blas(&self) -> bool {
+        false
+    }
+    /// `y[m, n] = x[m, k] · w[n, k]ᵀ`, x and w of type `ab`, y f32, f32 accumulation.
+    /// # Safety
+    /// Pointers are device memory of the sizes above.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm(
+        &self,
+        _ab: Elem,
+        _m: usize,
+        _n: usize,
+        _k: usize,
+        _x: u64,
+        _w: u64,
+        _y: u64,
+    ) -> Result<()> {
+        bail!("{}: no vendor GEMM", Self::API)
+    }
+}
+
+// ---- memory ---------------------------------------------------------------------------------
+
+/// A caching allocator: freed blocks are kept by size and handed out again, since a device
+/// malloc/free pair per activation per step would cost more than the step. Small sizes round
+/// up to a power of two; large ones (weights, KV caches) to 2 MiB.
+struct Pool<R: GpuRuntime> {
+    rt: Arc<R>,
+    free: Mutex<HashMap<usize, Vec<u64>>>,
+}
+
+fn bucket(bytes: usize) -> usize {
+    const BIG: usize = 64 << 20;
+    let b = bytes.max(256);
+    if b <= BIG {
+        b.next_power_of_two()
+    } else {
+        b.div_ceil(2 << 20) * (2 << 20)
+    }
+}
+
+impl<R: GpuRuntime> Pool<R> {
+    fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Arc<Allocation<R>>> {
+        let size = bucket(bytes);
+        let cached = self
+            .free
+            .lock()
+            .unwrap()
+            .get_mut(&size)
+            .and_then(|v| v.pop());
+        let ptr = match cached {
+            Some(p) => p,
+            None => match self.rt.malloc(size) {
+                Ok(p) => p,
+                Err(_) => {
+                    // Out of memory: give the cached blocks back and try once more.
+                    self.release_cached();
+                    self.rt.malloc(size).with_context(|| {
+                        format!(
+                            "{}: cannot allocate {} MiB of device memory",
+                            R::API,
+                            size >> 20
+                        )
+                    })?
+                }
+            },
+        };
+        Ok(Arc::new(Allocation {
+            ptr,
+            size,
+            pool: self.clone(),
+        }))
+    }
+
+    fn release_cached(&self) {
+        // NOTE: frees need the context current; the pool may be dropped on any thread.
+        let _ = self.rt.bind();
+        let blocks: Vec<u64> = self
+            .free
+            .lock()
+            .unwrap()
+            .drain()
+            .flat_map(|(_, v)| v)
+            .collect();
+        for p in blocks {
+            // SAFETY: cached blocks are owned by the pool alone.
+            unsafe { self.rt.free(p) };
+        }
+    }
+}
+
+impl<R: GpuRuntime> Drop for Pool<R> {
+    fn drop(&mut self) {
+        self.release_cached();
+    }
+}
+
+struct Allocation<R: GpuRuntime> {
+    ptr: u64,
+    size: usize,
+    pool: Arc<Pool<R>>,
+}
+
+impl<R: GpuRuntime> Drop for Allocation<R> {
+    fn drop(&mut self) {
+        if let Ok(mut free) = self.pool.free.lock() {
+            free.entry(self.size).or_default().push(self.ptr);
+        }
+    }
+}
+
+/// Device memory of one element type: a whole allocation or a view into one (the batch
+/// arrays share one upload). Index buffers keep their host copy, so that ids, slots and
+/// positions are checked on the host exactly as the CPU backend checks them.
+pub struct GpuBuf<R: GpuRuntime> {
+    mem: Arc<Allocation<R>>,
+    offset: usize,
+    len: usize,
+    elem: Elem,
+    host: Option<Arc<Vec<u32>>>,
+}
+
+impl<R: GpuRuntime> GpuBuf<R> {
+    pub fn ptr(&self) -> u64 {
+        self.mem.ptr + self.offset as u64
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn elem(&self) -> Elem {
+        self.elem
+    }
+    fn expect(&self, elem: Elem, what: &str) -> Result<()> {
+        ensure!(
+            self.elem == elem,
+            "{what}: expected a {elem:?} buffer, got a {:?} one",
+            self.elem
+        );
+        Ok(())
+    }
+    fn host_u32(&self, what: &str) -> Result<&[u32]> {
+        self.expect(Elem::U32, what)?;
+        self.host
+            .as_deref()
+            .map(|v| v.as_slice())
+            .with_context(|| format!("{what}: index buffer has no host copy"))
+    }
+}
+
+// ---- kernels --------------------------------------------------------------------------------
+
+/// A kernel argument: a device pointer (0 for "none") or a scalar.
+#[derive(Clone, Copy)]
+enum Arg {
+    P(u64),
+    U(u32),
+    F(f32),
+}
+
+impl Arg {
+    /// The argument's bytes at the start of a u64 (little-endian: a 4-byte parameter reads the
+    /// low half).
+    fn bits(self) -> u64 {
+        match self {
+            Arg::P(p) => p,
+            Arg::U(u) => u as u64,
+            Arg::F(f) => f.to_bits() as u64,
+        }
+    }
+}
+
+fn ptr_or_null<R: GpuRuntime>(b: Option<&GpuBuf<R>>) -> Arg {
+    Arg::P(b.map_or(0, |b| b.ptr()))
+}
+
+const ELEMWISE_THREADS: u32 = 256;
+/// Shared memory a block may use without opting in to more.
+const SHARED_LIMIT: usize = 48 * 1024;
+/// Threads of a paged-attention block (PA_THREADS in attention.cu).
+const PA_THREADS: u32 = 128;
+
+/// How matmuls are computed (`PAGODA_GPU_GEMM`): vendor BLAS where there is one (default), or
+/// our kernels only (`kernel`), which is how HIP runs and lets CUDA check those kernels too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmPath {
+    Auto,
+    Kernel,
+}
+
+pub struct GpuBackend<R: GpuRuntime> {
+    rt: Arc<R>,
+    pool: Arc<Pool<R>>,
+    funcs: HashMap<String, R::Function>,
+    gemm_path: GemmPath,
+}
+
+impl<R: GpuRuntime> GpuBackend<R> {
+    /// Compiles (or takes from the disk cache) every kernel file for the device and loads it.
+    pub fn with_runtime(rt: R) -> Result<Self> {
+        let rt = Arc::new(rt);
+        rt.bind()?;
+        let cache = KernelCache::from_env();
+        let arch = rt.arch();
+        let opts = rt.compile_options();
+        let compiler = rt.compiler_id();
+        let t0 = std::time::Instant::now();
+        // NOTE: files compile in parallel; a cold start is then as long as the slowest file.
+        let results: Vec<Result<(&str, Vec<u8>, bool)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = SOURCES
+                .iter()
+                .map(|(stem, src)| {
+                    let (rt, cache, arch, opts, compiler) = (&rt, &cache, &arch, &opts, &compiler);
+                    s.spawn(move || -> Result<(&str, Vec<u8>, bool)> {
+                        let source = kernels::prepare(src, R::DIALECT);
+                        let key = kernels::cache_key(R::API, compiler, arch, opts, &source);
+                        let (bin, cached) =
+                            cache.get_or_compile(stem, arch, &key, rt.binary_ext(), || {
+                                rt.compile(&format!("{stem}.cu"), &source, opts)
+                            })?;
+                        Ok((stem, bin, cached))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("kernel compilation panicked")))
+                })
+                .collect()
+        });
+        let mut funcs = HashMap::new();
+        let mut compiled = 0;
+        for r in results {
+            let (stem, bin, cached) = r?;
+            compiled += usize::from(!cached);
+            let names = kernels::kernel_names(stem);
+            let fs = rt
+                .load(&bin, &names)
+                .with_context(|| format!("loading kernels/{stem}.cu for {arch}"))?;
+            funcs.extend(names.into_iter().zip(fs));
+        }
+        tracing::info!(
+            "{}: kernels for {arch} ready in {:.2} s ({compiled} of {} files compiled, the rest from {})",
+            R::API,
+            t0.elapsed().as_secs_f64(),
+            SOURCES.len(),
+            cache
+                .dir()
+                .map_or("nowhere".to_string(), |d| d.display().to_string())
+        );
+        let gemm_path = match std::env::var("PAGODA_GPU_GEMM").as_deref() {
+            Ok("kernel") => GemmPath::Kernel,
+            _ => GemmPath::Auto,
+        };
+        Ok(GpuBackend {
+            pool: Arc::new(Pool {
+                rt: rt.clone(),
+                free: Mutex::new(HashMap::new()),
+            }),
+            rt,
+            funcs,
+            gemm_path,
+        })
+    }
+
+    pub fn runtime(&self) -> &R {
+        &self.rt
+    }
+
+    /// Forces our own GEMM kernels (`GemmPath::Kernel`) or lets vendor BLAS take the larger
+    /// products (`GemmPath::Auto`).
+    pub fn set_gemm_path(&mut self, p: GemmPath) {
+        self.gemm_path = p;
+    }
+
+    pub fn gemm_path(&self) -> GemmPath {
+        self.gemm_path
+    }
+
+    /// Waits for all queued work (for timing).
+    pub fn synchronize(&self) -> Result<()> {
+        self.rt.synchronize()
+    }
+
+    fn alloc(&self, len: usize, elem: Elem, zero: bool) -> Result<GpuBuf<R>> {
+        self.rt.bind()?;
+        let bytes = len * elem.size();
+        let mem = self.pool.alloc(bytes)?;
+        if zero && bytes > 0 {
+            // SAFETY: the allocation holds at least `bytes`.
+            unsafe { self.rt.memset_zero(mem.ptr, bytes)? };
+        }
+        Ok(GpuBuf {
+            mem,
+            offset: 0,
+            len,
+            elem,
+            host: None,
+        })
+    }
+
+    fn upload_bytes(&self, bytes: &[u8], len: usize, elem: Elem) -> Result<GpuBuf<R>> {
+        let buf = self.alloc(len, elem, false)?;
+        if !bytes.is_empty() {
+            // SAFETY: the allocation holds `len * elem.size() == bytes.len()` bytes.
+            unsafe { self.rt.htod(buf.ptr(), bytes)? };
+        }
+        Ok(buf)
+    }
+
+    fn download_bytes(&self, buf: &GpuBuf<R>) -> Result<Vec<u8>> {
+        self.rt.bind()?;
+        let mut out = vec![0u8; buf.len * buf.elem.size()];
+        if !out.is_empty() {
+            // SAFETY: the buffer holds that many bytes.
+            unsafe { self.rt.dtoh(&mut out, buf.ptr())? };
+        }
+        Ok(out)
+    }
+
+    fn launch(
+        &self,
+        name: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let f = *self
+            .funcs
+            .get(name)
+            .with_context(|| format!("{}: no kernel named {name}", R::API))?;
+        if grid.contains(&0) {
+            return Ok(());
+        }
+        let mut vals: Vec<u64> = args.iter().map(|a| a.bits()).collect();
+        let mut ptrs: Vec<*mut c_void> = vals
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut c_void)
+            .collect();
+        // SAFETY: every op below passes the arguments of the kernel it names, in order, with
+        // buffer sizes checked beforehand.
+        unsafe { self.rt.launch(f, grid, block, shared, &mut ptrs) }
+            .with_context(|| format!("{}: launching {name}", R::API))
+    }
+
+    /// Blocks for a grid-stride loop over `n` elements.
+    fn blocks_for(&self, n: usize) -> u32 {
+        let max = self.rt.multiprocessors().max(1) as usize * 32;
+        n.div_ceil(ELEMWISE_THREADS as usize).clamp(1, max) as u32
+    }
+
+    fn elementwise(&self, name: &str, n: usize, args: &[Arg]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(
+            name,
+            [self.blocks_for(n), 1, 1],
+            [ELEMWISE_THREADS, 1, 1],
+            0,
+            args,
+        )
+    }
+
+    fn norm_threads(&self, dim: usize) -> u32 {
+        let w = self.rt.warp_size() as usize;
+        (dim.div_ceil(4).div_ceil(w) * w).clamp(w, 1024) as u32
+    }
+}
+
+/// Copies bytes into a vector of `T` (the bytes need not be aligned for `T`).
+fn from_bytes<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
+    let n = bytes.len() / std::mem::size_of::<T>();
+    let mut v = vec![T::zeroed(); n];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v)
+        .copy_from_slice(&bytes[..n * std::mem::size_of::<T>()]);
+    v
+}
+
+/// Views of one allocation holding every batch array, each part 256-byte aligned.
+fn pack_u32(parts: &[&[u32]]) -> (Vec<u8>, Vec<usize>) {
+    let mut bytes = Vec::new();
+    let mut offsets = Vec::with_capacity(parts.len());
+    for p in parts {
+        offsets.push(bytes.len());
+        bytes.extend_from_slice(bytemuck::cast_slice(p));
+        bytes.resize(bytes.len().div_ceil(256) * 256, 0);
+    }
+    (bytes, offsets)
+}
+
+/// The shared memory (bytes) of a paged-attention block; see attention.cu.
+fn attention_shared_bytes(q_tile: usize, rep: usize, d: usize, k_tile: usize) -> usize {
+    let r = q_tile * rep;
+    4 * (2 * r * d + k_tile * (d + 1) + r * k_tile + 3 * r)
+}
+
+/// Launch geometry of one paged-attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionPlan {
+    pub q_tile: usize,
+    pub k_tile: usize,
+    pub num_q_tiles: usize,
+    pub part_size: usize,
+    pub num_splits: usize,
+    pub shared_bytes: usize,
+}
+
+/// Picks tiles and the context split. A pure decode step gets one query row per block; a step
+/// with prefill chunks gets as many rows per block as shared memory allows (≤ 16), so a K/V
+/// tile serves many queries. The context is split when there are too few blocks to fill the
+/// device (decode of a few long sequences).
+pub fn plan_attention(
+    num_seqs: usize,
+    max_query_len: usize,
+    max_seq_len: usize,
+    rep: usize,
+    head_dim: usize,
+    num_kv_heads: usize,
+    multiprocessors: usize,
+) -> Result<AttentionPlan> {
+    let k_tile = if head_dim <= 128 { 32 } else { 16 };
+    ensure!(
+        attention_shared_bytes(1, rep, head_dim, k_tile) <= SHARED_LIMIT,
+        "paged attention: head_dim {head_dim} with {rep} query heads per kv head needs more shared memory than a block has"
+    );
+    let mut q_tile = if max_query_len <= 1 { 1 } else { 16 };
+    while q_tile > 1 && attention_shared_bytes(q_tile, rep, head_dim, k_tile) > SHARED_LIMIT {
+        q_tile -= 1;
+    }
+    let num_q_tiles = max_query_len.max(1).div_ceil(q_tile);
+    let blocks = num_seqs * num_q_tiles * num_kv_heads;
+    let want = 2 * multiprocessors.max(1);
+    let max_splits = max_seq_len.div_ceil(k_tile).max(1);
+    let splits = want.div_ceil(blocks.max(1)).clamp(1, max_splits);
+    let part_size = max_seq_len.max(1).div_ceil(splits).div_ceil(k_tile) * k_tile;
+    let num_splits = max_seq_len.max(1).div_ceil(part_size);
+    Ok(AttentionPlan {
+        q_tile,
+        k_tile,
+        num_q_tiles,
+        part_size,
+        num_splits,
+        shared_bytes: attention_shared_bytes(q_tile, rep, head_dim, k_tile),
+    })
+}
+
+fn u32_arg(v: usize, what: &str) -> Result<Arg> {
+    Ok(Arg::U(u32::try_from(v).with_context(|| {
+        format!("{what} ({v}) does not fit in 32 bits")
+    })?))
+}
+
+impl<R: GpuRuntime> Backend for GpuBackend<R> {
+    type Buf = GpuBuf<R>;
+
+    fn name(&self) -> String {
+        format!(
+            "{}: {} ({}, {} multiprocessors)",
+            R::API,
+            self.rt.device_name(),
+            self.rt.arch(),
+            self.rt.multiprocessors()
+        )
+    }
+
+    fn device_memory(&self) -> Option<u64> {
+        self.rt.mem_info().ok().map(|(_, total)| total)
+    }
+
+    fn free_device_memory(&self) -> Option<u64> {
+        self.rt.bind().ok()?;
+        self.rt.mem_info().ok().map(|(free, _)| free)
+    }
+
+    fn upload_weight(&self, t: &HostTensor, dtype: DType) -> Result<GpuBuf<R>> {
+        let n = t.data.len();
+        match dtype {
+            DType::F32 => self.upload_bytes(bytemuck::cast_slice(&t.data), n, Elem::F32),
+            DType::F16 => {
+                let v: Vec<f16> = t.data.iter().map(|&x| f16::from_f32(x)).collect();
+                self.upload_bytes(bytemuck::cast_slice(&v), n, Elem::F16)
+            }
+            DType::BF16 => {
+                let v: Vec<bf16> = t.data.iter().map(|&x| bf16::from_f32(x)).collect();
+                self.upload_bytes(bytemuck::cast_slice(&v), n, Elem::BF16)
+            }
+        }
+    }
+
+    fn upload_f32(&self, data: &[f32]) -> Result<GpuBuf<R>> {
+        self.upload_bytes(bytemuck::cast_slice(data), data.len(), Elem::F32)
+    }
+
+    fn upload_u32(&self, data: &[u32]) -> Result<GpuBuf<R>> {
+        let mut b = self.upload_bytes(bytemuck::cast_slice(data), data.len(), Elem::U32)?;
+        b.host = Some(Arc::new(data.to_vec()));
+        Ok(b)
+    }
+
+    fn upload_batch(&self, host: BatchInput) -> Result<DeviceBatch<Self>> {
+        // NOTE: one allocation and one copy for the seven arrays instead of seven of each.
+        let parts: [&[u32]; 7] = [
+            &host.token_ids,
+            &host.positions,
+            &host.slot_mapping,
+            &host.query_start,
+            &host.seq_lens,
+            &host.block_tables,
+            &host.logits_rows,
+        ];
+        let (bytes, offsets) = pack_u32(&parts);
+        let all = self.upload_bytes(&bytes, bytes.len() / 4, Elem::U32)?;
+        let view = |i: usize| GpuBuf {
+            mem: all.mem.clone(),
+            offset: offsets[i],
+            len: parts[i].len(),
+            elem: Elem::U32,
+            host: Some(Arc::new(parts[i].to_vec())),
+        };
+        Ok(DeviceBatch {
+            token_ids: view(0),
+            positions: view(1),
+            slot_mapping: view(2),
+            query_start: view(3),
+            seq_lens: view(4),
+            block_tables: view(5),
+            logits_rows: view(6),
+            host,
+        })
+    }
+
+    fn alloc_f32(&self, n: usize) -> Result<GpuBuf<R>> {
+        self.alloc(n, Elem::F32, true)
+    }
+
+    fn alloc_kv(&self, layout: KvLayout) -> Result<GpuBuf<R>> {
+        self.alloc(layout.numel(), Elem::F32, true)
+    }
+
+    fn download_f32(&self, buf: &GpuBuf<R>) -> Result<Vec<f32>> {
+        let bytes = self.download_bytes(buf)?;
+        Ok(match buf.elem {
+            Elem::F32 => from_bytes::<f32>(&bytes),
+            Elem::F16 => from_bytes::<f16>(&bytes)
+                .iter()
+                .map(|x| x.to_f32())
+                .collect(),
+            Elem::BF16 => from_bytes::<bf16>(&bytes)
+                .iter()
+                .map(|x| x.to_f32())
+                .collect(),
+            Elem::U32 => from_bytes::<u32>(&bytes)
+                .iter()
+                .map(|&x| x as f32)
+                .collect(),
+        })
+    }
+
+    fn len(&self, buf: &GpuBuf<R>) -> usize {
+        buf.len
+    }
+
+    fn embedding(
+        &self,
+        table: &GpuBuf<R>,
+        ids: &GpuBuf<R>,
+        dim: usize,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        let host = ids.host_u32("embedding")?;
+        let n = ids.len;
+        out.expect(Elem::F32, "embedding")?;
+        ensure!(out.len >= n * dim, "embedding: output too small");
+        ensure!(dim > 0, "embedding: zero dim");
+        let vocab = table.len / dim;
+        if let Some(&id) = host.iter().find(|&&id| id as usize >= vocab) {
+            bail!("token id {id} is outside the vocabulary ({vocab})");
+        }
+        let name = format!("embedding_{}", table.elem.kernel_suffix()?);
+        self.elementwise(
+            &name,
+            n * dim,
+            &[
+                Arg::P(table.ptr()),
+                Arg::P(ids.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(n, "tokens")?,
+                u32_arg(dim, "dim")?,
+            ],
+        )
+    }
+
+    fn matmul(
+        &self,
+        x: &GpuBuf<R>,
+        w: &GpuBuf<R>,
+        bias: Option<&GpuBuf<R>>,
+        m: usize,
+        k: usize,
+        n: usize,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "matmul x")?;
+        out.expect(Elem::F32, "matmul out")?;
+        ensure!(
+            x.len >= m * k && out.len >= m * n,
+            "matmul: buffer too small for {m}x{k}x{n}"
+        );
+        ensure!(
+            w.len == n * k,
+            "matmul: weight has {} elements, expected {n}x{k}",
+            w.len
+        );
+        if let Some(b) = bias {
+            b.expect(Elem::F32, "matmul bias")?;
+            ensure!(
+                b.len == n,
+                "matmul: bias has {} elements, expected {n}",
+                b.len
+            );
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let dt = w.elem.kernel_suffix()?;
+        let (mu, nu, ku) = (u32_arg(m, "m")?, u32_arg(n, "n")?, u32_arg(k, "k")?);
+        let vec = if w.elem == Elem::F32 { 4 } else { 8 };
+        if m <= MATVEC_MAX_ROWS && k.is_multiple_of(vec) {
+            // Decode: weights streamed once, x kept in f32.
+            let warps = 256 / self.rt.warp_size();
+            return self.launch(
+                &format!("matvec_{dt}_{m}"),
+                [n.div_ceil(warps as usize) as u32, 1, 1],
+                [256, 1, 1],
+                0,
+                &[
+                    Arg::P(x.ptr()),
+                    Arg::P(w.ptr()),
+                    ptr_or_null(bias),
+                    Arg::P(out.ptr()),
+                    nu,
+                    ku,
+                ],
+            );
+        }
+        if self.gemm_path == GemmPath::Auto && self.rt.has_blas() {
+            // NOTE: vendor GEMMs take both operands in one type, so with half weights x is
+            // rounded to that type first (as a framework running in f16/bf16 would have it).
+            let xb = match w.elem {
+                Elem::F32 => None,
+                e => {
+                    let xh = self.alloc(m * k, e, false)?;
+                    let cast = if e == Elem::F16 {
+                        "cast_f32_f16"
+                    } else {
+                        "cast_f32_bf16"
+                    };
+                    self.elementwise(
+                        cast,
+                        m * k,
+                        &[Arg::P(x.ptr()), Arg::P(xh.ptr()), u32_arg(m * k, "m*k")?],
+                    )?;
+                    Some(xh)
+                }
+            };
+            let xp = xb.as_ref().map_or(x.ptr(), |b| b.ptr());
+            // SAFETY: sizes checked above; xb holds m*k elements of w's type.
+            unsafe { self.rt.gemm(w.elem, m, n, k, xp, w.ptr(), out.ptr())? };
+            if let Some(b) = bias {
+                self.elementwise(
+                    "add_bias_f32",
+                    m * n,
+                    &[Arg::P(out.ptr()), Arg::P(b.ptr()), mu, nu],
+                )?;
+            }
+            return Ok(());
+        }
+        ensure!(
+            m.div_ceil(64) <= 65535,
+            "matmul: {m} rows is more than one launch takes"
+        );
+        self.launch(
+            &format!("gemm_{dt}"),
+            [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1],
+            [256, 1, 1],
+            0,
+            &[
+                Arg::P(x.ptr()),
+                Arg::P(w.ptr()),
+                ptr_or_null(bias),
+                Arg::P(out.ptr()),
+                mu,
+                nu,
+                ku,
+            ],
+        )
+    }
+
+    fn rms_norm(
+        &self,
+        x: &GpuBuf<R>,
+        w: &GpuBuf<R>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "rms_norm x")?;
+        w.expect(Elem::F32, "rms_norm weight")?;
+        ensure!(
+            x.len >= rows * dim && out.len >= rows * dim && w.len == dim,
+            "rms_norm: bad sizes"
+        );
+        ensure!(rows <= i32::MAX as usize, "rms_norm: too many rows");
+        self.launch(
+            "rms_norm_f32",
+            [rows as u32, 1, 1],
+            [self.norm_threads(dim), 1, 1],
+            0,
+            &[
+                Arg::P(x.ptr()),
+                Arg::P(w.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(dim, "dim")?,
+                Arg::F(eps),
+            ],
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        x: &mut GpuBuf<R>,
+        y: &GpuBuf<R>,
+        w: &GpuBuf<R>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "add_rms_norm x")?;
+        y.expect(Elem::F32, "add_rms_norm y")?;
+        w.expect(Elem::F32, "add_rms_norm weight")?;
+        ensure!(
+            x.len >= rows * dim && y.len >= rows * dim && out.len >= rows * dim && w.len == dim,
+            "add_rms_norm: bad sizes"
+        );
+        ensure!(rows <= i32::MAX as usize, "add_rms_norm: too many rows");
+        self.launch(
+            "add_rms_norm_f32",
+            [rows as u32, 1, 1],
+            [self.norm_threads(dim), 1, 1],
+            0,
+            &[
+                Arg::P(x.ptr()),
+                Arg::P(y.ptr()),
+                Arg::P(w.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(dim, "dim")?,
+                Arg::F(eps),
+            ],
+        )
+    }
+
+    fn add_assign(&self, x: &mut GpuBuf<R>, y: &GpuBuf<R>, n: usize) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "add_assign x")?;
+        y.expect(Elem::F32, "add_assign y")?;
+        ensure!(x.len >= n && y.len >= n, "add_assign: buffers too small");
+        self.elementwise(
+            "add_assign_f32",
+            n,
+            &[Arg::P(x.ptr()), Arg::P(y.ptr()), u32_arg(n, "n")?],
+        )
+    }
+
+    fn rope(
+        &self,
+        qkv: &mut GpuBuf<R>,
+        positions: &GpuBuf<R>,
+        cos: &GpuBuf<R>,
+        sin: &GpuBuf<R>,
+        rows: usize,
+        layout: QkvLayout,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        let pos = positions.host_u32("rope")?;
+        let d = layout.head_dim;
+        let half = d / 2;
+        let stride = layout.row_len();
+        ensure!(
+            qkv.len >= rows * stride && pos.len() >= rows,
+            "rope: bad sizes"
+        );
+        ensure!(half > 0 && cos.len == sin.len, "rope: bad tables");
+        let max_pos = cos.len / half;
+        if let Some(&p) = pos[..rows].iter().find(|&&p| p as usize >= max_pos) {
+            bail!("rope: position {p} is beyond the table ({max_pos})");
+        }
+        let heads = layout.num_heads + layout.num_kv_heads;
+        self.elementwise(
+            "rope_f32",
+            rows * heads * half,
+            &[
+                Arg::P(qkv.ptr()),
+                Arg::P(positions.ptr()),
+                Arg::P(cos.ptr()),
+                Arg::P(sin.ptr()),
+                u32_arg(rows, "rows")?,
+                u32_arg(heads, "heads")?,
+                u32_arg(d, "head_dim")?,
+                u32_arg(stride, "row length")?,
+            ],
+        )
+    }
+
+    fn silu_mul(
+        &self,
+        gate_up: &GpuBuf<R>,
+        rows: usize,
+        ffn: usize,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        ensure!(
+            gate_up.len >= rows * 2 * ffn && out.len >= rows * ffn,
+            "silu_mul: bad sizes"
+        );
+        self.elementwise(
+            "silu_mul_f32",
+            rows * ffn,
+            &[
+                Arg::P(gate_up.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(rows, "rows")?,
+                u32_arg(ffn, "ffn")?,
+            ],
+        )
+    }
+
+    fn gather_rows(
+        &self,
+        x: &GpuBuf<R>,
+        rows: &GpuBuf<R>,
+        dim: usize,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        let idx = rows.host_u32("gather_rows")?;
+        ensure!(out.len >= idx.len() * dim, "gather_rows: output too small");
+        for &r in idx {
+            ensure!(
+                (r as usize + 1) * dim <= x.len,
+                "gather_rows: row {r} out of range"
+            );
+        }
+        self.elementwise(
+            "gather_rows_f32",
+            idx.len() * dim,
+            &[
+                Arg::P(x.ptr()),
+                Arg::P(rows.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(idx.len(), "rows")?,
+                u32_arg(dim, "dim")?,
+            ],
+        )
+    }
+
+    fn write_kv(
+        &self,
+        qkv: &GpuBuf<R>,
+        slot_mapping: &GpuBuf<R>,
+        rows: usize,
+        layout: QkvLayout,
+        k_cache: &mut GpuBuf<R>,
+        v_cache: &mut GpuBuf<R>,
+        kv: KvLayout,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        let slots = slot_mapping.host_u32("write_kv")?;
+        ensure!(
+            k_cache.len == kv.numel() && v_cache.len == kv.numel(),
+            "write_kv: cache size mismatch"
+        );
+        ensure!(
+            qkv.len >= rows * layout.row_len() && slots.len() >= rows,
+            "write_kv: bad sizes"
+        );
+        if let Some(&s) = slots[..rows]
+            .iter()
+            .find(|&&s| s as usize / kv.block_size >= kv.num_blocks)
+        {
+            bail!("write_kv: slot {s} outside the pool");
+        }
+        self.elementwise(
+            "write_kv_f32",
+            rows * layout.kv_len(),
+            &[
+                Arg::P(qkv.ptr()),
+                Arg::P(slot_mapping.ptr()),
+                Arg::P(k_cache.ptr()),
+                Arg::P(v_cache.ptr()),
+                u32_arg(rows, "rows")?,
+                u32_arg(layout.num_kv_heads, "kv heads")?,
+                u32_arg(layout.head_dim, "head_dim")?,
+                u32_arg(kv.block_size, "block size")?,
+                u32_arg(layout.row_len(), "row length")?,
+                u32_arg(layout.q_len(), "q length")?,
+            ],
+        )
+    }
+
+    fn paged_attention(
+        &self,
+        qkv: &GpuBuf<R>,
+        k_cache: &GpuBuf<R>,
+        v_cache: &GpuBuf<R>,
+        batch: &DeviceBatch<Self>,
+        layout: QkvLayout,
+        kv: KvLayout,
+        scale: f32,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        let b = &batch.host;
+        let (d, h, hkv, bs) = (
+            layout.head_dim,
+            layout.num_heads,
+            layout.num_kv_heads,
+            kv.block_size,
+        );
+        ensure!(
+            hkv > 0 && h % hkv == 0,
+            "paged_attention: {h} heads over {hkv} kv heads"
+        );
+        let t_rows = b.num_tokens();
+        ensure!(
+            out.len >= t_rows * h * d && qkv.len >= t_rows * layout.row_len(),
+            "paged_attention: buffers too small"
+        );
+        ensure!(
+            k_cache.len == kv.numel() && v_cache.len == kv.numel(),
+            "paged_attention: cache size mismatch"
+        );
+        ensure!(
+            b.query_start.len() == b.num_seqs() + 1
+                && b.block_tables.len() == b.num_seqs() * b.max_blocks,
+            "paged_attention: bad batch layout"
+        );
+        let mut max_q = 0;
+        for s in 0..b.num_seqs() {
+            let (q0, q1) = (b.query_start[s] as usize, b.query_start[s + 1] as usize);
+            ensure!(q1 <= t_rows && q0 <= q1, "paged_attention: bad query_start");
+            ensure!(
+                q1 - q0 <= b.seq_lens[s] as usize,
+                "paged_attention: sequence {s} has more new rows than context"
+            );
+            ensure!(
+                (b.seq_lens[s] as usize).div_ceil(bs) <= b.max_blocks,
+                "paged_attention: block table too short for sequence {s}"
+            );
+            max_q = max_q.max(q1 - q0);
+        }
+        if let Some(&blk) = b
+            .block_tables
+            .iter()
+            .find(|&&blk| blk as usize >= kv.num_blocks)
+        {
+            bail!("paged_attention: block {blk} outside the pool");
+        }
+        if t_rows == 0 || b.num_seqs() == 0 {
+            return Ok(());
+        }
+        ensure!(
+            b.num_seqs() <= 65535,
+            "paged_attention: more than 65535 sequences in one step"
+        );
+        let plan = plan_attention(
+            b.num_seqs(),
+            max_q,
+            b.max_seq_len(),
+            h / hkv,
+            d,
+            hkv,
+            self.rt.multiprocessors() as usize,
+        )?;
+        let split = plan.num_splits > 1;
+        let parts = if split {
+            let n = t_rows * h * plan.num_splits;
+            Some((
+                self.alloc(n * d, Elem::F32, false)?,
+                self.alloc(n * 2, Elem::F32, false)?,
+            ))
+        } else {
+            None
+        };
+        let (pa, pm) = parts.as_ref().map_or((Arg::P(0), Arg::P(0)), |(a, m)| {
+            (Arg::P(a.ptr()), Arg::P(m.ptr()))
+        });
+        self.launch(
+            "paged_attention_f32",
+            [
+                u32_arg(plan.num_q_tiles, "query tiles")?.bits() as u32,
+                b.num_seqs() as u32,
+                u32_arg(hkv * plan.num_splits, "kv heads x splits")?.bits() as u32,
+            ],
+            [PA_THREADS, 1, 1],
+            plan.shared_bytes as u32,
+            &[
+                Arg::P(qkv.ptr()),
+                Arg::P(k_cache.ptr()),
+                Arg::P(v_cache.ptr()),
+                Arg::P(batch.query_start.ptr()),
+                Arg::P(batch.seq_lens.ptr()),
+                Arg::P(batch.block_tables.ptr()),
+                Arg::P(out.ptr()),
+                pa,
+                pm,
+                u32_arg(b.max_blocks, "max blocks")?,
+                u32_arg(h, "heads")?,
+                u32_arg(hkv, "kv heads")?,
+                u32_arg(d, "head_dim")?,
+                u32_arg(bs, "block size")?,
+                u32_arg(layout.row_len(), "row length")?,
+                Arg::F(scale),
+                u32_arg(plan.q_tile, "q tile")?,
+                u32_arg(plan.k_tile, "k tile")?,
+                u32_arg(plan.part_size, "partition")?,
+                u32_arg(plan.num_splits, "splits")?,
+            ],
+        )?;
+        if split {
+            let w = self.rt.warp_size() as usize;
+            let threads = d.div_ceil(w).clamp(1, 128 / w.min(128)) * w;
+            self.launch(
+                "attention_reduce_f32",
+                [u32_arg(t_rows, "rows")?.bits() as u32, h as u32, 1],
+                [threads as u32, 1, 1],
+                0,
+                &[
+                    pa,
+                    pm,
+                    Arg::P(batch.query_start.ptr()),
+                    Arg::P(batch.seq_lens.ptr()),
+                    Arg::P(out.ptr()),
+                    u32_arg(b.num_seqs(), "sequences")?,
+                    u32_arg(h, "heads")?,
+                    u32_arg(d, "head_dim")?,
+                    u32_arg(plan.part_size, "partition")?,
+                    u32_arg(plan.num_splits, "splits")?,
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn argmax_rows(&self, logits: &GpuBuf<R>, rows: usize, cols: usize) -> Result<Vec<u32>> {
+        self.rt.bind()?;
+        logits.expect(Elem::F32, "argmax")?;
+        ensure!(logits.len >= rows * cols, "argmax: buffer too small");
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let out = self.alloc(rows, Elem::U32, false)?;
+        self.launch(
+            "argmax_f32",
+            [u32_arg(rows, "rows")?.bits() as u32, 1, 1],
+            [1024, 1, 1],
+            0,
+            &[
+                Arg::P(logits.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(cols, "cols")?,
+            ],
+        )?;
+        Ok(from_bytes::<u32>(&self.download_bytes(&out)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_round_up() {
+        assert_eq!(bucket(1), 256);
+        assert_eq!(bucket(257), 512);
+        assert_eq!(bucket(64 << 20), 64 << 20);
+        assert_eq!(bucket((64 << 20) + 1), (66 << 20));
+        assert_eq!(bucket(100 << 20), 100 << 20);
+    }
+
+    #[test]
+    fn batch_arrays_pack_aligned() {
+        let (bytes, offs) = pack_u32(&[&[1, 2, 3], &[], &[7; 100]]);
+        assert_eq!(offs, vec![0, 256, 256]);
+        assert_eq!(bytes.len(), 256 + 512);
+        assert_eq!(&bytes[..4], &1u32.to_le_bytes());
+        assert_eq!(&bytes[256..260], &7u32.to_le_bytes());
+    }
+
+    #[test]
+    fn attention_plans_fit_and_cover_the_context() {
+        for &(seqs, q, ctx, rep, d, hkv) in &[
+            (1, 1, 1000, 4, 64, 8),
+            (1, 1, 1, 4, 64, 8),
+            (256, 1, 700, 4, 64, 8),
+            (4, 512, 512, 4, 64, 8),
+            (2, 100, 5000, 8, 128, 8),
+            (1, 3, 40000, 7, 64, 2),
+            (1, 1, 10, 1, 256, 1),
+        ] {
+            let p = plan_attention(seqs, q, ctx, rep, d, hkv, 132).unwrap();
+            assert!(p.shared_bytes <= SHARED_LIMIT, "{p:?}");
+            assert!(p.q_tile >= 1 && p.num_q_tiles * p.q_tile >= q);
+            assert_eq!(p.part_size % p.k_tile, 0);
+            assert!(p.num_splits * p.part_size >= ctx, "{p:?}");
+            assert!((p.num_splits - 1) * p.part_size < ctx.max(1), "{p:?}");
+            if q == 1 {
+                assert_eq!(p.q_tile, 1);
+            }
+        }
+        // decode of one long sequence is split to fill the device; a full batch is not
+        assert!(
+            plan_attention(1, 1, 4096, 4, 64, 8, 132)
+                .unwrap()
+                .num_splits
+                > 1
+        );
+        assert_eq!(
+            plan_attention(256, 1, 700, 4, 64, 8, 132)
+                .unwrap()
+                .num_splits,
+            1
+        );
+        assert!(plan_attention(1, 1, 10, 64, 512, 1, 132).is_err());
+    }
+}
