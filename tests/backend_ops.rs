@@ -537,7 +537,6 @@ backend_ops!(cuda, gpu_or_skip(pagoda::backend::CudaBackend::new()));
 #[cfg(feature = "hip")]
 backend_ops!(hip, gpu_or_skip(pagoda::backend::HipBackend::new()));
 
-
 /// One wgpu device for the whole test binary (pipelines compile once); `WGPU_BACKEND=vulkan`
 /// with Mesa's llvmpipe in CI.
 #[cfg(feature = "wgpu")]

@@ -27,8 +27,6 @@ use anyhow::Result;
 #[cfg(feature = "wgpu")]
 pub use self::wgpu::WgpuBackend;
 pub use cpu::CpuBackend;
-#[cfg(not(feature = "wgpu"))]
-pub use stubs::WgpuBackend;
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
 #[cfg(feature = "hip")]
@@ -37,6 +35,8 @@ pub use hip::HipBackend;
 pub use stubs::CudaBackend;
 #[cfg(not(feature = "hip"))]
 pub use stubs::HipBackend;
+#[cfg(not(feature = "wgpu"))]
+pub use stubs::WgpuBackend;
 
 /// Which backend to run on (`--backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

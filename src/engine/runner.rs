@@ -67,7 +67,8 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let rows = input.logits_rows.len();
         let batch = DeviceBatch::upload(&self.backend, input)?;
         let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
-        self.backend.argmax_rows(&logits, rows, self.model.cfg.vocab_size)
+        self.backend
+            .argmax_rows(&logits, rows, self.model.cfg.vocab_size)
     }
 }
 
