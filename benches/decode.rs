@@ -5,6 +5,7 @@
 //!     cargo bench --bench decode                       # all
 //!     cargo bench --bench decode -- 1 16 --tokens 64   # some batch sizes, shorter runs
 //!     PAGODA_BENCH_MODEL=path/to/model.gguf --dtype bf16 ...
+//!     cargo bench --features wgpu --bench decode -- --backend wgpu 1 8 --tokens 32
 //!
 //! Prints one line per batch size and a JSON summary last.
 
@@ -16,11 +17,13 @@ fn main() -> anyhow::Result<()> {
     let mut batches = vec![];
     let mut tokens = 128usize;
     let mut dtype = DType::F32;
+    let mut backend = pagoda::BackendKind::Cpu;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--tokens" => tokens = args.next().unwrap_or_default().parse()?,
             "--dtype" => dtype = args.next().unwrap_or_default().parse()?,
+            "--backend" => backend = args.next().unwrap_or_default().parse()?,
             "--bench" => {}
             s => batches.push(s.parse::<usize>()?),
         }
@@ -35,6 +38,7 @@ fn main() -> anyhow::Result<()> {
     let mut engine = Engine::new(EngineArgs {
         model: Some(model.clone()),
         dtype,
+        backend,
         ..Default::default()
     })?;
     println!(
@@ -101,7 +105,8 @@ fn main() -> anyhow::Result<()> {
         ));
     }
     println!(
-        "{{\"dtype\": \"{}\", \"results\": [{}]}}",
+        "{{\"backend\": \"{}\", \"dtype\": \"{}\", \"results\": [{}]}}",
+        engine.backend_name(),
         dtype.name(),
         results.join(", ")
     );

@@ -149,11 +149,11 @@ pub fn check_elementwise<B: Backend>(be: &B, rows: usize, ffn: usize, seed: u64)
         "add_assign"
     );
 
-    // embedding and gather_rows
-    let (vocab, dim) = (37, ffn);
+    // embedding and gather_rows (ids spread over the table, which a backend may split by rows)
+    let (vocab, dim) = (301, ffn);
     let table = randn(&mut r, vocab * dim);
     let ids: Vec<u32> = (0..rows as u32)
-        .map(|i| (i * 11 + 3) % vocab as u32)
+        .map(|i| (i * 97 + 3) % vocab as u32)
         .collect();
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let tq = round_to(dtype, &table);
@@ -405,6 +405,28 @@ pub fn check_paged_attention<B: Backend>(
     );
 }
 
+/// Greedy argmax of each row, against `pagoda::backend::argmax` (ties: the lowest index; NaN
+/// never wins).
+pub fn check_argmax<B: Backend>(be: &B, rows: usize, cols: usize, seed: u64) {
+    let mut r = rng(seed);
+    let mut x = randn(&mut r, rows * cols);
+    // a tie in row 0, a NaN before the maximum of row 1, a row of -inf
+    x[3] = 5.0;
+    x[cols - 2] = 5.0;
+    if rows > 2 {
+        x[cols + 1] = f32::NAN;
+        x[cols + 7] = 4.0;
+        x[2 * cols..3 * cols].fill(f32::NEG_INFINITY);
+    }
+    let want: Vec<u32> = (0..rows)
+        .map(|i| pagoda::backend::argmax(&x[i * cols..(i + 1) * cols]) as u32)
+        .collect();
+    let got = be
+        .argmax_rows(&be.upload_f32(&x).unwrap(), rows, cols)
+        .unwrap();
+    assert_eq!(got, want, "argmax_rows {rows}x{cols}");
+}
+
 /// Instantiates every op test for one backend. `$make` gives `Some(backend)`, or `None` where
 /// the backend is compiled but its device is missing (each test then says so and passes: CI
 /// has no GPU).
@@ -470,6 +492,12 @@ macro_rules! backend_ops {
                 );
             }
             #[test]
+            fn argmax_rows() {
+                let Some(b) = be() else { return };
+                check_argmax(&b, 4, 1000, 7);
+                check_argmax(&b, 1, 3001, 8);
+            }
+            #[test]
             fn paged_attention() {
                 let Some(b) = be() else { return };
                 for (i, &(bs, h, hkv, d)) in [
@@ -478,6 +506,7 @@ macro_rules! backend_ops {
                     (8, 14, 2, 64),
                     (1, 2, 1, 8),
                     (5, 6, 2, 16),
+                    (3, 16, 2, 128),
                 ]
                 .iter()
                 .enumerate()
@@ -507,3 +536,38 @@ fn gpu_or_skip<B: Backend>(b: anyhow::Result<B>) -> Option<B> {
 backend_ops!(cuda, gpu_or_skip(pagoda::backend::CudaBackend::new()));
 #[cfg(feature = "hip")]
 backend_ops!(hip, gpu_or_skip(pagoda::backend::HipBackend::new()));
+
+/// One wgpu device for the whole test binary (pipelines compile once); `WGPU_BACKEND=vulkan`
+/// with Mesa's llvmpipe in CI.
+#[cfg(feature = "wgpu")]
+fn wgpu_backend(max_binding_bytes: Option<u64>) -> pagoda::backend::WgpuBackend {
+    use pagoda::backend::wgpu::{WgpuBackend, WgpuOptions};
+    use std::sync::OnceLock;
+    static WHOLE: OnceLock<WgpuBackend> = OnceLock::new();
+    static SPLIT: OnceLock<WgpuBackend> = OnceLock::new();
+    let cell = if max_binding_bytes.is_some() {
+        &SPLIT
+    } else {
+        &WHOLE
+    };
+    cell.get_or_init(|| {
+        WgpuBackend::with_options(WgpuOptions {
+            max_binding_bytes,
+            disable_f16: max_binding_bytes.is_some(),
+            // the GPU-tuned kernels on the split backend, whatever the adapter
+            software_kernels: max_binding_bytes.map(|_| false),
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("no wgpu adapter for the op tests: {e:#}"))
+    })
+    .clone()
+}
+
+#[cfg(feature = "wgpu")]
+backend_ops!(wgpu, Some(wgpu_backend(None)));
+// Storage bindings of 16 KiB: weights, the embedding table and the KV pool are split into parts
+// and activations are bound in windows of rows, as on an adapter whose limits are small for the
+// model; and no shader-f16, so f16 weights take the f32 fallback; and the kernels tuned for GPUs
+// even on a software adapter (the other instance takes the adapter's choice).
+#[cfg(feature = "wgpu")]
+backend_ops!(wgpu_split, Some(wgpu_backend(Some(16 << 10))));

@@ -18,10 +18,14 @@ pub mod gpu;
 #[cfg(feature = "hip")]
 pub mod hip;
 mod stubs;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 use crate::tensor::{DType, HostTensor};
 use anyhow::Result;
 
+#[cfg(feature = "wgpu")]
+pub use self::wgpu::WgpuBackend;
 pub use cpu::CpuBackend;
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
@@ -31,6 +35,7 @@ pub use hip::HipBackend;
 pub use stubs::CudaBackend;
 #[cfg(not(feature = "hip"))]
 pub use stubs::HipBackend;
+#[cfg(not(feature = "wgpu"))]
 pub use stubs::WgpuBackend;
 
 /// Which backend to run on (`--backend`).

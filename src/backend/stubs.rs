@@ -4,10 +4,139 @@
 
 use anyhow::{Result, bail};
 
+/// `Backend` for a stub that can never be constructed, so that callers can pass it where a
+/// backend goes (`build(WgpuBackend::new()?, ..)`) without a `#[cfg]`.
+#[allow(unused_macros)]
+macro_rules! stub_backend_impl {
+    ($name:ident) => {
+        #[allow(unused_variables)]
+        impl crate::backend::Backend for $name {
+            type Buf = std::convert::Infallible;
+            fn name(&self) -> String {
+                match self.0 {}
+            }
+            fn upload_weight(
+                &self,
+                t: &crate::tensor::HostTensor,
+                dtype: crate::tensor::DType,
+            ) -> Result<Self::Buf> {
+                match self.0 {}
+            }
+            fn upload_f32(&self, data: &[f32]) -> Result<Self::Buf> {
+                match self.0 {}
+            }
+            fn upload_u32(&self, data: &[u32]) -> Result<Self::Buf> {
+                match self.0 {}
+            }
+            fn alloc_f32(&self, n: usize) -> Result<Self::Buf> {
+                match self.0 {}
+            }
+            fn alloc_kv(&self, layout: crate::backend::KvLayout) -> Result<Self::Buf> {
+                match self.0 {}
+            }
+            fn download_f32(&self, buf: &Self::Buf) -> Result<Vec<f32>> {
+                match self.0 {}
+            }
+            fn len(&self, buf: &Self::Buf) -> usize {
+                match self.0 {}
+            }
+            fn embedding(
+                &self,
+                table: &Self::Buf,
+                ids: &Self::Buf,
+                dim: usize,
+                out: &mut Self::Buf,
+            ) -> Result<()> {
+                match self.0 {}
+            }
+            fn matmul(
+                &self,
+                x: &Self::Buf,
+                w: &Self::Buf,
+                bias: Option<&Self::Buf>,
+                m: usize,
+                k: usize,
+                n: usize,
+                out: &mut Self::Buf,
+            ) -> Result<()> {
+                match self.0 {}
+            }
+            fn rms_norm(
+                &self,
+                x: &Self::Buf,
+                w: &Self::Buf,
+                rows: usize,
+                dim: usize,
+                eps: f32,
+                out: &mut Self::Buf,
+            ) -> Result<()> {
+                match self.0 {}
+            }
+            fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize) -> Result<()> {
+                match self.0 {}
+            }
+            fn rope(
+                &self,
+                qkv: &mut Self::Buf,
+                positions: &Self::Buf,
+                cos: &Self::Buf,
+                sin: &Self::Buf,
+                rows: usize,
+                layout: crate::backend::QkvLayout,
+            ) -> Result<()> {
+                match self.0 {}
+            }
+            fn silu_mul(
+                &self,
+                gate_up: &Self::Buf,
+                rows: usize,
+                ffn: usize,
+                out: &mut Self::Buf,
+            ) -> Result<()> {
+                match self.0 {}
+            }
+            fn gather_rows(
+                &self,
+                x: &Self::Buf,
+                rows: &Self::Buf,
+                dim: usize,
+                out: &mut Self::Buf,
+            ) -> Result<()> {
+                match self.0 {}
+            }
+            fn write_kv(
+                &self,
+                qkv: &Self::Buf,
+                slot_mapping: &Self::Buf,
+                rows: usize,
+                layout: crate::backend::QkvLayout,
+                k_cache: &mut Self::Buf,
+                v_cache: &mut Self::Buf,
+                kv: crate::backend::KvLayout,
+            ) -> Result<()> {
+                match self.0 {}
+            }
+            fn paged_attention(
+                &self,
+                qkv: &Self::Buf,
+                k_cache: &Self::Buf,
+                v_cache: &Self::Buf,
+                batch: &crate::backend::DeviceBatch<Self>,
+                layout: crate::backend::QkvLayout,
+                kv: crate::backend::KvLayout,
+                scale: f32,
+                out: &mut Self::Buf,
+            ) -> Result<()> {
+                match self.0 {}
+            }
+        }
+    };
+}
+
 macro_rules! unavailable_backend {
     ($name:ident, $feature:literal, $what:literal) => {
-        /// Not available in this build; see [`Self::new`].
-        pub struct $name;
+        /// Not available in this build; see [`Self::new`]. Never constructed.
+        pub struct $name(#[allow(dead_code)] std::convert::Infallible);
         impl $name {
             pub fn new() -> Result<Self> {
                 if cfg!(feature = $feature) {
@@ -32,117 +161,18 @@ macro_rules! unavailable_backend {
     };
 }
 
-/// A [`Backend`] for a stub, so that callers can pass it where a backend goes without a
-/// `#[cfg]`. It is never constructed ([`new`](CudaBackend::new) always fails); each op says so.
-#[allow(unused_macros)]
-macro_rules! stub_backend_impl {
-    ($name:ident) => {
-        impl crate::backend::Backend for $name {
-            type Buf = ();
-            fn name(&self) -> String {
-                stringify!($name).into()
-            }
-            fn upload_weight(
-                &self,
-                _: &crate::tensor::HostTensor,
-                _: crate::tensor::DType,
-            ) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn upload_f32(&self, _: &[f32]) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn upload_u32(&self, _: &[u32]) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn alloc_f32(&self, _: usize) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn alloc_kv(&self, _: crate::backend::KvLayout) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn download_f32(&self, _: &()) -> Result<Vec<f32>> {
-                Self::new().map(|_| Vec::new())
-            }
-            fn len(&self, _: &()) -> usize {
-                0
-            }
-            fn embedding(&self, _: &(), _: &(), _: usize, _: &mut ()) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn matmul(
-                &self,
-                _: &(),
-                _: &(),
-                _: Option<&()>,
-                _: usize,
-                _: usize,
-                _: usize,
-                _: &mut (),
-            ) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn rms_norm(
-                &self,
-                _: &(),
-                _: &(),
-                _: usize,
-                _: usize,
-                _: f32,
-                _: &mut (),
-            ) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn add_assign(&self, _: &mut (), _: &(), _: usize) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn rope(
-                &self,
-                _: &mut (),
-                _: &(),
-                _: &(),
-                _: &(),
-                _: usize,
-                _: crate::backend::QkvLayout,
-            ) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn silu_mul(&self, _: &(), _: usize, _: usize, _: &mut ()) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn gather_rows(&self, _: &(), _: &(), _: usize, _: &mut ()) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn write_kv(
-                &self,
-                _: &(),
-                _: &(),
-                _: usize,
-                _: crate::backend::QkvLayout,
-                _: &mut (),
-                _: &mut (),
-                _: crate::backend::KvLayout,
-            ) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-            fn paged_attention(
-                &self,
-                _: &(),
-                _: &(),
-                _: &(),
-                _: &crate::backend::DeviceBatch<Self>,
-                _: crate::backend::QkvLayout,
-                _: crate::backend::KvLayout,
-                _: f32,
-                _: &mut (),
-            ) -> Result<()> {
-                Self::new().map(|_| ())
-            }
-        }
-    };
-}
-
+#[cfg(not(feature = "wgpu"))]
 unavailable_backend!(WgpuBackend, "wgpu", "wgpu (WGSL)");
+#[cfg(not(feature = "wgpu"))]
+stub_backend_impl!(WgpuBackend);
+
+#[cfg(not(feature = "wgpu"))]
+impl WgpuBackend {
+    /// A real GPU only, as `--backend auto` asks; here, the same error as [`Self::new`].
+    pub fn new_hardware() -> Result<Self> {
+        Self::new()
+    }
+}
 #[cfg(not(feature = "cuda"))]
 unavailable_backend!(CudaBackend, "cuda", "CUDA");
 #[cfg(not(feature = "cuda"))]

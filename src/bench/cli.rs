@@ -557,7 +557,10 @@ pub fn report_cmd(args: &ReportArgs) -> Result<()> {
         .with_context(|| format!("cannot write {}", args.output_svg.display()))?;
     // NOTE: the Markdown links the chart relative to where the Markdown is written.
     let link = match &args.output_md {
-        Some(md) => relative_to(&args.output_svg, md.parent().unwrap_or(Path::new(""))),
+        Some(md) => {
+            let dir = md.parent().filter(|d| !d.as_os_str().is_empty());
+            relative_to(&args.output_svg, dir.unwrap_or(Path::new(".")))
+        }
         None => args.output_svg.display().to_string(),
     };
     let md = report::markdown(&files, Some(&link));
@@ -570,7 +573,7 @@ pub fn report_cmd(args: &ReportArgs) -> Result<()> {
 }
 
 fn relative_to(path: &Path, dir: &Path) -> String {
-    let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    let abs = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let (p, d) = (abs(path), abs(dir));
     match p.strip_prefix(&d) {
         Ok(rel) => rel.display().to_string(),

@@ -5,8 +5,13 @@
 //! after the first (TPOT) and the end-to-end latency.
 //!
 //! A token is a stream chunk whose first choice has non-empty text (servers send one token per
-//! chunk); the output token count is the server's `usage.completion_tokens` when it reports it
-//! (`stream_options.include_usage`), else the number of such chunks.
+//! chunk). The output token count is the server's `usage.completion_tokens` when it reports it
+//! (`stream_options.include_usage`); else `max_tokens` when the request finished for its length;
+//! else the number of such chunks.
+//!
+//! To make every server produce the workload's output lengths, requests carry `ignore_eos: true`
+//! (vLLM, Pagoda) and `min_tokens` = `max_tokens` (llama-cpp-python, vLLM); servers ignore the
+//! field they do not know.
 
 use super::stats::Summary;
 use super::workload::{RequestLens, poisson_arrivals, prompt_text};
@@ -117,6 +122,7 @@ struct Outcome {
     chunks: usize,
     usage_prompt: Option<usize>,
     usage_completion: Option<usize>,
+    finish_reason: Option<String>,
 }
 
 async fn one_request(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
@@ -172,6 +178,12 @@ async fn one_request(client: &reqwest::Client, url: &str, body: &Value) -> Outco
                 o.usage_prompt = get("prompt_tokens").or(o.usage_prompt);
                 o.usage_completion = get("completion_tokens").or(o.usage_completion);
             }
+            if let Some(f) = v
+                .pointer("/choices/0/finish_reason")
+                .and_then(Value::as_str)
+            {
+                o.finish_reason = Some(f.to_string());
+            }
             let text = v
                 .pointer("/choices/0/text")
                 .or_else(|| v.pointer("/choices/0/delta/content"))
@@ -191,6 +203,16 @@ async fn one_request(client: &reqwest::Client, url: &str, body: &Value) -> Outco
     o.e2e = t0.elapsed().as_secs_f64();
     if o.error.is_none() && o.ttft.is_none() {
         o.error = Some("the stream ended without a token".into());
+    }
+    // NOTE: a server may cut a stream short, even with a `[DONE]` (llama-cpp-python does when
+    // another request arrives, unless started with --interrupt_requests False): a request
+    // completed only if its stream gave a finish reason.
+    if o.error.is_none() && o.finish_reason.is_none() {
+        o.error = Some(if done {
+            "the stream ended ([DONE]) without a finish reason".into()
+        } else {
+            "the stream ended without a finish reason".into()
+        });
     }
     o
 }
@@ -286,6 +308,7 @@ pub async fn run_async(reqs: &[RequestLens], opts: &ServeOptions<'_>) -> Result<
         });
         if opts.ignore_eos {
             body["ignore_eos"] = json!(true);
+            body["min_tokens"] = json!(r.output_len);
         }
         let (client, url, timeout) = (client.clone(), url.clone(), opts.timeout);
         set.spawn(async move {
@@ -342,7 +365,11 @@ fn summarise(
             continue;
         }
         completed += 1;
-        let n = o.usage_completion.unwrap_or(o.chunks);
+        let n = match (o.usage_completion, o.finish_reason.as_deref()) {
+            (Some(n), _) => n,
+            (None, Some("length")) => reqs[*i].output_len.max(o.chunks),
+            (None, _) => o.chunks,
+        };
         output_tokens += n;
         prompt_tokens += o.usage_prompt.unwrap_or(reqs[*i].prompt_len);
         let first = o.ttft.unwrap_or(o.e2e);
@@ -395,8 +422,9 @@ mod tests {
     }
 
     /// A bounded loopback server speaking just enough HTTP/1.1 and SSE: each completion streams
-    /// `max_tokens` one-letter chunks 2 ms apart, then usage, then `[DONE]`; prompts that start
-    /// with "fail" get HTTP 500. It serves `n` connections and stops.
+    /// `max_tokens` tokens in chunks 2 ms apart, then usage (even lengths) or a finish reason
+    /// (odd ones), then `[DONE]`; prompts that start with "fail" get HTTP 500. It serves `n`
+    /// connections and stops.
     async fn fake_server(n: usize) -> (String, tokio::task::JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -439,6 +467,7 @@ mod tests {
                     }
                     let req: Value = serde_json::from_slice(&buf[head_end..]).unwrap();
                     assert_eq!(req["stream"], true);
+                    assert_eq!(req["min_tokens"], req["max_tokens"]);
                     assert_eq!(req["model"], "fake-model");
                     if req["prompt"].as_str().unwrap().starts_with("fail") {
                         sock.write_all(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\nconnection: close\r\n\r\noops")
@@ -449,16 +478,32 @@ mod tests {
                     sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
                         .await
                         .unwrap();
-                    let k = req["max_tokens"].as_u64().unwrap();
-                    for _ in 0..k {
-                        tokio::time::sleep(Duration::from_millis(2)).await;
-                        sock.write_all(b"data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\n")
+                    if req["prompt"].as_str().unwrap().starts_with("cut") {
+                        // cut short, as llama-cpp-python does to a stream when another arrives
+                        sock.write_all(b"data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\ndata: [DONE]\n\n")
                             .await
                             .unwrap();
+                        return;
                     }
-                    let usage = format!(
-                        "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":7,\"completion_tokens\":{k}}}}}\n\ndata: [DONE]\n\n"
-                    );
+                    let k = req["max_tokens"].as_u64().unwrap();
+                    // k tokens in k - 1 chunks: the last chunk holds two (as a server that
+                    // held back text sends them); usage tells the truth, or the finish reason
+                    for j in 0..k - 1 {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        let text = if j == k - 2 { "aa" } else { "a" };
+                        let chunk = format!(
+                            "data: {{\"choices\":[{{\"index\":0,\"text\":\"{text}\"}}]}}\n\n"
+                        );
+                        sock.write_all(chunk.as_bytes()).await.unwrap();
+                    }
+                    let usage = if k % 2 == 1 {
+                        "data: {\"choices\":[{\"index\":0,\"text\":\"\",\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n".to_string()
+                    } else {
+                        format!(
+                            "data: {{\"choices\":[{{\"index\":0,\"text\":\"\",\"finish_reason\":\"length\"}}]}}\n\n\
+                             data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":7,\"completion_tokens\":{k}}}}}\n\ndata: [DONE]\n\n"
+                        )
+                    };
                     sock.write_all(usage.as_bytes()).await.unwrap();
                 });
             }
@@ -501,10 +546,12 @@ mod tests {
         server.await.unwrap();
         assert_eq!((r.completed, r.failed, r.cancelled), (8, 0, 0));
         assert_eq!(r.output_tokens, (3..11).sum::<usize>());
-        assert_eq!(r.prompt_tokens, 8 * 7, "usage from the stream is used");
+        // usage from the stream where the server sends it, else the workload's prompt length
+        // (the fake server leaves usage out for odd lengths: 3, 5, 7, 9)
+        assert_eq!(r.prompt_tokens, 4 * 7 + 4 * 5);
         assert_eq!(r.ttft_ms.count, 8);
-        // 2 ms between chunks: every gap is at least that; one gap fewer than tokens each
-        assert_eq!(r.itl_ms.count, (2..10).sum::<usize>());
+        // 2 ms between chunks: every gap is at least that; one gap fewer than chunks each
+        assert_eq!(r.itl_ms.count, (1..9).sum::<usize>());
         assert!(r.itl_ms.min >= 1.5, "{:?}", r.itl_ms);
         assert!(r.tpot_ms.p50 >= 1.5 && r.e2e_ms.max >= r.ttft_ms.max);
         assert!(r.output_tokens_per_s > 0.0 && r.duration_s > 0.0);
@@ -512,14 +559,22 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn counts_failures_and_unreachable_servers() {
-        let (url, server) = fake_server(1).await;
+        let (url, server) = fake_server(2).await;
         let stop = AtomicBool::new(false);
         // the fake server answers 500 to a prompt starting with "fail"
         let client = client().unwrap();
-        let body =
-            json!({"model": "fake-model", "prompt": "fail now", "max_tokens": 2, "stream": true});
+        let body = json!({"model": "fake-model", "prompt": "fail now", "max_tokens": 2, "min_tokens": 2, "stream": true});
         let o = one_request(&client, &format!("{url}/v1/completions"), &body).await;
         assert!(o.error.as_deref().unwrap().contains("500"), "{o:?}");
+        let body = json!({"model": "fake-model", "prompt": "cut short", "max_tokens": 2, "min_tokens": 2, "stream": true});
+        let o = one_request(&client, &format!("{url}/v1/completions"), &body).await;
+        assert!(
+            o.error
+                .as_deref()
+                .unwrap()
+                .contains("without a finish reason"),
+            "{o:?}"
+        );
         server.await.unwrap();
         // nothing listens there any more
         let reqs = [RequestLens {

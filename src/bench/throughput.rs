@@ -234,9 +234,11 @@ pub fn run(
     let util = col(|s| s.kv_utilization);
     let blocks = col(|s| s.kv_blocks_used);
     let peak = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    // NOTE: a prompt counts once its first token came out (all of it was computed then), so
+    // an interrupted run counts the prompts of unfinished requests too.
     let prompt_tokens: usize = records
         .iter()
-        .filter(|r| r.finish_s.is_some())
+        .filter(|r| r.first_token_s.is_some())
         .map(|r| r.prompt_len)
         .sum();
     let bytes = |tokens: usize| (tokens as f64 * bytes_per_token).round() as u64;

@@ -67,6 +67,16 @@ impl Default for EngineArgs {
     }
 }
 
+/// Whether a request's next token is the argmax of the raw logits: greedy (or top-k 1), no
+/// penalties, no logprobs.
+fn argmax_suffices(p: &SamplingParams) -> bool {
+    (p.is_greedy() || p.effective_top_k() == Some(1))
+        && p.repetition_penalty == 1.0
+        && p.presence_penalty == 0.0
+        && p.frequency_penalty == 0.0
+        && p.logprobs.is_none()
+}
+
 /// Why a request was refused. The server maps these to HTTP 400 with the `param` named.
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
@@ -413,35 +423,26 @@ impl Engine {
             }
         }
         self.stats.batched_tokens += input.token_ids.len() as u64;
-        let vocab = self.config.vocab_size;
-        let mut sampled = HashMap::new();
-        let mut logprobs = HashMap::new();
-        // NOTE: when every sampled request is plain greedy (no penalties, no logprobs), the
-        // runner returns token ids instead of logits (GPU backends take the argmax on the
-        // device): the same choice as `sample`, ties to the lowest id.
-        let plain_greedy = |p: &SamplingParams| {
-            p.is_greedy()
-                && p.logprobs.is_none()
-                && p.repetition_penalty == 1.0
-                && p.presence_penalty == 0.0
-                && p.frequency_penalty == 0.0
-        };
-        let logits = if !sampling.is_empty()
+        // NOTE: when every sampled row is plain greedy, the backend reduces the logits to token
+        // ids itself (on a GPU, only those come back).
+        let greedy_only = !sampling.is_empty()
             && sampling.iter().all(|id| {
                 self.states
                     .get(id)
-                    .is_some_and(|st| plain_greedy(&st.params))
-            }) {
-            let ids = self.runner.execute_greedy(input, vocab)?;
-            for (id, tok) in sampling.iter().zip(ids) {
-                sampled.insert(*id, tok);
-            }
-            Vec::new()
+                    .is_some_and(|st| argmax_suffices(&st.params))
+            });
+        let (logits, greedy_ids) = if greedy_only {
+            (Vec::new(), Some(self.runner.execute_greedy(input)?))
         } else {
-            self.runner.execute(input)?
+            (self.runner.execute(input)?, None)
         };
+        let vocab = self.config.vocab_size;
+
+        let mut sampled = HashMap::new();
+        let mut logprobs = HashMap::new();
         for (i, id) in sampling.iter().enumerate() {
-            if sampled.contains_key(id) {
+            if let Some(g) = &greedy_ids {
+                sampled.insert(*id, g[i]);
                 continue;
             }
             let req = self

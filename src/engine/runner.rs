@@ -32,16 +32,9 @@ pub trait ModelRunner: Send {
     /// Runs the batch: writes its K/V into the pool and returns the logits `[R, vocab]` of the
     /// rows in `logits_rows`, on the host.
     fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>>;
-    /// Like [`Self::execute`], but returns the argmax token of each logits row: a step whose
-    /// requests are all plain greedy brings back token ids, not logits (GPU backends take the
-    /// argmax on the device).
-    fn execute_greedy(&mut self, input: BatchInput, vocab: usize) -> Result<Vec<u32>> {
-        let logits = self.execute(input)?;
-        Ok(logits
-            .chunks(vocab.max(1))
-            .map(|row| crate::backend::argmax(row) as u32)
-            .collect())
-    }
+    /// Runs the batch like [`Self::execute`] but returns the argmax token of each row in
+    /// `logits_rows` (greedy requests): on a GPU only the token ids come back.
+    fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>>;
 }
 
 struct Runner<B: Backend> {
@@ -70,11 +63,12 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
         self.backend.download_f32(&logits)
     }
-    fn execute_greedy(&mut self, input: BatchInput, vocab: usize) -> Result<Vec<u32>> {
+    fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>> {
         let rows = input.logits_rows.len();
         let batch = DeviceBatch::upload(&self.backend, input)?;
         let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
-        self.backend.argmax_rows(&logits, rows, vocab)
+        self.backend
+            .argmax_rows(&logits, rows, self.model.cfg.vocab_size)
     }
 }
 
@@ -111,8 +105,8 @@ pub fn create_runner(
     match args.backend {
         BackendKind::Cpu => build(CpuBackend::new(), model, args, progress),
         BackendKind::Auto => {
-            // NOTE: GPU backends come first; each one's reason for being unavailable is logged
-            // and the next is tried, the CPU last.
+            // NOTE: CUDA, then HIP, then wgpu on a real GPU (never a software rasteriser), then
+            // the CPU; each one passed over is logged with its reason.
             match CudaBackend::new() {
                 Ok(b) => return build(b, model, args, progress),
                 Err(e) => tracing::info!("backend auto: cuda unavailable: {e:#}"),
@@ -121,20 +115,19 @@ pub fn create_runner(
                 Ok(b) => return build(b, model, args, progress),
                 Err(e) => tracing::info!("backend auto: hip unavailable: {e:#}"),
             }
-            for (kind, err) in [(BackendKind::Wgpu, WgpuBackend::new().err())] {
-                if let Some(e) = err {
-                    tracing::info!("backend auto: {} unavailable: {e:#}", kind.name());
+            match WgpuBackend::new_hardware() {
+                Ok(b) => {
+                    tracing::info!("backend auto: using {} (a real GPU)", b.name());
+                    return build(b, model, args, progress);
                 }
+                Err(e) => tracing::info!("backend auto: wgpu unavailable: {e:#}"),
             }
             tracing::info!("backend auto: using cpu");
             build(CpuBackend::new(), model, args, progress)
         }
         BackendKind::Cuda => build(CudaBackend::new()?, model, args, progress),
         BackendKind::Hip => build(HipBackend::new()?, model, args, progress),
-        BackendKind::Wgpu => {
-            WgpuBackend::new()?;
-            bail!("unreachable: the wgpu backend cannot be constructed in this build")
-        }
+        BackendKind::Wgpu => build(WgpuBackend::new()?, model, args, progress),
     }
 }
 
