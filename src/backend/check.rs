@@ -531,10 +531,7 @@ pub fn check_backend_kind(kind: BackendKind, seed: u64) -> Result<(String, Vec<C
         BackendKind::Cpu => go(CpuBackend::new(), seed),
         BackendKind::Cuda => go(CudaBackend::new()?, seed),
         BackendKind::Hip => go(HipBackend::new()?, seed),
-        BackendKind::Wgpu => {
-            WgpuBackend::new()?;
-            bail!("check-backend does not drive the wgpu backend yet")
-        }
+        BackendKind::Wgpu => go(WgpuBackend::new()?, seed),
         BackendKind::Auto => bail!("check-backend needs a named backend (cuda, hip, wgpu, cpu)"),
     }
 }
