@@ -30,11 +30,12 @@ def main():
     n_vocab = L.llama_vocab_n_tokens(vocab)
     max_n = max(a.batches)
 
-    def new_ctx(n_seq, n_ctx):
+    def new_ctx(n_seq, n_ctx, n_batch=512):
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx
-        cp.n_batch = max(512, n_seq)
-        cp.n_ubatch = max(512, n_seq)
+        # NOTE: all prompts go in one llama_batch, which must fit n_batch
+        cp.n_batch = max(512, n_seq, n_batch)
+        cp.n_ubatch = max(512, n_seq, n_batch)
         cp.n_seq_max = n_seq
         cp.n_threads = a.threads
         cp.n_threads_batch = a.threads
@@ -74,8 +75,8 @@ def main():
     for n in a.batches:
         prompts = [tokenize(f"Request {i}: write a long story about a lighthouse keeper and the sea.") for i in range(n)]
         n_ctx = n * (max(len(p) for p in prompts) + a.tokens + 8)
-        ctx = new_ctx(n, n_ctx)
         total = sum(len(p) for p in prompts)
+        ctx = new_ctx(n, n_ctx, total)
         batch = L.llama_batch_init(max(total, n), 0, n)
         # prompts: all sequences in one batch
         k = 0

@@ -2,6 +2,8 @@
 //! the shape of a real backend's constructor and say plainly why they cannot run, so that
 //! callers contain no `#[cfg]`.
 
+// NOTE: with every backend feature on, no stub is compiled and these go unused.
+#[allow(unused_imports)]
 use anyhow::{Result, bail};
 
 /// `Backend` for a stub that can never be constructed, so that callers can pass it where a
@@ -133,6 +135,7 @@ macro_rules! stub_backend_impl {
     };
 }
 
+#[allow(unused_macros)]
 macro_rules! unavailable_backend {
     ($name:ident, $feature:literal, $what:literal) => {
         /// Not available in this build; see [`Self::new`]. Never constructed.
