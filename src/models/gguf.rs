@@ -1612,7 +1612,7 @@ mod tests {
         ];
         for (name, ty) in cases {
             assert!(ty.is_supported(), "{name}");
-            let raw = std::fs::read(format!("{FIXTURES}/{name}.bin")).unwrap();
+            let raw = std::fs::read(format!("{FIXTURES}/{name}.blocks")).unwrap();
             let expected: Vec<f32> = std::fs::read(format!("{FIXTURES}/{name}.f32"))
                 .unwrap()
                 .chunks_exact(4)
@@ -1637,7 +1637,7 @@ mod tests {
     #[test]
     fn dequantize_parallel_path_equals_serial() {
         // Large enough for several parallel chunks: the fixture blocks repeated.
-        let raw = std::fs::read(format!("{FIXTURES}/Q4_K.bin")).unwrap();
+        let raw = std::fs::read(format!("{FIXTURES}/Q4_K.blocks")).unwrap();
         let one = dequantize(GgmlType::Q4_K, &raw, raw.len() / 144 * 256).unwrap();
         let reps = 200;
         let big: Vec<u8> = raw.iter().copied().cycle().take(raw.len() * reps).collect();

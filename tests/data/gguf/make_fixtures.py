@@ -2,7 +2,7 @@
 """Makes the dequantization fixtures for src/models/gguf.rs.
 
 For every GGML type that Pagoda dequantizes, writes
-  <TYPE>.bin  a few blocks of random bytes (f16 scale fields set to random finite values in [-2, 2])
+  <TYPE>.blocks  a few blocks of random bytes (f16 scale fields set to random finite values in [-2, 2])
   <TYPE>.f32  what the independent reference `gguf.quants.dequantize` (gguf==0.19.0) makes of them,
               as little-endian f32.
 Deterministic (fixed seed). usage: python3 make_fixtures.py [OUTDIR]   (default: this script's folder)
@@ -67,7 +67,7 @@ def main():
         ref = np.asarray(dequantize(raw, ty), dtype=np.float32).reshape(-1)
         assert np.isfinite(ref).all(), ty.name
         assert ref.size * size == raw.size * block, ty.name
-        raw.tofile(os.path.join(out, f"{ty.name}.bin"))
+        raw.tofile(os.path.join(out, f"{ty.name}.blocks"))
         ref.astype("<f4").tofile(os.path.join(out, f"{ty.name}.f32"))
         total += raw.size + 4 * ref.size
         print(f"{ty.name:7} {ref.size:5} values")
