@@ -14,7 +14,8 @@
 //         [k_tile][k_tile] ...  (K tile → scores → softmax update → V tile → acc)
 //
 // Row r of a sequence with nq new rows and context ctx sits at position ctx - nq + r and sees
-// keys 0 ..= that position (causal). With one split the block writes the normalised output;
+// keys 0 ..= that position (causal), or only the last `window` of them (window > 0); scores are
+// soft-capped as cap * tanh(score / cap) when softcap > 0. With one split the block writes the normalised output;
 // with several (long contexts and few blocks, e.g. decode of one sequence) each block writes
 // (m, l, acc) for its partition and attention_reduce_f32 merges them.
 //
@@ -30,7 +31,8 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
     paged_attention_f32(const float* qkv, const float* k_cache, const float* v_cache, const u32* query_start,
                         const u32* seq_lens, const u32* block_tables, float* out, float* part_acc, float* part_ml,
                         u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 block_size, u32 row_len,
-                        float scale, u32 q_tile, u32 k_tile, u32 part_size, u32 num_splits) {
+                        float scale, u32 window, float softcap, u32 q_tile, u32 k_tile, u32 part_size,
+                        u32 num_splits) {
     extern __shared__ float smem[];
     const u32 s = blockIdx.y;
     const u32 q0 = query_start[s], nq = query_start[s + 1] - q0;
@@ -72,7 +74,11 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
         l_s[lr] = 0.0f;
     }
 
-    for (u32 kt0 = k_begin; kt0 < k_end; kt0 += KT) {
+    // NOTE: with a sliding window the tile's first row sees the earliest keys; tiles before its
+    // window are skipped (a partition left with no key keeps m = -inf, l = 0, which the reduce
+    // weighs as zero).
+    const u32 k_first = (window > 0 && base_keys > window) ? base_keys - window : 0;
+    for (u32 kt0 = max(k_begin, k_first); kt0 < k_end; kt0 += KT) {
         const u32 nk = min(KT, k_end - kt0);
         for (u32 e = threadIdx.x; e < nk * D; e += blockDim.x) {
             const u32 jj = e / D, i = e % D, key = kt0 + jj;
@@ -84,12 +90,14 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
         for (u32 e = threadIdx.x; e < nr * KT; e += blockDim.x) {
             const u32 lr = e / KT, jj = e % KT, key = kt0 + jj;
             float sc = PG_NEG_INF;
-            if (jj < nk && key < base_keys + lr / rep) {
+            const u32 row_keys = base_keys + lr / rep;
+            if (jj < nk && key < row_keys && (window == 0 || key + window >= row_keys)) {
                 const float* q = q_s + lr * D;
                 const float* k = kv_s + jj * (D + 1);
                 float dot = 0.0f;
                 for (u32 i = 0; i < D; ++i) dot += q[i] * k[i];
                 sc = dot * scale;
+                if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
             }
             p_s[e] = sc;
         }

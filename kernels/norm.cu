@@ -35,6 +35,22 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* y, const floa
     for (u32 i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * w[i];
 }
 
+// Per-head RMSNorm of the q and k heads of fused QKV rows ([q: H x D | k: Hkv x D | v: Hkv x D]),
+// in place (Qwen3, Gemma 3). grid = (rows, H + Hkv); q heads are scaled by qw, k heads by kw.
+extern "C" __global__ void qk_norm_f32(float* qkv, const float* qw, const float* kw, u32 num_heads, u32 head_dim,
+                                       u32 row_len, float eps) {
+    __shared__ float scratch[32];
+    const u32 h = blockIdx.y;
+    float* x = qkv + (u64)blockIdx.x * row_len + (u64)h * head_dim;
+    const float* w = h < num_heads ? qw : kw;
+    float ss = 0.0f;
+    for (u32 i = threadIdx.x; i < head_dim; i += blockDim.x) ss += x[i] * x[i];
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+    // NOTE: each thread rewrites only the elements it read itself.
+    for (u32 i = threadIdx.x; i < head_dim; i += blockDim.x) x[i] = x[i] * inv * w[i];
+}
+
 // out[r] = the index of the largest value of row r; ties go to the lowest index, NaN and -inf
 // never win, and a row with no finite-or-+inf value gives 0 (as the CPU backend does).
 extern "C" __global__ void argmax_f32(const float* logits, u32* out, u32 cols) {

@@ -1,5 +1,5 @@
-// Paged attention: each query row attends keys 0 ..= its position in its sequence, read through
-// the sequence's block table; decode rows and prefill chunks (causal) alike. Grouped-query: a
+// Paged attention: each query row attends keys 0 ..= its position in its sequence (the last
+// `window` of them with a sliding window), read through the sequence's block table; decode rows and prefill chunks (causal) alike. Grouped-query: a
 // workgroup takes one row, one kv head g and `hpw` of the query heads that share it, so each K and
 // V row is loaded once for all of them.
 //
@@ -25,6 +25,8 @@ struct Params {
     nblk: u32,         // blocks in that part
     mode: u32,         // bit 0: first part (fresh state); bit 1: last part (write out)
     scale: f32,
+    window: u32,       // sliding window: a row sees its last `window` keys only; 0: all
+    softcap: f32,      // scores become softcap * tanh(score / softcap); 0: unchanged
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -80,6 +82,10 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     }
     let n_keys = workgroupUniformLoad(&wg_keys);
     let s = wg_seq;
+    var k_first = 0u;
+    if (p.window > 0u && n_keys > p.window) {
+        k_first = n_keys - p.window;
+    }
 
     for (var i = lid.x; i < nh * d_h; i += 64u) {
         qs[i] = qkv[t * stride + h0 * d_h + i];
@@ -107,7 +113,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     }
     workgroupBarrier();
 
-    for (var j0 = 0u; j0 < n_keys; j0 += TILE) {
+    for (var j0 = k_first; j0 < n_keys; j0 += TILE) {
         // 1. scores
         let j = j0 + lid.x;
         var base = NONE;
@@ -126,6 +132,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                     dot = fma(qs[hh * d_h + d], kc[base + d], dot);
                 }
                 score = dot * p.scale;
+                if (p.softcap > 0.0) {
+                    score = p.softcap * tanh(score / p.softcap);
+                }
             }
             sc[hh * TILE + lid.x] = score;
         }

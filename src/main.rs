@@ -3,6 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use pagoda::engine::KvBudget;
+use pagoda::sampling::SamplingDefaults;
 use pagoda::sched::SchedulingPolicy;
 use pagoda::{BackendKind, ChatMessage, DType, EngineArgs, LLM, SamplingParams};
 use std::io::{BufRead, Write};
@@ -241,18 +242,22 @@ impl ServeArgs {
 
 #[derive(Args, Clone)]
 struct SamplingArgs {
-    /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
-    temperature: f32,
-    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
-    top_p: f32,
-    /// 0 or -1 = disabled.
-    #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
-    top_k: i32,
-    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
-    min_p: f32,
-    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
-    repetition_penalty: f32,
+    /// 0 = greedy. Default: greedy for `generate`; for `chat`, the model's own default
+    /// (generation_config.json or GGUF), else 0.7.
+    #[arg(long, allow_hyphen_values = true)]
+    temperature: Option<f32>,
+    /// Default: 1.0 (`chat`: the model's, else 0.9).
+    #[arg(long, allow_hyphen_values = true)]
+    top_p: Option<f32>,
+    /// 0 or -1 = disabled (default; `chat`: the model's).
+    #[arg(long, allow_hyphen_values = true)]
+    top_k: Option<i32>,
+    /// Default: 0 (`chat`: the model's).
+    #[arg(long, allow_hyphen_values = true)]
+    min_p: Option<f32>,
+    /// Default: 1.0 (`chat`: the model's).
+    #[arg(long, allow_hyphen_values = true)]
+    repetition_penalty: Option<f32>,
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     presence_penalty: f32,
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
@@ -275,13 +280,21 @@ struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    fn params(&self) -> SamplingParams {
-        SamplingParams {
+    /// The flags given, as a set of overrides.
+    fn explicit(&self) -> SamplingDefaults {
+        SamplingDefaults {
             temperature: self.temperature,
             top_p: self.top_p,
             top_k: self.top_k,
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
+        }
+    }
+
+    /// Parameters from the flags; what they leave out comes from `defaults`, then from
+    /// [`SamplingParams::default`] (greedy).
+    fn params(&self, defaults: &SamplingDefaults) -> SamplingParams {
+        let base = SamplingParams {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             max_tokens: Some(self.max_tokens),
@@ -291,7 +304,22 @@ impl SamplingArgs {
             ignore_eos: self.ignore_eos,
             logprobs: self.logprobs,
             ..Default::default()
+        };
+        defaults.fill(&self.explicit(), base)
+    }
+}
+
+/// `chat`'s defaults: the model's own, or temperature 0.7 and top-p 0.9 where the model sets
+/// none (greedy decoding loops on small models).
+fn chat_defaults(model: &SamplingDefaults) -> SamplingDefaults {
+    if model.is_empty() {
+        SamplingDefaults {
+            temperature: Some(0.7),
+            top_p: Some(0.9),
+            ..Default::default()
         }
+    } else {
+        *model
     }
 }
 
@@ -353,7 +381,7 @@ fn run(cli: Cli) -> Result<()> {
             if prompts.is_empty() {
                 anyhow::bail!("no prompt given: pass prompts as arguments or --file FILE");
             }
-            let params = sampling.params();
+            let params = sampling.params(&SamplingDefaults::default());
             params.validate()?;
             let mut llm = LLM::new(model.engine_args())?;
             if chat_template {
@@ -435,7 +463,7 @@ fn run(cli: Cli) -> Result<()> {
             let kv = e.kv_usage();
             println!("model:            {}", e.model_name());
             println!("architecture:     {}", c.arch.name());
-            println!("parameters:       {:.1} M", c.num_params() as f64 / 1e6);
+            println!("parameters:       {:.1} M", e.num_params() as f64 / 1e6);
             println!("layers:           {}", c.num_layers);
             println!(
                 "hidden / ffn:     {} / {}",
@@ -484,10 +512,24 @@ fn bench(command: BenchCommand) -> Result<()> {
 }
 
 fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Result<()> {
-    let params = sampling.params();
-    params.validate()?;
     let mut llm = LLM::new(model.engine_args())?;
     let engine = llm.engine();
+    let defaults = chat_defaults(engine.sampling_defaults());
+    let params = sampling.params(&defaults);
+    params.validate()?;
+    tracing::info!(
+        "sampling: temperature {}, top-p {}, top-k {}, min-p {}, repetition penalty {}{}",
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.min_p,
+        params.repetition_penalty,
+        if engine.sampling_defaults().is_empty() {
+            " (the model sets no defaults)"
+        } else {
+            " (the model's defaults where no flag is given)"
+        }
+    );
     let mut messages = Vec::new();
     if let Some(s) = system {
         messages.push(ChatMessage {

@@ -2,7 +2,7 @@
 //! relative error at most 1e-5 with f32 weights, 1e-2 with f16/bf16. The `backend_ops!` macro
 //! instantiates the whole table for each compiled backend.
 
-use pagoda::backend::{Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
+use pagoda::backend::{AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
 use pagoda::tensor::{DType, HostTensor};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
@@ -239,15 +239,54 @@ pub fn check_rope<B: Backend>(be: &B, rows: usize, layout: QkvLayout, seed: u64)
     assert!(e < 1e-5, "rope: {e}");
 }
 
+/// Per-head RMSNorm of the q and k heads of fused QKV rows, in place; v must be untouched.
+pub fn check_qk_norm<B: Backend>(be: &B, rows: usize, layout: QkvLayout, seed: u64) {
+    let mut r = rng(seed);
+    let d = layout.head_dim;
+    let x = randn(&mut r, rows * layout.row_len());
+    let (qw, kw) = (randn(&mut r, d), randn(&mut r, d));
+    let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    for t in 0..rows {
+        for h in 0..layout.num_heads + layout.num_kv_heads {
+            let base = t * layout.row_len() + h * d;
+            let w = if h < layout.num_heads { &qw } else { &kw };
+            let ss: f64 = want[base..base + d].iter().map(|v| v * v).sum::<f64>() / d as f64;
+            let inv = 1.0 / (ss + 1e-6).sqrt();
+            for i in 0..d {
+                want[base + i] *= inv * w[i] as f64;
+            }
+        }
+    }
+    let mut xb = be.upload_f32(&x).unwrap();
+    let (qb, kb) = (be.upload_f32(&qw).unwrap(), be.upload_f32(&kw).unwrap());
+    be.qk_norm(&mut xb, &qb, &kb, rows, layout, 1e-6).unwrap();
+    let got = be.download_f32(&xb).unwrap();
+    let e = rel_err(&got, &want);
+    assert!(e < 1e-5, "qk_norm {layout:?}: {e}");
+    let v0 = layout.q_len() + layout.kv_len();
+    for t in 0..rows {
+        let row = t * layout.row_len();
+        assert_eq!(
+            got[row + v0..row + layout.row_len()],
+            x[row + v0..row + layout.row_len()],
+            "qk_norm changed v"
+        );
+    }
+}
+
 /// Paged attention over randomly permuted block tables, for a batch mixing decode rows and
 /// prefill chunks that continue a cached prefix. The K/V of every position are written with
-/// `write_kv` (cached prefix in an earlier call, this step's rows in this one).
+/// `write_kv` (cached prefix in an earlier call, this step's rows in this one). `window` and
+/// `softcap` are the [`AttentionOptions`] under test besides the scale.
+#[allow(clippy::too_many_arguments)]
 pub fn check_paged_attention<B: Backend>(
     be: &B,
     block_size: usize,
     h: usize,
     hkv: usize,
     d: usize,
+    window: Option<usize>,
+    softcap: Option<f32>,
     seed: u64,
 ) {
     let mut r = rng(seed);
@@ -361,10 +400,15 @@ pub fn check_paged_attention<B: Backend>(
     .unwrap();
     let mut out = be.alloc_f32(t_rows * h * d).unwrap();
     let scale = 1.0 / (d as f32).sqrt();
-    be.paged_attention(&qkv_b, &kc, &vc, &batch, layout, kvl, scale, &mut out)
+    let opts = AttentionOptions {
+        scale,
+        sliding_window: window,
+        logit_softcap: softcap,
+    };
+    be.paged_attention(&qkv_b, &kc, &vc, &batch, layout, kvl, opts, &mut out)
         .unwrap();
 
-    // reference: plain causal attention over each sequence's full q/k/v
+    // reference: plain causal attention over each sequence's full q/k/v, keys lo ..= p
     let mut want = vec![];
     let rl = layout.row_len();
     for (s, (c, n)) in seqs.iter().enumerate() {
@@ -373,23 +417,29 @@ pub fn check_paged_attention<B: Backend>(
             for hq in 0..h {
                 let g = hq / (h / hkv);
                 let q = &a[p * rl + hq * d..p * rl + (hq + 1) * d];
-                let scores: Vec<f64> = (0..=p)
+                let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
+                let scores: Vec<f64> = (lo..=p)
                     .map(|j| {
                         let k = &a[j * rl + layout.q_len() + g * d..][..d];
-                        q.iter()
+                        let sc = q
+                            .iter()
                             .zip(k)
                             .map(|(x, y)| *x as f64 * *y as f64)
                             .sum::<f64>()
-                            * scale as f64
+                            * scale as f64;
+                        match softcap {
+                            Some(c) => c as f64 * (sc / c as f64).tanh(),
+                            None => sc,
+                        }
                     })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for i in 0..d {
-                    let v: f64 = (0..=p)
+                    let v: f64 = (lo..=p)
                         .map(|j| {
-                            e[j] / z
+                            e[j - lo] / z
                                 * a[j * rl + layout.q_len() + layout.kv_len() + g * d + i] as f64
                         })
                         .sum();
@@ -401,7 +451,7 @@ pub fn check_paged_attention<B: Backend>(
     let err = rel_err(&be.download_f32(&out).unwrap(), &want);
     assert!(
         err < 1e-5,
-        "paged attention bs={block_size} h={h} hkv={hkv} d={d}: {err}"
+        "paged attention bs={block_size} h={h} hkv={hkv} d={d} window={window:?} softcap={softcap:?}: {err}"
     );
 }
 
@@ -468,6 +518,21 @@ macro_rules! backend_ops {
                 check_elementwise(&b, 6, 48, 3);
             }
             #[test]
+            fn qk_norm() {
+                let Some(b) = be() else { return };
+                for (i, &(rows, h, hkv, d)) in [(3, 4, 2, 32), (1, 14, 2, 64), (5, 2, 1, 80)]
+                    .iter()
+                    .enumerate()
+                {
+                    let layout = QkvLayout {
+                        num_heads: h,
+                        num_kv_heads: hkv,
+                        head_dim: d,
+                    };
+                    check_qk_norm(&b, rows, layout, 60 + i as u64);
+                }
+            }
+            #[test]
             fn rope() {
                 let Some(b) = be() else { return };
                 check_rope(
@@ -511,7 +576,24 @@ macro_rules! backend_ops {
                 .iter()
                 .enumerate()
                 {
-                    check_paged_attention(&b, bs, h, hkv, d, 100 + i as u64);
+                    check_paged_attention(&b, bs, h, hkv, d, None, None, 100 + i as u64);
+                }
+            }
+            #[test]
+            fn paged_attention_sliding_window_and_softcap() {
+                let Some(b) = be() else { return };
+                // windows shorter than a block, across block edges, longer than every sequence
+                for (i, &(bs, h, hkv, d, w, cap)) in [
+                    (16, 4, 2, 32, Some(7), None),
+                    (4, 6, 2, 16, Some(9), Some(5.0)),
+                    (1, 2, 1, 8, Some(1), None),
+                    (8, 4, 4, 64, Some(100), None),
+                    (16, 9, 3, 64, None, Some(2.5)),
+                ]
+                .iter()
+                .enumerate()
+                {
+                    check_paged_attention(&b, bs, h, hkv, d, w, cap, 200 + i as u64);
                 }
             }
         }

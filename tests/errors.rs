@@ -87,9 +87,10 @@ fn corrupt_and_truncated_safetensors() {
 
 #[test]
 fn unknown_architecture() {
-    let dir = hf_dir(|c| c["model_type"] = "falcon".into());
+    let dir = hf_dir(|c| c["model_type"] = "mamba".into());
     let e = load_err(dir.path());
-    assert!(e.contains("unknown architecture 'falcon'"), "{e}");
+    assert!(e.contains("unknown architecture 'mamba'"), "{e}");
+    assert!(e.contains("config.json") && e.contains("model_type"), "{e}");
 }
 
 #[test]

@@ -141,6 +141,7 @@ fn configs_match_golden() {
                 (c.intermediate_size, c.max_position_embeddings),
                 (4864, 32768)
             ),
+            other => panic!("{id}: unexpected architecture {other:?}"),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! End to end against the golden outputs of ../shared/golden (a float64 numpy reference): greedy
+//! End to end against the golden outputs of tests/data/golden (a float64 numpy reference): greedy
 //! decoding in f32 reproduces the token ids exactly, and the top-5 logits of the first three
 //! positions agree within 1e-3 relative.
 
@@ -6,8 +6,7 @@ mod common;
 
 use common::*;
 use pagoda::backend::{BatchInput, CpuBackend, DeviceBatch};
-use pagoda::models::llama::{KvCache, Llama};
-use pagoda::models::load_model;
+use pagoda::models::{KvCache, load_model, registry};
 use pagoda::tensor::DType;
 use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
 
@@ -60,7 +59,7 @@ fn check_greedy(path: std::path::PathBuf, model_id: &str) {
 fn check_logits(path: std::path::PathBuf, model_id: &str) {
     let model = load_model(&path).unwrap();
     let be = CpuBackend::new();
-    let llama = Llama::load(
+    let llama = registry::load(
         &be,
         &model.config,
         model.weights.as_ref(),
@@ -70,7 +69,7 @@ fn check_logits(path: std::path::PathBuf, model_id: &str) {
     )
     .unwrap();
     let bs = 16;
-    let mut kv = KvCache::new(&be, &model.config, 64, bs).unwrap();
+    let mut kv = KvCache::new(&be, &llama.kv_spec(), 64, bs).unwrap();
     let vocab = model.config.vocab_size;
     for e in entries(model_id) {
         let prompt = ids(&e["prompt_ids"]);

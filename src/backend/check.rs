@@ -7,8 +7,8 @@
 //! rounds activations to f16/bf16 first.
 
 use super::{
-    Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, HipBackend, KvLayout,
-    QkvLayout, WgpuBackend,
+    AttentionOptions, Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch,
+    HipBackend, KvLayout, QkvLayout, WgpuBackend,
 };
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail};
@@ -99,6 +99,13 @@ enum Case {
         cos: Vec<f32>,
         sin: Vec<f32>,
     },
+    QkNorm {
+        rows: usize,
+        layout: QkvLayout,
+        x: Vec<f32>,
+        qw: Vec<f32>,
+        kw: Vec<f32>,
+    },
     Attention {
         layout: QkvLayout,
         kv: KvLayout,
@@ -106,6 +113,7 @@ enum Case {
         prefix_slots: Vec<u32>,
         qkv: Vec<f32>,
         batch: BatchInput,
+        opts: AttentionOptions,
     },
     Argmax {
         rows: usize,
@@ -200,6 +208,18 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
             be.rope(&mut xb, &be.upload_u32(pos)?, &cb, &sb, *rows, *layout)?;
             be.download_f32(&xb)?
         }
+        Case::QkNorm {
+            rows,
+            layout,
+            x,
+            qw,
+            kw,
+        } => {
+            let mut xb = be.upload_f32(x)?;
+            let (qb, kb) = (be.upload_f32(qw)?, be.upload_f32(kw)?);
+            be.qk_norm(&mut xb, &qb, &kb, *rows, *layout, 1e-6)?;
+            be.download_f32(&xb)?
+        }
         Case::Attention {
             layout,
             kv,
@@ -207,6 +227,7 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
             prefix_slots,
             qkv,
             batch,
+            opts,
         } => {
             let mut kc = be.alloc_kv(*kv)?;
             let mut vc = be.alloc_kv(*kv)?;
@@ -226,8 +247,7 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
             let qb = be.upload_f32(qkv)?;
             be.write_kv(&qb, &db.slot_mapping, t, *layout, &mut kc, &mut vc, *kv)?;
             let mut out = be.alloc_f32(t * layout.q_len())?;
-            let scale = 1.0 / (layout.head_dim as f32).sqrt();
-            be.paged_attention(&qb, &kc, &vc, &db, *layout, *kv, scale, &mut out)?;
+            be.paged_attention(&qb, &kc, &vc, &db, *layout, *kv, *opts, &mut out)?;
             let mut v = be.download_f32(&out)?;
             v.extend(be.download_f32(&kc)?);
             v
@@ -249,6 +269,7 @@ fn attention_case(
     layout: QkvLayout,
     block_size: usize,
     seqs: &[(usize, usize)],
+    opts: AttentionOptions,
 ) -> Case {
     let blocks_needed: usize = seqs.iter().map(|(c, n)| (c + n).div_ceil(block_size)).sum();
     let num_blocks = blocks_needed + 5;
@@ -305,6 +326,7 @@ fn attention_case(
         prefix_slots,
         qkv,
         batch,
+        opts,
     }
 }
 
@@ -423,6 +445,25 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             },
         ));
     }
+    for &(rows, h, hkv, d) in &[(7, 16, 8, 128), (2, 14, 2, 64)] {
+        let layout = QkvLayout {
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_dim: d,
+        };
+        out.push((
+            "qk_norm".into(),
+            format!("{rows} rows h={h} hkv={hkv} d={d}"),
+            1e-5,
+            Case::QkNorm {
+                rows,
+                layout,
+                x: rand_vec(&mut r, rows * layout.row_len()),
+                qw: rand_vec(&mut r, d),
+                kw: rand_vec(&mut r, d),
+            },
+        ));
+    }
     // (name, block size, heads, kv heads, head dim, (cached, new) tokens per sequence)
     type AttnCase<'a> = (&'a str, usize, usize, usize, usize, &'a [(usize, usize)]);
     let attn: &[AttnCase] = &[
@@ -464,17 +505,51 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         ("odd blocks", 5, 6, 2, 16, &[(0, 9), (11, 1), (23, 4)]),
         ("d=128", 16, 16, 8, 128, &[(40, 1), (0, 33)]),
     ];
-    for &(name, bs, h, hkv, d, seqs) in attn {
+    // the same with a sliding window (long decodes split the context: whole partitions fall
+    // before the window) and with soft-capped scores
+    let windowed: &[(AttnCase, Option<usize>, Option<f32>)] = &[
+        (
+            (
+                "window 32",
+                16,
+                32,
+                8,
+                64,
+                &[(0, 40), (100, 1), (3000, 1), (60, 20)],
+            ),
+            Some(32),
+            None,
+        ),
+        (
+            ("window 5", 5, 6, 2, 16, &[(0, 9), (11, 1), (23, 4)]),
+            Some(5),
+            None,
+        ),
+        (
+            ("softcap", 16, 8, 2, 64, &[(0, 20), (50, 1)]),
+            None,
+            Some(1.5),
+        ),
+    ];
+    let plain = attn.iter().map(|c| (c, None, None));
+    for (&(name, bs, h, hkv, d, seqs), window, cap) in
+        plain.chain(windowed.iter().map(|(c, w, s)| (c, *w, *s)))
+    {
         let layout = QkvLayout {
             num_heads: h,
             num_kv_heads: hkv,
             head_dim: d,
         };
+        let opts = AttentionOptions {
+            scale: 1.0 / (d as f32).sqrt(),
+            sliding_window: window,
+            logit_softcap: cap,
+        };
         out.push((
             "write_kv+attention".into(),
             format!("{name}: bs={bs} h={h} hkv={hkv} d={d}"),
             1e-5,
-            attention_case(&mut r, layout, bs, seqs),
+            attention_case(&mut r, layout, bs, seqs, opts),
         ));
     }
     // argmax: random rows, plus a row of ties and a row with NaN and -inf

@@ -99,6 +99,56 @@ impl QkvLayout {
     }
 }
 
+/// What a model asks of attention besides Q, K and V; a new option is a field here.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionOptions {
+    /// Multiplies q·k: `1 / sqrt(head_dim)` for most models, `query_pre_attn_scalar^-1/2` for
+    /// Gemma.
+    pub scale: f32,
+    /// A query at position `p` sees only the keys `p - window + 1 ..= p` (Mistral, the local
+    /// layers of Gemma 3 and Phi-3); `None`: every key `0 ..= p`.
+    pub sliding_window: Option<usize>,
+    /// Scores become `cap · tanh(score / cap)` before the softmax (Gemma 2); `None`: unchanged.
+    pub logit_softcap: Option<f32>,
+}
+
+impl AttentionOptions {
+    /// Full attention with this scale.
+    pub fn new(scale: f32) -> Self {
+        AttentionOptions {
+            scale,
+            sliding_window: None,
+            logit_softcap: None,
+        }
+    }
+
+    /// The first key a query sees when it sees keys `0 .. n_keys` causally.
+    pub fn first_key(&self, n_keys: usize) -> usize {
+        match self.sliding_window {
+            Some(w) => n_keys.saturating_sub(w),
+            None => 0,
+        }
+    }
+
+    /// The window as the kernels take it: 0 for none.
+    pub fn window_u32(&self) -> Result<u32> {
+        match self.sliding_window {
+            None => Ok(0),
+            Some(0) => anyhow::bail!("a sliding window of 0 keys"),
+            Some(w) => Ok(u32::try_from(w).unwrap_or(u32::MAX)),
+        }
+    }
+
+    /// The soft-cap as the kernels take it: 0 for none.
+    pub fn softcap_f32(&self) -> Result<f32> {
+        match self.logit_softcap {
+            None => Ok(0.0),
+            Some(c) if c > 0.0 && c.is_finite() => Ok(c),
+            Some(c) => anyhow::bail!("a logit soft-cap must be positive and finite, got {c}"),
+        }
+    }
+}
+
 /// Geometry of one layer's paged K (or V) cache:
 /// `[num_blocks, num_kv_heads, block_size, head_dim]`, so that one block of one head is a
 /// contiguous `block_size × head_dim` tile.
@@ -276,6 +326,19 @@ pub trait Backend: Send + Sync + 'static {
     /// `x += y` over the first `n` elements.
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize) -> Result<()>;
 
+    /// Per-head RMSNorm of the q and k heads of the fused QKV rows, in place (Qwen3, Gemma 3):
+    /// every `head_dim`-long q head is normalised and multiplied by `q_w`, every k head by
+    /// `k_w` (both `[head_dim]`); v is left as it is.
+    fn qk_norm(
+        &self,
+        qkv: &mut Self::Buf,
+        q_w: &Self::Buf,
+        k_w: &Self::Buf,
+        rows: usize,
+        layout: QkvLayout,
+        eps: f32,
+    ) -> Result<()>;
+
     /// Rotate-half (NeoX/HF) RoPE, in place, on the q and k heads of the fused QKV rows.
     /// `cos` and `sin` are `[max_positions, head_dim / 2]` tables.
     fn rope(
@@ -323,8 +386,9 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Attention of every query row over its sequence's keys `0 ..= position`, read through
     /// the block tables (the cached prefix and this step's own keys alike, causal inside a
-    /// chunk). Grouped-query: query head `h` uses kv head `h / (num_heads / num_kv_heads)`.
-    /// `out` is `[T, num_heads × head_dim]`.
+    /// chunk), limited to the last `window` keys with a sliding window, scores soft-capped
+    /// where asked (see [`AttentionOptions`]). Grouped-query: query head `h` uses kv head
+    /// `h / (num_heads / num_kv_heads)`. `out` is `[T, num_heads × head_dim]`.
     #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         &self,
@@ -334,7 +398,7 @@ pub trait Backend: Send + Sync + 'static {
         batch: &DeviceBatch<Self>,
         layout: QkvLayout,
         kv: KvLayout,
-        scale: f32,
+        opts: AttentionOptions,
         out: &mut Self::Buf,
     ) -> Result<()>;
 

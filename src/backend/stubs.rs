@@ -118,6 +118,17 @@ macro_rules! stub_backend_impl {
             ) -> Result<()> {
                 match self.0 {}
             }
+            fn qk_norm(
+                &self,
+                qkv: &mut Self::Buf,
+                q_w: &Self::Buf,
+                k_w: &Self::Buf,
+                rows: usize,
+                layout: crate::backend::QkvLayout,
+                eps: f32,
+            ) -> Result<()> {
+                match self.0 {}
+            }
             fn paged_attention(
                 &self,
                 qkv: &Self::Buf,
@@ -126,7 +137,7 @@ macro_rules! stub_backend_impl {
                 batch: &crate::backend::DeviceBatch<Self>,
                 layout: crate::backend::QkvLayout,
                 kv: crate::backend::KvLayout,
-                scale: f32,
+                opts: crate::backend::AttentionOptions,
                 out: &mut Self::Buf,
             ) -> Result<()> {
                 match self.0 {}

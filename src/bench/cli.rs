@@ -149,9 +149,13 @@ pub struct ServeBenchArgs {
     /// Requests per second, Poisson arrivals; `inf` sends them all at once.
     #[arg(long, default_value = "inf", value_parser = parse_rate)]
     pub request_rate: f64,
-    /// At most this many requests in flight.
-    #[arg(long)]
+    /// At most this many requests in flight. With the default `--request-rate inf` this is a
+    /// closed loop: N clients, each sending its next request as soon as its last one ends.
+    #[arg(long, visible_alias = "concurrency")]
     pub max_concurrency: Option<usize>,
+    /// Requests sent one at a time before the measured run and not counted.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
     /// Send `ignore_eos: true` so that each request produces its whole output length (servers
     /// that do not know the field ignore it).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -507,6 +511,7 @@ pub fn serve_cmd(args: &ServeBenchArgs) -> Result<()> {
         request_rate: args.request_rate,
         max_concurrency: args.max_concurrency,
         ignore_eos: args.ignore_eos,
+        warmup: args.warmup,
         timeout: Duration::from_secs_f64(args.timeout),
         seed: workload.seed,
         stop,

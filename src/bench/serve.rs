@@ -15,7 +15,7 @@
 
 use super::stats::Summary;
 use super::workload::{RequestLens, poisson_arrivals, prompt_text};
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -63,6 +63,9 @@ pub struct ServeOptions<'a> {
     pub request_rate: f64,
     pub max_concurrency: Option<usize>,
     pub ignore_eos: bool,
+    /// Requests sent one by one before the measured run, not counted (first-request costs such
+    /// as kernel compilation or page faults stay out of the figures).
+    pub warmup: usize,
     pub timeout: Duration,
     pub seed: u64,
     pub stop: &'a AtomicBool,
@@ -241,6 +244,23 @@ pub fn client() -> Result<reqwest::Client> {
 }
 
 /// Runs the load against the server (blocking: it makes its own runtime).
+/// One streaming completion request: greedy, the workload's prompt and output lengths.
+fn request_body(opts: &ServeOptions, i: usize, r: &RequestLens) -> Value {
+    let mut body = json!({
+        "model": opts.model,
+        "prompt": prompt_text(opts.seed, i, r.prompt_len),
+        "max_tokens": r.output_len,
+        "temperature": 0.0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if opts.ignore_eos {
+        body["ignore_eos"] = json!(true);
+        body["min_tokens"] = json!(r.output_len);
+    }
+    body
+}
+
 pub fn run(reqs: &[RequestLens], opts: &ServeOptions) -> Result<ServeResult> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -256,6 +276,16 @@ pub async fn run_async(reqs: &[RequestLens], opts: &ServeOptions<'_>) -> Result<
         opts.base_url.trim_end_matches('/'),
         opts.endpoint.trim_start_matches('/')
     );
+    // NOTE: warm-up requests reuse the workload's first prompts with a different index, so a
+    // server with prefix caching gets no head start on the measured requests.
+    if let Some(first) = reqs.first() {
+        for w in 0..opts.warmup {
+            let o = one_request(&client, &url, &request_body(opts, reqs.len() + w, first)).await;
+            if let Some(e) = o.error {
+                bail!("the warm-up request failed: {e}");
+            }
+        }
+    }
     let arrivals = poisson_arrivals(reqs.len(), opts.request_rate, opts.seed);
     let sem = Arc::new(Semaphore::new(
         opts.max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
@@ -298,18 +328,7 @@ pub async fn run_async(reqs: &[RequestLens], opts: &ServeOptions<'_>) -> Result<
                 _ = tokio::time::sleep(tick) => {}
             }
         };
-        let mut body = json!({
-            "model": opts.model,
-            "prompt": prompt_text(opts.seed, i, r.prompt_len),
-            "max_tokens": r.output_len,
-            "temperature": 0.0,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        });
-        if opts.ignore_eos {
-            body["ignore_eos"] = json!(true);
-            body["min_tokens"] = json!(r.output_len);
-        }
+        let body = request_body(opts, i, r);
         let (client, url, timeout) = (client.clone(), url.clone(), opts.timeout);
         set.spawn(async move {
             let _permit = permit;
@@ -520,6 +539,7 @@ mod tests {
             label: "fake".into(),
             request_rate: f64::INFINITY,
             max_concurrency: Some(3),
+            warmup: 0,
             ignore_eos: true,
             timeout: Duration::from_secs(20),
             seed: 1,
@@ -555,6 +575,28 @@ mod tests {
         assert!(r.itl_ms.min >= 1.5, "{:?}", r.itl_ms);
         assert!(r.tpot_ms.p50 >= 1.5 && r.e2e_ms.max >= r.ttft_ms.max);
         assert!(r.output_tokens_per_s > 0.0 && r.duration_s > 0.0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn warm_up_requests_are_sent_first_and_not_counted() {
+        // 2 warm-up connections and 3 measured ones: the server stops after 5, so a sixth
+        // request (a warm-up counted twice) would fail to connect
+        let (url, server) = fake_server(5).await;
+        let stop = AtomicBool::new(false);
+        let mut o = opts(url, &stop);
+        o.warmup = 2;
+        let reqs = vec![
+            RequestLens {
+                prompt_len: 4,
+                output_len: 5,
+            };
+            3
+        ];
+        let r = run_async(&reqs, &o).await.unwrap();
+        server.await.unwrap();
+        assert_eq!((r.completed, r.failed, r.cancelled), (3, 0, 0));
+        assert_eq!(r.output_tokens, 15);
+        assert_eq!(r.ttft_ms.count, 3);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,7 +13,8 @@ use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{ModelConfig, load_model};
 use crate::sampling::{
-    IncrementalDetokenizer, InvalidParam, SamplingParams, StopChecker, TokenLogprobs, sample,
+    IncrementalDetokenizer, InvalidParam, SamplingDefaults, SamplingParams, StopChecker,
+    TokenLogprobs, sample,
 };
 use crate::sched::{
     FinishReason, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
@@ -158,6 +159,7 @@ pub struct Engine {
     config: ModelConfig,
     model_name: String,
     eos_token_ids: Vec<u32>,
+    sampling_defaults: SamplingDefaults,
     states: HashMap<RequestId, RequestState>,
     next_id: RequestId,
     seed_rng: ChaCha8Rng,
@@ -220,7 +222,7 @@ impl Engine {
             "model {} ({}, {:.0}M params, {}) on {}; KV pool: {} blocks of {} tokens = {} tokens, {} MiB; max model len {}",
             model.name,
             cfg.arch.name(),
-            cfg.num_params() as f64 / 1e6,
+            runner.num_params() as f64 / 1e6,
             args.dtype.name(),
             runner.backend_name(),
             runner.num_blocks() - 1,
@@ -241,6 +243,7 @@ impl Engine {
             config: cfg,
             model_name: model.name,
             eos_token_ids: model.eos_token_ids,
+            sampling_defaults: model.sampling_defaults,
             states: HashMap::new(),
             next_id: 0,
             seed_rng: ChaCha8Rng::seed_from_u64(args.seed),
@@ -268,6 +271,14 @@ impl Engine {
     }
     pub fn weight_bytes(&self) -> u64 {
         self.runner.weight_bytes()
+    }
+    /// The model's own default sampling parameters (generation_config.json or GGUF keys).
+    pub fn sampling_defaults(&self) -> &SamplingDefaults {
+        &self.sampling_defaults
+    }
+    /// Parameters of the loaded model, as counted while uploading them.
+    pub fn num_params(&self) -> u64 {
+        self.runner.num_params()
     }
     pub fn kv_bytes(&self) -> u64 {
         self.runner.kv_bytes()

@@ -5,9 +5,8 @@
 use crate::backend::{
     Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, HipBackend, WgpuBackend,
 };
-use crate::models::config::Arch;
-use crate::models::llama::{KvCache, Llama};
-use crate::models::{LoadedModel, ModelConfig};
+use crate::models::kv_cache::{self, KvCache};
+use crate::models::{CausalLm, LoadedModel, registry};
 use crate::tensor::DType;
 use anyhow::{Context, Result, bail};
 
@@ -28,6 +27,8 @@ pub trait ModelRunner: Send {
     fn backend_name(&self) -> String;
     fn num_blocks(&self) -> usize;
     fn weight_bytes(&self) -> u64;
+    /// Parameters uploaded, as counted while loading.
+    fn num_params(&self) -> u64;
     fn kv_bytes(&self) -> u64;
     /// Runs the batch: writes its K/V into the pool and returns the logits `[R, vocab]` of the
     /// rows in `logits_rows`, on the host.
@@ -39,9 +40,8 @@ pub trait ModelRunner: Send {
 
 struct Runner<B: Backend> {
     backend: B,
-    model: Llama<B>,
+    model: Box<dyn CausalLm<B>>,
     kv: KvCache<B>,
-    weight_bytes: u64,
     kv_bytes: u64,
 }
 
@@ -50,10 +50,13 @@ impl<B: Backend> ModelRunner for Runner<B> {
         self.backend.name()
     }
     fn num_blocks(&self) -> usize {
-        self.kv.layout.num_blocks
+        self.kv.num_blocks()
     }
     fn weight_bytes(&self) -> u64 {
-        self.weight_bytes
+        self.model.weight_bytes()
+    }
+    fn num_params(&self) -> u64 {
+        self.model.num_params()
     }
     fn kv_bytes(&self) -> u64 {
         self.kv_bytes
@@ -68,13 +71,8 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let batch = DeviceBatch::upload(&self.backend, input)?;
         let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
         self.backend
-            .argmax_rows(&logits, rows, self.model.cfg.vocab_size)
+            .argmax_rows(&logits, rows, self.model.config().vocab_size)
     }
-}
-
-/// Bytes of weights in memory for a config and dtype (norms and biases kept in f32).
-pub fn weight_bytes(cfg: &ModelConfig, dtype: DType) -> u64 {
-    cfg.num_params() as u64 * dtype.size_in_bytes() as u64
 }
 
 fn system_memory_bytes() -> Option<u64> {
@@ -99,9 +97,6 @@ pub fn create_runner(
     args: &RunnerArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn ModelRunner>> {
-    match model.config.arch {
-        Arch::Llama | Arch::Qwen2 => {}
-    }
     match args.backend {
         BackendKind::Cpu => build(CpuBackend::new(), model, args, progress),
         BackendKind::Auto => {
@@ -168,18 +163,18 @@ fn build<B: Backend>(
     args: &RunnerArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn ModelRunner>> {
-    let cfg = &model.config;
-    let llama = Llama::load(
+    let lm = registry::load(
         &backend,
-        cfg,
+        &model.config,
         model.weights.as_ref(),
         args.dtype,
         args.max_model_len,
         progress,
     )
     .with_context(|| format!("loading {}", model.path.display()))?;
-    let wbytes = weight_bytes(cfg, args.dtype);
-    let per_block = KvCache::<B>::bytes_per_block(cfg, args.block_size) as u64;
+    let wbytes = lm.weight_bytes();
+    let spec = lm.kv_spec();
+    let per_block = kv_cache::bytes_per_block(&spec, args.block_size) as u64;
     let budget = match args.kv_budget {
         Some(KvBudget::Bytes(b)) => b,
         Some(KvBudget::Fraction(f)) => {
@@ -220,13 +215,12 @@ fn build<B: Backend>(
             args.block_size
         );
     }
-    let kv = KvCache::new(&backend, cfg, num_blocks, args.block_size)
+    let kv = KvCache::new(&backend, &spec, num_blocks, args.block_size)
         .with_context(|| format!("allocating a KV pool of {num_blocks} blocks"))?;
     Ok(Box::new(Runner {
         backend,
-        model: llama,
+        model: lm,
         kv,
-        weight_bytes: wbytes,
         kv_bytes: num_blocks as u64 * per_block,
     }))
 }

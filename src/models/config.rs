@@ -4,23 +4,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use std::path::Path;
 
-/// The decoder families this engine can run. One file per family in `src/models/`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arch {
-    /// Llama 2/3, SmolLM2, Mistral (without sliding window).
-    Llama,
-    /// Qwen2 / Qwen2.5: Llama with QKV biases.
-    Qwen2,
-}
-
-impl Arch {
-    pub fn name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Qwen2 => "qwen2",
-        }
-    }
-}
+pub use super::registry::Arch;
 
 /// Llama 3's RoPE frequency scaling (`rope_scaling.rope_type == "llama3"`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -48,6 +32,10 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Q, K and V projections carry a bias (Qwen2).
     pub attention_bias: bool,
+    /// Every layer attends to its last `sliding_window` keys only (Mistral).
+    pub sliding_window: Option<usize>,
+    /// Q and K heads are RMS-normalised before RoPE (Qwen3).
+    pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     /// Every token id that ends generation (`eos_token_id` may be a list in HF configs).
     pub eos_token_ids: Vec<u32>,
@@ -73,18 +61,10 @@ impl ModelConfig {
         if c.vocab_size == 0 || c.intermediate_size == 0 {
             bail!("vocab_size and intermediate_size must be non-zero");
         }
+        if c.sliding_window == Some(0) {
+            bail!("sliding_window must be positive");
+        }
         Ok(())
-    }
-
-    /// Number of parameters of the dense model (embeddings counted once when tied).
-    pub fn num_params(&self) -> usize {
-        let (h, f, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let q = self.num_heads * self.head_dim;
-        let kv = self.num_kv_heads * self.head_dim;
-        let bias = if self.attention_bias { q + 2 * kv } else { 0 };
-        let layer = h * q + 2 * h * kv + q * h + bias + 3 * h * f + 2 * h;
-        let head = if self.tie_word_embeddings { 0 } else { v * h };
-        v * h + self.num_layers * layer + h + head
     }
 
     /// Reads an HF `config.json`.
@@ -97,22 +77,10 @@ impl ModelConfig {
     }
 
     pub fn from_hf_value(v: &Value) -> Result<Self> {
-        let model_type = v["model_type"].as_str().unwrap_or_default();
-        let arch = match model_type {
-            "llama" | "mistral" => Arch::Llama,
-            "qwen2" => Arch::Qwen2,
-            "" => bail!("config.json has no model_type"),
-            other => bail!("unknown architecture '{other}' (supported: llama, mistral, qwen2)"),
+        let family = match v["model_type"].as_str() {
+            None | Some("") => bail!("config.json has no model_type"),
+            Some(t) => super::registry::by_hf_model_type(t)?,
         };
-        if model_type == "mistral" && !v["sliding_window"].is_null() {
-            // NOTE: a sliding window changes which keys a query sees; running it as full attention
-            // would silently give other outputs beyond the window.
-            let w = v["sliding_window"].as_u64().unwrap_or(0) as usize;
-            let ctx = v["max_position_embeddings"].as_u64().unwrap_or(0) as usize;
-            if w > 0 && w < ctx {
-                bail!("Mistral with a sliding window ({w}) is not supported yet");
-            }
-        }
         let req = |k: &str| -> Result<usize> {
             v[k].as_u64()
                 .map(|x| x as usize)
@@ -159,8 +127,8 @@ impl ModelConfig {
                 .collect(),
             _ => vec![],
         };
-        let c = ModelConfig {
-            arch,
+        let mut c = ModelConfig {
+            arch: family.arch,
             hidden_size,
             intermediate_size: req("intermediate_size")?,
             num_layers: req("num_hidden_layers")?,
@@ -173,10 +141,13 @@ impl ModelConfig {
             rope_theta: v["rope_theta"].as_f64().unwrap_or(10000.0),
             rope_scaling,
             tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
-            attention_bias: arch == Arch::Qwen2 || v["attention_bias"].as_bool().unwrap_or(false),
+            attention_bias: v["attention_bias"].as_bool().unwrap_or(false),
+            sliding_window: None,
+            qk_norm: false,
             bos_token_id: v["bos_token_id"].as_u64().map(|x| x as u32),
             eos_token_ids,
         };
+        (family.hf_config)(v, &mut c)?;
         c.validate()?;
         Ok(c)
     }

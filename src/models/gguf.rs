@@ -10,7 +10,7 @@
 //! arithmetic, counts are bounded by the bytes left before anything is allocated, and every
 //! tensor's byte range is checked against the file size when the file is opened.
 
-use crate::models::config::{Arch, Llama3RopeScaling, ModelConfig};
+use crate::models::config::{Llama3RopeScaling, ModelConfig};
 use crate::tensor::HostTensor;
 use anyhow::{Context, Result, anyhow, bail};
 use half::{bf16, f16};
@@ -505,6 +505,23 @@ impl GgufFile {
         }
     }
 
+    /// The model's default sampling parameters, from llama.cpp's `general.sampling.*` keys.
+    pub fn sampling_defaults(&self) -> crate::sampling::SamplingDefaults {
+        let f = |k: &str| {
+            self.metadata
+                .get(&format!("general.sampling.{k}"))
+                .and_then(GgufValue::as_f64)
+                .map(|x| x as f32)
+        };
+        crate::sampling::SamplingDefaults {
+            temperature: f("temp"),
+            top_p: f("top_p"),
+            top_k: f("top_k").map(|x| x as i32),
+            min_p: f("min_p"),
+            repetition_penalty: f("penalty_repeat"),
+        }
+    }
+
     /// The model hyper-parameters, from the `{arch}.*` and `tokenizer.ggml.*` metadata.
     pub fn config(&self) -> Result<ModelConfig> {
         self.config_inner().map_err(|e| in_file(&self.path, e))
@@ -512,11 +529,7 @@ impl GgufFile {
 
     fn config_inner(&self) -> Result<ModelConfig> {
         let arch_name = self.arch_str()?.to_owned();
-        let arch = match arch_name.as_str() {
-            "llama" => Arch::Llama,
-            "qwen2" => Arch::Qwen2,
-            other => bail!("unknown architecture '{other}' (supported: llama, qwen2)"),
-        };
+        let family = super::registry::by_gguf_architecture(&arch_name)?;
         let a = &arch_name;
         let opt_usize = |k: &str| -> Result<Option<usize>> {
             match self.metadata.get(k) {
@@ -596,8 +609,8 @@ impl GgufFile {
         {
             eos_token_ids.push(e);
         }
-        let c = ModelConfig {
-            arch,
+        let mut c = ModelConfig {
+            arch: family.arch,
             hidden_size,
             intermediate_size: req_usize(&format!("{a}.feed_forward_length"))?,
             num_layers: req_usize(&format!("{a}.block_count"))?,
@@ -611,10 +624,13 @@ impl GgufFile {
             rope_theta,
             rope_scaling,
             tie_word_embeddings: !self.by_name.contains_key("output.weight"),
-            attention_bias: arch == Arch::Qwen2 || self.by_name.contains_key("blk.0.attn_q.bias"),
+            attention_bias: arch_name == "qwen2",
+            sliding_window: None,
+            qk_norm: false,
             bos_token_id,
             eos_token_ids,
         };
+        (family.gguf_config)(self, &arch_name, &mut c)?;
         c.validate()?;
         Ok(c)
     }
@@ -690,7 +706,8 @@ impl GgufFile {
     /// for linear weights; the GGUF dims reversed). `Ok(None)` if the model has no such tensor.
     /// For `llama`, llama.cpp's row permutation of the Q and K projections is undone.
     pub fn tensor(&self, hf_name: &str) -> Result<Option<HostTensor>> {
-        let Some((gguf_name, permute)) = gguf_name_for(hf_name) else {
+        let family = super::registry::by_gguf_architecture(self.arch_str()?)?;
+        let Some((gguf_name, permute)) = (family.gguf_tensor_name)(hf_name) else {
             return Ok(None);
         };
         let Some(info) = self.tensor_info(&gguf_name) else {
@@ -1059,13 +1076,17 @@ fn parse(data: &[u8]) -> Result<Parsed> {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum QkPermute {
+pub enum QkPermute {
     Q,
     K,
 }
 
-/// The GGUF name of an HF tensor name, and whether it is a Q or K projection (weight or bias).
-fn gguf_name_for(hf: &str) -> Option<(String, Option<QkPermute>)> {
+/// A GGUF tensor name, and whether it is a Q or K projection (weight or bias) stored in
+/// llama.cpp's permuted row order.
+pub type GgufTensorName = (String, Option<QkPermute>);
+
+/// The GGUF name of an HF tensor name in the Llama-like families (llama.cpp's `blk.N.*`).
+pub fn llama_tensor_name(hf: &str) -> Option<GgufTensorName> {
     match hf {
         "model.embed_tokens.weight" => return Some(("token_embd.weight".into(), None)),
         "model.norm.weight" => return Some(("output_norm.weight".into(), None)),
@@ -1407,6 +1428,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f3
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::config::Arch;
     use std::path::PathBuf;
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/gguf");
@@ -1713,6 +1735,8 @@ mod tests {
             rope_scaling: None,
             tie_word_embeddings: true,
             attention_bias: true, // blk.0.attn_q.bias exists
+            sliding_window: None,
+            qk_norm: false,
             bos_token_id: Some(0),
             eos_token_ids: vec![6, 7],
         };
@@ -1970,7 +1994,7 @@ mod tests {
 
     #[test]
     fn unknown_architecture() {
-        for arch in ["gemma3", "falcon"] {
+        for arch in ["mamba", "rwkv6"] {
             let t = write_tmp(&synthetic(arch).bytes());
             let g = GgufFile::open(&t.path).unwrap();
             assert_eq!(g.architecture().unwrap(), arch);
@@ -1978,8 +2002,8 @@ mod tests {
             assert!(e.contains(&t.path.display().to_string()), "{e}");
             assert!(
                 e.contains(&format!(
-                    "unknown architecture '{arch}' (supported: llama, qwen2)"
-                )),
+                    "unknown architecture '{arch}' (general.architecture"
+                )) && e.contains("supported: llama, qwen2"),
                 "{e}"
             );
         }

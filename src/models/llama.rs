@@ -1,58 +1,30 @@
-//! The Llama family: Llama 2/3, SmolLM2, Mistral (full attention) and Qwen2 (the same graph with
-//! biases on the Q, K and V projections). Written once over the [`Backend`] trait.
+//! The Llama family and the families that share its graph: Llama 2/3 and SmolLM2, Mistral
+//! (sliding-window attention), Qwen2 (biases on the Q, K and V projections) and Qwen3 (per-head
+//! RMSNorm of Q and K before RoPE). Written once over the [`Backend`] trait.
 //!
 //! Shapes: T = tokens in the step (all sequences flattened), R = rows whose logits are wanted,
 //! H = query heads, Hkv = kv heads, D = head_dim, F = intermediate size.
 
 use super::config::ModelConfig;
+use super::gguf::GgufFile;
+use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use crate::backend::{Backend, DeviceBatch, KvLayout, QkvLayout};
-use crate::tensor::{DType, HostTensor};
-use anyhow::{Context, Result, bail};
+use super::{CausalLm, Uploader, stack};
+use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
+use crate::tensor::DType;
+use anyhow::{Result, bail};
+use serde_json::Value;
 
 struct Layer<B: Backend> {
-    attn_norm: B::Buf,    // [hidden] f32
-    wqkv: B::Buf,         // [(H + 2 Hkv) D, hidden]: q, k and v projections stacked
-    bqkv: Option<B::Buf>, // [(H + 2 Hkv) D] f32 (Qwen2)
-    wo: B::Buf,           // [hidden, H D]
-    mlp_norm: B::Buf,     // [hidden] f32
-    w_gate_up: B::Buf,    // [2 F, hidden]: gate and up projections stacked
-    w_down: B::Buf,       // [hidden, F]
-}
-
-/// The paged K and V caches of every layer: `[num_blocks, Hkv, block_size, D]` each.
-pub struct KvCache<B: Backend> {
-    pub k: Vec<B::Buf>,
-    pub v: Vec<B::Buf>,
-    pub layout: KvLayout,
-}
-
-impl<B: Backend> KvCache<B> {
-    pub fn new(
-        backend: &B,
-        cfg: &ModelConfig,
-        num_blocks: usize,
-        block_size: usize,
-    ) -> Result<Self> {
-        let layout = KvLayout {
-            num_blocks,
-            block_size,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-        };
-        let mut k = Vec::with_capacity(cfg.num_layers);
-        let mut v = Vec::with_capacity(cfg.num_layers);
-        for _ in 0..cfg.num_layers {
-            k.push(backend.alloc_kv(layout)?);
-            v.push(backend.alloc_kv(layout)?);
-        }
-        Ok(KvCache { k, v, layout })
-    }
-
-    /// Bytes one block takes over all layers, K and V (f32 elements).
-    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
-        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * 4
-    }
+    attn_norm: B::Buf,      // [hidden] f32
+    wqkv: B::Buf,           // [(H + 2 Hkv) D, hidden]: q, k and v projections stacked
+    bqkv: Option<B::Buf>,   // [(H + 2 Hkv) D] f32 (Qwen2)
+    q_norm: Option<B::Buf>, // [D] f32 (Qwen3)
+    k_norm: Option<B::Buf>, // [D] f32 (Qwen3)
+    wo: B::Buf,             // [hidden, H D]
+    mlp_norm: B::Buf,       // [hidden] f32
+    w_gate_up: B::Buf,      // [2 F, hidden]: gate and up projections stacked
+    w_down: B::Buf,         // [hidden, F]
 }
 
 pub struct Llama<B: Backend> {
@@ -64,30 +36,65 @@ pub struct Llama<B: Backend> {
     rope_cos: B::Buf,        // [max_positions, D / 2]
     rope_sin: B::Buf,        // [max_positions, D / 2]
     max_positions: usize,
-    dtype: DType,
+    weight_bytes: u64,
+    num_params: u64,
 }
 
-/// Loads a tensor and checks its shape against what the config implies.
-fn fetch(src: &dyn WeightSource, name: &str, shape: &[usize]) -> Result<HostTensor> {
-    let t = src
-        .get(name)?
-        .with_context(|| format!("the model has no tensor '{name}'"))?;
-    if t.shape != shape {
-        bail!(
-            "tensor '{name}' has shape {:?} but the config implies {:?}",
-            t.shape,
-            shape
-        );
+// ---- configuration: the family-specific parts (registry hooks) ------------------------------
+
+/// `model_type: llama`: no sliding window, biases only where `attention_bias` says.
+pub fn hf_config_llama(_v: &Value, _c: &mut ModelConfig) -> Result<()> {
+    Ok(())
+}
+
+/// `model_type: mistral`: a sliding window over every layer where `sliding_window` is set.
+pub fn hf_config_mistral(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    c.sliding_window = match &v["sliding_window"] {
+        Value::Null => None,
+        w => match w.as_u64() {
+            Some(w) if w > 0 => Some(w as usize),
+            _ => bail!("sliding_window must be a positive integer or null, found {w}"),
+        },
+    };
+    Ok(())
+}
+
+/// `model_type: qwen2`: biases on Q, K and V. Qwen2's optional sliding window applies to some
+/// layers only (`max_window_layers`); it is off in every released checkpoint.
+pub fn hf_config_qwen2(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    c.attention_bias = true;
+    if v["use_sliding_window"].as_bool() == Some(true) {
+        bail!("use_sliding_window: true is not supported for qwen2");
     }
-    Ok(t)
+    Ok(())
 }
 
-/// Concatenates tensors along their first dimension.
-fn stack(parts: Vec<HostTensor>) -> HostTensor {
-    let mut shape = parts[0].shape.clone();
-    shape[0] = parts.iter().map(|p| p.shape[0]).sum();
-    let data = parts.into_iter().flat_map(|p| p.data).collect();
-    HostTensor::new(shape, data)
+/// `model_type: qwen3`: RMSNorm of each Q and K head (`q_norm`, `k_norm`) before RoPE.
+pub fn hf_config_qwen3(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    c.qk_norm = true;
+    if v["use_sliding_window"].as_bool() == Some(true) {
+        bail!("use_sliding_window: true is not supported for qwen3");
+    }
+    Ok(())
+}
+
+/// The GGUF keys of these families beyond the common ones: an optional sliding window (Mistral
+/// files are `llama` with `{arch}.attention.sliding_window`), Q/K norms where the file has them.
+pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> {
+    let key = format!("{arch}.attention.sliding_window");
+    if let Some(v) = g.metadata().get(&key) {
+        match v.as_u64() {
+            Some(0) => {}
+            Some(w) => c.sliding_window = Some(w as usize),
+            None => bail!("metadata '{key}' should be a non-negative integer, found {v:?}"),
+        }
+    }
+    c.attention_bias |= g.tensor_info("blk.0.attn_q.bias").is_some();
+    c.qk_norm |= arch == "qwen3";
+    if c.qk_norm && g.tensor_info("blk.0.attn_q_norm.weight").is_none() {
+        bail!("a {arch} model needs Q/K norms, but the file has no blk.0.attn_q_norm.weight");
+    }
+    Ok(())
 }
 
 /// Inverse frequencies of rotate-half RoPE, with Llama 3's scaling when configured.
@@ -137,57 +144,60 @@ impl<B: Backend> Llama<B> {
             c.intermediate_size,
         );
         let total = c.num_layers + 2;
-        let up = |t: &HostTensor, dt: DType| backend.upload_weight(t, dt);
-        let embed_t = fetch(src, "model.embed_tokens.weight", &[c.vocab_size, hid])?;
-        let embed = up(&embed_t, dtype)?;
-        drop(embed_t);
+        let mut up = Uploader::new(backend, src);
+        let embed = up.weight("model.embed_tokens.weight", &[c.vocab_size, hid], dtype)?;
         progress(1, total);
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}.");
-            let w = |n: &str, shape: &[usize]| fetch(src, &format!("{p}{n}"), shape);
+            let n = |s: &str| format!("{p}{s}");
             let wqkv = stack(vec![
-                w("self_attn.q_proj.weight", &[h * d, hid])?,
-                w("self_attn.k_proj.weight", &[hkv * d, hid])?,
-                w("self_attn.v_proj.weight", &[hkv * d, hid])?,
+                up.fetch(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
+                up.fetch(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
+                up.fetch(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
             ]);
             let bqkv = if c.attention_bias {
                 let b = stack(vec![
-                    w("self_attn.q_proj.bias", &[h * d])?,
-                    w("self_attn.k_proj.bias", &[hkv * d])?,
-                    w("self_attn.v_proj.bias", &[hkv * d])?,
+                    up.fetch(&n("self_attn.q_proj.bias"), &[h * d])?,
+                    up.fetch(&n("self_attn.k_proj.bias"), &[hkv * d])?,
+                    up.fetch(&n("self_attn.v_proj.bias"), &[hkv * d])?,
                 ]);
-                Some(up(&b, DType::F32)?)
+                Some(up.upload(&b, DType::F32)?)
             } else {
                 None
             };
+            let (q_norm, k_norm) = if c.qk_norm {
+                (
+                    Some(up.weight(&n("self_attn.q_norm.weight"), &[d], DType::F32)?),
+                    Some(up.weight(&n("self_attn.k_norm.weight"), &[d], DType::F32)?),
+                )
+            } else {
+                (None, None)
+            };
             let gate_up = stack(vec![
-                w("mlp.gate_proj.weight", &[f, hid])?,
-                w("mlp.up_proj.weight", &[f, hid])?,
+                up.fetch(&n("mlp.gate_proj.weight"), &[f, hid])?,
+                up.fetch(&n("mlp.up_proj.weight"), &[f, hid])?,
             ]);
             layers.push(Layer {
-                attn_norm: up(&w("input_layernorm.weight", &[hid])?, DType::F32)?,
-                wqkv: up(&wqkv, dtype)?,
+                attn_norm: up.weight(&n("input_layernorm.weight"), &[hid], DType::F32)?,
+                wqkv: up.upload(&wqkv, dtype)?,
                 bqkv,
-                wo: up(&w("self_attn.o_proj.weight", &[hid, h * d])?, dtype)?,
-                mlp_norm: up(&w("post_attention_layernorm.weight", &[hid])?, DType::F32)?,
-                w_gate_up: up(&gate_up, dtype)?,
-                w_down: up(&w("mlp.down_proj.weight", &[hid, f])?, dtype)?,
+                q_norm,
+                k_norm,
+                wo: up.weight(&n("self_attn.o_proj.weight"), &[hid, h * d], dtype)?,
+                mlp_norm: up.weight(&n("post_attention_layernorm.weight"), &[hid], DType::F32)?,
+                w_gate_up: up.upload(&gate_up, dtype)?,
+                w_down: up.weight(&n("mlp.down_proj.weight"), &[hid, f], dtype)?,
             });
             progress(i + 2, total);
         }
-        let norm = up(&fetch(src, "model.norm.weight", &[hid])?, DType::F32)?;
+        let norm = up.weight("model.norm.weight", &[hid], DType::F32)?;
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            match src.get("lm_head.weight")? {
-                Some(t) if t.shape == [c.vocab_size, hid] => Some(up(&t, dtype)?),
-                Some(t) => bail!(
-                    "tensor 'lm_head.weight' has shape {:?}, expected {:?}",
-                    t.shape,
-                    [c.vocab_size, hid]
-                ),
-                // NOTE: some checkpoints omit lm_head although the config says untied.
+            // NOTE: some checkpoints omit lm_head although the config says untied.
+            match up.fetch_opt("lm_head.weight", &[c.vocab_size, hid])? {
+                Some(t) => Some(up.upload(&t, dtype)?),
                 None => None,
             }
         };
@@ -211,12 +221,9 @@ impl<B: Backend> Llama<B> {
             rope_cos: backend.upload_f32(&cos)?,
             rope_sin: backend.upload_f32(&sin)?,
             max_positions,
-            dtype,
+            weight_bytes: up.bytes,
+            num_params: up.params,
         })
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
     }
 
     fn qkv_layout(&self) -> QkvLayout {
@@ -226,15 +233,32 @@ impl<B: Backend> Llama<B> {
             head_dim: self.cfg.head_dim,
         }
     }
+}
 
-    /// Runs every layer over the whole flattened batch and returns the logits of the rows in
-    /// `batch.logits_rows`, as a device buffer `[R, vocab]`.
-    pub fn forward(
-        &self,
-        backend: &B,
-        batch: &DeviceBatch<B>,
-        kv: &mut KvCache<B>,
-    ) -> Result<B::Buf> {
+impl<B: Backend> CausalLm<B> for Llama<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn kv_spec(&self) -> Vec<LayerKvSpec> {
+        let l = LayerKvSpec {
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            dtype: DType::F32,
+            sliding_window: self.cfg.sliding_window,
+        };
+        vec![l; self.cfg.num_layers]
+    }
+
+    fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    fn num_params(&self) -> u64 {
+        self.num_params
+    }
+
+    fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
         let r = batch.host.logits_rows.len();
@@ -249,7 +273,11 @@ impl<B: Backend> Llama<B> {
         let (hid, f) = (c.hidden_size, c.intermediate_size);
         let ql = self.qkv_layout();
         let eps = c.rms_norm_eps as f32;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let attn_opts = AttentionOptions {
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            sliding_window: c.sliding_window,
+            logit_softcap: None,
+        };
 
         let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
         let mut h = backend.alloc_f32(t * hid)?; // [T, hidden]
@@ -267,6 +295,9 @@ impl<B: Backend> Llama<B> {
         }
         for (l, w) in self.layers.iter().enumerate() {
             backend.matmul(&h, &w.wqkv, w.bqkv.as_ref(), t, hid, ql.row_len(), &mut qkv)?;
+            if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+                backend.qk_norm(&mut qkv, qn, kn, t, ql, eps)?;
+            }
             backend.rope(
                 &mut qkv,
                 &batch.positions,
@@ -275,6 +306,7 @@ impl<B: Backend> Llama<B> {
                 t,
                 ql,
             )?;
+            let layout = kv.layouts[l];
             backend.write_kv(
                 &qkv,
                 &batch.slot_mapping,
@@ -282,10 +314,10 @@ impl<B: Backend> Llama<B> {
                 ql,
                 &mut kv.k[l],
                 &mut kv.v[l],
-                kv.layout,
+                layout,
             )?;
             backend.paged_attention(
-                &qkv, &kv.k[l], &kv.v[l], batch, ql, kv.layout, scale, &mut attn,
+                &qkv, &kv.k[l], &kv.v[l], batch, ql, layout, attn_opts, &mut attn,
             )?;
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
             backend.add_rms_norm(&mut x, &o, &w.mlp_norm, t, hid, eps, &mut h)?;

@@ -5,6 +5,7 @@
 use super::config::ModelConfig;
 use super::gguf::GgufFile;
 use super::tokenizer::Tokenizer;
+use crate::sampling::SamplingDefaults;
 use crate::tensor::HostTensor;
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
@@ -124,8 +125,9 @@ pub struct LoadedModel {
     pub weights: Box<dyn WeightSource>,
     /// Token ids that end generation by default (EOS of config, generation_config and tokenizer).
     pub eos_token_ids: Vec<u32>,
-    /// `generation_config.json` defaults (temperature, top_p, top_k), when present.
-    pub generation_defaults: serde_json::Value,
+    /// The model's default sampling parameters (generation_config.json, or a GGUF's
+    /// `general.sampling.*` keys).
+    pub sampling_defaults: SamplingDefaults,
 }
 
 /// End-of-turn tokens of common chat formats. NOTE: chat models end a turn with these while their
@@ -190,7 +192,7 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
             tokenizer,
             weights: Box::new(weights),
             eos_token_ids: eos,
-            generation_defaults,
+            sampling_defaults: SamplingDefaults::from_generation_config(&generation_defaults),
         })
     } else {
         let g = GgufFile::open(path)?;
@@ -207,6 +209,7 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
             g.add_bos_token(),
         );
         let eos = end_of_generation_ids(config.eos_token_ids.clone(), &tokenizer);
+        let sampling_defaults = g.sampling_defaults();
         Ok(LoadedModel {
             name,
             path: path.to_path_buf(),
@@ -214,7 +217,7 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
             tokenizer,
             weights: Box::new(g),
             eos_token_ids: eos,
-            generation_defaults: serde_json::Value::Null,
+            sampling_defaults,
         })
     }
 }

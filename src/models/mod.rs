@@ -1,11 +1,109 @@
 //! Models: configuration, weight loading (HF safetensors directories and GGUF files), the
-//! tokenizer with its chat template, and one file per model family.
+//! tokenizer with its chat template, the registry of families, and one file per family.
 
 pub mod config;
 pub mod gguf;
+pub mod kv_cache;
 pub mod llama;
 pub mod loader;
+pub mod registry;
 pub mod tokenizer;
 
-pub use config::{Arch, ModelConfig};
+pub use config::ModelConfig;
+pub use kv_cache::{KvCache, LayerKvSpec};
 pub use loader::{LoadedModel, WeightSource, load_model};
+pub use registry::Arch;
+
+use crate::backend::{Backend, DeviceBatch};
+use crate::tensor::{DType, HostTensor};
+use anyhow::{Context, Result, bail};
+
+/// A causal language model on a backend: what the runner needs of every family.
+pub trait CausalLm<B: Backend>: Send + Sync {
+    fn config(&self) -> &ModelConfig;
+
+    /// What each layer keeps in the KV cache, in layer order.
+    fn kv_spec(&self) -> Vec<LayerKvSpec>;
+
+    /// Runs every layer over the whole flattened batch (writing each row's K/V into `kv`) and
+    /// returns the logits of the rows in `batch.logits_rows`, as a device buffer `[R, vocab]`.
+    fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf>;
+
+    /// Bytes of weights uploaded, as measured while loading.
+    fn weight_bytes(&self) -> u64;
+
+    /// Parameters uploaded (elements of every weight, norm and bias).
+    fn num_params(&self) -> u64;
+}
+
+/// Fetches tensors by HF name, checks their shapes and uploads them, counting what it uploads.
+pub struct Uploader<'a, B: Backend> {
+    pub backend: &'a B,
+    src: &'a dyn WeightSource,
+    /// Bytes uploaded so far.
+    pub bytes: u64,
+    /// Elements uploaded so far.
+    pub params: u64,
+}
+
+impl<'a, B: Backend> Uploader<'a, B> {
+    pub fn new(backend: &'a B, src: &'a dyn WeightSource) -> Self {
+        Uploader {
+            backend,
+            src,
+            bytes: 0,
+            params: 0,
+        }
+    }
+
+    /// The tensor `name`, which must exist and have this shape.
+    pub fn fetch(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        let t = self
+            .src
+            .get(name)?
+            .with_context(|| format!("the model has no tensor '{name}'"))?;
+        if t.shape != shape {
+            bail!(
+                "tensor '{name}' has shape {:?} but the config implies {:?}",
+                t.shape,
+                shape
+            );
+        }
+        Ok(t)
+    }
+
+    /// The tensor `name` if the model has it, with this shape.
+    pub fn fetch_opt(&self, name: &str, shape: &[usize]) -> Result<Option<HostTensor>> {
+        match self.src.get(name)? {
+            None => Ok(None),
+            Some(t) if t.shape == shape => Ok(Some(t)),
+            Some(t) => bail!(
+                "tensor '{name}' has shape {:?} but the config implies {:?}",
+                t.shape,
+                shape
+            ),
+        }
+    }
+
+    /// Uploads a tensor in `dtype`.
+    pub fn upload(&mut self, t: &HostTensor, dtype: DType) -> Result<B::Buf> {
+        let buf = self.backend.upload_weight(t, dtype)?;
+        self.bytes += (t.numel() * dtype.size_in_bytes()) as u64;
+        self.params += t.numel() as u64;
+        Ok(buf)
+    }
+
+    /// Fetches and uploads in one go.
+    pub fn weight(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<B::Buf> {
+        let t = self.fetch(name, shape)?;
+        self.upload(&t, dtype)
+    }
+}
+
+/// Concatenates tensors along their first dimension (fused projections).
+pub fn stack(parts: Vec<HostTensor>) -> HostTensor {
+    let mut shape = parts[0].shape.clone();
+    shape[0] = parts.iter().map(|p| p.shape[0]).sum();
+    let data = parts.into_iter().flat_map(|p| p.data).collect();
+    HostTensor::new(shape, data)
+}

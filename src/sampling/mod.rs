@@ -8,6 +8,6 @@ pub mod sampler;
 pub mod stop;
 
 pub use detokenizer::IncrementalDetokenizer;
-pub use params::{InvalidParam, SamplingParams};
+pub use params::{InvalidParam, SamplingDefaults, SamplingParams};
 pub use sampler::{SampledToken, TokenLogprobs, sample};
 pub use stop::StopChecker;

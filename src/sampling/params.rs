@@ -350,3 +350,80 @@ mod tests {
         assert_eq!(back, p);
     }
 }
+
+/// A model's own default sampling parameters: HF `generation_config.json` (`temperature`,
+/// `top_p`, `top_k`, `min_p`, `repetition_penalty`) or a GGUF's `general.sampling.*` keys, as
+/// vLLM reads them. A field the model does not set is `None`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+}
+
+impl SamplingDefaults {
+    /// From a `generation_config.json` value (`Null` when the model has none).
+    pub fn from_generation_config(v: &serde_json::Value) -> Self {
+        let f = |k: &str| v[k].as_f64().map(|x| x as f32);
+        SamplingDefaults {
+            temperature: f("temperature"),
+            top_p: f("top_p"),
+            top_k: v["top_k"]
+                .as_i64()
+                .map(|x| x.clamp(-1, i32::MAX as i64) as i32),
+            min_p: f("min_p"),
+            repetition_penalty: f("repetition_penalty"),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == SamplingDefaults::default()
+    }
+
+    /// `p` with every field the model sets and `explicit` does not, taken from the model.
+    pub fn fill(&self, explicit: &SamplingDefaults, mut p: SamplingParams) -> SamplingParams {
+        let pick = |e: Option<f32>, m: Option<f32>, d: f32| e.or(m).unwrap_or(d);
+        p.temperature = pick(explicit.temperature, self.temperature, p.temperature);
+        p.top_p = pick(explicit.top_p, self.top_p, p.top_p);
+        p.top_k = explicit.top_k.or(self.top_k).unwrap_or(p.top_k);
+        p.min_p = pick(explicit.min_p, self.min_p, p.min_p);
+        p.repetition_penalty = pick(
+            explicit.repetition_penalty,
+            self.repetition_penalty,
+            p.repetition_penalty,
+        );
+        p
+    }
+}
+
+#[cfg(test)]
+mod defaults_tests {
+    use super::*;
+
+    #[test]
+    fn model_defaults_fill_what_the_user_left_out() {
+        let m = SamplingDefaults::from_generation_config(&serde_json::json!({
+            "temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": true, "eos_token_id": 2
+        }));
+        assert_eq!(
+            m,
+            SamplingDefaults {
+                temperature: Some(0.6),
+                top_p: Some(0.95),
+                top_k: Some(20),
+                min_p: None,
+                repetition_penalty: None
+            }
+        );
+        let user = SamplingDefaults {
+            top_p: Some(0.5),
+            ..Default::default()
+        };
+        let p = m.fill(&user, SamplingParams::default());
+        assert_eq!((p.temperature, p.top_p, p.top_k), (0.6, 0.5, 20));
+        assert_eq!(p.min_p, SamplingParams::default().min_p);
+        assert!(SamplingDefaults::from_generation_config(&serde_json::Value::Null).is_empty());
+    }
+}

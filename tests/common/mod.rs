@@ -26,7 +26,7 @@ pub fn model_path(name: &str) -> PathBuf {
 pub fn golden() -> serde_json::Value {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../shared/golden/golden_public.json"
+        "/tests/data/golden/golden_public.json"
     );
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
     serde_json::from_str(&text).expect("golden_public.json is valid JSON")

@@ -6,7 +6,7 @@ mod matmul;
 
 use matmul::Weights;
 
-use super::{Backend, DeviceBatch, KvLayout, QkvLayout};
+use super::{AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail, ensure};
 use half::{bf16, f16};
@@ -231,6 +231,33 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn qk_norm(
+        &self,
+        qkv: &mut CpuBuf,
+        q_w: &CpuBuf,
+        k_w: &CpuBuf,
+        rows: usize,
+        layout: QkvLayout,
+        eps: f32,
+    ) -> Result<()> {
+        let (qw, kw) = (q_w.f32()?, k_w.f32()?);
+        let qkv = qkv.f32_mut()?;
+        let (d, stride) = (layout.head_dim, layout.row_len());
+        let heads = layout.num_heads + layout.num_kv_heads;
+        ensure!(
+            qkv.len() >= rows * stride && qw.len() == d && kw.len() == d,
+            "qk_norm: bad sizes"
+        );
+        qkv[..rows * stride].par_chunks_mut(stride).for_each(|row| {
+            for (h, x) in row[..heads * d].chunks_mut(d).enumerate() {
+                let w = if h < layout.num_heads { qw } else { kw };
+                let inv = 1.0 / (dot(x, x) / d as f32 + eps).sqrt();
+                x.iter_mut().zip(w).for_each(|(x, w)| *x = *x * inv * w);
+            }
+        });
+        Ok(())
+    }
+
     fn add_assign(&self, x: &mut CpuBuf, y: &CpuBuf, n: usize) -> Result<()> {
         let x = x.f32_mut()?;
         let y = y.f32()?;
@@ -368,9 +395,11 @@ impl Backend for CpuBackend {
         batch: &DeviceBatch<Self>,
         layout: QkvLayout,
         kv: KvLayout,
-        scale: f32,
+        opts: AttentionOptions,
         out: &mut CpuBuf,
     ) -> Result<()> {
+        let (scale, softcap) = (opts.scale, opts.softcap_f32()?);
+        opts.window_u32()?;
         let qkv = qkv.f32()?;
         let (kc, vc) = (k_cache.f32()?, v_cache.f32()?);
         let out = out.f32_mut()?;
@@ -409,8 +438,11 @@ impl Backend for CpuBackend {
                 let s = row_seq[t];
                 let q_end = b.query_start[s + 1] as usize;
                 let ctx = b.seq_lens[s] as usize;
-                // the last row of the sequence sits at position ctx - 1
-                let n_keys = ctx - (q_end - 1 - t);
+                // the last row of the sequence sits at position ctx - 1; with a sliding window
+                // the row sees keys k0 .. k0 + n_keys only
+                let end = ctx - (q_end - 1 - t);
+                let k0 = opts.first_key(end);
+                let n_keys = end - k0;
                 let table = &b.block_tables[s * b.max_blocks..(s + 1) * b.max_blocks];
                 let key = |j: usize| -> std::ops::Range<usize> {
                     let blk = table[j / bs] as usize;
@@ -423,9 +455,13 @@ impl Backend for CpuBackend {
                 scores.clear();
                 scores.resize(rep * n_keys, 0.0);
                 for j in 0..n_keys {
-                    let k = &kc[key(j)];
+                    let k = &kc[key(k0 + j)];
                     for r in 0..rep {
-                        scores[r * n_keys + j] = dot(&qkv[q0 + r * d..q0 + (r + 1) * d], k) * scale;
+                        let mut sc = dot(&qkv[q0 + r * d..q0 + (r + 1) * d], k) * scale;
+                        if softcap > 0.0 {
+                            sc = softcap * (sc / softcap).tanh();
+                        }
+                        scores[r * n_keys + j] = sc;
                     }
                 }
                 for row in scores.chunks_mut(n_keys) {
@@ -440,7 +476,7 @@ impl Backend for CpuBackend {
                 }
                 o.iter_mut().for_each(|a| *a = 0.0);
                 for j in 0..n_keys {
-                    let v = &vc[key(j)];
+                    let v = &vc[key(k0 + j)];
                     for r in 0..rep {
                         let p = scores[r * n_keys + j];
                         o[r * d..(r + 1) * d]

@@ -47,7 +47,12 @@ pub fn kernel_names(stem: &str) -> Vec<String> {
             "cast_f32_bf16",
             "cast_f32_f16",
         ],
-        "norm" => &["rms_norm_f32", "add_rms_norm_f32", "argmax_f32"],
+        "norm" => &[
+            "rms_norm_f32",
+            "add_rms_norm_f32",
+            "qk_norm_f32",
+            "argmax_f32",
+        ],
         "rope" => &["rope_f32"],
         "cache" => &["write_kv_f32"],
         "attention" => &["paged_attention_f32", "attention_reduce_f32"],

@@ -10,7 +10,7 @@
 
 pub mod kernels;
 
-use super::{Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
+use super::{AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
@@ -841,6 +841,49 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         )
     }
 
+    fn qk_norm(
+        &self,
+        qkv: &mut GpuBuf<R>,
+        q_w: &GpuBuf<R>,
+        k_w: &GpuBuf<R>,
+        rows: usize,
+        layout: QkvLayout,
+        eps: f32,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        qkv.expect(Elem::F32, "qk_norm qkv")?;
+        q_w.expect(Elem::F32, "q norm weight")?;
+        k_w.expect(Elem::F32, "k norm weight")?;
+        let d = layout.head_dim;
+        ensure!(
+            qkv.len >= rows * layout.row_len() && q_w.len == d && k_w.len == d,
+            "qk_norm: bad sizes"
+        );
+        if rows == 0 {
+            return Ok(());
+        }
+        ensure!(rows <= i32::MAX as usize, "qk_norm: too many rows");
+        self.launch(
+            "qk_norm_f32",
+            [
+                rows as u32,
+                u32_arg(layout.num_heads + layout.num_kv_heads, "heads")?.bits() as u32,
+                1,
+            ],
+            [self.norm_threads(d), 1, 1],
+            0,
+            &[
+                Arg::P(qkv.ptr()),
+                Arg::P(q_w.ptr()),
+                Arg::P(k_w.ptr()),
+                u32_arg(layout.num_heads, "heads")?,
+                u32_arg(d, "head_dim")?,
+                u32_arg(layout.row_len(), "row length")?,
+                Arg::F(eps),
+            ],
+        )
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn add_rms_norm(
         &self,
@@ -1034,9 +1077,10 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         batch: &DeviceBatch<Self>,
         layout: QkvLayout,
         kv: KvLayout,
-        scale: f32,
+        opts: AttentionOptions,
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
+        let (window, softcap) = (opts.window_u32()?, opts.softcap_f32()?);
         self.rt.bind()?;
         let b = &batch.host;
         let (d, h, hkv, bs) = (
@@ -1138,7 +1182,9 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 u32_arg(d, "head_dim")?,
                 u32_arg(bs, "block size")?,
                 u32_arg(layout.row_len(), "row length")?,
-                Arg::F(scale),
+                Arg::F(opts.scale),
+                Arg::U(window),
+                Arg::F(softcap),
                 u32_arg(plan.q_tile, "q tile")?,
                 u32_arg(plan.k_tile, "k tile")?,
                 u32_arg(plan.part_size, "partition")?,

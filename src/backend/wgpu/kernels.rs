@@ -15,6 +15,7 @@ pub enum Kernel {
     Matvec,
     Embedding,
     RmsNorm,
+    QkNorm,
     Add,
     SiluMul,
     Rope,
@@ -26,11 +27,12 @@ pub enum Kernel {
 
 impl Kernel {
     #[cfg(test)]
-    pub const ALL: [Kernel; 11] = [
+    pub const ALL: [Kernel; 12] = [
         Kernel::Matmul,
         Kernel::Matvec,
         Kernel::Embedding,
         Kernel::RmsNorm,
+        Kernel::QkNorm,
         Kernel::Add,
         Kernel::SiluMul,
         Kernel::Rope,
@@ -46,6 +48,7 @@ impl Kernel {
             Kernel::Matvec => "matvec",
             Kernel::Embedding => "embedding",
             Kernel::RmsNorm => "rms_norm",
+            Kernel::QkNorm => "qk_norm",
             Kernel::Add => "add",
             Kernel::SiluMul => "silu_mul",
             Kernel::Rope => "rope",
@@ -62,6 +65,7 @@ impl Kernel {
             Kernel::Matvec => include_str!("../../../shaders/matvec.wgsl"),
             Kernel::Embedding => include_str!("../../../shaders/embedding.wgsl"),
             Kernel::RmsNorm => include_str!("../../../shaders/rms_norm.wgsl"),
+            Kernel::QkNorm => include_str!("../../../shaders/qk_norm.wgsl"),
             Kernel::Add => include_str!("../../../shaders/add.wgsl"),
             Kernel::SiluMul => include_str!("../../../shaders/silu_mul.wgsl"),
             Kernel::Rope => include_str!("../../../shaders/rope.wgsl"),

@@ -17,7 +17,7 @@ mod kernels;
 
 pub use device::is_software;
 
-use super::{Backend, DeviceBatch, KvLayout, QkvLayout};
+use super::{AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
 use device::{AdapterPolicy, Bind, Gpu};
@@ -692,6 +692,44 @@ impl Backend for WgpuBackend {
         Ok(())
     }
 
+    fn qk_norm(
+        &self,
+        qkv: &mut WgpuBuf,
+        q_w: &WgpuBuf,
+        k_w: &WgpuBuf,
+        rows_n: usize,
+        layout: QkvLayout,
+        eps: f32,
+    ) -> Result<()> {
+        let (d, stride) = (layout.head_dim, layout.row_len());
+        let heads = layout.num_heads + layout.num_kv_heads;
+        ensure!(
+            qkv.len >= rows_n * stride && q_w.len == d && k_w.len == d,
+            "qk_norm: bad sizes"
+        );
+        let (qb, qwb, kwb) = (
+            qkv.f32("qkv")?,
+            q_w.f32("q norm weight")?,
+            k_w.f32("k norm weight")?,
+        );
+        for (r0, n) in self.windows(rows_n, &[stride as u64 * 4])? {
+            self.gpu.dispatch(
+                &Kernel::QkNorm.key(),
+                &[
+                    n as u32,
+                    heads as u32,
+                    layout.num_heads as u32,
+                    d as u32,
+                    stride as u32,
+                    eps.to_bits(),
+                ],
+                &[rows(qb, r0, n, stride), Bind::whole(qwb), Bind::whole(kwb)],
+                self.grid_groups(n * heads),
+            )?;
+        }
+        Ok(())
+    }
+
     fn add_assign(&self, x: &mut WgpuBuf, y: &WgpuBuf, n: usize) -> Result<()> {
         ensure!(x.len >= n && y.len >= n, "add_assign: buffers too small");
         let (xb, yb) = (x.f32("add_assign x")?, y.f32("add_assign y")?);
@@ -861,9 +899,10 @@ impl Backend for WgpuBackend {
         batch: &DeviceBatch<Self>,
         layout: QkvLayout,
         kv: KvLayout,
-        scale: f32,
+        opts: AttentionOptions,
         out: &mut WgpuBuf,
     ) -> Result<()> {
+        let (window, softcap) = (opts.window_u32()?, opts.softcap_f32()?);
         let b = &batch.host;
         let (d, h, hkv, bs) = (
             layout.head_dim,
@@ -954,7 +993,9 @@ impl Backend for WgpuBackend {
                     kp.row0 as u32,
                     kp.rows as u32,
                     mode,
-                    scale.to_bits(),
+                    opts.scale.to_bits(),
+                    window,
+                    softcap.to_bits(),
                 ];
                 let st = match &state {
                     Some(s) => rows(s, 0, n, state_row),

@@ -1,0 +1,187 @@
+//! The registry of model families: the one place that knows which architectures exist. Each
+//! entry names the HF `model_type`s and GGUF `general.architecture`s it reads, adds its own
+//! config fields and checks to the common ones, maps HF tensor names to GGUF ones, and loads
+//! its model over any [`Backend`]. Nothing outside this file matches on the architecture.
+//!
+//! Adding a family that needs no new op: one new file in `src/models/` (its graph, written over
+//! the `Backend` trait) and an entry here (an `Arch` variant, a `Family` row, a `load` arm).
+
+use super::CausalLm;
+use super::config::ModelConfig;
+use super::gguf::{GgufFile, GgufTensorName};
+use super::llama::Llama;
+use super::loader::WeightSource;
+use crate::backend::Backend;
+use crate::tensor::DType;
+use anyhow::{Result, bail};
+use serde_json::Value;
+
+/// The decoder families this engine can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 2/3, SmolLM2.
+    Llama,
+    /// Mistral: Llama with sliding-window attention.
+    Mistral,
+    /// Qwen2 / Qwen2.5: Llama with QKV biases.
+    Qwen2,
+    /// Qwen3: Llama with per-head RMSNorm of Q and K before RoPE.
+    Qwen3,
+}
+
+/// One family's entry.
+#[derive(Debug)]
+pub struct Family {
+    pub arch: Arch,
+    pub name: &'static str,
+    /// HF `config.json` `model_type`s read as this family.
+    pub hf_model_types: &'static [&'static str],
+    /// GGUF `general.architecture`s read as this family.
+    pub gguf_architectures: &'static [&'static str],
+    /// Reads the family's own `config.json` fields into a config whose common fields are set.
+    pub hf_config: fn(&Value, &mut ModelConfig) -> Result<()>,
+    /// Reads the family's own GGUF metadata (`{arch}.*` keys) likewise.
+    pub gguf_config: fn(&GgufFile, &str, &mut ModelConfig) -> Result<()>,
+    /// The GGUF name of an HF tensor name.
+    pub gguf_tensor_name: fn(&str) -> Option<GgufTensorName>,
+}
+
+pub static FAMILIES: &[Family] = &[
+    Family {
+        arch: Arch::Llama,
+        name: "llama",
+        hf_model_types: &["llama"],
+        gguf_architectures: &["llama"],
+        hf_config: super::llama::hf_config_llama,
+        gguf_config: super::llama::gguf_config,
+        gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+    Family {
+        arch: Arch::Mistral,
+        name: "mistral",
+        hf_model_types: &["mistral"],
+        gguf_architectures: &[],
+        hf_config: super::llama::hf_config_mistral,
+        gguf_config: super::llama::gguf_config,
+        gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+    Family {
+        arch: Arch::Qwen2,
+        name: "qwen2",
+        hf_model_types: &["qwen2"],
+        gguf_architectures: &["qwen2"],
+        hf_config: super::llama::hf_config_qwen2,
+        gguf_config: super::llama::gguf_config,
+        gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+    Family {
+        arch: Arch::Qwen3,
+        name: "qwen3",
+        hf_model_types: &["qwen3"],
+        gguf_architectures: &["qwen3"],
+        hf_config: super::llama::hf_config_qwen3,
+        gguf_config: super::llama::gguf_config,
+        gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+];
+
+impl Arch {
+    pub fn family(self) -> &'static Family {
+        FAMILIES
+            .iter()
+            .find(|f| f.arch == self)
+            .expect("every Arch has a registry entry")
+    }
+
+    pub fn name(self) -> &'static str {
+        self.family().name
+    }
+}
+
+fn supported(names: impl Fn(&Family) -> &'static [&'static str]) -> String {
+    FAMILIES
+        .iter()
+        .flat_map(|f| names(f).iter().copied())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The family of an HF `model_type`.
+pub fn by_hf_model_type(model_type: &str) -> Result<&'static Family> {
+    match FAMILIES
+        .iter()
+        .find(|f| f.hf_model_types.contains(&model_type))
+    {
+        Some(f) => Ok(f),
+        None => bail!(
+            "unknown architecture '{model_type}' (model_type; supported: {})",
+            supported(|f| f.hf_model_types)
+        ),
+    }
+}
+
+/// The family of a GGUF `general.architecture`.
+pub fn by_gguf_architecture(arch: &str) -> Result<&'static Family> {
+    match FAMILIES
+        .iter()
+        .find(|f| f.gguf_architectures.contains(&arch))
+    {
+        Some(f) => Ok(f),
+        None => bail!(
+            "unknown architecture '{arch}' (general.architecture; supported: {})",
+            supported(|f| f.gguf_architectures)
+        ),
+    }
+}
+
+/// Uploads a model's weights to `backend` as the model of its family. `max_positions` bounds
+/// the RoPE tables (the max model length); `progress(done, total)` follows the layers.
+pub fn load<B: Backend>(
+    backend: &B,
+    cfg: &ModelConfig,
+    src: &dyn WeightSource,
+    dtype: DType,
+    max_positions: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Box<dyn CausalLm<B>>> {
+    Ok(match cfg.arch {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => Box::new(Llama::load(
+            backend,
+            cfg,
+            src,
+            dtype,
+            max_positions,
+            progress,
+        )?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_arch_has_one_entry_and_names_are_unique() {
+        for f in FAMILIES {
+            assert!(std::ptr::eq(f.arch.family(), f), "{}", f.name);
+        }
+        let mut names: Vec<&str> = FAMILIES
+            .iter()
+            .flat_map(|f| f.hf_model_types.iter().copied())
+            .collect();
+        let n = names.len();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), n, "an HF model_type is claimed twice");
+    }
+
+    #[test]
+    fn unknown_architectures_name_what_is_supported() {
+        let e = by_hf_model_type("mamba").unwrap_err().to_string();
+        assert!(e.contains("'mamba'") && e.contains("qwen3"), "{e}");
+        let e = by_gguf_architecture("rwkv6").unwrap_err().to_string();
+        assert!(e.contains("'rwkv6'") && e.contains("llama"), "{e}");
+        assert_eq!(by_hf_model_type("mistral").unwrap().arch, Arch::Mistral);
+        assert_eq!(by_gguf_architecture("qwen2").unwrap().arch, Arch::Qwen2);
+    }
+}
