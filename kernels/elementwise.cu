@@ -9,14 +9,30 @@ extern "C" __global__ void add_assign_f32(float* x, const float* y, u32 n) {
         x[i] += y[i];
 }
 
-// out[r, i] = silu(gu[r, i]) * gu[r, ffn + i]          gu: [rows, 2 ffn]   out: [rows, ffn]
-extern "C" __global__ void silu_mul_f32(const float* gu, float* out, u32 rows, u32 ffn) {
+// act: 0 SiLU, 1 GELU (tanh approximation), 2 GELU (erf).
+__device__ __forceinline__ float activate(float x, u32 act) {
+    if (act == 0) return x / (1.0f + expf(-x));
+    if (act == 1) return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118f));
+}
+
+// out[r, i] = act(gu[r, i]) * gu[r, ffn + i]          gu: [rows, 2 ffn]   out: [rows, ffn]
+extern "C" __global__ void gated_act_f32(const float* gu, float* out, u32 rows, u32 ffn, u32 act) {
     const u64 n = (u64)rows * ffn;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / ffn, c = i % ffn;
-        const float g = gu[r * 2 * ffn + c], u = gu[r * 2 * ffn + ffn + c];
-        out[i] = g / (1.0f + expf(-g)) * u;
+        out[i] = activate(gu[r * 2 * ffn + c], act) * gu[r * 2 * ffn + ffn + c];
     }
+}
+
+// x[i] = act(x[i]) for i < n
+extern "C" __global__ void act_f32(float* x, u32 n, u32 act) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = activate(x[i], act);
+}
+
+// x[i] *= s for i < n
+extern "C" __global__ void scale_f32(float* x, u32 n, float s) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] *= s;
 }
 
 // out[i, :] = x[rows[i], :]     (rows checked on the host)

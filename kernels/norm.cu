@@ -35,6 +35,25 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* y, const floa
     for (u32 i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * w[i];
 }
 
+// LayerNorm with bias: out[r, :] = (x[r, :] - mean) / sqrt(var + eps) * w + b; the mean first,
+// then the variance of x - mean (as PyTorch computes it).
+extern "C" __global__ void layer_norm_f32(const float* x, const float* w, const float* b, float* out, u32 dim,
+                                          float eps) {
+    __shared__ float scratch[32];
+    const float* xr = x + (u64)blockIdx.x * dim;
+    float* o = out + (u64)blockIdx.x * dim;
+    float s = 0.0f;
+    for (u32 i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i];
+    const float mean = block_sum(s, scratch) / (float)dim;
+    float ss = 0.0f;
+    for (u32 i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float d = xr[i] - mean;
+        ss += d * d;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)dim + eps);
+    for (u32 i = threadIdx.x; i < dim; i += blockDim.x) o[i] = (xr[i] - mean) * inv * w[i] + b[i];
+}
+
 // Per-head RMSNorm of the q and k heads of fused QKV rows ([q: H x D | k: Hkv x D | v: Hkv x D]),
 // in place (Qwen3, Gemma 3). grid = (rows, H + Hkv); q heads are scaled by qw, k heads by kw.
 extern "C" __global__ void qk_norm_f32(float* qkv, const float* qw, const float* kw, u32 num_heads, u32 head_dim,

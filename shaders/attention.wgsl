@@ -133,7 +133,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                 }
                 score = dot * p.scale;
                 if (p.softcap > 0.0) {
-                    score = p.softcap * tanh(score / p.softcap);
+                    let e = exp(-2.0 * abs(score / p.softcap));
+                    score = p.softcap * sign(score) * (1.0 - e) / (1.0 + e);
                 }
             }
             sc[hh * TILE + lid.x] = score;

@@ -2,7 +2,9 @@
 //! relative error at most 1e-5 with f32 weights, 1e-2 with f16/bf16. The `backend_ops!` macro
 //! instantiates the whole table for each compiled backend.
 
-use pagoda::backend::{AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
+use pagoda::backend::{
+    Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout,
+};
 use pagoda::tensor::{DType, HostTensor};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
@@ -114,25 +116,80 @@ pub fn check_rms_norm<B: Backend>(be: &B, rows: usize, dim: usize, seed: u64) {
     assert!(e < 1e-5, "rms_norm {rows}x{dim}: {e}");
 }
 
+/// LayerNorm with bias; rows with a large mean, where a one-pass variance would lose digits.
+pub fn check_layer_norm<B: Backend>(be: &B, rows: usize, dim: usize, seed: u64) {
+    let mut r = rng(seed);
+    let x: Vec<f32> = randn(&mut r, rows * dim)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v + if (i / dim) % 2 == 0 { 0.0 } else { 30.0 })
+        .collect();
+    let (w, b) = (randn(&mut r, dim), randn(&mut r, dim));
+    let eps = 1e-5;
+    let mut want = vec![0f64; rows * dim];
+    for i in 0..rows {
+        let row: Vec<f64> = x[i * dim..(i + 1) * dim]
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        let mean = row.iter().sum::<f64>() / dim as f64;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / dim as f64;
+        for j in 0..dim {
+            want[i * dim + j] = (row[j] - mean) / (var + eps).sqrt() * w[j] as f64 + b[j] as f64;
+        }
+    }
+    let mut out = be.alloc_f32(rows * dim).unwrap();
+    be.layer_norm(
+        &be.upload_f32(&x).unwrap(),
+        &be.upload_f32(&w).unwrap(),
+        &be.upload_f32(&b).unwrap(),
+        rows,
+        dim,
+        eps as f32,
+        &mut out,
+    )
+    .unwrap();
+    let e = rel_err(&be.download_f32(&out).unwrap(), &want);
+    assert!(e < 1e-5, "layer_norm {rows}x{dim}: {e}");
+}
+
 pub fn check_elementwise<B: Backend>(be: &B, rows: usize, ffn: usize, seed: u64) {
     let mut r = rng(seed);
     let gu: Vec<f32> = randn(&mut r, rows * 2 * ffn)
         .iter()
         .map(|v| v * 6.0)
         .collect();
-    let mut want = vec![0f64; rows * ffn];
-    for i in 0..rows {
-        for j in 0..ffn {
-            let g = gu[i * 2 * ffn + j] as f64;
-            let u = gu[i * 2 * ffn + ffn + j] as f64;
-            want[i * ffn + j] = g / (1.0 + (-g).exp()) * u;
+    for act in [Activation::Silu, Activation::GeluTanh, Activation::Gelu] {
+        let mut want = vec![0f64; rows * ffn];
+        for i in 0..rows {
+            for j in 0..ffn {
+                let g = gu[i * 2 * ffn + j] as f64;
+                let u = gu[i * 2 * ffn + ffn + j] as f64;
+                want[i * ffn + j] = act.apply_f64(g) * u;
+            }
         }
+        let mut out = be.alloc_f32(rows * ffn).unwrap();
+        be.gated_act(&be.upload_f32(&gu).unwrap(), rows, ffn, act, &mut out)
+            .unwrap();
+        let e = rel_err(&be.download_f32(&out).unwrap(), &want);
+        assert!(e < 1e-5, "gated_act {act:?}: {e}");
+
+        // the plain activation, in place, over the gate half's values
+        let x: Vec<f32> = gu[..rows * ffn].to_vec();
+        let want: Vec<f64> = x.iter().map(|&v| act.apply_f64(v as f64)).collect();
+        let mut xb = be.upload_f32(&x).unwrap();
+        be.act(&mut xb, rows * ffn, act).unwrap();
+        let e = rel_err(&be.download_f32(&xb).unwrap(), &want);
+        assert!(e < 1e-5, "act {act:?}: {e}");
     }
-    let mut out = be.alloc_f32(rows * ffn).unwrap();
-    be.silu_mul(&be.upload_f32(&gu).unwrap(), rows, ffn, &mut out)
-        .unwrap();
-    let e = rel_err(&be.download_f32(&out).unwrap(), &want);
-    assert!(e < 1e-5, "silu_mul: {e}");
+    let x = randn(&mut r, rows * ffn);
+    let want: Vec<f64> = x.iter().map(|&v| v as f64 * 25.298221).collect();
+    let mut xb = be.upload_f32(&x).unwrap();
+    be.scale(&mut xb, 25.298221, rows * ffn).unwrap();
+    assert!(
+        rel_err(&be.download_f32(&xb).unwrap(), &want) < 1e-6,
+        "scale"
+    );
 
     let a = randn(&mut r, rows * ffn);
     let b = randn(&mut r, rows * ffn);
@@ -516,6 +573,12 @@ macro_rules! backend_ops {
             fn elementwise_embedding_gather() {
                 let Some(b) = be() else { return };
                 check_elementwise(&b, 6, 48, 3);
+            }
+            #[test]
+            fn layer_norm() {
+                let Some(b) = be() else { return };
+                check_layer_norm(&b, 4, 576, 11);
+                check_layer_norm(&b, 3, 33, 12);
             }
             #[test]
             fn qk_norm() {

@@ -7,8 +7,8 @@
 //! rounds activations to f16/bf16 first.
 
 use super::{
-    AttentionOptions, Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch,
-    HipBackend, KvLayout, QkvLayout, WgpuBackend,
+    Activation, AttentionOptions, Backend, BackendKind, BatchInput, CpuBackend, CudaBackend,
+    DeviceBatch, HipBackend, KvLayout, QkvLayout, WgpuBackend,
 };
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail};
@@ -76,6 +76,13 @@ enum Case {
         y: Vec<f32>,
         w: Vec<f32>,
         fused: bool,
+    },
+    LayerNorm {
+        rows: usize,
+        dim: usize,
+        x: Vec<f32>,
+        w: Vec<f32>,
+        b: Vec<f32>,
     },
     Elementwise {
         rows: usize,
@@ -162,6 +169,12 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
                 be.download_f32(&out)?
             }
         }
+        Case::LayerNorm { rows, dim, x, w, b } => {
+            let mut out = be.alloc_f32(rows * dim)?;
+            let (wb, bb) = (be.upload_f32(w)?, be.upload_f32(b)?);
+            be.layer_norm(&be.upload_f32(x)?, &wb, &bb, *rows, *dim, 1e-5, &mut out)?;
+            be.download_f32(&out)?
+        }
         Case::Elementwise {
             rows,
             ffn,
@@ -169,9 +182,18 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
             a,
             b,
         } => {
-            let mut out = be.alloc_f32(rows * ffn)?;
-            be.silu_mul(&be.upload_f32(gu)?, *rows, *ffn, &mut out)?;
-            let mut v = be.download_f32(&out)?;
+            let mut v = Vec::new();
+            for act in [Activation::Silu, Activation::GeluTanh, Activation::Gelu] {
+                let mut out = be.alloc_f32(rows * ffn)?;
+                be.gated_act(&be.upload_f32(gu)?, *rows, *ffn, act, &mut out)?;
+                v.extend(be.download_f32(&out)?);
+                let mut xb = be.upload_f32(a)?;
+                be.act(&mut xb, rows * ffn, act)?;
+                v.extend(be.download_f32(&xb)?);
+            }
+            let mut sb = be.upload_f32(b)?;
+            be.scale(&mut sb, 25.298221, rows * ffn)?;
+            v.extend(be.download_f32(&sb)?);
             let mut ab = be.upload_f32(a)?;
             be.add_assign(&mut ab, &be.upload_f32(b)?, rows * ffn)?;
             v.extend(be.download_f32(&ab)?);
@@ -387,8 +409,25 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             ));
         }
     }
+    for &(rows, dim) in &[(5, 768), (2, 33)] {
+        out.push((
+            "layer_norm".into(),
+            format!("{rows}x{dim}"),
+            1e-5,
+            Case::LayerNorm {
+                rows,
+                dim,
+                x: rand_vec(&mut r, rows * dim)
+                    .iter()
+                    .map(|v| v + 10.0)
+                    .collect(),
+                w: rand_vec(&mut r, dim),
+                b: rand_vec(&mut r, dim),
+            },
+        ));
+    }
     out.push((
-        "silu_mul+add".into(),
+        "gated_act+act+scale+add".into(),
         "9x1000".into(),
         1e-5,
         Case::Elementwise {

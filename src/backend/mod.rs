@@ -149,6 +149,54 @@ impl AttentionOptions {
     }
 }
 
+/// The activation of an MLP, gated (`act(gate) · up`) or plain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · sigmoid(x)` (Llama, Mistral, Qwen, Phi-3).
+    Silu,
+    /// `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`: Gemma's `gelu_pytorch_tanh`, GPT-2's
+    /// `gelu_new`.
+    GeluTanh,
+    /// `0.5 x (1 + erf(x / √2))`: PyTorch's exact `nn.GELU` (Falcon).
+    Gelu,
+}
+
+impl Activation {
+    /// From an HF config's `hidden_act` / `hidden_activation` / `activation_function`.
+    pub fn from_hf(name: &str) -> Result<Self> {
+        Ok(match name {
+            "silu" | "swish" => Activation::Silu,
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" | "gelu_tanh" => Activation::GeluTanh,
+            "gelu" => Activation::Gelu,
+            other => anyhow::bail!(
+                "activation '{other}' is not supported (silu, gelu, gelu_new, gelu_pytorch_tanh)"
+            ),
+        })
+    }
+
+    /// The code the kernels switch on.
+    pub fn code(self) -> u32 {
+        match self {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+            Activation::Gelu => 2,
+        }
+    }
+
+    /// The function in f64, the reference the kernels are tested against.
+    pub fn apply_f64(self, x: f64) -> f64 {
+        match self {
+            Activation::Silu => x / (1.0 + (-x).exp()),
+            Activation::GeluTanh => {
+                0.5 * x
+                    * (1.0
+                        + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+            }
+            Activation::Gelu => 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)),
+        }
+    }
+}
+
 /// Geometry of one layer's paged K (or V) cache:
 /// `[num_blocks, num_kv_heads, block_size, head_dim]`, so that one block of one head is a
 /// contiguous `block_size × head_dim` tile.
@@ -351,12 +399,34 @@ pub trait Backend: Send + Sync + 'static {
         layout: QkvLayout,
     ) -> Result<()>;
 
-    /// `out[r, i] = silu(gate_up[r, i]) * gate_up[r, ffn + i]`: gate and up projections fused.
-    fn silu_mul(
+    /// `out[r, i] = act(gate_up[r, i]) * gate_up[r, ffn + i]`: the gated MLP's gate and up
+    /// projections fused.
+    fn gated_act(
         &self,
         gate_up: &Self::Buf,
         rows: usize,
         ffn: usize,
+        act: Activation,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
+    /// `x[i] = act(x[i])` over the first `n` elements (a plain MLP).
+    fn act(&self, x: &mut Self::Buf, n: usize, act: Activation) -> Result<()>;
+
+    /// `x[i] *= s` over the first `n` elements (Gemma's embedding scale).
+    fn scale(&self, x: &mut Self::Buf, s: f32, n: usize) -> Result<()>;
+
+    /// LayerNorm with bias: `out[r, :] = (x[r, :] - mean) / sqrt(var + eps) * w + b`, rows of
+    /// length `dim` (GPT-2, Falcon).
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        b: &Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
         out: &mut Self::Buf,
     ) -> Result<()>;
 

@@ -88,11 +88,35 @@ macro_rules! stub_backend_impl {
             ) -> Result<()> {
                 match self.0 {}
             }
-            fn silu_mul(
+            fn gated_act(
                 &self,
                 gate_up: &Self::Buf,
                 rows: usize,
                 ffn: usize,
+                act: crate::backend::Activation,
+                out: &mut Self::Buf,
+            ) -> Result<()> {
+                match self.0 {}
+            }
+            fn act(
+                &self,
+                x: &mut Self::Buf,
+                n: usize,
+                act: crate::backend::Activation,
+            ) -> Result<()> {
+                match self.0 {}
+            }
+            fn scale(&self, x: &mut Self::Buf, s: f32, n: usize) -> Result<()> {
+                match self.0 {}
+            }
+            fn layer_norm(
+                &self,
+                x: &Self::Buf,
+                w: &Self::Buf,
+                b: &Self::Buf,
+                rows: usize,
+                dim: usize,
+                eps: f32,
                 out: &mut Self::Buf,
             ) -> Result<()> {
                 match self.0 {}

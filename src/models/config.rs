@@ -96,7 +96,14 @@ impl ModelConfig {
             Some(d) => d as usize,
             None => hidden_size / num_heads.max(1),
         };
-        let rope_scaling = match &v["rope_scaling"] {
+        // NOTE: transformers 5 writes `rope_parameters` (rope_theta and the scaling together)
+        // where earlier versions wrote `rope_theta` and `rope_scaling`; both are read.
+        let rope_params = &v["rope_parameters"];
+        let scaling = match (&v["rope_scaling"], rope_params) {
+            (Value::Null, p) if p.is_object() => p,
+            (s, _) => s,
+        };
+        let rope_scaling = match scaling {
             Value::Null => None,
             s => {
                 let ty = s["rope_type"]
@@ -138,7 +145,10 @@ impl ModelConfig {
             vocab_size: req("vocab_size")?,
             max_position_embeddings: v["max_position_embeddings"].as_u64().unwrap_or(4096) as usize,
             rms_norm_eps: v["rms_norm_eps"].as_f64().unwrap_or(1e-6),
-            rope_theta: v["rope_theta"].as_f64().unwrap_or(10000.0),
+            rope_theta: v["rope_theta"]
+                .as_f64()
+                .or(rope_params["rope_theta"].as_f64())
+                .unwrap_or(10000.0),
             rope_scaling,
             tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
             attention_bias: v["attention_bias"].as_bool().unwrap_or(false),

@@ -10,7 +10,7 @@ use super::gguf::GgufFile;
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
 use super::{CausalLm, Uploader, stack};
-use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
+use crate::backend::{Activation, AttentionOptions, Backend, DeviceBatch, QkvLayout};
 use crate::tensor::DType;
 use anyhow::{Result, bail};
 use serde_json::Value;
@@ -322,7 +322,7 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
             backend.add_rms_norm(&mut x, &o, &w.mlp_norm, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_gate_up, None, t, hid, 2 * f, &mut gu)?;
-            backend.silu_mul(&gu, t, f, &mut act)?;
+            backend.gated_act(&gu, t, f, Activation::Silu, &mut act)?;
             backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
             match self.layers.get(l + 1) {
                 Some(next) => {

@@ -6,7 +6,7 @@ mod matmul;
 
 use matmul::Weights;
 
-use super::{AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
+use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail, ensure};
 use half::{bf16, f16};
@@ -311,12 +311,19 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn silu_mul(&self, gate_up: &CpuBuf, rows: usize, ffn: usize, out: &mut CpuBuf) -> Result<()> {
+    fn gated_act(
+        &self,
+        gate_up: &CpuBuf,
+        rows: usize,
+        ffn: usize,
+        act: Activation,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
         let gu = gate_up.f32()?;
         let out = out.f32_mut()?;
         ensure!(
             gu.len() >= rows * 2 * ffn && out.len() >= rows * ffn,
-            "silu_mul: bad sizes"
+            "gated_act: bad sizes"
         );
         out[..rows * ffn]
             .par_chunks_mut(ffn)
@@ -324,7 +331,55 @@ impl Backend for CpuBackend {
             .for_each(|(o, gu)| {
                 let (g, u) = gu.split_at(ffn);
                 for i in 0..ffn {
-                    o[i] = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+                    o[i] = activation(act, g[i]) * u[i];
+                }
+            });
+        Ok(())
+    }
+
+    fn act(&self, x: &mut CpuBuf, n: usize, act: Activation) -> Result<()> {
+        let x = x.f32_mut()?;
+        ensure!(x.len() >= n, "act: buffer too small");
+        x[..n]
+            .par_chunks_mut(4096)
+            .for_each(|c| c.iter_mut().for_each(|v| *v = activation(act, *v)));
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut CpuBuf, s: f32, n: usize) -> Result<()> {
+        let x = x.f32_mut()?;
+        ensure!(x.len() >= n, "scale: buffer too small");
+        x[..n].iter_mut().for_each(|v| *v *= s);
+        Ok(())
+    }
+
+    fn layer_norm(
+        &self,
+        x: &CpuBuf,
+        w: &CpuBuf,
+        b: &CpuBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        let (x, w, b) = (x.f32()?, w.f32()?, b.f32()?);
+        let out = out.f32_mut()?;
+        ensure!(
+            x.len() >= rows * dim && out.len() >= rows * dim && w.len() == dim && b.len() == dim,
+            "layer_norm: bad sizes"
+        );
+        out[..rows * dim]
+            .par_chunks_mut(dim)
+            .zip(x[..rows * dim].par_chunks(dim))
+            .for_each(|(o, x)| {
+                // NOTE: two passes (mean, then the variance of x - mean), as PyTorch does; the
+                // one-pass E[x²] - E[x]² loses digits when the mean is large.
+                let mean = x.iter().sum::<f32>() / dim as f32;
+                let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / dim as f32;
+                let inv = 1.0 / (var + eps).sqrt();
+                for i in 0..dim {
+                    o[i] = (x[i] - mean) * inv * w[i] + b[i];
                 }
             });
         Ok(())
@@ -487,6 +542,18 @@ impl Backend for CpuBackend {
                 }
             });
         Ok(())
+    }
+}
+
+/// An activation in f32 (see [`Activation`]).
+#[inline]
+fn activation(act: Activation, x: f32) -> f32 {
+    match act {
+        Activation::Silu => x / (1.0 + (-x).exp()),
+        Activation::GeluTanh => {
+            0.5 * x * (1.0 + (0.797_884_6_f32 * (x + 0.044715 * x * x * x)).tanh())
+        }
+        Activation::Gelu => 0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2)),
     }
 }
 

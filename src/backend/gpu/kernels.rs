@@ -41,7 +41,9 @@ pub fn kernel_names(stem: &str) -> Vec<String> {
     let fixed: &[&str] = match stem {
         "elementwise" => &[
             "add_assign_f32",
-            "silu_mul_f32",
+            "gated_act_f32",
+            "act_f32",
+            "scale_f32",
             "gather_rows_f32",
             "add_bias_f32",
             "cast_f32_bf16",

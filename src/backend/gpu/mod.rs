@@ -10,7 +10,7 @@
 
 pub mod kernels;
 
-use super::{AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
+use super::{Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
@@ -972,26 +972,88 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         )
     }
 
-    fn silu_mul(
+    fn gated_act(
         &self,
         gate_up: &GpuBuf<R>,
         rows: usize,
         ffn: usize,
+        act: Activation,
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
         self.rt.bind()?;
         ensure!(
             gate_up.len >= rows * 2 * ffn && out.len >= rows * ffn,
-            "silu_mul: bad sizes"
+            "gated_act: bad sizes"
         );
         self.elementwise(
-            "silu_mul_f32",
+            "gated_act_f32",
             rows * ffn,
             &[
                 Arg::P(gate_up.ptr()),
                 Arg::P(out.ptr()),
                 u32_arg(rows, "rows")?,
                 u32_arg(ffn, "ffn")?,
+                Arg::U(act.code()),
+            ],
+        )
+    }
+
+    fn act(&self, x: &mut GpuBuf<R>, n: usize, act: Activation) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "act x")?;
+        ensure!(x.len >= n, "act: buffer too small");
+        self.elementwise(
+            "act_f32",
+            n,
+            &[Arg::P(x.ptr()), u32_arg(n, "n")?, Arg::U(act.code())],
+        )
+    }
+
+    fn scale(&self, x: &mut GpuBuf<R>, s: f32, n: usize) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "scale x")?;
+        ensure!(x.len >= n, "scale: buffer too small");
+        self.elementwise(
+            "scale_f32",
+            n,
+            &[Arg::P(x.ptr()), u32_arg(n, "n")?, Arg::F(s)],
+        )
+    }
+
+    fn layer_norm(
+        &self,
+        x: &GpuBuf<R>,
+        w: &GpuBuf<R>,
+        b: &GpuBuf<R>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "layer_norm x")?;
+        w.expect(Elem::F32, "layer_norm weight")?;
+        b.expect(Elem::F32, "layer_norm bias")?;
+        ensure!(
+            x.len >= rows * dim && out.len >= rows * dim && w.len == dim && b.len == dim,
+            "layer_norm: bad sizes"
+        );
+        if rows == 0 {
+            return Ok(());
+        }
+        ensure!(rows <= i32::MAX as usize, "layer_norm: too many rows");
+        self.launch(
+            "layer_norm_f32",
+            [rows as u32, 1, 1],
+            [self.norm_threads(dim), 1, 1],
+            0,
+            &[
+                Arg::P(x.ptr()),
+                Arg::P(w.ptr()),
+                Arg::P(b.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(dim, "dim")?,
+                Arg::F(eps),
             ],
         )
     }

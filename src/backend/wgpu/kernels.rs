@@ -17,7 +17,8 @@ pub enum Kernel {
     RmsNorm,
     QkNorm,
     Add,
-    SiluMul,
+    Act,
+    LayerNorm,
     Rope,
     GatherRows,
     WriteKv,
@@ -27,14 +28,15 @@ pub enum Kernel {
 
 impl Kernel {
     #[cfg(test)]
-    pub const ALL: [Kernel; 12] = [
+    pub const ALL: [Kernel; 13] = [
         Kernel::Matmul,
         Kernel::Matvec,
         Kernel::Embedding,
         Kernel::RmsNorm,
         Kernel::QkNorm,
         Kernel::Add,
-        Kernel::SiluMul,
+        Kernel::Act,
+        Kernel::LayerNorm,
         Kernel::Rope,
         Kernel::GatherRows,
         Kernel::WriteKv,
@@ -50,7 +52,8 @@ impl Kernel {
             Kernel::RmsNorm => "rms_norm",
             Kernel::QkNorm => "qk_norm",
             Kernel::Add => "add",
-            Kernel::SiluMul => "silu_mul",
+            Kernel::Act => "act",
+            Kernel::LayerNorm => "layer_norm",
             Kernel::Rope => "rope",
             Kernel::GatherRows => "gather_rows",
             Kernel::WriteKv => "write_kv",
@@ -67,7 +70,8 @@ impl Kernel {
             Kernel::RmsNorm => include_str!("../../../shaders/rms_norm.wgsl"),
             Kernel::QkNorm => include_str!("../../../shaders/qk_norm.wgsl"),
             Kernel::Add => include_str!("../../../shaders/add.wgsl"),
-            Kernel::SiluMul => include_str!("../../../shaders/silu_mul.wgsl"),
+            Kernel::Act => include_str!("../../../shaders/act.wgsl"),
+            Kernel::LayerNorm => include_str!("../../../shaders/layer_norm.wgsl"),
             Kernel::Rope => include_str!("../../../shaders/rope.wgsl"),
             Kernel::GatherRows => include_str!("../../../shaders/gather_rows.wgsl"),
             Kernel::WriteKv => include_str!("../../../shaders/write_kv.wgsl"),

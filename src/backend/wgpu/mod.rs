@@ -17,7 +17,7 @@ mod kernels;
 
 pub use device::is_software;
 
-use super::{AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
+use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
 use device::{AdapterPolicy, Bind, Gpu};
@@ -253,6 +253,28 @@ impl WgpuBackend {
     /// as `(wid.y * num_workgroups.x + wid.x) * 64 + lid.x`.
     fn grid(&self, threads: usize) -> [u32; 3] {
         self.grid_groups(threads.div_ceil(64))
+    }
+
+    /// `act.wgsl` in one of its in-place modes (1: activation, 2: scale) over `n` elements.
+    fn elementwise_in_place(
+        &self,
+        x: &mut WgpuBuf,
+        n: usize,
+        mode: u32,
+        act: u32,
+        s: f32,
+    ) -> Result<()> {
+        ensure!(x.len >= n, "elementwise op: buffer too small");
+        let xb = x.f32("elementwise op")?;
+        for (e0, len) in self.windows(n, &[4])? {
+            self.gpu.dispatch(
+                &Kernel::Act.key(),
+                &[len as u32, 1, mode, act, s.to_bits()],
+                &[Bind::whole(&self.gpu.dummy), rows(xb, e0, len, 1)],
+                self.grid(len),
+            )?;
+        }
+        Ok(())
     }
 
     fn grid_groups(&self, groups: usize) -> [u32; 3] {
@@ -783,24 +805,69 @@ impl Backend for WgpuBackend {
         Ok(())
     }
 
-    fn silu_mul(
+    fn gated_act(
         &self,
         gate_up: &WgpuBuf,
         rows_n: usize,
         ffn: usize,
+        act: Activation,
         out: &mut WgpuBuf,
     ) -> Result<()> {
         ensure!(
             gate_up.len >= rows_n * 2 * ffn && out.len >= rows_n * ffn,
-            "silu_mul: bad sizes"
+            "gated_act: bad sizes"
         );
-        let (gb, ob) = (gate_up.f32("gate_up")?, out.f32("silu_mul output")?);
+        let (gb, ob) = (gate_up.f32("gate_up")?, out.f32("gated_act output")?);
         for (r0, n) in self.windows(rows_n, &[2 * ffn as u64 * 4])? {
             self.gpu.dispatch(
-                &Kernel::SiluMul.key(),
-                &[n as u32, ffn as u32],
+                &Kernel::Act.key(),
+                &[(n * ffn) as u32, ffn as u32, 0, act.code(), 0],
                 &[rows(gb, r0, n, 2 * ffn), rows(ob, r0, n, ffn)],
                 self.grid(n * ffn),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn act(&self, x: &mut WgpuBuf, n: usize, act: Activation) -> Result<()> {
+        self.elementwise_in_place(x, n, 1, act.code(), 0.0)
+    }
+
+    fn scale(&self, x: &mut WgpuBuf, s: f32, n: usize) -> Result<()> {
+        self.elementwise_in_place(x, n, 2, 0, s)
+    }
+
+    fn layer_norm(
+        &self,
+        x: &WgpuBuf,
+        w: &WgpuBuf,
+        b: &WgpuBuf,
+        rows_n: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut WgpuBuf,
+    ) -> Result<()> {
+        ensure!(
+            x.len >= rows_n * dim && out.len >= rows_n * dim && w.len == dim && b.len == dim,
+            "layer_norm: bad sizes"
+        );
+        let (xb, wb, bb, outb) = (
+            x.f32("layer_norm input")?,
+            w.f32("layer_norm weight")?,
+            b.f32("layer_norm bias")?,
+            out.f32("layer_norm output")?,
+        );
+        for (r0, n) in self.windows(rows_n, &[dim as u64 * 4])? {
+            self.gpu.dispatch(
+                &Kernel::LayerNorm.key(),
+                &[n as u32, dim as u32, eps.to_bits()],
+                &[
+                    rows(xb, r0, n, dim),
+                    Bind::whole(wb),
+                    Bind::whole(bb),
+                    rows(outb, r0, n, dim),
+                ],
+                self.grid_groups(n),
             )?;
         }
         Ok(())
