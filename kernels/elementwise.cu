@@ -35,6 +35,12 @@ extern "C" __global__ void scale_f32(float* x, u32 n, float s) {
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] *= s;
 }
 
+// x[i] = cap * tanh(x[i] / cap) for i < n
+extern "C" __global__ void softcap_f32(float* x, u32 n, float cap) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        x[i] = cap * tanhf(x[i] / cap);
+}
+
 // out[i, :] = x[rows[i], :]     (rows checked on the host)
 extern "C" __global__ void gather_rows_f32(const float* x, const u32* rows, float* out, u32 nrows, u32 dim) {
     const u64 n = (u64)nrows * dim;

@@ -130,7 +130,7 @@ def specs(ids):
             num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
             layer_types=["sliding_attention", "sliding_attention", "full_attention",
                          "sliding_attention", "sliding_attention", "full_attention"],
-            rope_theta=1000000.0, rope_local_base_freq=10000.0, max_position_embeddings=256,
+            sliding_window_pattern=3, rope_theta=1000000.0, rope_local_base_freq=10000.0, max_position_embeddings=256,
             rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=30.0,
             attn_logit_softcapping=None, tie_word_embeddings=True, **common), 300,
             {"init": dict(emb_std=0.15, norm_offset={"post_": 3.0, "model.norm.": 7.0})}),
@@ -235,7 +235,7 @@ def cached_generate(model, prompt_ids, n=N_GEN):
 
 
 def check_window_semantics(model, window, n):
-    """Layer-0 eager attention probabilities: which keys does each query see?"""
+    """Per layer, from the eager attention probabilities of head 0: the keys each query attends to."""
     x = torch.arange(3, 3 + n).unsqueeze(0)
     with torch.no_grad():
         att = model(x, use_cache=False, output_attentions=True).attentions

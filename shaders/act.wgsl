@@ -2,6 +2,7 @@
 //   mode 0 (gated):  out[r, i] = act(gu[r, i]) * gu[r, ffn + i]     gu: [rows, 2 ffn]
 //   mode 1 (plain):  out[i] = act(out[i])                            in place
 //   mode 2 (scale):  out[i] = out[i] * s                             in place
+//   mode 3 (cap):    out[i] = s * tanh(out[i] / s)                   in place
 // act: 0 SiLU, 1 GELU (tanh approximation), 2 GELU (erf).
 struct Params {
     n: u32,     // output elements
@@ -52,7 +53,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         out[i] = activate(gu[r * 2u * p.ffn + c]) * gu[r * 2u * p.ffn + p.ffn + c];
     } else if (p.mode == 1u) {
         out[i] = activate(out[i]);
-    } else {
+    } else if (p.mode == 2u) {
         out[i] = out[i] * p.s;
+    } else {
+        out[i] = p.s * tanh_safe(out[i] / p.s);
     }
 }

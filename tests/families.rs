@@ -15,7 +15,7 @@ use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
 use std::path::PathBuf;
 
 /// The families whose tiny models run today (one directory each in tests/data/tiny).
-const FAMILIES: &[&str] = &["mistral", "qwen3"];
+const FAMILIES: &[&str] = &["mistral", "qwen3", "gemma3", "phi3", "phi3-longrope"];
 
 fn tiny(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

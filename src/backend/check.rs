@@ -194,6 +194,9 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
             let mut sb = be.upload_f32(b)?;
             be.scale(&mut sb, 25.298221, rows * ffn)?;
             v.extend(be.download_f32(&sb)?);
+            let mut cb = be.upload_f32(gu)?;
+            be.softcap(&mut cb, 1.5, rows * ffn)?;
+            v.extend(be.download_f32(&cb)?);
             let mut ab = be.upload_f32(a)?;
             be.add_assign(&mut ab, &be.upload_f32(b)?, rows * ffn)?;
             v.extend(be.download_f32(&ab)?);
@@ -427,7 +430,7 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         ));
     }
     out.push((
-        "gated_act+act+scale+add".into(),
+        "gated_act+act+scale+softcap+add".into(),
         "9x1000".into(),
         1e-5,
         Case::Elementwise {

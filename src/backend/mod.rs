@@ -416,6 +416,9 @@ pub trait Backend: Send + Sync + 'static {
     /// `x[i] *= s` over the first `n` elements (Gemma's embedding scale).
     fn scale(&self, x: &mut Self::Buf, s: f32, n: usize) -> Result<()>;
 
+    /// `x[i] = cap · tanh(x[i] / cap)` over the first `n` elements (Gemma's final logits).
+    fn softcap(&self, x: &mut Self::Buf, cap: f32, n: usize) -> Result<()>;
+
     /// LayerNorm with bias: `out[r, :] = (x[r, :] - mean) / sqrt(var + eps) * w + b`, rows of
     /// length `dim` (GPT-2, Falcon).
     #[allow(clippy::too_many_arguments)]

@@ -109,6 +109,9 @@ macro_rules! stub_backend_impl {
             fn scale(&self, x: &mut Self::Buf, s: f32, n: usize) -> Result<()> {
                 match self.0 {}
             }
+            fn softcap(&self, x: &mut Self::Buf, cap: f32, n: usize) -> Result<()> {
+                match self.0 {}
+            }
             fn layer_norm(
                 &self,
                 x: &Self::Buf,

@@ -5,6 +5,19 @@ use serde_json::Value;
 use std::path::Path;
 
 pub use super::registry::Arch;
+use crate::backend::Activation;
+
+/// Phi-3's `longrope` (`su`) RoPE scaling: per-frequency factors for short and long contexts,
+/// and the cos/sin magnitude factor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LongRope {
+    pub short_factor: Vec<f64>,
+    pub long_factor: Vec<f64>,
+    pub original_max_position_embeddings: usize,
+    /// Multiplies cos and sin: `sqrt(1 + ln(scale) / ln(original))` with
+    /// `scale = max_position_embeddings / original`, or the config's `attention_factor`.
+    pub attention_factor: f64,
+}
 
 /// Llama 3's RoPE frequency scaling (`rope_scaling.rope_type == "llama3"`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -34,14 +47,40 @@ pub struct ModelConfig {
     pub attention_bias: bool,
     /// Every layer attends to its last `sliding_window` keys only (Mistral).
     pub sliding_window: Option<usize>,
-    /// Q and K heads are RMS-normalised before RoPE (Qwen3).
+    /// Q and K heads are RMS-normalised before RoPE (Qwen3, Gemma 3).
     pub qk_norm: bool,
+    /// Which layers use `sliding_window` (Gemma 3's local layers); empty: all of them.
+    pub sliding_layers: Vec<bool>,
+    /// The RoPE base of the sliding-window layers, where it differs (Gemma 3).
+    pub rope_theta_local: Option<f64>,
+    pub longrope: Option<LongRope>,
+    /// The MLP's activation.
+    pub hidden_act: Activation,
+    /// Attention scale; `None`: `1 / sqrt(head_dim)`.
+    pub attn_scale: Option<f64>,
+    /// Attention scores and final logits soft-capped as `cap · tanh(x / cap)` (Gemma).
+    pub attn_logit_softcap: Option<f64>,
+    pub final_logit_softcap: Option<f64>,
     pub bos_token_id: Option<u32>,
     /// Every token id that ends generation (`eos_token_id` may be a list in HF configs).
     pub eos_token_ids: Vec<u32>,
 }
 
 impl ModelConfig {
+    /// The sliding window of layer `l`, if it has one.
+    pub fn layer_window(&self, l: usize) -> Option<usize> {
+        match self.sliding_layers.get(l) {
+            Some(false) => None,
+            _ => self.sliding_window,
+        }
+    }
+
+    /// The attention scale.
+    pub fn attention_scale(&self) -> f32 {
+        self.attn_scale
+            .unwrap_or(1.0 / (self.head_dim as f64).sqrt()) as f32
+    }
+
     /// Checks the relations between hyper-parameters that the model code relies on.
     pub fn validate(&self) -> Result<()> {
         let c = self;
@@ -63,6 +102,21 @@ impl ModelConfig {
         }
         if c.sliding_window == Some(0) {
             bail!("sliding_window must be positive");
+        }
+        if !c.sliding_layers.is_empty() && c.sliding_layers.len() != c.num_layers {
+            bail!(
+                "{} layer types for {} layers",
+                c.sliding_layers.len(),
+                c.num_layers
+            );
+        }
+        for cap in [c.attn_logit_softcap, c.final_logit_softcap]
+            .into_iter()
+            .flatten()
+        {
+            if !(cap > 0.0 && cap.is_finite()) {
+                bail!("a logit soft-cap must be positive, got {cap}");
+            }
         }
         Ok(())
     }
@@ -120,8 +174,10 @@ impl ModelConfig {
                             .unwrap_or(8192)
                             as usize,
                     }),
-                    "default" | "" => None,
-                    other => bail!("rope_scaling of type '{other}' is not supported (only llama3)"),
+                    "default" | "" | "longrope" | "su" => None,
+                    other => {
+                        bail!("rope_scaling of type '{other}' is not supported (llama3, longrope)")
+                    }
                 }
             }
         };
@@ -154,11 +210,73 @@ impl ModelConfig {
             attention_bias: v["attention_bias"].as_bool().unwrap_or(false),
             sliding_window: None,
             qk_norm: false,
+            sliding_layers: Vec::new(),
+            rope_theta_local: None,
+            longrope: None,
+            hidden_act: match v["hidden_act"].as_str().or(v["hidden_activation"].as_str()) {
+                Some(a) => Activation::from_hf(a)?,
+                None => Activation::Silu,
+            },
+            attn_scale: None,
+            attn_logit_softcap: None,
+            final_logit_softcap: None,
             bos_token_id: v["bos_token_id"].as_u64().map(|x| x as u32),
             eos_token_ids,
         };
+        c.longrope = longrope(v, scaling, head_dim)?;
         (family.hf_config)(v, &mut c)?;
         c.validate()?;
         Ok(c)
     }
+}
+
+/// Phi-3's `longrope` (or `su`) scaling, when `scaling` says so.
+fn longrope(v: &Value, scaling: &Value, head_dim: usize) -> Result<Option<LongRope>> {
+    let ty = scaling["rope_type"]
+        .as_str()
+        .or(scaling["type"].as_str())
+        .unwrap_or_default();
+    if ty != "longrope" && ty != "su" {
+        return Ok(None);
+    }
+    if let Some(p) = scaling["partial_rotary_factor"]
+        .as_f64()
+        .or(v["partial_rotary_factor"].as_f64())
+        && p != 1.0
+    {
+        bail!("partial_rotary_factor {p} is not supported (only 1.0)");
+    }
+    let factors = |k: &str| -> Result<Vec<f64>> {
+        let a = scaling[k]
+            .as_array()
+            .with_context(|| format!("rope_scaling.{k} is missing"))?;
+        let f: Vec<f64> = a.iter().filter_map(Value::as_f64).collect();
+        if f.len() != head_dim / 2 || f.len() != a.len() {
+            bail!(
+                "rope_scaling.{k} has {} numbers, expected head_dim / 2 = {}",
+                a.len(),
+                head_dim / 2
+            );
+        }
+        Ok(f)
+    };
+    let original = scaling["original_max_position_embeddings"]
+        .as_u64()
+        .or(v["original_max_position_embeddings"].as_u64())
+        .context("longrope needs original_max_position_embeddings")? as usize;
+    let max = v["max_position_embeddings"]
+        .as_u64()
+        .context("longrope needs max_position_embeddings")? as usize;
+    let scale = max as f64 / original as f64;
+    let attention_factor = match scaling["attention_factor"].as_f64() {
+        Some(a) => a,
+        None if scale <= 1.0 => 1.0,
+        None => (1.0 + scale.ln() / (original as f64).ln()).sqrt(),
+    };
+    Ok(Some(LongRope {
+        short_factor: factors("short_factor")?,
+        long_factor: factors("long_factor")?,
+        original_max_position_embeddings: original,
+        attention_factor,
+    }))
 }

@@ -627,6 +627,13 @@ impl GgufFile {
             attention_bias: arch_name == "qwen2",
             sliding_window: None,
             qk_norm: false,
+            sliding_layers: Vec::new(),
+            rope_theta_local: None,
+            longrope: None,
+            hidden_act: crate::backend::Activation::Silu,
+            attn_scale: None,
+            attn_logit_softcap: None,
+            final_logit_softcap: None,
             bos_token_id,
             eos_token_ids,
         };
@@ -722,7 +729,7 @@ impl GgufFile {
         })
     }
 
-    fn load_hf(&self, info: &TensorInfo, permute: Option<QkPermute>) -> Result<HostTensor> {
+    fn load_hf(&self, info: &TensorInfo, fix: Option<GgufFix>) -> Result<HostTensor> {
         let shape = info
             .dims
             .iter()
@@ -730,17 +737,23 @@ impl GgufFile {
             .map(|&d| usize::try_from(d).map_err(|_| anyhow!("dimension {d} is too large")))
             .collect::<Result<Vec<usize>>>()?;
         let mut data = self.load_gguf_tensor(info)?;
-        if let Some(which) = permute
+        if fix == Some(GgufFix::SubtractOne) {
+            data.iter_mut().for_each(|x| *x -= 1.0);
+        }
+        if let Some(which) = fix
+            && which != GgufFix::SubtractOne
             && self.arch_str().ok() == Some("llama")
         {
             let a = "llama";
             let heads_key = match which {
-                QkPermute::Q => format!("{a}.attention.head_count"),
-                QkPermute::K => format!("{a}.attention.head_count_kv"),
+                GgufFix::UnpermuteQ => format!("{a}.attention.head_count"),
+                GgufFix::UnpermuteK | GgufFix::SubtractOne => {
+                    format!("{a}.attention.head_count_kv")
+                }
             };
             let n_head = match self.metadata.get(&heads_key).and_then(GgufValue::as_u64) {
                 Some(n) => n,
-                None if which == QkPermute::K => self
+                None if which == GgufFix::UnpermuteK => self
                     .metadata
                     .get(&format!("{a}.attention.head_count"))
                     .and_then(GgufValue::as_u64)
@@ -1075,15 +1088,20 @@ fn parse(data: &[u8]) -> Result<Parsed> {
     })
 }
 
+/// How a GGUF tensor differs from its HF counterpart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QkPermute {
-    Q,
-    K,
+pub enum GgufFix {
+    /// llama.cpp's row permutation of the Q projection of `llama` (undone on load).
+    UnpermuteQ,
+    /// The same for the K projection.
+    UnpermuteK,
+    /// Stored as `1 + w` (Gemma's RMSNorm weights): 1 is subtracted on load.
+    SubtractOne,
 }
 
 /// A GGUF tensor name, and whether it is a Q or K projection (weight or bias) stored in
 /// llama.cpp's permuted row order.
-pub type GgufTensorName = (String, Option<QkPermute>);
+pub type GgufTensorName = (String, Option<GgufFix>);
 
 /// The GGUF name of an HF tensor name in the Llama-like families (llama.cpp's `blk.N.*`).
 pub fn llama_tensor_name(hf: &str) -> Option<GgufTensorName> {
@@ -1107,8 +1125,8 @@ pub fn llama_tensor_name(hf: &str) -> Option<GgufTensorName> {
     let (part, permute) = match module {
         "input_layernorm" => ("attn_norm", None),
         "post_attention_layernorm" => ("ffn_norm", None),
-        "self_attn.q_proj" => ("attn_q", Some(QkPermute::Q)),
-        "self_attn.k_proj" => ("attn_k", Some(QkPermute::K)),
+        "self_attn.q_proj" => ("attn_q", Some(GgufFix::UnpermuteQ)),
+        "self_attn.k_proj" => ("attn_k", Some(GgufFix::UnpermuteK)),
         "self_attn.v_proj" => ("attn_v", None),
         "self_attn.o_proj" => ("attn_output", None),
         "self_attn.q_norm" => ("attn_q_norm", None),
@@ -1737,6 +1755,13 @@ mod tests {
             attention_bias: true, // blk.0.attn_q.bias exists
             sliding_window: None,
             qk_norm: false,
+            sliding_layers: Vec::new(),
+            rope_theta_local: None,
+            longrope: None,
+            hidden_act: crate::backend::Activation::Silu,
+            attn_scale: None,
+            attn_logit_softcap: None,
+            final_logit_softcap: None,
             bos_token_id: Some(0),
             eos_token_ids: vec![6, 7],
         };

@@ -10,7 +10,7 @@ use super::gguf::GgufFile;
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
 use super::{CausalLm, Uploader, stack};
-use crate::backend::{Activation, AttentionOptions, Backend, DeviceBatch, QkvLayout};
+use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
 use crate::tensor::DType;
 use anyhow::{Result, bail};
 use serde_json::Value;
@@ -97,34 +97,6 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
     Ok(())
 }
 
-/// Inverse frequencies of rotate-half RoPE, with Llama 3's scaling when configured.
-pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
-    let d = cfg.head_dim;
-    (0..d / 2)
-        .map(|i| {
-            let f = 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / d as f64);
-            match &cfg.rope_scaling {
-                None => f,
-                Some(s) => {
-                    let old = s.original_max_position_embeddings as f64;
-                    let low_wavelen = old / s.low_freq_factor;
-                    let high_wavelen = old / s.high_freq_factor;
-                    let wavelen = 2.0 * std::f64::consts::PI / f;
-                    if wavelen < high_wavelen {
-                        f
-                    } else if wavelen > low_wavelen {
-                        f / s.factor
-                    } else {
-                        let smooth = (old / wavelen - s.low_freq_factor)
-                            / (s.high_freq_factor - s.low_freq_factor);
-                        (1.0 - smooth) * f / s.factor + smooth * f
-                    }
-                }
-            }
-        })
-        .collect()
-}
-
 impl<B: Backend> Llama<B> {
     /// Uploads the weights. `max_positions` bounds the RoPE tables (the max model length).
     pub fn load(
@@ -151,11 +123,16 @@ impl<B: Backend> Llama<B> {
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}.");
             let n = |s: &str| format!("{p}{s}");
-            let wqkv = stack(vec![
-                up.fetch(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
-                up.fetch(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
-                up.fetch(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
-            ]);
+            // NOTE: Phi-3 stores the projections fused, in the order we stack them.
+            let qkv_rows = (h + 2 * hkv) * d;
+            let wqkv = match up.fetch_opt(&n("self_attn.qkv_proj.weight"), &[qkv_rows, hid])? {
+                Some(t) => t,
+                None => stack(vec![
+                    up.fetch(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
+                    up.fetch(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
+                    up.fetch(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
+                ]),
+            };
             let bqkv = if c.attention_bias {
                 let b = stack(vec![
                     up.fetch(&n("self_attn.q_proj.bias"), &[h * d])?,
@@ -174,10 +151,13 @@ impl<B: Backend> Llama<B> {
             } else {
                 (None, None)
             };
-            let gate_up = stack(vec![
-                up.fetch(&n("mlp.gate_proj.weight"), &[f, hid])?,
-                up.fetch(&n("mlp.up_proj.weight"), &[f, hid])?,
-            ]);
+            let gate_up = match up.fetch_opt(&n("mlp.gate_up_proj.weight"), &[2 * f, hid])? {
+                Some(t) => t,
+                None => stack(vec![
+                    up.fetch(&n("mlp.gate_proj.weight"), &[f, hid])?,
+                    up.fetch(&n("mlp.up_proj.weight"), &[f, hid])?,
+                ]),
+            };
             layers.push(Layer {
                 attn_norm: up.weight(&n("input_layernorm.weight"), &[hid], DType::F32)?,
                 wqkv: up.upload(&wqkv, dtype)?,
@@ -202,16 +182,7 @@ impl<B: Backend> Llama<B> {
             }
         };
         progress(total, total);
-        let inv = rope_inv_freq(c);
-        let mut cos = Vec::with_capacity(max_positions * d / 2);
-        let mut sin = Vec::with_capacity(max_positions * d / 2);
-        for p in 0..max_positions {
-            for &fq in &inv {
-                let a = p as f64 * fq;
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
-            }
-        }
+        let (cos, sin) = super::rope::tables(c, c.rope_theta, max_positions);
         Ok(Llama {
             cfg: c.clone(),
             embed,
@@ -241,13 +212,14 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
     }
 
     fn kv_spec(&self) -> Vec<LayerKvSpec> {
-        let l = LayerKvSpec {
-            num_kv_heads: self.cfg.num_kv_heads,
-            head_dim: self.cfg.head_dim,
-            dtype: DType::F32,
-            sliding_window: self.cfg.sliding_window,
-        };
-        vec![l; self.cfg.num_layers]
+        (0..self.cfg.num_layers)
+            .map(|l| LayerKvSpec {
+                num_kv_heads: self.cfg.num_kv_heads,
+                head_dim: self.cfg.head_dim,
+                dtype: DType::F32,
+                sliding_window: self.cfg.layer_window(l),
+            })
+            .collect()
     }
 
     fn weight_bytes(&self) -> u64 {
@@ -273,11 +245,6 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
         let (hid, f) = (c.hidden_size, c.intermediate_size);
         let ql = self.qkv_layout();
         let eps = c.rms_norm_eps as f32;
-        let attn_opts = AttentionOptions {
-            scale: 1.0 / (c.head_dim as f32).sqrt(),
-            sliding_window: c.sliding_window,
-            logit_softcap: None,
-        };
 
         let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
         let mut h = backend.alloc_f32(t * hid)?; // [T, hidden]
@@ -316,13 +283,17 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
                 &mut kv.v[l],
                 layout,
             )?;
-            backend.paged_attention(
-                &qkv, &kv.k[l], &kv.v[l], batch, ql, layout, attn_opts, &mut attn,
-            )?;
+            let opts = AttentionOptions {
+                scale: c.attention_scale(),
+                sliding_window: c.layer_window(l),
+                logit_softcap: c.attn_logit_softcap.map(|x| x as f32),
+            };
+            backend
+                .paged_attention(&qkv, &kv.k[l], &kv.v[l], batch, ql, layout, opts, &mut attn)?;
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
             backend.add_rms_norm(&mut x, &o, &w.mlp_norm, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_gate_up, None, t, hid, 2 * f, &mut gu)?;
-            backend.gated_act(&gu, t, f, Activation::Silu, &mut act)?;
+            backend.gated_act(&gu, t, f, c.hidden_act, &mut act)?;
             backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
             match self.layers.get(l + 1) {
                 Some(next) => {

@@ -2,11 +2,14 @@
 //! tokenizer with its chat template, the registry of families, and one file per family.
 
 pub mod config;
+pub mod gemma3;
 pub mod gguf;
 pub mod kv_cache;
 pub mod llama;
 pub mod loader;
+pub mod phi3;
 pub mod registry;
+pub mod rope;
 pub mod tokenizer;
 
 pub use config::ModelConfig;

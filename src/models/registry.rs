@@ -8,6 +8,7 @@
 
 use super::CausalLm;
 use super::config::ModelConfig;
+use super::gemma3::Gemma3;
 use super::gguf::{GgufFile, GgufTensorName};
 use super::llama::Llama;
 use super::loader::WeightSource;
@@ -27,6 +28,10 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: Llama with per-head RMSNorm of Q and K before RoPE.
     Qwen3,
+    /// Phi-3: Llama with fused projections and longrope.
+    Phi3,
+    /// Gemma 3: local and global layers, four norms per layer, GeGLU.
+    Gemma3,
 }
 
 /// One family's entry.
@@ -82,6 +87,24 @@ pub static FAMILIES: &[Family] = &[
         hf_config: super::llama::hf_config_qwen3,
         gguf_config: super::llama::gguf_config,
         gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+    Family {
+        arch: Arch::Phi3,
+        name: "phi3",
+        hf_model_types: &["phi3"],
+        gguf_architectures: &[],
+        hf_config: super::phi3::hf_config,
+        gguf_config: super::llama::gguf_config,
+        gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+    Family {
+        arch: Arch::Gemma3,
+        name: "gemma3",
+        hf_model_types: &["gemma3_text"],
+        gguf_architectures: &["gemma3"],
+        hf_config: super::gemma3::hf_config,
+        gguf_config: super::gemma3::gguf_config,
+        gguf_tensor_name: super::gemma3::gguf_tensor_name,
     },
 ];
 
@@ -145,7 +168,7 @@ pub fn load<B: Backend>(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn CausalLm<B>>> {
     Ok(match cfg.arch {
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => Box::new(Llama::load(
+        Arch::Gemma3 => Box::new(Gemma3::load(
             backend,
             cfg,
             src,
@@ -153,6 +176,9 @@ pub fn load<B: Backend>(
             max_positions,
             progress,
         )?),
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => Box::new(
+            Llama::load(backend, cfg, src, dtype, max_positions, progress)?,
+        ),
     })
 }
 

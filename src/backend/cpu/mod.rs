@@ -353,6 +353,16 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn softcap(&self, x: &mut CpuBuf, cap: f32, n: usize) -> Result<()> {
+        let x = x.f32_mut()?;
+        ensure!(x.len() >= n, "softcap: buffer too small");
+        ensure!(cap > 0.0, "softcap: the cap must be positive");
+        x[..n]
+            .par_chunks_mut(4096)
+            .for_each(|c| c.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh()));
+        Ok(())
+    }
+
     fn layer_norm(
         &self,
         x: &CpuBuf,

@@ -1020,6 +1020,18 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         )
     }
 
+    fn softcap(&self, x: &mut GpuBuf<R>, cap: f32, n: usize) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "softcap x")?;
+        ensure!(x.len >= n, "softcap: buffer too small");
+        ensure!(cap > 0.0, "softcap: the cap must be positive");
+        self.elementwise(
+            "softcap_f32",
+            n,
+            &[Arg::P(x.ptr()), u32_arg(n, "n")?, Arg::F(cap)],
+        )
+    }
+
     fn layer_norm(
         &self,
         x: &GpuBuf<R>,

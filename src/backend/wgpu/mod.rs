@@ -255,7 +255,8 @@ impl WgpuBackend {
         self.grid_groups(threads.div_ceil(64))
     }
 
-    /// `act.wgsl` in one of its in-place modes (1: activation, 2: scale) over `n` elements.
+    /// `act.wgsl` in one of its in-place modes (1: activation, 2: scale, 3: soft-cap) over
+    /// `n` elements.
     fn elementwise_in_place(
         &self,
         x: &mut WgpuBuf,
@@ -835,6 +836,11 @@ impl Backend for WgpuBackend {
 
     fn scale(&self, x: &mut WgpuBuf, s: f32, n: usize) -> Result<()> {
         self.elementwise_in_place(x, n, 2, 0, s)
+    }
+
+    fn softcap(&self, x: &mut WgpuBuf, cap: f32, n: usize) -> Result<()> {
+        ensure!(cap > 0.0, "softcap: the cap must be positive");
+        self.elementwise_in_place(x, n, 3, 0, cap)
     }
 
     fn layer_norm(

@@ -1,0 +1,377 @@
+//! Gemma 3 (`gemma3_text`, GGUF `gemma3`): RMSNorms that scale by `1 + w`, four of them per
+//! layer (before and after attention, before and after the MLP), per-head Q/K norms, embeddings
+//! scaled by `sqrt(hidden)`, GeGLU (GELU tanh), interleaved local layers (sliding window, their
+//! own RoPE base) and global ones, the attention scale `query_pre_attn_scalar^-1/2`, and
+//! optional soft-capping of attention scores and final logits.
+//!
+//! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = query heads,
+//! Hkv = kv heads, D = head_dim, F = intermediate size.
+
+use super::config::ModelConfig;
+use super::gguf::GgufFile;
+use super::kv_cache::{KvCache, LayerKvSpec};
+use super::loader::WeightSource;
+use super::{CausalLm, Uploader, stack};
+use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
+use crate::tensor::{DType, HostTensor};
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+/// The RoPE base of local layers where the config does not say (google/gemma-3 configs).
+const LOCAL_ROPE_THETA: f64 = 10_000.0;
+/// Every `SLIDING_PATTERN`-th layer is global where the config does not list layer types.
+const SLIDING_PATTERN: usize = 6;
+
+fn sliding_by_pattern(layers: usize, pattern: usize) -> Vec<bool> {
+    (0..layers).map(|i| (i + 1) % pattern != 0).collect()
+}
+
+pub fn hf_config(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    c.qk_norm = true;
+    c.sliding_window = match v["sliding_window"].as_u64() {
+        Some(w) if w > 0 => Some(w as usize),
+        _ => bail!("gemma3_text needs a positive sliding_window"),
+    };
+    c.sliding_layers = match &v["layer_types"] {
+        Value::Array(a) => a
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => bail!("layer_types has an unknown entry {t}"),
+            })
+            .collect::<Result<_>>()?,
+        _ => {
+            let p = v["sliding_window_pattern"]
+                .as_u64()
+                .or(v["_sliding_window_pattern"].as_u64())
+                .unwrap_or(SLIDING_PATTERN as u64) as usize;
+            if p == 0 {
+                bail!("sliding_window_pattern must be positive");
+            }
+            sliding_by_pattern(c.num_layers, p)
+        }
+    };
+    // transformers 5: rope_parameters per layer type; before: rope_theta and
+    // rope_local_base_freq.
+    let rp = &v["rope_parameters"];
+    if let Some(t) = rp["full_attention"]["rope_theta"].as_f64() {
+        c.rope_theta = t;
+    }
+    c.rope_theta_local = Some(
+        rp["sliding_attention"]["rope_theta"]
+            .as_f64()
+            .or(v["rope_local_base_freq"].as_f64())
+            .unwrap_or(LOCAL_ROPE_THETA),
+    );
+    for (k, what) in [
+        (&rp["full_attention"], "full_attention"),
+        (&rp["sliding_attention"], "sliding_attention"),
+    ] {
+        if let Some(t) = k["rope_type"].as_str()
+            && t != "default"
+        {
+            bail!("rope_parameters.{what}.rope_type '{t}' is not supported for gemma3 yet");
+        }
+    }
+    let q = v["query_pre_attn_scalar"]
+        .as_f64()
+        .unwrap_or(c.head_dim as f64);
+    c.attn_scale = Some(q.powf(-0.5));
+    c.attn_logit_softcap = v["attn_logit_softcapping"].as_f64();
+    c.final_logit_softcap = v["final_logit_softcapping"].as_f64();
+    if v["hidden_activation"].is_null() && v["hidden_act"].is_null() {
+        c.hidden_act = crate::backend::Activation::GeluTanh;
+    }
+    c.tie_word_embeddings = v["tie_word_embeddings"].as_bool().unwrap_or(true);
+    Ok(())
+}
+
+/// llama.cpp's `gemma3` keys: the window, the pattern of 6, the local base of 10000 and the
+/// scale `1 / sqrt(head_dim)` are fixed by llama.cpp for the sizes it converts (not stored).
+pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> {
+    let key = format!("{arch}.attention.sliding_window");
+    let w = g
+        .metadata()
+        .get(&key)
+        .and_then(|v| v.as_u64())
+        .with_context(|| format!("a {arch} model needs the integer metadata '{key}'"))?;
+    if w == 0 {
+        bail!("metadata '{key}' must be positive");
+    }
+    c.sliding_window = Some(w as usize);
+    c.sliding_layers = sliding_by_pattern(c.num_layers, SLIDING_PATTERN);
+    c.rope_theta_local = Some(LOCAL_ROPE_THETA);
+    c.qk_norm = true;
+    c.attn_scale = Some((c.head_dim as f64).powf(-0.5));
+    c.hidden_act = crate::backend::Activation::GeluTanh;
+    if g.tensor_info("blk.0.attn_q_norm.weight").is_none() {
+        bail!("a {arch} model needs Q/K norms, but the file has no blk.0.attn_q_norm.weight");
+    }
+    Ok(())
+}
+
+/// llama.cpp's names for Gemma 3's tensors; its RMSNorm weights are stored as `1 + w`.
+pub fn gguf_tensor_name(hf: &str) -> Option<super::gguf::GgufTensorName> {
+    use super::gguf::GgufFix;
+    let (name, _) = match hf {
+        "model.embed_tokens.weight" => ("token_embd.weight".to_string(), None::<()>),
+        "model.norm.weight" => ("output_norm.weight".to_string(), None),
+        _ => {
+            let rest = hf.strip_prefix("model.layers.")?;
+            let (idx, rest) = rest.split_once('.')?;
+            let layer: usize = idx.parse().ok()?;
+            if layer.to_string() != idx {
+                return None;
+            }
+            let part = match rest {
+                "input_layernorm.weight" => "attn_norm",
+                "post_attention_layernorm.weight" => "post_attention_norm",
+                "pre_feedforward_layernorm.weight" => "ffn_norm",
+                "post_feedforward_layernorm.weight" => "post_ffw_norm",
+                "self_attn.q_norm.weight" => "attn_q_norm",
+                "self_attn.k_norm.weight" => "attn_k_norm",
+                "self_attn.q_proj.weight" => "attn_q",
+                "self_attn.k_proj.weight" => "attn_k",
+                "self_attn.v_proj.weight" => "attn_v",
+                "self_attn.o_proj.weight" => "attn_output",
+                "mlp.gate_proj.weight" => "ffn_gate",
+                "mlp.up_proj.weight" => "ffn_up",
+                "mlp.down_proj.weight" => "ffn_down",
+                _ => return None,
+            };
+            (format!("blk.{layer}.{part}.weight"), None)
+        }
+    };
+    let fix = name
+        .ends_with("norm.weight")
+        .then_some(GgufFix::SubtractOne);
+    Some((name, fix))
+}
+
+struct Layer<B: Backend> {
+    in_norm: B::Buf,        // [hidden] f32, 1 + w
+    wqkv: B::Buf,           // [(H + 2 Hkv) D, hidden]
+    q_norm: B::Buf,         // [D] f32, 1 + w
+    k_norm: B::Buf,         // [D] f32, 1 + w
+    wo: B::Buf,             // [hidden, H D]
+    post_attn_norm: B::Buf, // [hidden] f32, 1 + w
+    pre_ffn_norm: B::Buf,   // [hidden] f32, 1 + w
+    w_gate_up: B::Buf,      // [2 F, hidden]
+    w_down: B::Buf,         // [hidden, F]
+    post_ffn_norm: B::Buf,  // [hidden] f32, 1 + w
+}
+
+pub struct Gemma3<B: Backend> {
+    cfg: ModelConfig,
+    embed: B::Buf, // [vocab, hidden]; also the lm_head
+    layers: Vec<Layer<B>>,
+    norm: B::Buf, // [hidden] f32, 1 + w
+    lm_head: Option<B::Buf>,
+    /// RoPE tables `[max_positions, D / 2]`: global layers, then local ones.
+    rope_global: (B::Buf, B::Buf),
+    rope_local: (B::Buf, B::Buf),
+    max_positions: usize,
+    weight_bytes: u64,
+    num_params: u64,
+}
+
+/// Gemma's RMSNorm scales by `1 + w`: the weight is uploaded with the 1 added.
+fn plus_one(mut t: HostTensor) -> HostTensor {
+    t.data.iter_mut().for_each(|x| *x += 1.0);
+    t
+}
+
+impl<B: Backend> Gemma3<B> {
+    pub fn load(
+        backend: &B,
+        cfg: &ModelConfig,
+        src: &dyn WeightSource,
+        dtype: DType,
+        max_positions: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let c = cfg;
+        let (h, hkv, d, hid, f) = (
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.hidden_size,
+            c.intermediate_size,
+        );
+        let total = c.num_layers + 2;
+        let mut up = Uploader::new(backend, src);
+        let norm = |up: &mut Uploader<B>, name: &str, dim: usize| -> Result<B::Buf> {
+            let t = plus_one(up.fetch(name, &[dim])?);
+            up.upload(&t, DType::F32)
+        };
+        let embed = up.weight("model.embed_tokens.weight", &[c.vocab_size, hid], dtype)?;
+        progress(1, total);
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let n = |s: &str| format!("model.layers.{i}.{s}");
+            let wqkv = stack(vec![
+                up.fetch(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
+                up.fetch(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
+                up.fetch(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
+            ]);
+            let gate_up = stack(vec![
+                up.fetch(&n("mlp.gate_proj.weight"), &[f, hid])?,
+                up.fetch(&n("mlp.up_proj.weight"), &[f, hid])?,
+            ]);
+            layers.push(Layer {
+                in_norm: norm(&mut up, &n("input_layernorm.weight"), hid)?,
+                wqkv: up.upload(&wqkv, dtype)?,
+                q_norm: norm(&mut up, &n("self_attn.q_norm.weight"), d)?,
+                k_norm: norm(&mut up, &n("self_attn.k_norm.weight"), d)?,
+                wo: up.weight(&n("self_attn.o_proj.weight"), &[hid, h * d], dtype)?,
+                post_attn_norm: norm(&mut up, &n("post_attention_layernorm.weight"), hid)?,
+                pre_ffn_norm: norm(&mut up, &n("pre_feedforward_layernorm.weight"), hid)?,
+                w_gate_up: up.upload(&gate_up, dtype)?,
+                w_down: up.weight(&n("mlp.down_proj.weight"), &[hid, f], dtype)?,
+                post_ffn_norm: norm(&mut up, &n("post_feedforward_layernorm.weight"), hid)?,
+            });
+            progress(i + 2, total);
+        }
+        let final_norm = norm(&mut up, "model.norm.weight", hid)?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(up.weight("lm_head.weight", &[c.vocab_size, hid], dtype)?)
+        };
+        progress(total, total);
+        let tables = |theta: f64| -> Result<(B::Buf, B::Buf)> {
+            let (cos, sin) = super::rope::tables(c, theta, max_positions);
+            Ok((backend.upload_f32(&cos)?, backend.upload_f32(&sin)?))
+        };
+        let rope_global = tables(c.rope_theta)?;
+        let rope_local = tables(c.rope_theta_local.unwrap_or(c.rope_theta))?;
+        Ok(Gemma3 {
+            cfg: c.clone(),
+            embed,
+            layers,
+            norm: final_norm,
+            lm_head,
+            rope_global,
+            rope_local,
+            max_positions,
+            weight_bytes: up.bytes,
+            num_params: up.params,
+        })
+    }
+}
+
+impl<B: Backend> CausalLm<B> for Gemma3<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn kv_spec(&self) -> Vec<LayerKvSpec> {
+        (0..self.cfg.num_layers)
+            .map(|l| LayerKvSpec {
+                num_kv_heads: self.cfg.num_kv_heads,
+                head_dim: self.cfg.head_dim,
+                dtype: DType::F32,
+                sliding_window: self.cfg.layer_window(l),
+            })
+            .collect()
+    }
+
+    fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    fn num_params(&self) -> u64 {
+        self.num_params
+    }
+
+    fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
+        let c = &self.cfg;
+        let t = batch.host.num_tokens();
+        let r = batch.host.logits_rows.len();
+        if let Some(&p) = batch.host.positions.iter().max()
+            && p as usize >= self.max_positions
+        {
+            bail!(
+                "position {p} is beyond the maximum model length {}",
+                self.max_positions
+            );
+        }
+        let (hid, f) = (c.hidden_size, c.intermediate_size);
+        let ql = QkvLayout {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let eps = c.rms_norm_eps as f32;
+
+        let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
+        let mut h = backend.alloc_f32(t * hid)?; // [T, hidden] normed input of a block
+        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D]
+        let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
+        let mut gu = backend.alloc_f32(t * 2 * f)?; // [T, 2 F]
+        let mut act = backend.alloc_f32(t * f)?; // [T, F]
+        let mut o = backend.alloc_f32(t * hid)?; // [T, hidden] output of o_proj / down_proj
+        let mut on = backend.alloc_f32(t * hid)?; // [T, hidden] that output, normed
+
+        backend.embedding(&self.embed, &batch.token_ids, hid, &mut x)?;
+        // NOTE: transformers rounds sqrt(hidden) to the embedding's dtype; ours is f32.
+        backend.scale(&mut x, (hid as f32).sqrt(), t * hid)?;
+        if let Some(first) = self.layers.first() {
+            backend.rms_norm(&x, &first.in_norm, t, hid, eps, &mut h)?;
+        }
+        for (l, w) in self.layers.iter().enumerate() {
+            let window = c.layer_window(l);
+            let (cos, sin) = match window {
+                Some(_) => &self.rope_local,
+                None => &self.rope_global,
+            };
+            backend.matmul(&h, &w.wqkv, None, t, hid, ql.row_len(), &mut qkv)?;
+            backend.qk_norm(&mut qkv, &w.q_norm, &w.k_norm, t, ql, eps)?;
+            backend.rope(&mut qkv, &batch.positions, cos, sin, t, ql)?;
+            let layout = kv.layouts[l];
+            backend.write_kv(
+                &qkv,
+                &batch.slot_mapping,
+                t,
+                ql,
+                &mut kv.k[l],
+                &mut kv.v[l],
+                layout,
+            )?;
+            let opts = AttentionOptions {
+                scale: c.attention_scale(),
+                sliding_window: window,
+                logit_softcap: c.attn_logit_softcap.map(|x| x as f32),
+            };
+            backend
+                .paged_attention(&qkv, &kv.k[l], &kv.v[l], batch, ql, layout, opts, &mut attn)?;
+            backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
+            // x += post_attn_norm(o); h = pre_ffn_norm(x)
+            backend.rms_norm(&o, &w.post_attn_norm, t, hid, eps, &mut on)?;
+            backend.add_rms_norm(&mut x, &on, &w.pre_ffn_norm, t, hid, eps, &mut h)?;
+            backend.matmul(&h, &w.w_gate_up, None, t, hid, 2 * f, &mut gu)?;
+            backend.gated_act(&gu, t, f, c.hidden_act, &mut act)?;
+            backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
+            // x += post_ffn_norm(o); h = the next layer's input norm of x
+            backend.rms_norm(&o, &w.post_ffn_norm, t, hid, eps, &mut on)?;
+            match self.layers.get(l + 1) {
+                Some(next) => {
+                    backend.add_rms_norm(&mut x, &on, &next.in_norm, t, hid, eps, &mut h)?
+                }
+                None => backend.add_assign(&mut x, &on, t * hid)?,
+            }
+        }
+        let mut xs = backend.alloc_f32(r * hid)?; // [R, hidden]
+        backend.gather_rows(&x, &batch.logits_rows, hid, &mut xs)?;
+        let mut xn = backend.alloc_f32(r * hid)?;
+        backend.rms_norm(&xs, &self.norm, r, hid, eps, &mut xn)?;
+        let mut logits = backend.alloc_f32(r * c.vocab_size)?; // [R, vocab]
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        backend.matmul(&xn, head, None, r, hid, c.vocab_size, &mut logits)?;
+        if let Some(cap) = c.final_logit_softcap {
+            backend.softcap(&mut logits, cap as f32, r * c.vocab_size)?;
+        }
+        Ok(logits)
+    }
+}
