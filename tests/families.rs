@@ -15,7 +15,16 @@ use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
 use std::path::PathBuf;
 
 /// The families whose tiny models run today (one directory each in tests/data/tiny).
-const FAMILIES: &[&str] = &["mistral", "qwen3", "gemma3", "phi3", "phi3-longrope"];
+const FAMILIES: &[&str] = &[
+    "mistral",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "phi3-longrope",
+    "gpt2",
+    "falcon",
+    "falcon-new",
+];
 
 fn tiny(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -59,6 +59,8 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 }
 
 /// The inputs of one op case, built once and run on both backends.
+// NOTE: a few dozen cases are built once per check; their sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Case {
     Matmul {
         dtype: DType,

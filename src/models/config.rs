@@ -61,6 +61,9 @@ pub struct ModelConfig {
     /// Attention scores and final logits soft-capped as `cap · tanh(x / cap)` (Gemma).
     pub attn_logit_softcap: Option<f64>,
     pub final_logit_softcap: Option<f64>,
+    /// Settings only one family has, recorded by its config hook and read by its model (so a
+    /// new family needs no new field here).
+    pub extra: Value,
     pub bos_token_id: Option<u32>,
     /// Every token id that ends generation (`eos_token_id` may be a list in HF configs).
     pub eos_token_ids: Vec<u32>,
@@ -135,6 +138,9 @@ impl ModelConfig {
             None | Some("") => bail!("config.json has no model_type"),
             Some(t) => super::registry::by_hf_model_type(t)?,
         };
+        let mut v = v.clone();
+        (family.hf_prepare)(&mut v)?;
+        let v = &v;
         let req = |k: &str| -> Result<usize> {
             v[k].as_u64()
                 .map(|x| x as usize)
@@ -220,6 +226,7 @@ impl ModelConfig {
             attn_scale: None,
             attn_logit_softcap: None,
             final_logit_softcap: None,
+            extra: Value::Null,
             bos_token_id: v["bos_token_id"].as_u64().map(|x| x as u32),
             eos_token_ids,
         };

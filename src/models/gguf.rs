@@ -634,6 +634,7 @@ impl GgufFile {
             attn_scale: None,
             attn_logit_softcap: None,
             final_logit_softcap: None,
+            extra: serde_json::Value::Null,
             bos_token_id,
             eos_token_ids,
         };
@@ -1762,6 +1763,7 @@ mod tests {
             attn_scale: None,
             attn_logit_softcap: None,
             final_logit_softcap: None,
+            extra: serde_json::Value::Null,
             bos_token_id: Some(0),
             eos_token_ids: vec![6, 7],
         };

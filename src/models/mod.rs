@@ -2,8 +2,10 @@
 //! tokenizer with its chat template, the registry of families, and one file per family.
 
 pub mod config;
+pub mod falcon;
 pub mod gemma3;
 pub mod gguf;
+pub mod gpt2;
 pub mod kv_cache;
 pub mod llama;
 pub mod loader;

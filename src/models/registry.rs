@@ -8,8 +8,10 @@
 
 use super::CausalLm;
 use super::config::ModelConfig;
+use super::falcon::Falcon;
 use super::gemma3::Gemma3;
 use super::gguf::{GgufFile, GgufTensorName};
+use super::gpt2::Gpt2;
 use super::llama::Llama;
 use super::loader::WeightSource;
 use crate::backend::Backend;
@@ -32,6 +34,10 @@ pub enum Arch {
     Phi3,
     /// Gemma 3: local and global layers, four norms per layer, GeGLU.
     Gemma3,
+    /// GPT-2: learned positions, LayerNorm, a plain GELU MLP, biases everywhere.
+    Gpt2,
+    /// Falcon: attention and MLP in parallel off LayerNorm, multi-query or grouped KV.
+    Falcon,
 }
 
 /// One family's entry.
@@ -43,6 +49,9 @@ pub struct Family {
     pub hf_model_types: &'static [&'static str],
     /// GGUF `general.architecture`s read as this family.
     pub gguf_architectures: &'static [&'static str],
+    /// Renames the family's own `config.json` keys to the common ones (`n_embd` to
+    /// `hidden_size`, ...) before the common fields are read.
+    pub hf_prepare: fn(&mut Value) -> Result<()>,
     /// Reads the family's own `config.json` fields into a config whose common fields are set.
     pub hf_config: fn(&Value, &mut ModelConfig) -> Result<()>,
     /// Reads the family's own GGUF metadata (`{arch}.*` keys) likewise.
@@ -57,6 +66,7 @@ pub static FAMILIES: &[Family] = &[
         name: "llama",
         hf_model_types: &["llama"],
         gguf_architectures: &["llama"],
+        hf_prepare: no_renames,
         hf_config: super::llama::hf_config_llama,
         gguf_config: super::llama::gguf_config,
         gguf_tensor_name: super::gguf::llama_tensor_name,
@@ -66,6 +76,7 @@ pub static FAMILIES: &[Family] = &[
         name: "mistral",
         hf_model_types: &["mistral"],
         gguf_architectures: &[],
+        hf_prepare: no_renames,
         hf_config: super::llama::hf_config_mistral,
         gguf_config: super::llama::gguf_config,
         gguf_tensor_name: super::gguf::llama_tensor_name,
@@ -75,6 +86,7 @@ pub static FAMILIES: &[Family] = &[
         name: "qwen2",
         hf_model_types: &["qwen2"],
         gguf_architectures: &["qwen2"],
+        hf_prepare: no_renames,
         hf_config: super::llama::hf_config_qwen2,
         gguf_config: super::llama::gguf_config,
         gguf_tensor_name: super::gguf::llama_tensor_name,
@@ -84,6 +96,7 @@ pub static FAMILIES: &[Family] = &[
         name: "qwen3",
         hf_model_types: &["qwen3"],
         gguf_architectures: &["qwen3"],
+        hf_prepare: no_renames,
         hf_config: super::llama::hf_config_qwen3,
         gguf_config: super::llama::gguf_config,
         gguf_tensor_name: super::gguf::llama_tensor_name,
@@ -93,6 +106,7 @@ pub static FAMILIES: &[Family] = &[
         name: "phi3",
         hf_model_types: &["phi3"],
         gguf_architectures: &[],
+        hf_prepare: no_renames,
         hf_config: super::phi3::hf_config,
         gguf_config: super::llama::gguf_config,
         gguf_tensor_name: super::gguf::llama_tensor_name,
@@ -102,11 +116,41 @@ pub static FAMILIES: &[Family] = &[
         name: "gemma3",
         hf_model_types: &["gemma3_text"],
         gguf_architectures: &["gemma3"],
+        hf_prepare: no_renames,
         hf_config: super::gemma3::hf_config,
         gguf_config: super::gemma3::gguf_config,
         gguf_tensor_name: super::gemma3::gguf_tensor_name,
     },
+    Family {
+        arch: Arch::Gpt2,
+        name: "gpt2",
+        hf_model_types: &["gpt2"],
+        gguf_architectures: &[],
+        hf_prepare: super::gpt2::hf_prepare,
+        hf_config: super::gpt2::hf_config,
+        gguf_config: no_gguf,
+        gguf_tensor_name: |_| None,
+    },
+    Family {
+        arch: Arch::Falcon,
+        name: "falcon",
+        hf_model_types: &["falcon"],
+        gguf_architectures: &[],
+        hf_prepare: super::falcon::hf_prepare,
+        hf_config: super::falcon::hf_config,
+        gguf_config: no_gguf,
+        gguf_tensor_name: |_| None,
+    },
 ];
+
+fn no_renames(_: &mut Value) -> Result<()> {
+    Ok(())
+}
+
+/// For families read from HF directories only (never called: they list no GGUF architecture).
+fn no_gguf(_: &GgufFile, arch: &str, _: &mut ModelConfig) -> Result<()> {
+    bail!("{arch} models are read from HF directories only")
+}
 
 impl Arch {
     pub fn family(self) -> &'static Family {
@@ -169,6 +213,22 @@ pub fn load<B: Backend>(
 ) -> Result<Box<dyn CausalLm<B>>> {
     Ok(match cfg.arch {
         Arch::Gemma3 => Box::new(Gemma3::load(
+            backend,
+            cfg,
+            src,
+            dtype,
+            max_positions,
+            progress,
+        )?),
+        Arch::Gpt2 => Box::new(Gpt2::load(
+            backend,
+            cfg,
+            src,
+            dtype,
+            max_positions,
+            progress,
+        )?),
+        Arch::Falcon => Box::new(Falcon::load(
             backend,
             cfg,
             src,

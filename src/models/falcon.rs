@@ -1,0 +1,359 @@
+//! Falcon (`falcon`): attention and MLP in parallel off the block's LayerNorm (two LayerNorms,
+//! `ln_attn` and `ln_mlp`, in the new decoder architecture), multi-query or grouped KV, RoPE,
+//! a plain GELU MLP, optional biases, tied embeddings. ALiBi variants are refused.
+//!
+//! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = query heads,
+//! Hkv = kv heads, D = head_dim, F = ffn size.
+
+use super::config::ModelConfig;
+use super::kv_cache::{KvCache, LayerKvSpec};
+use super::loader::WeightSource;
+use super::{CausalLm, Uploader};
+use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
+use crate::tensor::{DType, HostTensor};
+use anyhow::{Result, bail};
+use serde_json::{Value, json};
+
+/// Falcon's own config keys, copied to the common names; the KV heads follow transformers:
+/// `num_kv_heads` in the new architecture, 1 with `multi_query`, else one per query head.
+pub fn hf_prepare(v: &mut Value) -> Result<()> {
+    if v["alibi"].as_bool() == Some(true) {
+        bail!("Falcon with alibi: true is not supported (only rotary positions)");
+    }
+    let hidden = v["hidden_size"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("config.json lacks the integer 'hidden_size'"))?;
+    v["intermediate_size"] = match v["ffn_hidden_size"].as_u64() {
+        Some(f) => f.into(),
+        None => (4 * hidden).into(),
+    };
+    let new_arch = v["new_decoder_architecture"].as_bool().unwrap_or(false);
+    v["num_key_value_heads"] = if new_arch {
+        v["num_kv_heads"].clone()
+    } else if v["multi_query"].as_bool().unwrap_or(true) {
+        1.into()
+    } else {
+        v["num_attention_heads"].clone()
+    };
+    for (from, to) in [
+        ("layer_norm_epsilon", "rms_norm_eps"),
+        ("activation", "hidden_act"),
+    ] {
+        if !v[from].is_null() {
+            v[to] = v[from].clone();
+        }
+    }
+    if v["hidden_act"].is_null() {
+        v["hidden_act"] = "gelu".into();
+    }
+    if v["tie_word_embeddings"].is_null() {
+        v["tie_word_embeddings"] = true.into();
+    }
+    Ok(())
+}
+
+pub fn hf_config(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    let new_arch = v["new_decoder_architecture"].as_bool().unwrap_or(false);
+    let parallel = v["parallel_attn"].as_bool().unwrap_or(true);
+    // transformers: two LayerNorms in the new architecture unless num_ln_in_parallel_attn is 1
+    let two_norms = new_arch && v["num_ln_in_parallel_attn"].as_u64().unwrap_or(2) == 2;
+    c.extra = json!({
+        "new_decoder_architecture": new_arch,
+        "parallel_attn": parallel || new_arch,
+        "two_norms": two_norms,
+        "bias": v["bias"].as_bool().unwrap_or(false),
+        "multi_query": v["multi_query"].as_bool().unwrap_or(true),
+    });
+    Ok(())
+}
+
+fn flag(c: &ModelConfig, k: &str) -> bool {
+    c.extra[k].as_bool().unwrap_or(false)
+}
+
+/// Reorders the fused QKV rows (weight `[rows, hidden]` or bias `[rows]`) from Falcon's layout
+/// into ours, `[q: H×D | k: Hkv×D | v: Hkv×D]`:
+///
+/// ```text
+///   new architecture:   per kv group g: q_{g·rep} .. q_{g·rep+rep-1}, k_g, v_g
+///   multi-query:        q_0 .. q_{H-1}, k, v            (already ours)
+///   multi-head (old):   per head h: q_h, k_h, v_h
+/// ```
+fn reorder_qkv(t: HostTensor, c: &ModelConfig) -> HostTensor {
+    let (h, hkv, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    let cols = t.data.len() / ((h + 2 * hkv) * d);
+    // source head index (in units of D rows) of each destination head
+    let src_of = |dst: usize| -> usize {
+        if flag(c, "new_decoder_architecture") {
+            let rep = h / hkv;
+            if dst < h {
+                (dst / rep) * (rep + 2) + dst % rep
+            } else if dst < h + hkv {
+                (dst - h) * (rep + 2) + rep
+            } else {
+                (dst - h - hkv) * (rep + 2) + rep + 1
+            }
+        } else if flag(c, "multi_query") {
+            dst
+        } else if dst < h {
+            dst * 3
+        } else if dst < 2 * h {
+            (dst - h) * 3 + 1
+        } else {
+            (dst - 2 * h) * 3 + 2
+        }
+    };
+    let block = d * cols;
+    let mut data = vec![0f32; t.data.len()];
+    for dst in 0..h + 2 * hkv {
+        let s = src_of(dst);
+        data[dst * block..(dst + 1) * block].copy_from_slice(&t.data[s * block..(s + 1) * block]);
+    }
+    HostTensor::new(t.shape, data)
+}
+
+struct Layer<B: Backend> {
+    ln_attn: (B::Buf, B::Buf), // [hidden] weight, bias (input_layernorm or ln_attn)
+    ln_mlp: Option<(B::Buf, B::Buf)>, // [hidden]: ln_mlp (two norms), post_attention_layernorm (sequential)
+    w_qkv: B::Buf,                    // [(H + 2 Hkv) D, hidden]
+    b_qkv: Option<B::Buf>,
+    w_o: B::Buf, // [hidden, H D]
+    b_o: Option<B::Buf>,
+    w_up: B::Buf, // [F, hidden]
+    b_up: Option<B::Buf>,
+    w_down: B::Buf, // [hidden, F]
+    b_down: Option<B::Buf>,
+}
+
+pub struct Falcon<B: Backend> {
+    cfg: ModelConfig,
+    embed: B::Buf, // [vocab, hidden]; also the lm_head
+    layers: Vec<Layer<B>>,
+    ln_f: (B::Buf, B::Buf),
+    rope_cos: B::Buf,
+    rope_sin: B::Buf,
+    max_positions: usize,
+    weight_bytes: u64,
+    num_params: u64,
+}
+
+impl<B: Backend> Falcon<B> {
+    pub fn load(
+        backend: &B,
+        cfg: &ModelConfig,
+        src: &dyn WeightSource,
+        dtype: DType,
+        max_positions: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let c = cfg;
+        let (h, hkv, d, hid, f) = (
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.hidden_size,
+            c.intermediate_size,
+        );
+        if !c.tie_word_embeddings {
+            bail!("Falcon with an untied lm_head is not supported");
+        }
+        let bias = flag(c, "bias");
+        let total = c.num_layers + 2;
+        let mut up = Uploader::new(backend, src);
+        let embed = up.weight(
+            "transformer.word_embeddings.weight",
+            &[c.vocab_size, hid],
+            dtype,
+        )?;
+        progress(1, total);
+        let ln = |up: &mut Uploader<B>, name: &str| -> Result<(B::Buf, B::Buf)> {
+            Ok((
+                up.weight(&format!("{name}.weight"), &[hid], DType::F32)?,
+                up.weight(&format!("{name}.bias"), &[hid], DType::F32)?,
+            ))
+        };
+        let opt_bias = |up: &mut Uploader<B>, name: &str, n: usize| -> Result<Option<B::Buf>> {
+            if bias {
+                Ok(Some(up.weight(name, &[n], DType::F32)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let rows = (h + 2 * hkv) * d;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let n = |s: &str| format!("transformer.h.{l}.{s}");
+            let (ln_attn, ln_mlp) = if flag(c, "two_norms") {
+                (
+                    ln(&mut up, &n("ln_attn"))?,
+                    Some(ln(&mut up, &n("ln_mlp"))?),
+                )
+            } else if flag(c, "parallel_attn") {
+                (ln(&mut up, &n("input_layernorm"))?, None)
+            } else {
+                (
+                    ln(&mut up, &n("input_layernorm"))?,
+                    Some(ln(&mut up, &n("post_attention_layernorm"))?),
+                )
+            };
+            let wqkv = reorder_qkv(
+                up.fetch(&n("self_attention.query_key_value.weight"), &[rows, hid])?,
+                c,
+            );
+            let b_qkv = if bias {
+                let b = reorder_qkv(
+                    up.fetch(&n("self_attention.query_key_value.bias"), &[rows])?,
+                    c,
+                );
+                Some(up.upload(&b, DType::F32)?)
+            } else {
+                None
+            };
+            layers.push(Layer {
+                ln_attn,
+                ln_mlp,
+                w_qkv: up.upload(&wqkv, dtype)?,
+                b_qkv,
+                w_o: up.weight(&n("self_attention.dense.weight"), &[hid, h * d], dtype)?,
+                b_o: opt_bias(&mut up, &n("self_attention.dense.bias"), hid)?,
+                w_up: up.weight(&n("mlp.dense_h_to_4h.weight"), &[f, hid], dtype)?,
+                b_up: opt_bias(&mut up, &n("mlp.dense_h_to_4h.bias"), f)?,
+                w_down: up.weight(&n("mlp.dense_4h_to_h.weight"), &[hid, f], dtype)?,
+                b_down: opt_bias(&mut up, &n("mlp.dense_4h_to_h.bias"), hid)?,
+            });
+            progress(l + 2, total);
+        }
+        let ln_f = ln(&mut up, "transformer.ln_f")?;
+        progress(total, total);
+        let (cos, sin) = super::rope::tables(c, c.rope_theta, max_positions);
+        Ok(Falcon {
+            cfg: c.clone(),
+            embed,
+            layers,
+            ln_f,
+            rope_cos: backend.upload_f32(&cos)?,
+            rope_sin: backend.upload_f32(&sin)?,
+            max_positions,
+            weight_bytes: up.bytes,
+            num_params: up.params,
+        })
+    }
+}
+
+impl<B: Backend> CausalLm<B> for Falcon<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn kv_spec(&self) -> Vec<LayerKvSpec> {
+        let l = LayerKvSpec {
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            dtype: DType::F32,
+            sliding_window: None,
+        };
+        vec![l; self.cfg.num_layers]
+    }
+
+    fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    fn num_params(&self) -> u64 {
+        self.num_params
+    }
+
+    fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
+        let c = &self.cfg;
+        let t = batch.host.num_tokens();
+        let r = batch.host.logits_rows.len();
+        if let Some(&p) = batch.host.positions.iter().max()
+            && p as usize >= self.max_positions
+        {
+            bail!(
+                "position {p} is beyond the maximum model length {}",
+                self.max_positions
+            );
+        }
+        let (hid, f) = (c.hidden_size, c.intermediate_size);
+        let ql = QkvLayout {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let eps = c.rms_norm_eps as f32;
+        let parallel = flag(c, "parallel_attn");
+        let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
+        let mut ha = backend.alloc_f32(t * hid)?; // [T, hidden] attention's normed input
+        let mut hm = backend.alloc_f32(t * hid)?; // [T, hidden] the MLP's normed input
+        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D]
+        let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
+        let mut u = backend.alloc_f32(t * f)?; // [T, F]
+        let mut oa = backend.alloc_f32(t * hid)?; // [T, hidden] attention output
+        let mut om = backend.alloc_f32(t * hid)?; // [T, hidden] MLP output
+
+        backend.embedding(&self.embed, &batch.token_ids, hid, &mut x)?;
+        for (l, w) in self.layers.iter().enumerate() {
+            backend.layer_norm(&x, &w.ln_attn.0, &w.ln_attn.1, t, hid, eps, &mut ha)?;
+            backend.matmul(
+                &ha,
+                &w.w_qkv,
+                w.b_qkv.as_ref(),
+                t,
+                hid,
+                ql.row_len(),
+                &mut qkv,
+            )?;
+            backend.rope(
+                &mut qkv,
+                &batch.positions,
+                &self.rope_cos,
+                &self.rope_sin,
+                t,
+                ql,
+            )?;
+            let layout = kv.layouts[l];
+            backend.write_kv(
+                &qkv,
+                &batch.slot_mapping,
+                t,
+                ql,
+                &mut kv.k[l],
+                &mut kv.v[l],
+                layout,
+            )?;
+            let opts = AttentionOptions::new(c.attention_scale());
+            backend
+                .paged_attention(&qkv, &kv.k[l], &kv.v[l], batch, ql, layout, opts, &mut attn)?;
+            backend.matmul(&attn, &w.w_o, w.b_o.as_ref(), t, ql.q_len(), hid, &mut oa)?;
+            // The MLP reads: ln_mlp(x) (two norms), the attention's normed input (parallel,
+            // one norm), or post_attention_layernorm(x + attention) (sequential).
+            let mlp_in = match (&w.ln_mlp, parallel) {
+                (Some(n), true) => {
+                    backend.layer_norm(&x, &n.0, &n.1, t, hid, eps, &mut hm)?;
+                    &hm
+                }
+                (None, _) => &ha,
+                (Some(n), false) => {
+                    backend.add_assign(&mut x, &oa, t * hid)?;
+                    backend.layer_norm(&x, &n.0, &n.1, t, hid, eps, &mut hm)?;
+                    &hm
+                }
+            };
+            backend.matmul(mlp_in, &w.w_up, w.b_up.as_ref(), t, hid, f, &mut u)?;
+            backend.act(&mut u, t * f, c.hidden_act)?;
+            backend.matmul(&u, &w.w_down, w.b_down.as_ref(), t, f, hid, &mut om)?;
+            if parallel {
+                backend.add_assign(&mut x, &oa, t * hid)?;
+            }
+            backend.add_assign(&mut x, &om, t * hid)?;
+        }
+        let mut xs = backend.alloc_f32(r * hid)?; // [R, hidden]
+        backend.gather_rows(&x, &batch.logits_rows, hid, &mut xs)?;
+        let mut xn = backend.alloc_f32(r * hid)?;
+        backend.layer_norm(&xs, &self.ln_f.0, &self.ln_f.1, r, hid, eps, &mut xn)?;
+        let mut logits = backend.alloc_f32(r * c.vocab_size)?; // [R, vocab]
+        backend.matmul(&xn, &self.embed, None, r, hid, c.vocab_size, &mut logits)?;
+        Ok(logits)
+    }
+}

@@ -1,0 +1,251 @@
+//! GPT-2 (`gpt2`): learned position embeddings, LayerNorm with bias before attention and MLP,
+//! a plain MLP with GELU (tanh), biases on every projection, no RoPE; `Conv1D` weights are
+//! stored `[in, out]` and transposed once at load.
+//!
+//! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = heads, D = head_dim,
+//! F = inner size (4 × hidden by default).
+
+use super::config::ModelConfig;
+use super::kv_cache::{KvCache, LayerKvSpec};
+use super::loader::WeightSource;
+use super::{CausalLm, Uploader};
+use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
+use crate::tensor::{DType, HostTensor};
+use anyhow::{Result, bail};
+use serde_json::Value;
+
+/// GPT-2's config names the common fields its own way (`n_embd`, `n_head`, ...): they are
+/// copied to the common names before the common parse.
+pub fn hf_prepare(v: &mut Value) -> Result<()> {
+    let hidden = v["n_embd"].as_u64();
+    for (from, to) in [
+        ("n_embd", "hidden_size"),
+        ("n_head", "num_attention_heads"),
+        ("n_layer", "num_hidden_layers"),
+        ("n_positions", "max_position_embeddings"),
+        ("layer_norm_epsilon", "rms_norm_eps"),
+        ("activation_function", "hidden_act"),
+    ] {
+        if !v[from].is_null() {
+            v[to] = v[from].clone();
+        }
+    }
+    v["intermediate_size"] = match (&v["n_inner"], hidden) {
+        (Value::Number(n), _) => Value::Number(n.clone()),
+        (_, Some(h)) => (4 * h).into(),
+        (_, None) => bail!("config.json lacks the integer 'n_embd'"),
+    };
+    if v["tie_word_embeddings"].is_null() {
+        v["tie_word_embeddings"] = true.into();
+    }
+    for k in ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"] {
+        if v[k].as_bool() == Some(true) {
+            bail!("GPT-2 with {k}: true is not supported");
+        }
+    }
+    if v["scale_attn_weights"].as_bool() == Some(false) {
+        bail!("GPT-2 with scale_attn_weights: false is not supported");
+    }
+    Ok(())
+}
+
+pub fn hf_config(_v: &Value, _c: &mut ModelConfig) -> Result<()> {
+    Ok(())
+}
+
+/// `[in, out]` → `[out, in]`.
+pub fn transpose(t: HostTensor) -> HostTensor {
+    let (rows, cols) = (t.shape[0], t.shape[1]);
+    let mut data = vec![0f32; t.data.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            data[c * rows + r] = t.data[r * cols + c];
+        }
+    }
+    HostTensor::new(vec![cols, rows], data)
+}
+
+struct Layer<B: Backend> {
+    ln_1: (B::Buf, B::Buf), // [hidden] weight, bias
+    w_qkv: B::Buf,          // [3 H D, hidden]
+    b_qkv: B::Buf,          // [3 H D]
+    w_o: B::Buf,            // [hidden, H D]
+    b_o: B::Buf,            // [hidden]
+    ln_2: (B::Buf, B::Buf), // [hidden]
+    w_fc: B::Buf,           // [F, hidden]
+    b_fc: B::Buf,           // [F]
+    w_proj: B::Buf,         // [hidden, F]
+    b_proj: B::Buf,         // [hidden]
+}
+
+pub struct Gpt2<B: Backend> {
+    cfg: ModelConfig,
+    wte: B::Buf, // [vocab, hidden]; also the lm_head
+    wpe: B::Buf, // [n_positions, hidden]
+    layers: Vec<Layer<B>>,
+    ln_f: (B::Buf, B::Buf),
+    weight_bytes: u64,
+    num_params: u64,
+}
+
+impl<B: Backend> Gpt2<B> {
+    pub fn load(
+        backend: &B,
+        cfg: &ModelConfig,
+        src: &dyn WeightSource,
+        dtype: DType,
+        max_positions: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let c = cfg;
+        let (hid, f) = (c.hidden_size, c.intermediate_size);
+        let q = c.num_heads * c.head_dim;
+        if q != hid || c.num_kv_heads != c.num_heads {
+            bail!("GPT-2 needs n_head × head_dim = n_embd and no grouped KV");
+        }
+        if max_positions > c.max_position_embeddings {
+            bail!(
+                "GPT-2 learned {} positions; the max model length {max_positions} is longer",
+                c.max_position_embeddings
+            );
+        }
+        let total = c.num_layers + 2;
+        let mut up = Uploader::new(backend, src);
+        let wte = up.weight("transformer.wte.weight", &[c.vocab_size, hid], dtype)?;
+        let wpe = up.weight(
+            "transformer.wpe.weight",
+            &[c.max_position_embeddings, hid],
+            dtype,
+        )?;
+        progress(1, total);
+        let ln = |up: &mut Uploader<B>, name: &str| -> Result<(B::Buf, B::Buf)> {
+            Ok((
+                up.weight(&format!("{name}.weight"), &[hid], DType::F32)?,
+                up.weight(&format!("{name}.bias"), &[hid], DType::F32)?,
+            ))
+        };
+        // a Conv1D weight `[in, out]`, uploaded as `[out, in]`
+        let conv = |up: &mut Uploader<B>, name: &str, i: usize, o: usize| -> Result<B::Buf> {
+            let t = transpose(up.fetch(name, &[i, o])?);
+            up.upload(&t, dtype)
+        };
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let n = |s: &str| format!("transformer.h.{l}.{s}");
+            layers.push(Layer {
+                ln_1: ln(&mut up, &n("ln_1"))?,
+                w_qkv: conv(&mut up, &n("attn.c_attn.weight"), hid, 3 * q)?,
+                b_qkv: up.weight(&n("attn.c_attn.bias"), &[3 * q], DType::F32)?,
+                w_o: conv(&mut up, &n("attn.c_proj.weight"), q, hid)?,
+                b_o: up.weight(&n("attn.c_proj.bias"), &[hid], DType::F32)?,
+                ln_2: ln(&mut up, &n("ln_2"))?,
+                w_fc: conv(&mut up, &n("mlp.c_fc.weight"), hid, f)?,
+                b_fc: up.weight(&n("mlp.c_fc.bias"), &[f], DType::F32)?,
+                w_proj: conv(&mut up, &n("mlp.c_proj.weight"), f, hid)?,
+                b_proj: up.weight(&n("mlp.c_proj.bias"), &[hid], DType::F32)?,
+            });
+            progress(l + 2, total);
+        }
+        let ln_f = ln(&mut up, "transformer.ln_f")?;
+        if !c.tie_word_embeddings {
+            bail!("GPT-2 with an untied lm_head is not supported");
+        }
+        progress(total, total);
+        Ok(Gpt2 {
+            cfg: c.clone(),
+            wte,
+            wpe,
+            layers,
+            ln_f,
+            weight_bytes: up.bytes,
+            num_params: up.params,
+        })
+    }
+}
+
+impl<B: Backend> CausalLm<B> for Gpt2<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn kv_spec(&self) -> Vec<LayerKvSpec> {
+        let l = LayerKvSpec {
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            dtype: DType::F32,
+            sliding_window: None,
+        };
+        vec![l; self.cfg.num_layers]
+    }
+
+    fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    fn num_params(&self) -> u64 {
+        self.num_params
+    }
+
+    fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
+        let c = &self.cfg;
+        let t = batch.host.num_tokens();
+        let r = batch.host.logits_rows.len();
+        if let Some(&p) = batch.host.positions.iter().max()
+            && p as usize >= c.max_position_embeddings
+        {
+            bail!(
+                "position {p} is beyond GPT-2's {} learned positions",
+                c.max_position_embeddings
+            );
+        }
+        let (hid, f) = (c.hidden_size, c.intermediate_size);
+        let ql = QkvLayout {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let eps = c.rms_norm_eps as f32;
+        let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
+        let mut h = backend.alloc_f32(t * hid)?; // [T, hidden]
+        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, 3 H D]
+        let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
+        let mut u = backend.alloc_f32(t * f)?; // [T, F]
+        let mut o = backend.alloc_f32(t * hid)?; // [T, hidden]
+
+        // x = wte[ids] + wpe[positions]
+        backend.embedding(&self.wte, &batch.token_ids, hid, &mut x)?;
+        backend.embedding(&self.wpe, &batch.positions, hid, &mut o)?;
+        backend.add_assign(&mut x, &o, t * hid)?;
+        for (l, w) in self.layers.iter().enumerate() {
+            backend.layer_norm(&x, &w.ln_1.0, &w.ln_1.1, t, hid, eps, &mut h)?;
+            backend.matmul(&h, &w.w_qkv, Some(&w.b_qkv), t, hid, ql.row_len(), &mut qkv)?;
+            let layout = kv.layouts[l];
+            backend.write_kv(
+                &qkv,
+                &batch.slot_mapping,
+                t,
+                ql,
+                &mut kv.k[l],
+                &mut kv.v[l],
+                layout,
+            )?;
+            let opts = AttentionOptions::new(c.attention_scale());
+            backend
+                .paged_attention(&qkv, &kv.k[l], &kv.v[l], batch, ql, layout, opts, &mut attn)?;
+            backend.matmul(&attn, &w.w_o, Some(&w.b_o), t, ql.q_len(), hid, &mut o)?;
+            backend.add_assign(&mut x, &o, t * hid)?;
+            backend.layer_norm(&x, &w.ln_2.0, &w.ln_2.1, t, hid, eps, &mut h)?;
+            backend.matmul(&h, &w.w_fc, Some(&w.b_fc), t, hid, f, &mut u)?;
+            backend.act(&mut u, t * f, c.hidden_act)?;
+            backend.matmul(&u, &w.w_proj, Some(&w.b_proj), t, f, hid, &mut o)?;
+            backend.add_assign(&mut x, &o, t * hid)?;
+        }
+        let mut xs = backend.alloc_f32(r * hid)?; // [R, hidden]
+        backend.gather_rows(&x, &batch.logits_rows, hid, &mut xs)?;
+        let mut xn = backend.alloc_f32(r * hid)?;
+        backend.layer_norm(&xs, &self.ln_f.0, &self.ln_f.1, r, hid, eps, &mut xn)?;
+        let mut logits = backend.alloc_f32(r * c.vocab_size)?; // [R, vocab]
+        backend.matmul(&xn, &self.wte, None, r, hid, c.vocab_size, &mut logits)?;
+        Ok(logits)
+    }
+}
