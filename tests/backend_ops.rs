@@ -122,7 +122,13 @@ pub fn check_layer_norm<B: Backend>(be: &B, rows: usize, dim: usize, seed: u64) 
     let x: Vec<f32> = randn(&mut r, rows * dim)
         .iter()
         .enumerate()
-        .map(|(i, v)| v + if (i / dim).is_multiple_of(2) { 0.0 } else { 30.0 })
+        .map(|(i, v)| {
+            v + if (i / dim).is_multiple_of(2) {
+                0.0
+            } else {
+                30.0
+            }
+        })
         .collect();
     let (w, b) = (randn(&mut r, dim), randn(&mut r, dim));
     let eps = 1e-5;

@@ -806,8 +806,10 @@ impl GgufFile {
             .and_then(GgufValue::as_str);
         match model {
             Some("gpt2") => {}
+            Some("llama") => return self.spm_tokenizer(),
             Some(other) => bail!(
-                "tokenizer model '{other}' is not supported yet (only 'gpt2', byte-level BPE)"
+                "tokenizer model '{other}' (tokenizer.ggml.model) is not supported yet \
+                 (gpt2: byte-level BPE, llama: SentencePiece)"
             ),
             None => bail!("no tokenizer in the metadata (tokenizer.ggml.model is missing)"),
         }
@@ -911,6 +913,41 @@ impl GgufFile {
         tk.add_tokens(added)
             .map_err(|e| anyhow!("cannot add the special tokens: {e}"))?;
         Ok(tk)
+    }
+
+    /// `tokenizer.ggml.model == "llama"`: SentencePiece pieces with scores (see `spm.rs`).
+    fn spm_tokenizer(&self) -> Result<tokenizers::Tokenizer> {
+        let tokens = self.string_array("tokenizer.ggml.tokens")?;
+        let num = |key: &str| -> Result<Vec<f64>> {
+            let v = self
+                .metadata
+                .get(key)
+                .ok_or_else(|| anyhow!("metadata lacks '{key}'"))?;
+            let a = v
+                .as_array()
+                .ok_or_else(|| anyhow!("'{key}' is a {}, not an array", v.type_name()))?;
+            a.iter()
+                .map(|x| match *x {
+                    GgufValue::I32(t) => Some(t as f64),
+                    ref other => other.as_f64(),
+                })
+                .collect::<Option<Vec<f64>>>()
+                .ok_or_else(|| anyhow!("'{key}' has non-numeric entries"))
+        };
+        let scores: Vec<f32> = num("tokenizer.ggml.scores")?
+            .iter()
+            .map(|&x| x as f32)
+            .collect();
+        let types: Vec<i64> = num("tokenizer.ggml.token_type")?
+            .iter()
+            .map(|&x| x as i64)
+            .collect();
+        let unk = self
+            .metadata
+            .get("tokenizer.ggml.unknown_token_id")
+            .and_then(GgufValue::as_u64)
+            .unwrap_or(0) as usize;
+        super::spm::tokenizer(&tokens, &scores, &types, unk)
     }
 
     fn string_array(&self, key: &str) -> Result<Vec<&str>> {
@@ -2180,7 +2217,7 @@ mod tests {
     fn tokenizer_errors() {
         let mut w = synthetic("llama");
         w.kvs.retain(|(k, _, _)| k != "tokenizer.ggml.model");
-        let w = w.str("tokenizer.ggml.model", "llama");
+        let w = w.str("tokenizer.ggml.model", "bert");
         let t = write_tmp(&w.bytes());
         let e = GgufFile::open(&t.path)
             .unwrap()
@@ -2189,7 +2226,7 @@ mod tests {
             .to_string();
         assert!(
             e.contains(&t.path.display().to_string())
-                && e.contains("tokenizer model 'llama' is not supported yet"),
+                && e.contains("tokenizer model 'bert' (tokenizer.ggml.model) is not supported yet"),
             "{e}"
         );
 

@@ -12,6 +12,7 @@ pub mod loader;
 pub mod phi3;
 pub mod registry;
 pub mod rope;
+pub mod spm;
 pub mod tokenizer;
 
 pub use config::ModelConfig;
