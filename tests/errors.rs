@@ -93,6 +93,60 @@ fn unknown_architecture() {
     assert!(e.contains("config.json") && e.contains("model_type"), "{e}");
 }
 
+/// What does not fit a family is refused with the file and the key named.
+#[test]
+fn family_configs_that_do_not_fit() {
+    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+        (
+            "sliding_window",
+            Box::new(|c| {
+                c["model_type"] = "mistral".into();
+                c["sliding_window"] = 0.into();
+            }),
+        ),
+        (
+            "not a multiple of num_key_value_heads",
+            Box::new(|c| c["num_key_value_heads"] = 2.into()),
+        ),
+        (
+            "layer types for 30 layers",
+            Box::new(|c| {
+                c["model_type"] = "gemma3_text".into();
+                c["sliding_window"] = 512.into();
+                c["layer_types"] = serde_json::json!(["sliding_attention", "full_attention"]);
+            }),
+        ),
+        (
+            "gemma3_text needs a positive sliding_window",
+            Box::new(|c| c["model_type"] = "gemma3_text".into()),
+        ),
+        (
+            "activation 'relu6' is not supported",
+            Box::new(|c| c["hidden_act"] = "relu6".into()),
+        ),
+        (
+            "alibi",
+            Box::new(|c| {
+                c["model_type"] = "falcon".into();
+                c["alibi"] = true.into();
+            }),
+        ),
+        (
+            "rope_scaling.short_factor",
+            Box::new(|c| {
+                c["model_type"] = "phi3".into();
+                c["rope_scaling"] = serde_json::json!({"type": "longrope", "long_factor": [1.0]});
+                c["original_max_position_embeddings"] = 4096.into();
+            }),
+        ),
+    ];
+    for (want, edit) in cases {
+        let dir = hf_dir(edit);
+        let e = load_err(dir.path());
+        assert!(e.contains(want) && e.contains("config.json"), "{want}: {e}");
+    }
+}
+
 #[test]
 fn missing_config_and_tokenizer() {
     let dir = hf_dir(|_| {});

@@ -2,7 +2,8 @@
 //! (made by `scripts/make-tiny-models.py` with a fixed seed) and their goldens (greedy token ids
 //! of 48 new tokens, top-5 logits of the first positions, computed by `transformers` in float32
 //! on the CPU). Pagoda in f32 reproduces the ids exactly and the logits within 1e-4 relative:
-//! each prompt alone, and all of them in one batch with a KV pool small enough to preempt.
+//! each prompt alone, and all of them in one batch with a KV pool small enough to preempt; on
+//! the CPU backend and, built with `--features wgpu`, on wgpu (Mesa's llvmpipe in CI).
 
 mod common;
 
@@ -11,7 +12,7 @@ use pagoda::backend::{BatchInput, CpuBackend, DeviceBatch};
 use pagoda::engine::KvBudget;
 use pagoda::models::{KvCache, load_model, registry};
 use pagoda::tensor::DType;
-use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
+use pagoda::{BackendKind, EngineArgs, LLM, Prompt, SamplingParams};
 use std::path::PathBuf;
 
 /// The families whose tiny models run today (one directory each in tests/data/tiny).
@@ -53,9 +54,10 @@ fn greedy(n: usize) -> SamplingParams {
     }
 }
 
-fn engine(model: &str, kv_bytes: Option<u64>) -> LLM {
+fn engine(model: &str, backend: BackendKind, kv_bytes: Option<u64>) -> LLM {
     LLM::new(EngineArgs {
         model: Some(tiny(model)),
+        backend,
         kv_budget: kv_bytes.map(KvBudget::Bytes),
         max_num_batched_tokens: 64,
         block_size: 4,
@@ -80,9 +82,20 @@ fn prompts_tokenize_as_transformers_does() {
 
 #[test]
 fn greedy_tokens_alone_and_in_a_batch_with_preemption() {
+    greedy_tokens(BackendKind::Cpu);
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn greedy_tokens_on_wgpu() {
+    greedy_tokens(BackendKind::Wgpu);
+}
+
+fn greedy_tokens(backend: BackendKind) {
     for &m in FAMILIES {
         let entries = entries(m);
-        let mut alone = engine(m, None);
+        let mut alone = engine(m, backend, Some(1 << 20));
+        assert!(alone.engine().backend_name().starts_with(backend.name()));
         for e in &entries {
             let want = ids(&e["generated_ids"]);
             let out = alone
@@ -103,7 +116,7 @@ fn greedy_tokens_alone_and_in_a_batch_with_preemption() {
             let cfg = load_model(&tiny(m)).unwrap().config;
             (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 4) as u64
         };
-        let mut batched = engine(m, Some(32 * spec_bytes));
+        let mut batched = engine(m, backend, Some(32 * spec_bytes));
         let reqs = entries
             .iter()
             .map(|e| {

@@ -2214,6 +2214,19 @@ mod tests {
     }
 
     #[test]
+    fn a_family_key_that_is_missing_is_named() {
+        // a gemma3 file without its sliding window: the error names the file and the key
+        let t = write_tmp(&synthetic("gemma3").bytes());
+        let e = GgufFile::open(&t.path).unwrap().config().unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains(&t.path.display().to_string())
+                && e.contains("gemma3.attention.sliding_window"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn tokenizer_errors() {
         let mut w = synthetic("llama");
         w.kvs.retain(|(k, _, _)| k != "tokenizer.ggml.model");
