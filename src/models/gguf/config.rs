@@ -1,0 +1,236 @@
+//! GGUF metadata to a model config: the common `{arch}.*` keys, RoPE scaling (keys or a
+//! `rope_freqs.weight` tensor), sampling defaults; the family's own keys through its registry
+//! hook.
+
+use super::{GgufFile, GgufValue, in_file};
+use crate::models::config::{Llama3RopeScaling, ModelConfig};
+use anyhow::{Result, anyhow, bail};
+
+impl GgufFile {
+    /// The model's default sampling parameters, from llama.cpp's `general.sampling.*` keys.
+    pub fn sampling_defaults(&self) -> crate::sampling::SamplingDefaults {
+        let f = |k: &str| {
+            self.metadata
+                .get(&format!("general.sampling.{k}"))
+                .and_then(GgufValue::as_f64)
+                .map(|x| x as f32)
+        };
+        crate::sampling::SamplingDefaults {
+            temperature: f("temp"),
+            top_p: f("top_p"),
+            top_k: f("top_k").map(|x| x as i32),
+            min_p: f("min_p"),
+            repetition_penalty: f("penalty_repeat"),
+        }
+    }
+
+    /// The model hyper-parameters, from the `{arch}.*` and `tokenizer.ggml.*` metadata.
+    pub fn config(&self) -> Result<ModelConfig> {
+        self.config_inner().map_err(|e| in_file(&self.path, e))
+    }
+
+    fn config_inner(&self) -> Result<ModelConfig> {
+        let arch_name = self.arch_str()?.to_owned();
+        let family = crate::models::registry::by_gguf_architecture(&arch_name)?;
+        let a = &arch_name;
+        let opt_usize = |k: &str| -> Result<Option<usize>> {
+            match self.metadata.get(k) {
+                None => Ok(None),
+                Some(v) => match v.as_u64().and_then(|x| usize::try_from(x).ok()) {
+                    Some(x) => Ok(Some(x)),
+                    None => bail!("metadata '{k}' should be a non-negative integer, found {v:?}"),
+                },
+            }
+        };
+        let req_usize = |k: &str| -> Result<usize> {
+            opt_usize(k)?.ok_or_else(|| anyhow!("metadata lacks the integer '{k}'"))
+        };
+        let opt_f64 = |k: &str| -> Result<Option<f64>> {
+            match self.metadata.get(k) {
+                None => Ok(None),
+                Some(v) => match v.as_f64() {
+                    Some(x) => Ok(Some(x)),
+                    None => bail!("metadata '{k}' should be a number, found {v:?}"),
+                },
+            }
+        };
+        let opt_u32 = |k: &str| -> Result<Option<u32>> {
+            match opt_usize(k)? {
+                None => Ok(None),
+                Some(x) => {
+                    Ok(Some(u32::try_from(x).map_err(|_| {
+                        anyhow!("metadata '{k}' = {x} is not a token id")
+                    })?))
+                }
+            }
+        };
+
+        if let Some(n) = opt_usize(&format!("{a}.expert_count"))?
+            && n > 0
+        {
+            bail!("mixture-of-experts models ({a}.expert_count = {n}) are not supported");
+        }
+        let hidden_size = req_usize(&format!("{a}.embedding_length"))?;
+        let num_heads = req_usize(&format!("{a}.attention.head_count"))?;
+        let num_kv_heads = opt_usize(&format!("{a}.attention.head_count_kv"))?.unwrap_or(num_heads);
+        let head_dim = match opt_usize(&format!("{a}.attention.key_length"))? {
+            Some(d) => d,
+            None if num_heads > 0 => hidden_size / num_heads,
+            None => 0,
+        };
+        if let Some(vd) = opt_usize(&format!("{a}.attention.value_length"))?
+            && vd != head_dim
+        {
+            bail!("value head size {vd} differs from key head size {head_dim}: not supported");
+        }
+        if let Some(rd) = opt_usize(&format!("{a}.rope.dimension_count"))?
+            && rd != head_dim
+        {
+            bail!(
+                "partial rotary embeddings (rope.dimension_count {rd}, head_dim {head_dim}) are not supported"
+            );
+        }
+        let rope_theta = opt_f64(&format!("{a}.rope.freq_base"))?.unwrap_or(10000.0);
+        let vocab_size = match self.metadata.get("tokenizer.ggml.tokens") {
+            Some(v) => v
+                .as_array()
+                .ok_or_else(|| anyhow!("tokenizer.ggml.tokens is not an array"))?
+                .len(),
+            None => opt_usize(&format!("{a}.vocab_size"))?.ok_or_else(|| {
+                anyhow!("metadata has neither tokenizer.ggml.tokens nor {a}.vocab_size")
+            })?,
+        };
+        let rope_scaling = self.rope_scaling(a, head_dim, rope_theta)?;
+        let bos_token_id = opt_u32("tokenizer.ggml.bos_token_id")?;
+        let mut eos_token_ids = Vec::new();
+        if let Some(e) = opt_u32("tokenizer.ggml.eos_token_id")? {
+            eos_token_ids.push(e);
+        }
+        if let Some(e) = opt_u32("tokenizer.ggml.eot_token_id")?
+            && !eos_token_ids.contains(&e)
+        {
+            eos_token_ids.push(e);
+        }
+        let mut c = ModelConfig {
+            arch: family.arch,
+            hidden_size,
+            intermediate_size: req_usize(&format!("{a}.feed_forward_length"))?,
+            num_layers: req_usize(&format!("{a}.block_count"))?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            max_position_embeddings: opt_usize(&format!("{a}.context_length"))?.unwrap_or(4096),
+            rms_norm_eps: opt_f64(&format!("{a}.attention.layer_norm_rms_epsilon"))?
+                .unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: !self.by_name.contains_key("output.weight"),
+            attention_bias: arch_name == "qwen2",
+            sliding_window: None,
+            qk_norm: false,
+            sliding_layers: Vec::new(),
+            rope_theta_local: None,
+            longrope: None,
+            hidden_act: crate::backend::Activation::Silu,
+            attn_scale: None,
+            attn_logit_softcap: None,
+            final_logit_softcap: None,
+            extra: serde_json::Value::Null,
+            bos_token_id,
+            eos_token_ids,
+        };
+        (family.gguf_config)(self, &arch_name, &mut c)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Llama 3 RoPE scaling: from `{arch}.rope.scaling.*` keys when they say `llama3`, else
+    /// recognised from a `rope_freqs.weight` tensor (what llama.cpp's converter stores for
+    /// Llama 3.1+), which must match the Llama 3 formula with the usual low/high frequency
+    /// factors 1 and 4 and original context 8192.
+    fn rope_scaling(
+        &self,
+        a: &str,
+        head_dim: usize,
+        theta: f64,
+    ) -> Result<Option<Llama3RopeScaling>> {
+        let key = |k: &str| format!("{a}.rope.scaling.{k}");
+        let num = |k: &str| self.metadata.get(&key(k)).and_then(GgufValue::as_f64);
+        let ty = self
+            .metadata
+            .get(&key("type"))
+            .and_then(GgufValue::as_str)
+            .unwrap_or("none");
+        let from_keys = match ty {
+            "none" => None,
+            "llama3" => Some(Llama3RopeScaling {
+                factor: num("factor").ok_or_else(|| anyhow!("{} is missing", key("factor")))?,
+                low_freq_factor: num("low_freq_factor").unwrap_or(1.0),
+                high_freq_factor: num("high_freq_factor").unwrap_or(4.0),
+                original_max_position_embeddings: num("original_context_length").unwrap_or(8192.0)
+                    as usize,
+            }),
+            "linear" if num("factor") == Some(1.0) => None,
+            other => bail!("RoPE scaling of type '{other}' is not supported (only llama3)"),
+        };
+        if from_keys.is_some() {
+            return Ok(from_keys);
+        }
+        let Some(info) = self.tensor_info("rope_freqs.weight") else {
+            return Ok(None);
+        };
+        let factors = self.load_gguf_tensor(info)?;
+        if factors.len() * 2 != head_dim || factors.is_empty() {
+            bail!(
+                "rope_freqs.weight has {} entries, expected head_dim/2 = {}",
+                factors.len(),
+                head_dim / 2
+            );
+        }
+        if factors.iter().all(|&f| f == 1.0) {
+            return Ok(None);
+        }
+        let factor = factors.iter().copied().fold(f32::MIN, f32::max) as f64;
+        let s = Llama3RopeScaling {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let expected = llama3_rope_factors(&s, head_dim, theta);
+        let ok = expected
+            .iter()
+            .zip(&factors)
+            .all(|(&e, &f)| ((f as f64) - e).abs() <= 1e-4 * e.abs().max(1.0));
+        if !ok {
+            bail!(
+                "rope_freqs.weight does not match Llama 3 RoPE scaling (factor {factor}, low/high frequency \
+                 factors 1/4, original context 8192): this RoPE scaling is not supported"
+            );
+        }
+        Ok(Some(s))
+    }
+}
+
+/// The Llama 3 RoPE frequency factors (what llama.cpp stores as `rope_freqs.weight`).
+pub(super) fn llama3_rope_factors(s: &Llama3RopeScaling, head_dim: usize, theta: f64) -> Vec<f64> {
+    let old_ctx = s.original_max_position_embeddings as f64;
+    let low_wavelen = old_ctx / s.low_freq_factor;
+    let high_wavelen = old_ctx / s.high_freq_factor;
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                s.factor
+            } else {
+                let smooth = (old_ctx / wavelen - s.low_freq_factor)
+                    / (s.high_freq_factor - s.low_freq_factor);
+                1.0 / ((1.0 - smooth) / s.factor + smooth)
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,84 @@
+//! HF tensor names to GGUF ones (llama.cpp's `blk.N.*`), and how a GGUF tensor differs from
+//! its HF counterpart (llama's permuted Q/K rows, Gemma's `1 + w` norms).
+
+use anyhow::{Result, bail};
+
+/// How a GGUF tensor differs from its HF counterpart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgufFix {
+    /// llama.cpp's row permutation of the Q projection of `llama` (undone on load).
+    UnpermuteQ,
+    /// The same for the K projection.
+    UnpermuteK,
+    /// Stored as `1 + w` (Gemma's RMSNorm weights): 1 is subtracted on load.
+    SubtractOne,
+}
+
+/// A GGUF tensor name, and whether it is a Q or K projection (weight or bias) stored in
+/// llama.cpp's permuted row order.
+pub type GgufTensorName = (String, Option<GgufFix>);
+
+/// The GGUF name of an HF tensor name in the Llama-like families (llama.cpp's `blk.N.*`).
+pub fn llama_tensor_name(hf: &str) -> Option<GgufTensorName> {
+    match hf {
+        "model.embed_tokens.weight" => return Some(("token_embd.weight".into(), None)),
+        "model.norm.weight" => return Some(("output_norm.weight".into(), None)),
+        "lm_head.weight" => return Some(("output.weight".into(), None)),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (idx, rest) = rest.split_once('.')?;
+    // Canonical decimal only, so that "01" does not alias "1".
+    let layer: usize = idx.parse().ok()?;
+    if layer.to_string() != idx {
+        return None;
+    }
+    let (module, kind) = rest.rsplit_once('.')?;
+    if kind != "weight" && kind != "bias" {
+        return None;
+    }
+    let (part, permute) = match module {
+        "input_layernorm" => ("attn_norm", None),
+        "post_attention_layernorm" => ("ffn_norm", None),
+        "self_attn.q_proj" => ("attn_q", Some(GgufFix::UnpermuteQ)),
+        "self_attn.k_proj" => ("attn_k", Some(GgufFix::UnpermuteK)),
+        "self_attn.v_proj" => ("attn_v", None),
+        "self_attn.o_proj" => ("attn_output", None),
+        "self_attn.q_norm" => ("attn_q_norm", None),
+        "self_attn.k_norm" => ("attn_k_norm", None),
+        "mlp.gate_proj" => ("ffn_gate", None),
+        "mlp.up_proj" => ("ffn_up", None),
+        "mlp.down_proj" => ("ffn_down", None),
+        _ => return None,
+    };
+    Some((format!("blk.{layer}.{part}.{kind}"), permute))
+}
+
+/// Undoes llama.cpp's Q/K row permutation (HF rotate-half order -> GGML interleaved order):
+/// within each of the `n_head` heads of `rows / n_head` rows, GGUF row `2j + t` is HF row
+/// `t * half + j`. `data` is `rows x cols`, row-major.
+pub(super) fn unpermute_rows(
+    data: &[f32],
+    rows: usize,
+    cols: usize,
+    n_head: usize,
+) -> Result<Vec<f32>> {
+    if n_head == 0 || !rows.is_multiple_of(n_head) || !(rows / n_head).is_multiple_of(2) {
+        bail!(
+            "cannot undo the Q/K permutation: {rows} rows do not split into {n_head} heads of even size"
+        );
+    }
+    if rows.checked_mul(cols) != Some(data.len()) {
+        bail!("internal: {} values for a {rows}x{cols} tensor", data.len());
+    }
+    let head = rows / n_head;
+    let half = head / 2;
+    let mut out = vec![0f32; data.len()];
+    for (hf_row, dst) in out.chunks_exact_mut(cols.max(1)).enumerate().take(rows) {
+        let (h, i) = (hf_row / head, hf_row % head);
+        let (t, j) = (i / half, i % half);
+        let src_row = h * head + 2 * j + t;
+        dst.copy_from_slice(&data[src_row * cols..(src_row + 1) * cols]);
+    }
+    Ok(out)
+}
