@@ -4,14 +4,14 @@
 # scripts/gguf2hf.py (in a venv at $PAGODA_CACHE/venv with gguf, numpy, safetensors, tokenizers).
 # Idempotent: what is already there and checks out is kept.
 #
-# usage: scripts/fetch-models.sh [smollm2] [qwen2.5] [gemma3] [hf]   (no argument: all four)
+# usage: scripts/fetch-models.sh [smollm2] [qwen2.5] [gemma3] [hf] [tiny-gguf]   (none: all)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${PAGODA_CACHE:-$HOME/.cache/pagoda}
 models=$cache/models
 dl=$cache/downloads
 mkdir -p "$models" "$dl"
-want=${*:-smollm2 qwen2.5 gemma3 hf}
+want=${*:-smollm2 qwen2.5 gemma3 hf tiny-gguf}
 
 SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 QWEN_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
@@ -75,15 +75,30 @@ PY
   check "$f" $GEMMA_SHA || { echo "sha256 mismatch for $f" >&2; exit 1; }
 }
 
-make_hf() {
-  local out=$models/smollm2-135m-instruct-f32
-  [ -f "$out/model.safetensors" ] && [ -f "$out/tokenizer.json" ] && return
-  local venv=$cache/venv
+venv=$cache/venv
+make_venv() {
   if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q gguf==0.19.0 numpy safetensors==0.8.0 tokenizers==0.23.3
   fi
+}
+
+make_hf() {
+  local out=$models/smollm2-135m-instruct-f32
+  [ -f "$out/model.safetensors" ] && [ -f "$out/tokenizer.json" ] && return
+  make_venv
   "$venv/bin/python" "$here/scripts/gguf2hf.py" "$models/SmolLM2-135M-Instruct.Q4_1.gguf" "$out" --dtype f32
+}
+
+# GGUF copies of the tiny test models (tests/data/tiny), laid out as llama.cpp's converter does.
+make_tiny_gguf() {
+  local out=$models/tiny-gguf stamp
+  stamp=$(cat "$here/scripts/tiny2gguf.py" "$here"/tests/data/tiny/*/model.safetensors | sha256sum | cut -c1-16)
+  [ -f "$out/$stamp" ] && return
+  make_venv
+  rm -rf "$out"
+  "$venv/bin/python" "$here/scripts/tiny2gguf.py" "$here/tests/data/tiny" "$out" >/dev/null
+  touch "$out/$stamp"
 }
 
 for w in $want; do
@@ -92,7 +107,8 @@ for w in $want; do
     qwen2.5) fetch_qwen ;;
     gemma3) fetch_gemma ;;
     hf) fetch_smol; make_hf ;;
-    *) echo "unknown model '$w' (smollm2, qwen2.5, gemma3, hf)" >&2; exit 1 ;;
+    tiny-gguf) make_tiny_gguf ;;
+    *) echo "unknown model '$w' (smollm2, qwen2.5, gemma3, hf, tiny-gguf)" >&2; exit 1 ;;
   esac
 done
 echo "models in $models:"; ls -1 "$models"

@@ -140,6 +140,70 @@ fn greedy_tokens(backend: BackendKind) {
     }
 }
 
+/// The families llama.cpp defines, from GGUF copies of the tiny models (written by
+/// `scripts/tiny2gguf.py`, run by `scripts/fetch-models.sh`, with the `gguf` package's own
+/// tensor names): the GGUF reader, its per-family names and fixes, and the tokenizer from the
+/// metadata give the same tokens as the HF directories.
+#[test]
+fn gguf_copies_give_the_same_tokens() {
+    for &m in FAMILIES.iter().filter(|&&m| m != "phi3-longrope") {
+        let path = common::model_path(&format!("tiny-gguf/{m}.gguf"));
+        let model = load_model(&path).unwrap();
+        let entries = entries(m);
+        for e in &entries {
+            let got = model
+                .tokenizer
+                .encode(e["prompt"].as_str().unwrap())
+                .unwrap();
+            assert_eq!(
+                got,
+                ids(&e["prompt_ids"]),
+                "{m} GGUF tokens of {}",
+                e["prompt"]
+            );
+        }
+        drop(model);
+        let mut llm = LLM::new(EngineArgs {
+            model: Some(path),
+            kv_budget: Some(KvBudget::Bytes(1 << 20)),
+            block_size: 4,
+            ..Default::default()
+        })
+        .unwrap();
+        let cfg = llm.engine().config().clone();
+        assert_eq!(cfg.arch.name(), gguf_family(m));
+        if m == "mistral" {
+            // a `llama` file with llama.attention.sliding_window
+            assert_eq!(cfg.sliding_window, Some(12));
+        }
+        let reqs = entries
+            .iter()
+            .map(|e| {
+                let n = ids(&e["generated_ids"]).len();
+                (Prompt::Tokens(ids(&e["prompt_ids"])), greedy(n))
+            })
+            .collect();
+        let outs = llm.generate_each(reqs).unwrap();
+        for (e, o) in entries.iter().zip(&outs) {
+            assert_eq!(
+                o.outputs[0].token_ids,
+                ids(&e["generated_ids"]),
+                "{m} from GGUF: {}",
+                e["prompt"]
+            );
+        }
+    }
+}
+
+/// The family a tiny model's GGUF copy is read as (Mistral files are `llama` ones).
+fn gguf_family(m: &str) -> &str {
+    match m {
+        "falcon-new" => "falcon",
+        "mistral" => "llama",
+        other => other,
+    }
+}
+
 /// The model forward alone: logits at the first generated positions against transformers'.
 #[test]
 fn first_logits_match_transformers() {

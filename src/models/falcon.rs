@@ -6,6 +6,7 @@
 //! Hkv = kv heads, D = head_dim, F = ffn size.
 
 use super::config::ModelConfig;
+use super::gguf::{GgufFile, GgufTensorName, map_name};
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
 use super::{CausalLm, Uploader};
@@ -62,9 +63,54 @@ pub fn hf_config(v: &Value, c: &mut ModelConfig) -> Result<()> {
         "parallel_attn": parallel || new_arch,
         "two_norms": two_norms,
         "bias": v["bias"].as_bool().unwrap_or(false),
-        "multi_query": v["multi_query"].as_bool().unwrap_or(true),
+        "qkv_layout": if new_arch {
+            "grouped"
+        } else if v["multi_query"].as_bool().unwrap_or(true) {
+            "qkv"
+        } else {
+            "interleaved"
+        },
     });
     Ok(())
+}
+
+/// llama.cpp's `falcon` files: the new architecture's second LayerNorm is `attn_norm_2`, and
+/// its converter already reorders the fused QKV rows to `[q | k | v]`.
+pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> {
+    c.rms_norm_eps = super::gpt2::layer_norm_eps(g, arch)?;
+    c.hidden_act = crate::backend::Activation::Gelu;
+    let two_norms = g.tensor_info("blk.0.attn_norm_2.weight").is_some();
+    c.extra = json!({
+        "new_decoder_architecture": two_norms,
+        "parallel_attn": true,
+        "two_norms": two_norms,
+        "bias": g.tensor_info("blk.0.attn_qkv.bias").is_some(),
+        "qkv_layout": "qkv",
+    });
+    Ok(())
+}
+
+pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
+    map_name(
+        hf,
+        &[
+            ("transformer.word_embeddings.weight", "token_embd.weight"),
+            ("transformer.ln_f.weight", "output_norm.weight"),
+            ("transformer.ln_f.bias", "output_norm.bias"),
+        ],
+        "transformer.h.",
+        &[
+            ("input_layernorm", "attn_norm", None),
+            // NOTE: llama.cpp names Falcon-40B's MLP norm attn_norm, its attention norm
+            // attn_norm_2 (gguf's TensorNameMap)
+            ("ln_mlp", "attn_norm", None),
+            ("ln_attn", "attn_norm_2", None),
+            ("self_attention.query_key_value", "attn_qkv", None),
+            ("self_attention.dense", "attn_output", None),
+            ("mlp.dense_h_to_4h", "ffn_up", None),
+            ("mlp.dense_4h_to_h", "ffn_down", None),
+        ],
+    )
 }
 
 fn flag(c: &ModelConfig, k: &str) -> bool {
@@ -75,32 +121,31 @@ fn flag(c: &ModelConfig, k: &str) -> bool {
 /// into ours, `[q: H×D | k: Hkv×D | v: Hkv×D]`:
 ///
 /// ```text
-///   new architecture:   per kv group g: q_{g·rep} .. q_{g·rep+rep-1}, k_g, v_g
-///   multi-query:        q_0 .. q_{H-1}, k, v            (already ours)
-///   multi-head (old):   per head h: q_h, k_h, v_h
+///   grouped (new architecture):   per kv group g: q_{g·rep} .. q_{g·rep+rep-1}, k_g, v_g
+///   qkv (multi-query, GGUF):      q_0 .. q_{H-1}, k.., v..      (already ours)
+///   interleaved (old multi-head): per head h: q_h, k_h, v_h
 /// ```
 fn reorder_qkv(t: HostTensor, c: &ModelConfig) -> HostTensor {
     let (h, hkv, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
     let cols = t.data.len() / ((h + 2 * hkv) * d);
     // source head index (in units of D rows) of each destination head
+    let layout = c.extra["qkv_layout"].as_str().unwrap_or("qkv");
     let src_of = |dst: usize| -> usize {
-        if flag(c, "new_decoder_architecture") {
-            let rep = h / hkv;
-            if dst < h {
-                (dst / rep) * (rep + 2) + dst % rep
-            } else if dst < h + hkv {
-                (dst - h) * (rep + 2) + rep
-            } else {
-                (dst - h - hkv) * (rep + 2) + rep + 1
+        match layout {
+            "grouped" => {
+                let rep = h / hkv;
+                if dst < h {
+                    (dst / rep) * (rep + 2) + dst % rep
+                } else if dst < h + hkv {
+                    (dst - h) * (rep + 2) + rep
+                } else {
+                    (dst - h - hkv) * (rep + 2) + rep + 1
+                }
             }
-        } else if flag(c, "multi_query") {
-            dst
-        } else if dst < h {
-            dst * 3
-        } else if dst < 2 * h {
-            (dst - h) * 3 + 1
-        } else {
-            (dst - 2 * h) * 3 + 2
+            "interleaved" if dst < h => dst * 3,
+            "interleaved" if dst < 2 * h => (dst - h) * 3 + 1,
+            "interleaved" => (dst - 2 * h) * 3 + 2,
+            _ => dst,
         }
     };
     let block = d * cols;

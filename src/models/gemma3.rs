@@ -8,7 +8,7 @@
 //! Hkv = kv heads, D = head_dim, F = intermediate size.
 
 use super::config::ModelConfig;
-use super::gguf::GgufFile;
+use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
 use super::{CausalLm, Uploader, stack};
@@ -100,10 +100,33 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
         bail!("metadata '{key}' must be positive");
     }
     c.sliding_window = Some(w as usize);
-    c.sliding_layers = sliding_by_pattern(c.num_layers, SLIDING_PATTERN);
-    c.rope_theta_local = Some(LOCAL_ROPE_THETA);
+    // Newer files store the pattern (an integer, or one bool per layer) and the local base.
+    let pattern_key = format!("{arch}.attention.sliding_window_pattern");
+    c.sliding_layers = match g.metadata().get(&pattern_key) {
+        None => sliding_by_pattern(c.num_layers, SLIDING_PATTERN),
+        Some(v) => match (v.as_u64(), v.as_array()) {
+            (Some(p), _) if p > 0 => sliding_by_pattern(c.num_layers, p as usize),
+            (_, Some(a)) => a
+                .iter()
+                .map(|x| x.as_bool())
+                .collect::<Option<Vec<bool>>>()
+                .with_context(|| format!("metadata '{pattern_key}' has non-bool entries"))?,
+            _ => bail!("metadata '{pattern_key}' should be a positive integer or bools"),
+        },
+    };
+    c.rope_theta_local = Some(
+        g.metadata()
+            .get(&format!("{arch}.rope.freq_base_swa"))
+            .and_then(|v| v.as_f64())
+            .unwrap_or(LOCAL_ROPE_THETA),
+    );
     c.qk_norm = true;
-    c.attn_scale = Some((c.head_dim as f64).powf(-0.5));
+    let num = |k: String| g.metadata().get(&k).and_then(|v| v.as_f64());
+    // NOTE: llama.cpp uses 1/sqrt(head_dim) for the sizes it converts (query_pre_attn_scalar
+    // equals head_dim there) unless the file says otherwise
+    c.attn_scale =
+        Some(num(format!("{arch}.attention.scale")).unwrap_or((c.head_dim as f64).powf(-0.5)));
+    c.final_logit_softcap = num(format!("{arch}.final_logit_softcapping"));
     c.hidden_act = crate::backend::Activation::GeluTanh;
     if g.tensor_info("blk.0.attn_q_norm.weight").is_none() {
         bail!("a {arch} model needs Q/K norms, but the file has no blk.0.attn_q_norm.weight");
@@ -112,41 +135,29 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
 }
 
 /// llama.cpp's names for Gemma 3's tensors; its RMSNorm weights are stored as `1 + w`.
-pub fn gguf_tensor_name(hf: &str) -> Option<super::gguf::GgufTensorName> {
-    use super::gguf::GgufFix;
-    let (name, _) = match hf {
-        "model.embed_tokens.weight" => ("token_embd.weight".to_string(), None::<()>),
-        "model.norm.weight" => ("output_norm.weight".to_string(), None),
-        _ => {
-            let rest = hf.strip_prefix("model.layers.")?;
-            let (idx, rest) = rest.split_once('.')?;
-            let layer: usize = idx.parse().ok()?;
-            if layer.to_string() != idx {
-                return None;
-            }
-            let part = match rest {
-                "input_layernorm.weight" => "attn_norm",
-                "post_attention_layernorm.weight" => "post_attention_norm",
-                "pre_feedforward_layernorm.weight" => "ffn_norm",
-                "post_feedforward_layernorm.weight" => "post_ffw_norm",
-                "self_attn.q_norm.weight" => "attn_q_norm",
-                "self_attn.k_norm.weight" => "attn_k_norm",
-                "self_attn.q_proj.weight" => "attn_q",
-                "self_attn.k_proj.weight" => "attn_k",
-                "self_attn.v_proj.weight" => "attn_v",
-                "self_attn.o_proj.weight" => "attn_output",
-                "mlp.gate_proj.weight" => "ffn_gate",
-                "mlp.up_proj.weight" => "ffn_up",
-                "mlp.down_proj.weight" => "ffn_down",
-                _ => return None,
-            };
-            (format!("blk.{layer}.{part}.weight"), None)
-        }
-    };
-    let fix = name
-        .ends_with("norm.weight")
-        .then_some(GgufFix::SubtractOne);
-    Some((name, fix))
+pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
+    let one = Some(GgufFix::SubtractOne);
+    map_name(
+        hf,
+        &[("model.embed_tokens.weight", "token_embd.weight")],
+        "model.layers.",
+        &[
+            ("input_layernorm", "attn_norm", one),
+            ("post_attention_layernorm", "post_attention_norm", one),
+            ("pre_feedforward_layernorm", "ffn_norm", one),
+            ("post_feedforward_layernorm", "post_ffw_norm", one),
+            ("self_attn.q_norm", "attn_q_norm", one),
+            ("self_attn.k_norm", "attn_k_norm", one),
+            ("self_attn.q_proj", "attn_q", None),
+            ("self_attn.k_proj", "attn_k", None),
+            ("self_attn.v_proj", "attn_v", None),
+            ("self_attn.o_proj", "attn_output", None),
+            ("mlp.gate_proj", "ffn_gate", None),
+            ("mlp.up_proj", "ffn_up", None),
+            ("mlp.down_proj", "ffn_down", None),
+        ],
+    )
+    .or_else(|| (hf == "model.norm.weight").then(|| ("output_norm.weight".into(), one)))
 }
 
 struct Layer<B: Backend> {

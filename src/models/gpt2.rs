@@ -6,12 +6,13 @@
 //! F = inner size (4 × hidden by default).
 
 use super::config::ModelConfig;
+use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
 use super::{CausalLm, Uploader};
 use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
 use crate::tensor::{DType, HostTensor};
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 /// GPT-2's config names the common fields its own way (`n_embd`, `n_head`, ...): they are
@@ -51,6 +52,45 @@ pub fn hf_prepare(v: &mut Value) -> Result<()> {
 
 pub fn hf_config(_v: &Value, _c: &mut ModelConfig) -> Result<()> {
     Ok(())
+}
+
+/// llama.cpp's `gpt2` files: LayerNorm epsilon, GELU (tanh); `Conv1D` weights stored
+/// `[out, in]` (transposed back to HF's `[in, out]` on load).
+pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> {
+    c.rms_norm_eps = layer_norm_eps(g, arch)?;
+    c.hidden_act = crate::backend::Activation::GeluTanh;
+    Ok(())
+}
+
+/// `{arch}.attention.layer_norm_epsilon`, which LayerNorm families must have.
+pub fn layer_norm_eps(g: &GgufFile, arch: &str) -> Result<f64> {
+    let key = format!("{arch}.attention.layer_norm_epsilon");
+    g.metadata()
+        .get(&key)
+        .and_then(|v| v.as_f64())
+        .with_context(|| format!("a {arch} model needs the number metadata '{key}'"))
+}
+
+pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
+    let t = Some(GgufFix::Transpose);
+    map_name(
+        hf,
+        &[
+            ("transformer.wte.weight", "token_embd.weight"),
+            ("transformer.wpe.weight", "position_embd.weight"),
+            ("transformer.ln_f.weight", "output_norm.weight"),
+            ("transformer.ln_f.bias", "output_norm.bias"),
+        ],
+        "transformer.h.",
+        &[
+            ("ln_1", "attn_norm", None),
+            ("attn.c_attn", "attn_qkv", t),
+            ("attn.c_proj", "attn_output", t),
+            ("ln_2", "ffn_norm", None),
+            ("mlp.c_fc", "ffn_up", t),
+            ("mlp.c_proj", "ffn_down", t),
+        ],
+    )
 }
 
 /// `[in, out]` → `[out, in]`.

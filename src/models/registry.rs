@@ -105,11 +105,11 @@ pub static FAMILIES: &[Family] = &[
         arch: Arch::Phi3,
         name: "phi3",
         hf_model_types: &["phi3"],
-        gguf_architectures: &[],
+        gguf_architectures: &["phi3"],
         hf_prepare: no_renames,
         hf_config: super::phi3::hf_config,
-        gguf_config: super::llama::gguf_config,
-        gguf_tensor_name: super::gguf::llama_tensor_name,
+        gguf_config: super::phi3::gguf_config,
+        gguf_tensor_name: super::phi3::gguf_tensor_name,
     },
     Family {
         arch: Arch::Gemma3,
@@ -125,31 +125,26 @@ pub static FAMILIES: &[Family] = &[
         arch: Arch::Gpt2,
         name: "gpt2",
         hf_model_types: &["gpt2"],
-        gguf_architectures: &[],
+        gguf_architectures: &["gpt2"],
         hf_prepare: super::gpt2::hf_prepare,
         hf_config: super::gpt2::hf_config,
-        gguf_config: no_gguf,
-        gguf_tensor_name: |_| None,
+        gguf_config: super::gpt2::gguf_config,
+        gguf_tensor_name: super::gpt2::gguf_tensor_name,
     },
     Family {
         arch: Arch::Falcon,
         name: "falcon",
         hf_model_types: &["falcon"],
-        gguf_architectures: &[],
+        gguf_architectures: &["falcon"],
         hf_prepare: super::falcon::hf_prepare,
         hf_config: super::falcon::hf_config,
-        gguf_config: no_gguf,
-        gguf_tensor_name: |_| None,
+        gguf_config: super::falcon::gguf_config,
+        gguf_tensor_name: super::falcon::gguf_tensor_name,
     },
 ];
 
 fn no_renames(_: &mut Value) -> Result<()> {
     Ok(())
-}
-
-/// For families read from HF directories only (never called: they list no GGUF architecture).
-fn no_gguf(_: &GgufFile, arch: &str, _: &mut ModelConfig) -> Result<()> {
-    bail!("{arch} models are read from HF directories only")
 }
 
 impl Arch {

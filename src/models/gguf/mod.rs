@@ -18,7 +18,7 @@ mod quant;
 mod tokenizer;
 
 use names::unpermute_rows;
-pub use names::{GgufFix, GgufTensorName, llama_tensor_name};
+pub use names::{GgufFix, GgufTensorName, llama_tensor_name, map_name};
 pub use quant::dequantize;
 
 use crate::tensor::HostTensor;
@@ -94,7 +94,7 @@ impl GgufValue {
         }
     }
 
-    fn as_bool(&self) -> Option<bool> {
+    pub fn as_bool(&self) -> Option<bool> {
         match *self {
             GgufValue::Bool(b) => Some(b),
             _ => None,
@@ -541,19 +541,27 @@ impl GgufFile {
             .map(|&d| usize::try_from(d).map_err(|_| anyhow!("dimension {d} is too large")))
             .collect::<Result<Vec<usize>>>()?;
         let mut data = self.load_gguf_tensor(info)?;
-        if fix == Some(GgufFix::SubtractOne) {
-            data.iter_mut().for_each(|x| *x -= 1.0);
+        match fix {
+            Some(GgufFix::SubtractOne) => data.iter_mut().for_each(|x| *x -= 1.0),
+            Some(GgufFix::Transpose) if shape.len() == 2 => {
+                let (rows, cols) = (shape[0], shape[1]);
+                let mut t = vec![0f32; data.len()];
+                for r in 0..rows {
+                    for c in 0..cols {
+                        t[c * rows + r] = data[r * cols + c];
+                    }
+                }
+                return Ok(HostTensor::new(vec![cols, rows], t));
+            }
+            _ => {}
         }
-        if let Some(which) = fix
-            && which != GgufFix::SubtractOne
+        if let Some(which @ (GgufFix::UnpermuteQ | GgufFix::UnpermuteK)) = fix
             && self.arch_str().ok() == Some("llama")
         {
             let a = "llama";
             let heads_key = match which {
                 GgufFix::UnpermuteQ => format!("{a}.attention.head_count"),
-                GgufFix::UnpermuteK | GgufFix::SubtractOne => {
-                    format!("{a}.attention.head_count_kv")
-                }
+                _ => format!("{a}.attention.head_count_kv"),
             };
             let n_head = match self.metadata.get(&heads_key).and_then(GgufValue::as_u64) {
                 Some(n) => n,

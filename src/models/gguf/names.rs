@@ -12,21 +12,26 @@ pub enum GgufFix {
     UnpermuteK,
     /// Stored as `1 + w` (Gemma's RMSNorm weights): 1 is subtracted on load.
     SubtractOne,
+    /// Stored `[out, in]` where HF stores `[in, out]` (GPT-2's `Conv1D`): transposed on load.
+    Transpose,
 }
 
-/// A GGUF tensor name, and whether it is a Q or K projection (weight or bias) stored in
-/// llama.cpp's permuted row order.
+/// A GGUF tensor name, and how the tensor differs from its HF counterpart.
 pub type GgufTensorName = (String, Option<GgufFix>);
 
-/// The GGUF name of an HF tensor name in the Llama-like families (llama.cpp's `blk.N.*`).
-pub fn llama_tensor_name(hf: &str) -> Option<GgufTensorName> {
-    match hf {
-        "model.embed_tokens.weight" => return Some(("token_embd.weight".into(), None)),
-        "model.norm.weight" => return Some(("output_norm.weight".into(), None)),
-        "lm_head.weight" => return Some(("output.weight".into(), None)),
-        _ => {}
+/// The GGUF name of an HF tensor name through a family's tables: `globals` maps whole names,
+/// `blocks` maps the module of `{layer_prefix}{N}.{module}.{weight|bias}` to llama.cpp's
+/// `blk.N.{part}.{weight|bias}` with the fix of that part.
+pub fn map_name(
+    hf: &str,
+    globals: &[(&str, &str)],
+    layer_prefix: &str,
+    blocks: &[(&str, &str, Option<GgufFix>)],
+) -> Option<GgufTensorName> {
+    if let Some((_, g)) = globals.iter().find(|(h, _)| *h == hf) {
+        return Some((g.to_string(), None));
     }
-    let rest = hf.strip_prefix("model.layers.")?;
+    let rest = hf.strip_prefix(layer_prefix)?;
     let (idx, rest) = rest.split_once('.')?;
     // Canonical decimal only, so that "01" does not alias "1".
     let layer: usize = idx.parse().ok()?;
@@ -37,21 +42,40 @@ pub fn llama_tensor_name(hf: &str) -> Option<GgufTensorName> {
     if kind != "weight" && kind != "bias" {
         return None;
     }
-    let (part, permute) = match module {
-        "input_layernorm" => ("attn_norm", None),
-        "post_attention_layernorm" => ("ffn_norm", None),
-        "self_attn.q_proj" => ("attn_q", Some(GgufFix::UnpermuteQ)),
-        "self_attn.k_proj" => ("attn_k", Some(GgufFix::UnpermuteK)),
-        "self_attn.v_proj" => ("attn_v", None),
-        "self_attn.o_proj" => ("attn_output", None),
-        "self_attn.q_norm" => ("attn_q_norm", None),
-        "self_attn.k_norm" => ("attn_k_norm", None),
-        "mlp.gate_proj" => ("ffn_gate", None),
-        "mlp.up_proj" => ("ffn_up", None),
-        "mlp.down_proj" => ("ffn_down", None),
-        _ => return None,
+    let (_, part, fix) = blocks.iter().find(|(m, _, _)| *m == module)?;
+    // NOTE: only weights are transposed or permuted by llama.cpp's converter... except the
+    // Q/K biases, which the permutation applies to as well.
+    let fix = match fix {
+        Some(GgufFix::Transpose) if kind == "bias" => None,
+        f => *f,
     };
-    Some((format!("blk.{layer}.{part}.{kind}"), permute))
+    Some((format!("blk.{layer}.{part}.{kind}"), fix))
+}
+
+/// The GGUF name of an HF tensor name in the Llama-like families (llama.cpp's `blk.N.*`).
+pub fn llama_tensor_name(hf: &str) -> Option<GgufTensorName> {
+    map_name(
+        hf,
+        &[
+            ("model.embed_tokens.weight", "token_embd.weight"),
+            ("model.norm.weight", "output_norm.weight"),
+            ("lm_head.weight", "output.weight"),
+        ],
+        "model.layers.",
+        &[
+            ("input_layernorm", "attn_norm", None),
+            ("post_attention_layernorm", "ffn_norm", None),
+            ("self_attn.q_proj", "attn_q", Some(GgufFix::UnpermuteQ)),
+            ("self_attn.k_proj", "attn_k", Some(GgufFix::UnpermuteK)),
+            ("self_attn.v_proj", "attn_v", None),
+            ("self_attn.o_proj", "attn_output", None),
+            ("self_attn.q_norm", "attn_q_norm", None),
+            ("self_attn.k_norm", "attn_k_norm", None),
+            ("mlp.gate_proj", "ffn_gate", None),
+            ("mlp.up_proj", "ffn_up", None),
+            ("mlp.down_proj", "ffn_down", None),
+        ],
+    )
 }
 
 /// Undoes llama.cpp's Q/K row permutation (HF rotate-half order -> GGML interleaved order):

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Writes the tiny test models of tests/data/tiny/ as f32 GGUF files, the way llama.cpp's
+converter lays them out, so that the engine's GGUF path is tested for every family llama.cpp
+defines. Tensor names come from the `gguf` package's own HF-to-GGUF map (TensorNameMap), not from
+the engine; what llama.cpp's converter does besides renaming is done here explicitly:
+
+- llama (Mistral): Q and K rows permuted for llama.cpp's interleaved RoPE, the window stored as
+  `llama.attention.sliding_window`;
+- gemma3: RMSNorm weights stored as 1 + w; the layer pattern, local RoPE base, attention scale
+  and final soft-cap under the gguf package's keys (llama.cpp fixes some of them per model size);
+- phi3: longrope factors as `rope_factors_short/long.weight` tensors;
+- gpt2: Conv1D weights transposed to [out, in];
+- falcon (new decoder architecture): the grouped QKV rows reordered to [q | k | v].
+
+usage: tiny2gguf.py TINY_DIR OUT_DIR     (writes OUT_DIR/<model>.gguf for each model it knows)
+"""
+import json
+import os
+import sys
+
+import numpy as np
+from gguf import GGUFWriter, MODEL_ARCH, TokenType, get_tensor_name_map
+from safetensors.numpy import load_file
+
+ARCH = {  # tiny model -> (GGUF architecture name, MODEL_ARCH)
+    "mistral": ("llama", MODEL_ARCH.LLAMA),
+    "qwen3": ("qwen3", MODEL_ARCH.QWEN3),
+    "gemma3": ("gemma3", MODEL_ARCH.GEMMA3),
+    "phi3": ("phi3", MODEL_ARCH.PHI3),
+    "gpt2": ("gpt2", MODEL_ARCH.GPT2),
+    "falcon": ("falcon", MODEL_ARCH.FALCON),
+    "falcon-new": ("falcon", MODEL_ARCH.FALCON),
+}
+
+
+def permute(w, n_head):
+    # llama.cpp's LlamaModel.permute: HF rotate-half order -> GGML interleaved order
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+def tokenizer(w, d):
+    t = json.load(open(os.path.join(d, "tokenizer.json")))
+    vocab = t["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for tok, i in vocab.items():
+        tokens[i] = tok
+    special = {a["id"] for a in t["added_tokens"] if a["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([TokenType.CONTROL if i in special else TokenType.NORMAL
+                       for i in range(len(tokens))])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in t["model"]["merges"]])
+    tc = json.load(open(os.path.join(d, "tokenizer_config.json")))
+    w.add_bos_token_id(vocab[tc["bos_token"]])
+    w.add_eos_token_id(vocab[tc["eos_token"]])
+    w.add_add_bos_token(bool(tc.get("add_bos_token", False)))
+    if tc.get("chat_template"):
+        w.add_chat_template(tc["chat_template"])
+
+
+def convert(name, d, out):
+    arch_name, arch = ARCH[name]
+    c = json.load(open(os.path.join(d, "config.json")))
+    weights = load_file(os.path.join(d, "model.safetensors"))
+    n_layer = c.get("num_hidden_layers", c.get("n_layer"))
+    hid = c.get("hidden_size", c.get("n_embd"))
+    n_head = c.get("num_attention_heads", c.get("n_head"))
+    head_dim = c.get("head_dim") or hid // n_head
+    if name == "falcon":
+        n_kv = 1 if c["multi_query"] and not c["new_decoder_architecture"] else n_head
+    elif name == "falcon-new":
+        n_kv = c["num_kv_heads"]
+    else:
+        n_kv = c.get("num_key_value_heads", n_head)
+    rope = c.get("rope_parameters") or {}
+    w = GGUFWriter(out, arch_name)
+    w.add_context_length(c.get("max_position_embeddings", c.get("n_positions")))
+    w.add_embedding_length(hid)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(c.get("intermediate_size") or c.get("n_inner") or c.get("ffn_hidden_size"))
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    if name in ("gpt2", "falcon", "falcon-new"):
+        w.add_layer_norm_eps(c["layer_norm_epsilon"])
+    else:
+        w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    if name == "gemma3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_sliding_window(c["sliding_window"])
+        # NOTE: llama.cpp fixes the local layers' pattern and base for gemma3; newer files
+        # store them, as here, where they differ from its defaults
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        # the tiny model's query_pre_attn_scalar differs from head_dim, and it soft-caps
+        w.add_attention_scale(c["query_pre_attn_scalar"] ** -0.5)
+        if c.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(c["final_logit_softcapping"])
+    elif "rope_theta" in rope:
+        w.add_rope_freq_base(rope["rope_theta"])
+    if name == "mistral" and c.get("sliding_window"):
+        w.add_sliding_window(c["sliding_window"])
+    if name == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if name == "phi3":
+        w.add_rope_dimension_count(head_dim)
+        if c.get("sliding_window"):
+            w.add_sliding_window(c["sliding_window"])
+    tokenizer(w, d)
+
+    names = get_tensor_name_map(arch, n_layer)
+    tied = c.get("tie_word_embeddings", True)
+    for hf, a in weights.items():
+        a = a.astype(np.float32)
+        if name == "gpt2" and hf.endswith((".attn.c_attn.weight", ".attn.c_proj.weight",
+                                           ".mlp.c_fc.weight", ".mlp.c_proj.weight")):
+            a = a.T
+        if name == "mistral" and hf.endswith("self_attn.q_proj.weight"):
+            a = permute(a, n_head)
+        if name == "mistral" and hf.endswith("self_attn.k_proj.weight"):
+            a = permute(a, n_kv)
+        if name == "gemma3" and hf.endswith("norm.weight"):
+            a = a + 1.0
+        if name == "falcon-new" and "query_key_value" in hf:
+            rep = n_head // n_kv
+            g = a.reshape(n_kv, rep + 2, head_dim, *a.shape[1:])
+            a = np.concatenate([g[:, :rep].reshape(-1, *a.shape[1:]),
+                                g[:, rep].reshape(-1, *a.shape[1:]),
+                                g[:, rep + 1].reshape(-1, *a.shape[1:])])
+        new = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if new is None:
+            raise SystemExit(f"{name}: no GGUF name for {hf}")
+        w.add_tensor(new, np.ascontiguousarray(a))
+    if not tied and "lm_head.weight" not in weights:
+        raise SystemExit(f"{name}: untied without lm_head")
+    if name == "phi3" and rope.get("rope_type") == "longrope":
+        raise SystemExit("phi3-longrope is not converted")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main():
+    tiny, out_dir = sys.argv[1], sys.argv[2]
+    os.makedirs(out_dir, exist_ok=True)
+    for name in ARCH:
+        convert(name, os.path.join(tiny, name), os.path.join(out_dir, f"{name}.gguf"))
+        print("wrote", os.path.join(out_dir, f"{name}.gguf"))
+
+
+if __name__ == "__main__":
+    main()
