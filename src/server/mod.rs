@@ -72,6 +72,9 @@ pub(crate) struct AppState {
     model_root: String,
     max_model_len: usize,
     vocab_size: usize,
+    /// The model's own sampling defaults, for the fields a request leaves out (as vLLM does with
+    /// `--generation-config auto`).
+    sampling_defaults: crate::sampling::SamplingDefaults,
     api_key: Option<String>,
     metrics: Arc<Metrics>,
     created: u64,
@@ -226,6 +229,7 @@ async fn run(
         model_names,
         max_model_len: engine.max_model_len(),
         vocab_size: engine.config().vocab_size,
+        sampling_defaults: *engine.sampling_defaults(),
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         metrics: metrics.clone(),
         created: now.as_secs(),

@@ -14,7 +14,7 @@ use super::types::*;
 use super::worker::{AddError, Command, Event, EventKind, SubRequest};
 use crate::engine::{Prompt, RequestError};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
-use crate::sampling::{SamplingParams, TokenLogprobs};
+use crate::sampling::{SamplingDefaults, SamplingParams, TokenLogprobs};
 use crate::sched::{FinishReason, RequestId};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -195,6 +195,7 @@ fn sampling_params(
     f: &SamplingFields,
     max_tokens: Option<usize>,
     logprobs: Option<usize>,
+    model: &SamplingDefaults,
 ) -> Result<SamplingParams, ApiError> {
     if f.best_of.is_some_and(|b| b > 1) {
         return Err(ApiError::unsupported(
@@ -209,14 +210,16 @@ fn sampling_params(
         ));
     }
     let d = SamplingParams::default();
+    let explicit = SamplingDefaults {
+        temperature: f.temperature,
+        top_p: f.top_p,
+        top_k: f.top_k,
+        min_p: f.min_p,
+        repetition_penalty: f.repetition_penalty,
+    };
     let p = SamplingParams {
         n: f.n.unwrap_or(1),
         max_tokens,
-        temperature: f.temperature.unwrap_or(d.temperature),
-        top_p: f.top_p.unwrap_or(d.top_p),
-        top_k: f.top_k.unwrap_or(d.top_k),
-        min_p: f.min_p.unwrap_or(d.min_p),
-        repetition_penalty: f.repetition_penalty.unwrap_or(d.repetition_penalty),
         presence_penalty: f.presence_penalty.unwrap_or(d.presence_penalty),
         frequency_penalty: f.frequency_penalty.unwrap_or(d.frequency_penalty),
         seed: f.seed,
@@ -225,7 +228,11 @@ fn sampling_params(
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+        ..d
     };
+    // NOTE: what the request leaves out comes from the model's generation_config, then from
+    // OpenAI's defaults.
+    let p = model.fill(&explicit, p);
     p.validate()
         .map_err(|e| ApiError::invalid(e.message, Some(e.param)))?;
     Ok(p)
@@ -494,7 +501,12 @@ async fn completions_inner(
             "echo",
         ));
     }
-    let params = sampling_params(&sampling, req.max_tokens, req.logprobs)?;
+    let params = sampling_params(
+        &sampling,
+        req.max_tokens,
+        req.logprobs,
+        &st.sampling_defaults,
+    )?;
     let prompts = parse_prompts(&req.prompt)?;
     let tok = st.tokenizer.clone();
     // (token ids, prompt text for echo)
@@ -697,12 +709,14 @@ async fn chat_inner(
     }
     let logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0));
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-    let params = sampling_params(&sampling, max_tokens, logprobs).map_err(|mut e| {
-        if e.param.as_deref() == Some("logprobs") {
-            e.param = Some("top_logprobs".into());
-        }
-        e
-    })?;
+    let params = sampling_params(&sampling, max_tokens, logprobs, &st.sampling_defaults).map_err(
+        |mut e| {
+            if e.param.as_deref() == Some("logprobs") {
+                e.param = Some("top_logprobs".into());
+            }
+            e
+        },
+    )?;
     let messages = chat_messages(&req.messages)?;
     let tok = st.tokenizer.clone();
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
@@ -838,6 +852,33 @@ async fn detokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Respo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_model_defaults_fill_what_a_request_leaves_out() {
+        let model = SamplingDefaults {
+            temperature: Some(0.6),
+            top_k: Some(20),
+            ..Default::default()
+        };
+        let p = sampling_params(&SamplingFields::default(), Some(8), None, &model).unwrap();
+        assert_eq!((p.temperature, p.top_k, p.top_p), (0.6, 20, 1.0));
+        let f = SamplingFields {
+            temperature: Some(0.0),
+            ..Default::default()
+        };
+        let p = sampling_params(&f, Some(8), None, &model).unwrap();
+        assert_eq!((p.temperature, p.top_k), (0.0, 20));
+        // a model without defaults: OpenAI's
+        let p =
+            sampling_params(&SamplingFields::default(), None, None, &Default::default()).unwrap();
+        assert_eq!(
+            p,
+            SamplingParams {
+                max_tokens: None,
+                ..SamplingParams::default()
+            }
+        );
+    }
 
     #[test]
     fn prompts_of_every_shape() {
