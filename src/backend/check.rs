@@ -2,9 +2,14 @@
 //! inputs, with the error of each in a table. Users run it on new hardware; the GPU checks run
 //! it first (see scripts/gpu-check.sh).
 //!
-//! The error of a case is `max |got − cpu| / max |cpu|` (normalised by the reference's scale,
-//! like tests/backend_ops.rs). Tolerances: 1e-5 for f32 arithmetic, 1e-2 where a vendor GEMM
-//! rounds activations to f16/bf16 first.
+//! The table of op cases is the one place ops are checked: `check-backend` runs it against the
+//! CPU backend, and `cargo test` (tests/backend_ops.rs) runs it for every compiled backend, the
+//! CPU one included, against an f64 reference computed here. A new op is a new `Case` variant:
+//! how to run it, its reference, and its rows in `cases`.
+//!
+//! The error of a case is `max |got − want| / max |want|` (normalised by the reference's scale).
+//! Tolerances: 1e-5 for f32 arithmetic, 1e-2 where a vendor GEMM rounds activations to f16/bf16
+//! first, exact for argmax.
 
 use super::{
     Activation, AttentionOptions, Backend, BackendKind, BatchInput, CpuBackend, CudaBackend,
@@ -39,17 +44,14 @@ fn rand_vec(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
         .collect()
 }
 
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     if got.len() != want.len() {
         return f64::INFINITY;
     }
-    let scale = want
-        .iter()
-        .fold(0f64, |m, x| m.max((*x as f64).abs()))
-        .max(1e-30);
+    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
     let mut worst = 0f64;
     for (g, w) in got.iter().zip(want) {
-        let d = (*g as f64 - *w as f64).abs();
+        let d = (*g as f64 - w).abs();
         if d.is_nan() {
             return f64::INFINITY;
         }
@@ -197,7 +199,7 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
             be.scale(&mut sb, 25.298221, rows * ffn)?;
             v.extend(be.download_f32(&sb)?);
             let mut cb = be.upload_f32(gu)?;
-            be.softcap(&mut cb, 1.5, rows * ffn)?;
+            be.softcap(&mut cb, 1.5, gu.len())?;
             v.extend(be.download_f32(&cb)?);
             let mut ab = be.upload_f32(a)?;
             be.add_assign(&mut ab, &be.upload_f32(b)?, rows * ffn)?;
@@ -287,6 +289,257 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
                 .collect()
         }
     })
+}
+
+/// A weight as the backend stores it in `dtype`.
+fn rounded(dtype: DType, v: &[f32]) -> Vec<f64> {
+    v.iter()
+        .map(|&x| match dtype {
+            DType::F32 => x as f64,
+            DType::F16 => half::f16::from_f32(x).to_f64(),
+            DType::BF16 => half::bf16::from_f32(x).to_f64(),
+        })
+        .collect()
+}
+
+fn rms_f64(x: &[f64], w: &[f32], eps: f64) -> Vec<f64> {
+    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + eps).sqrt();
+    x.iter().zip(w).map(|(x, w)| x * inv * *w as f64).collect()
+}
+
+/// What a case's outputs should be, in f64 and in the order [`run`] returns them: the reference
+/// `cargo test` checks every backend against (independent of the CPU backend's code).
+fn reference(case: &Case) -> Vec<f64> {
+    let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    match case {
+        Case::Matmul {
+            dtype,
+            m,
+            k,
+            n,
+            x,
+            w,
+            b,
+        } => {
+            let w = rounded(*dtype, w);
+            let mut out = Vec::with_capacity(m * n);
+            for i in 0..*m {
+                for j in 0..*n {
+                    let dot: f64 = (0..*k).map(|l| x[i * k + l] as f64 * w[j * k + l]).sum();
+                    out.push(dot + b.as_ref().map_or(0.0, |b| b[j] as f64));
+                }
+            }
+            out
+        }
+        Case::RmsNorm {
+            dim,
+            x,
+            y,
+            w,
+            fused,
+            ..
+        } => {
+            let xs: Vec<f64> = if *fused {
+                x.iter()
+                    .zip(y)
+                    .map(|(a, b)| *a as f64 + *b as f64)
+                    .collect()
+            } else {
+                f(x)
+            };
+            let mut out: Vec<f64> = xs.chunks(*dim).flat_map(|r| rms_f64(r, w, 1e-5)).collect();
+            if *fused {
+                out.extend(xs);
+            }
+            out
+        }
+        Case::LayerNorm { dim, x, w, b, .. } => f(x)
+            .chunks(*dim)
+            .flat_map(|r| {
+                let mean = r.iter().sum::<f64>() / *dim as f64;
+                let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / *dim as f64;
+                let inv = 1.0 / (var + 1e-5).sqrt();
+                (0..*dim)
+                    .map(|i| (r[i] - mean) * inv * w[i] as f64 + b[i] as f64)
+                    .collect::<Vec<_>>()
+            })
+            .collect(),
+        Case::Elementwise {
+            rows,
+            ffn,
+            gu,
+            a,
+            b,
+        } => {
+            let mut v = Vec::new();
+            for act in [Activation::Silu, Activation::GeluTanh, Activation::Gelu] {
+                for r in 0..*rows {
+                    for i in 0..*ffn {
+                        let g = gu[r * 2 * ffn + i] as f64;
+                        v.push(act.apply_f64(g) * gu[r * 2 * ffn + ffn + i] as f64);
+                    }
+                }
+                v.extend(a.iter().map(|&x| act.apply_f64(x as f64)));
+            }
+            v.extend(b.iter().map(|&x| x as f64 * 25.298221));
+            v.extend(gu.iter().map(|&x| 1.5 * (x as f64 / 1.5).tanh()));
+            v.extend(a.iter().zip(b).map(|(x, y)| *x as f64 + *y as f64));
+            v
+        }
+        Case::Embedding {
+            dtype,
+            dim,
+            table,
+            ids,
+            rows,
+        } => {
+            let t = rounded(*dtype, table);
+            let out: Vec<f64> = ids
+                .iter()
+                .flat_map(|&id| t[id as usize * dim..(id as usize + 1) * dim].to_vec())
+                .collect();
+            let mut v = out.clone();
+            v.extend(
+                rows.iter()
+                    .flat_map(|&r| out[r as usize * dim..(r as usize + 1) * dim].to_vec()),
+            );
+            v
+        }
+        Case::Rope {
+            rows,
+            layout,
+            x,
+            pos,
+            cos,
+            sin,
+        } => {
+            let (d, rl) = (layout.head_dim, layout.row_len());
+            let mut v = f(x);
+            for t in 0..*rows {
+                let p = pos[t] as usize;
+                for h in 0..layout.num_heads + layout.num_kv_heads {
+                    let base = t * rl + h * d;
+                    for i in 0..d / 2 {
+                        let (c, s) = (cos[p * d / 2 + i] as f64, sin[p * d / 2 + i] as f64);
+                        let (x1, x2) = (x[base + i] as f64, x[base + i + d / 2] as f64);
+                        v[base + i] = x1 * c - x2 * s;
+                        v[base + i + d / 2] = x2 * c + x1 * s;
+                    }
+                }
+            }
+            v
+        }
+        Case::QkNorm {
+            rows,
+            layout,
+            x,
+            qw,
+            kw,
+        } => {
+            let (d, rl) = (layout.head_dim, layout.row_len());
+            let mut v = f(x);
+            for t in 0..*rows {
+                for h in 0..layout.num_heads + layout.num_kv_heads {
+                    let base = t * rl + h * d;
+                    let w = if h < layout.num_heads { qw } else { kw };
+                    let normed = rms_f64(&v[base..base + d], w, 1e-6);
+                    v[base..base + d].copy_from_slice(&normed);
+                }
+            }
+            v
+        }
+        Case::Attention {
+            layout,
+            kv,
+            prefix_rows,
+            prefix_slots,
+            qkv,
+            batch,
+            opts,
+        } => attention_reference(layout, kv, prefix_rows, prefix_slots, qkv, batch, opts),
+        Case::Argmax { rows, cols, logits } => (0..*rows)
+            .map(|r| super::argmax(&logits[r * cols..(r + 1) * cols]) as f64)
+            .collect(),
+    }
+}
+
+/// Plain causal attention over each sequence's rows in position order (its cached prefix, then
+/// this step's rows), keys limited to the window and scores soft-capped as asked; then the K
+/// cache as `write_kv` must leave it.
+fn attention_reference(
+    layout: &QkvLayout,
+    kv: &KvLayout,
+    prefix_rows: &[f32],
+    prefix_slots: &[u32],
+    qkv: &[f32],
+    batch: &BatchInput,
+    opts: &AttentionOptions,
+) -> Vec<f64> {
+    let (h, hkv, d, rl) = (
+        layout.num_heads,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.row_len(),
+    );
+    let mut out = Vec::new();
+    let mut prefix_at = 0;
+    for s in 0..batch.num_seqs() {
+        let (q0, q1) = (
+            batch.query_start[s] as usize,
+            batch.query_start[s + 1] as usize,
+        );
+        let c = batch.seq_lens[s] as usize - (q1 - q0);
+        let mut rows: Vec<&[f32]> = prefix_rows[prefix_at * rl..(prefix_at + c) * rl]
+            .chunks(rl)
+            .collect();
+        prefix_at += c;
+        rows.extend(qkv[q0 * rl..q1 * rl].chunks(rl));
+        for p in c..c + (q1 - q0) {
+            let lo = opts.first_key(p + 1);
+            for hq in 0..h {
+                let g = hq / (h / hkv);
+                let q = &rows[p][hq * d..(hq + 1) * d];
+                let scores: Vec<f64> = (lo..=p)
+                    .map(|j| {
+                        let k = &rows[j][layout.q_len() + g * d..][..d];
+                        let sc = q
+                            .iter()
+                            .zip(k)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                            * opts.scale as f64;
+                        match opts.logit_softcap {
+                            Some(cap) => cap as f64 * (sc / cap as f64).tanh(),
+                            None => sc,
+                        }
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for i in 0..d {
+                    let vo = layout.q_len() + layout.kv_len() + g * d + i;
+                    out.push((lo..=p).map(|j| e[j - lo] / z * rows[j][vo] as f64).sum());
+                }
+            }
+        }
+    }
+    let mut cache = vec![0f64; kv.numel()];
+    let written = prefix_rows
+        .chunks(rl)
+        .zip(prefix_slots)
+        .chain(qkv.chunks(rl).zip(&batch.slot_mapping));
+    for (row, &slot) in written {
+        let (blk, off) = (slot as usize / kv.block_size, slot as usize % kv.block_size);
+        for g in 0..hkv {
+            for i in 0..d {
+                cache[((blk * hkv + g) * kv.block_size + off) * d + i] =
+                    row[layout.q_len() + g * d + i] as f64;
+            }
+        }
+    }
+    out.extend(cache);
+    out
 }
 
 /// A mixed batch: decode rows, a prefill from scratch and chunks after cached prefixes, over
@@ -489,7 +742,7 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             },
         ));
     }
-    for &(rows, h, hkv, d) in &[(7, 16, 8, 128), (2, 14, 2, 64)] {
+    for &(rows, h, hkv, d) in &[(7, 16, 8, 128), (2, 14, 2, 64), (5, 2, 1, 80)] {
         let layout = QkvLayout {
             num_heads: h,
             num_kv_heads: hkv,
@@ -548,6 +801,8 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         ("long prefill", 16, 14, 2, 64, &[(0, 300), (700, 64)]),
         ("odd blocks", 5, 6, 2, 16, &[(0, 9), (11, 1), (23, 4)]),
         ("d=128", 16, 16, 8, 128, &[(40, 1), (0, 33)]),
+        ("block size 1", 1, 2, 1, 8, &[(0, 7), (16, 1), (5, 3)]),
+        ("block size 3", 3, 16, 2, 128, &[(8, 1), (0, 10)]),
     ];
     // the same with a sliding window (long decodes split the context: whole partitions fall
     // before the window) and with soft-capped scores
@@ -573,6 +828,24 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             ("softcap", 16, 8, 2, 64, &[(0, 20), (50, 1)]),
             None,
             Some(1.5),
+        ),
+        (
+            (
+                "window 9, softcap",
+                4,
+                6,
+                2,
+                16,
+                &[(0, 23), (19, 13), (11, 5)],
+            ),
+            Some(9),
+            Some(5.0),
+        ),
+        (("window 1", 1, 2, 1, 8, &[(0, 7), (16, 1)]), Some(1), None),
+        (
+            ("window 100", 8, 4, 4, 64, &[(0, 23), (37, 1)]),
+            Some(100),
+            None,
         ),
     ];
     let plain = attn.iter().map(|c| (c, None, None));
@@ -614,20 +887,23 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
     out
 }
 
-/// Runs every case on `be` and on the CPU backend; returns the table rows.
-pub fn check_backend<B: Backend>(be: &B, seed: u64) -> Vec<CheckRow> {
-    let cpu = CpuBackend::new();
+/// Runs every case of the table on `be` against `want` (the CPU backend or the f64 reference).
+fn check_with<B: Backend>(
+    be: &B,
+    seed: u64,
+    want: impl Fn(&Case) -> Result<Vec<f64>>,
+) -> Vec<CheckRow> {
     cases(seed)
         .into_iter()
         .map(|(op, case_name, tol, case)| {
-            let want = run(&cpu, &case);
+            let want = want(&case);
             let t0 = std::time::Instant::now();
             let got = run(be, &case);
             let micros = t0.elapsed().as_secs_f64() * 1e6;
             let (err, error) = match (got, want) {
                 (Ok(g), Ok(w)) => (Some(rel_err(&g, &w)), None),
                 (Err(e), _) => (None, Some(format!("{e:#}"))),
-                (_, Err(e)) => (None, Some(format!("cpu reference failed: {e:#}"))),
+                (_, Err(e)) => (None, Some(format!("the reference failed: {e:#}"))),
             };
             CheckRow {
                 op,
@@ -639,6 +915,20 @@ pub fn check_backend<B: Backend>(be: &B, seed: u64) -> Vec<CheckRow> {
             }
         })
         .collect()
+}
+
+/// `pagoda check-backend`: every case on `be` and on the CPU backend.
+pub fn check_backend<B: Backend>(be: &B, seed: u64) -> Vec<CheckRow> {
+    let cpu = CpuBackend::new();
+    check_with(be, seed, |case| {
+        Ok(run(&cpu, case)?.into_iter().map(f64::from).collect())
+    })
+}
+
+/// The same table against an f64 reference computed here, independently of every backend:
+/// what `cargo test` runs for each compiled backend (`tests/backend_ops.rs`).
+pub fn check_against_reference<B: Backend>(be: &B, seed: u64) -> Vec<CheckRow> {
+    check_with(be, seed, |case| Ok(reference(case)))
 }
 
 /// Creates the backend `kind` names and checks it.
@@ -696,5 +986,22 @@ mod tests {
         }
         let t = format_table("cpu", &rows);
         assert!(t.contains(&format!("{} passed, 0 failed", rows.len())));
+    }
+
+    #[test]
+    fn the_cpu_backend_passes_the_table_against_the_f64_reference() {
+        let rows = check_against_reference(&CpuBackend::new(), 7);
+        let failed: Vec<_> = rows.iter().filter(|r| !r.passed()).collect();
+        assert!(failed.is_empty(), "{failed:#?}");
+    }
+
+    #[test]
+    fn the_reference_can_fail() {
+        // a wrong output is caught: every case run on the CPU, its first value perturbed
+        for (_, name, tol, case) in cases(3) {
+            let mut got = run(&CpuBackend::new(), &case).unwrap();
+            got[0] += 1.0 + got[0].abs();
+            assert!(rel_err(&got, &reference(&case)) > tol, "{name}");
+        }
     }
 }
