@@ -96,7 +96,8 @@ fn unknown_architecture() {
 /// What does not fit a family is refused with the file and the key named.
 #[test]
 fn family_configs_that_do_not_fit() {
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "sliding_window",
             Box::new(|c| {

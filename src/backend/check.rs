@@ -415,8 +415,8 @@ fn reference(case: &Case) -> Vec<f64> {
         } => {
             let (d, rl) = (layout.head_dim, layout.row_len());
             let mut v = f(x);
-            for t in 0..*rows {
-                let p = pos[t] as usize;
+            for (t, &p) in pos.iter().enumerate().take(*rows) {
+                let p = p as usize;
                 for h in 0..layout.num_heads + layout.num_kv_heads {
                     let base = t * rl + h * d;
                     for i in 0..d / 2 {
