@@ -291,9 +291,8 @@ impl SamplingArgs {
         }
     }
 
-    /// Parameters from the flags; what they leave out comes from `defaults`, then from
-    /// [`SamplingParams::default`] (greedy).
-    fn params(&self, defaults: &SamplingDefaults) -> SamplingParams {
+    /// Parameters from the flags; what they leave out comes from `defaults`, then from `base`.
+    fn params(&self, defaults: &SamplingDefaults, base: SamplingParams) -> SamplingParams {
         let base = SamplingParams {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
@@ -303,7 +302,7 @@ impl SamplingArgs {
             stop_token_ids: self.stop_token_id.clone(),
             ignore_eos: self.ignore_eos,
             logprobs: self.logprobs,
-            ..Default::default()
+            ..base
         };
         defaults.fill(&self.explicit(), base)
     }
@@ -381,7 +380,8 @@ fn run(cli: Cli) -> Result<()> {
             if prompts.is_empty() {
                 anyhow::bail!("no prompt given: pass prompts as arguments or --file FILE");
             }
-            let params = sampling.params(&SamplingDefaults::default());
+            // NOTE: `generate` is greedy unless told otherwise (reproducible runs, goldens).
+            let params = sampling.params(&SamplingDefaults::default(), SamplingParams::greedy());
             params.validate()?;
             let mut llm = LLM::new(model.engine_args())?;
             if chat_template {
@@ -515,7 +515,7 @@ fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Res
     let mut llm = LLM::new(model.engine_args())?;
     let engine = llm.engine();
     let defaults = chat_defaults(engine.sampling_defaults());
-    let params = sampling.params(&defaults);
+    let params = sampling.params(&defaults, SamplingParams::default());
     params.validate()?;
     tracing::info!(
         "sampling: temperature {}, top-p {}, top-k {}, min-p {}, repetition penalty {}{}",
