@@ -78,6 +78,24 @@ impl ModelConfig {
         }
     }
 
+    /// What layer `l` asks of attention: the scale, its window, the soft-cap.
+    pub fn attention_options(&self, l: usize) -> crate::backend::AttentionOptions {
+        crate::backend::AttentionOptions {
+            scale: self.attention_scale(),
+            sliding_window: self.layer_window(l),
+            logit_softcap: self.attn_logit_softcap.map(|x| x as f32),
+        }
+    }
+
+    /// The layout of the fused QKV rows.
+    pub fn qkv_layout(&self) -> crate::backend::QkvLayout {
+        crate::backend::QkvLayout {
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
     /// The attention scale.
     pub fn attention_scale(&self) -> f32 {
         self.attn_scale

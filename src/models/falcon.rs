@@ -7,10 +7,10 @@
 
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, GgufTensorName, map_name};
-use super::kv_cache::{KvCache, LayerKvSpec};
+use super::kv_cache::KvCache;
 use super::loader::WeightSource;
-use super::{CausalLm, Uploader};
-use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
+use super::{CausalLm, Norm, Uploader, attend, check_positions, final_logits};
+use crate::backend::{Backend, DeviceBatch};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail};
 use serde_json::{Value, json};
@@ -158,9 +158,9 @@ fn reorder_qkv(t: HostTensor, c: &ModelConfig) -> HostTensor {
 }
 
 struct Layer<B: Backend> {
-    ln_attn: (B::Buf, B::Buf), // [hidden] weight, bias (input_layernorm or ln_attn)
-    ln_mlp: Option<(B::Buf, B::Buf)>, // [hidden]: ln_mlp (two norms), post_attention_layernorm (sequential)
-    w_qkv: B::Buf,                    // [(H + 2 Hkv) D, hidden]
+    ln_attn: Norm<B>,        // LayerNorm [hidden]: input_layernorm or ln_attn
+    ln_mlp: Option<Norm<B>>, // ln_mlp (two norms) or post_attention_layernorm (sequential)
+    w_qkv: B::Buf,           // [(H + 2 Hkv) D, hidden]
     b_qkv: Option<B::Buf>,
     w_o: B::Buf, // [hidden, H D]
     b_o: Option<B::Buf>,
@@ -174,7 +174,7 @@ pub struct Falcon<B: Backend> {
     cfg: ModelConfig,
     embed: B::Buf, // [vocab, hidden]; also the lm_head
     layers: Vec<Layer<B>>,
-    ln_f: (B::Buf, B::Buf),
+    ln_f: Norm<B>,
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     max_positions: usize,
@@ -211,8 +211,8 @@ impl<B: Backend> Falcon<B> {
             dtype,
         )?;
         progress(1, total);
-        let ln = |up: &mut Uploader<B>, name: &str| -> Result<(B::Buf, B::Buf)> {
-            Ok((
+        let ln = |up: &mut Uploader<B>, name: &str| -> Result<Norm<B>> {
+            Ok(Norm::Layer(
                 up.weight(&format!("{name}.weight"), &[hid], DType::F32)?,
                 up.weight(&format!("{name}.bias"), &[hid], DType::F32)?,
             ))
@@ -290,16 +290,6 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
         &self.cfg
     }
 
-    fn kv_spec(&self) -> Vec<LayerKvSpec> {
-        let l = LayerKvSpec {
-            num_kv_heads: self.cfg.num_kv_heads,
-            head_dim: self.cfg.head_dim,
-            dtype: DType::F32,
-            sliding_window: None,
-        };
-        vec![l; self.cfg.num_layers]
-    }
-
     fn weight_bytes(&self) -> u64 {
         self.weight_bytes
     }
@@ -311,21 +301,9 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
-        let r = batch.host.logits_rows.len();
-        if let Some(&p) = batch.host.positions.iter().max()
-            && p as usize >= self.max_positions
-        {
-            bail!(
-                "position {p} is beyond the maximum model length {}",
-                self.max_positions
-            );
-        }
+        check_positions(&batch.host.positions, self.max_positions)?;
         let (hid, f) = (c.hidden_size, c.intermediate_size);
-        let ql = QkvLayout {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        };
+        let ql = c.qkv_layout();
         let eps = c.rms_norm_eps as f32;
         let parallel = flag(c, "parallel_attn");
         let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
@@ -339,7 +317,7 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
 
         backend.embedding(&self.embed, &batch.token_ids, hid, &mut x)?;
         for (l, w) in self.layers.iter().enumerate() {
-            backend.layer_norm(&x, &w.ln_attn.0, &w.ln_attn.1, t, hid, eps, &mut ha)?;
+            w.ln_attn.apply(backend, &x, t, hid, eps, &mut ha)?;
             backend.matmul(
                 &ha,
                 &w.w_qkv,
@@ -357,31 +335,28 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
                 t,
                 ql,
             )?;
-            let layout = kv.layouts[l];
-            backend.write_kv(
+            attend(
+                backend,
+                kv,
+                l,
                 &qkv,
-                &batch.slot_mapping,
-                t,
+                batch,
                 ql,
-                &mut kv.k[l],
-                &mut kv.v[l],
-                layout,
+                c.attention_options(l),
+                &mut attn,
             )?;
-            let opts = AttentionOptions::new(c.attention_scale());
-            backend
-                .paged_attention(&qkv, &kv.k[l], &kv.v[l], batch, ql, layout, opts, &mut attn)?;
             backend.matmul(&attn, &w.w_o, w.b_o.as_ref(), t, ql.q_len(), hid, &mut oa)?;
             // The MLP reads: ln_mlp(x) (two norms), the attention's normed input (parallel,
             // one norm), or post_attention_layernorm(x + attention) (sequential).
             let mlp_in = match (&w.ln_mlp, parallel) {
                 (Some(n), true) => {
-                    backend.layer_norm(&x, &n.0, &n.1, t, hid, eps, &mut hm)?;
+                    n.apply(backend, &x, t, hid, eps, &mut hm)?;
                     &hm
                 }
                 (None, _) => &ha,
                 (Some(n), false) => {
                     backend.add_assign(&mut x, &oa, t * hid)?;
-                    backend.layer_norm(&x, &n.0, &n.1, t, hid, eps, &mut hm)?;
+                    n.apply(backend, &x, t, hid, eps, &mut hm)?;
                     &hm
                 }
             };
@@ -393,12 +368,6 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
             }
             backend.add_assign(&mut x, &om, t * hid)?;
         }
-        let mut xs = backend.alloc_f32(r * hid)?; // [R, hidden]
-        backend.gather_rows(&x, &batch.logits_rows, hid, &mut xs)?;
-        let mut xn = backend.alloc_f32(r * hid)?;
-        backend.layer_norm(&xs, &self.ln_f.0, &self.ln_f.1, r, hid, eps, &mut xn)?;
-        let mut logits = backend.alloc_f32(r * c.vocab_size)?; // [R, vocab]
-        backend.matmul(&xn, &self.embed, None, r, hid, c.vocab_size, &mut logits)?;
-        Ok(logits)
+        final_logits(backend, c, &x, batch, &self.ln_f, &self.embed)
     }
 }

@@ -9,10 +9,10 @@
 
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
-use super::kv_cache::{KvCache, LayerKvSpec};
+use super::kv_cache::KvCache;
 use super::loader::WeightSource;
-use super::{CausalLm, Uploader, stack};
-use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
+use super::{CausalLm, Norm, Uploader, attend, check_positions, final_logits, stack};
+use crate::backend::{Backend, DeviceBatch};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
@@ -177,7 +177,7 @@ pub struct Gemma3<B: Backend> {
     cfg: ModelConfig,
     embed: B::Buf, // [vocab, hidden]; also the lm_head
     layers: Vec<Layer<B>>,
-    norm: B::Buf, // [hidden] f32, 1 + w
+    norm: Norm<B>, // [hidden] f32, 1 + w
     lm_head: Option<B::Buf>,
     /// RoPE tables `[max_positions, D / 2]`: global layers, then local ones.
     rope_global: (B::Buf, B::Buf),
@@ -261,7 +261,7 @@ impl<B: Backend> Gemma3<B> {
             cfg: c.clone(),
             embed,
             layers,
-            norm: final_norm,
+            norm: Norm::Rms(final_norm),
             lm_head,
             rope_global,
             rope_local,
@@ -277,17 +277,6 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
         &self.cfg
     }
 
-    fn kv_spec(&self) -> Vec<LayerKvSpec> {
-        (0..self.cfg.num_layers)
-            .map(|l| LayerKvSpec {
-                num_kv_heads: self.cfg.num_kv_heads,
-                head_dim: self.cfg.head_dim,
-                dtype: DType::F32,
-                sliding_window: self.cfg.layer_window(l),
-            })
-            .collect()
-    }
-
     fn weight_bytes(&self) -> u64 {
         self.weight_bytes
     }
@@ -299,21 +288,9 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
-        let r = batch.host.logits_rows.len();
-        if let Some(&p) = batch.host.positions.iter().max()
-            && p as usize >= self.max_positions
-        {
-            bail!(
-                "position {p} is beyond the maximum model length {}",
-                self.max_positions
-            );
-        }
+        check_positions(&batch.host.positions, self.max_positions)?;
         let (hid, f) = (c.hidden_size, c.intermediate_size);
-        let ql = QkvLayout {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        };
+        let ql = c.qkv_layout();
         let eps = c.rms_norm_eps as f32;
 
         let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
@@ -340,23 +317,16 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
             backend.matmul(&h, &w.wqkv, None, t, hid, ql.row_len(), &mut qkv)?;
             backend.qk_norm(&mut qkv, &w.q_norm, &w.k_norm, t, ql, eps)?;
             backend.rope(&mut qkv, &batch.positions, cos, sin, t, ql)?;
-            let layout = kv.layouts[l];
-            backend.write_kv(
+            attend(
+                backend,
+                kv,
+                l,
                 &qkv,
-                &batch.slot_mapping,
-                t,
+                batch,
                 ql,
-                &mut kv.k[l],
-                &mut kv.v[l],
-                layout,
+                c.attention_options(l),
+                &mut attn,
             )?;
-            let opts = AttentionOptions {
-                scale: c.attention_scale(),
-                sliding_window: window,
-                logit_softcap: c.attn_logit_softcap.map(|x| x as f32),
-            };
-            backend
-                .paged_attention(&qkv, &kv.k[l], &kv.v[l], batch, ql, layout, opts, &mut attn)?;
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
             // x += post_attn_norm(o); h = pre_ffn_norm(x)
             backend.rms_norm(&o, &w.post_attn_norm, t, hid, eps, &mut on)?;
@@ -373,16 +343,7 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
                 None => backend.add_assign(&mut x, &on, t * hid)?,
             }
         }
-        let mut xs = backend.alloc_f32(r * hid)?; // [R, hidden]
-        backend.gather_rows(&x, &batch.logits_rows, hid, &mut xs)?;
-        let mut xn = backend.alloc_f32(r * hid)?;
-        backend.rms_norm(&xs, &self.norm, r, hid, eps, &mut xn)?;
-        let mut logits = backend.alloc_f32(r * c.vocab_size)?; // [R, vocab]
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        backend.matmul(&xn, head, None, r, hid, c.vocab_size, &mut logits)?;
-        if let Some(cap) = c.final_logit_softcap {
-            backend.softcap(&mut logits, cap as f32, r * c.vocab_size)?;
-        }
-        Ok(logits)
+        final_logits(backend, c, &x, batch, &self.norm, head)
     }
 }

@@ -7,10 +7,10 @@
 
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
-use super::kv_cache::{KvCache, LayerKvSpec};
+use super::kv_cache::KvCache;
 use super::loader::WeightSource;
-use super::{CausalLm, Uploader};
-use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
+use super::{CausalLm, Norm, Uploader, attend, check_positions, final_logits};
+use crate::backend::{Backend, DeviceBatch};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
@@ -106,16 +106,16 @@ pub fn transpose(t: HostTensor) -> HostTensor {
 }
 
 struct Layer<B: Backend> {
-    ln_1: (B::Buf, B::Buf), // [hidden] weight, bias
-    w_qkv: B::Buf,          // [3 H D, hidden]
-    b_qkv: B::Buf,          // [3 H D]
-    w_o: B::Buf,            // [hidden, H D]
-    b_o: B::Buf,            // [hidden]
-    ln_2: (B::Buf, B::Buf), // [hidden]
-    w_fc: B::Buf,           // [F, hidden]
-    b_fc: B::Buf,           // [F]
-    w_proj: B::Buf,         // [hidden, F]
-    b_proj: B::Buf,         // [hidden]
+    ln_1: Norm<B>,  // LayerNorm [hidden]
+    w_qkv: B::Buf,  // [3 H D, hidden]
+    b_qkv: B::Buf,  // [3 H D]
+    w_o: B::Buf,    // [hidden, H D]
+    b_o: B::Buf,    // [hidden]
+    ln_2: Norm<B>,  // LayerNorm [hidden]
+    w_fc: B::Buf,   // [F, hidden]
+    b_fc: B::Buf,   // [F]
+    w_proj: B::Buf, // [hidden, F]
+    b_proj: B::Buf, // [hidden]
 }
 
 pub struct Gpt2<B: Backend> {
@@ -123,7 +123,7 @@ pub struct Gpt2<B: Backend> {
     wte: B::Buf, // [vocab, hidden]; also the lm_head
     wpe: B::Buf, // [n_positions, hidden]
     layers: Vec<Layer<B>>,
-    ln_f: (B::Buf, B::Buf),
+    ln_f: Norm<B>,
     weight_bytes: u64,
     num_params: u64,
 }
@@ -158,8 +158,8 @@ impl<B: Backend> Gpt2<B> {
             dtype,
         )?;
         progress(1, total);
-        let ln = |up: &mut Uploader<B>, name: &str| -> Result<(B::Buf, B::Buf)> {
-            Ok((
+        let ln = |up: &mut Uploader<B>, name: &str| -> Result<Norm<B>> {
+            Ok(Norm::Layer(
                 up.weight(&format!("{name}.weight"), &[hid], DType::F32)?,
                 up.weight(&format!("{name}.bias"), &[hid], DType::F32)?,
             ))
@@ -208,16 +208,6 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
         &self.cfg
     }
 
-    fn kv_spec(&self) -> Vec<LayerKvSpec> {
-        let l = LayerKvSpec {
-            num_kv_heads: self.cfg.num_kv_heads,
-            head_dim: self.cfg.head_dim,
-            dtype: DType::F32,
-            sliding_window: None,
-        };
-        vec![l; self.cfg.num_layers]
-    }
-
     fn weight_bytes(&self) -> u64 {
         self.weight_bytes
     }
@@ -229,21 +219,9 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
-        let r = batch.host.logits_rows.len();
-        if let Some(&p) = batch.host.positions.iter().max()
-            && p as usize >= c.max_position_embeddings
-        {
-            bail!(
-                "position {p} is beyond GPT-2's {} learned positions",
-                c.max_position_embeddings
-            );
-        }
+        check_positions(&batch.host.positions, c.max_position_embeddings)?;
         let (hid, f) = (c.hidden_size, c.intermediate_size);
-        let ql = QkvLayout {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        };
+        let ql = c.qkv_layout();
         let eps = c.rms_norm_eps as f32;
         let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
         let mut h = backend.alloc_f32(t * hid)?; // [T, hidden]
@@ -257,35 +235,26 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
         backend.embedding(&self.wpe, &batch.positions, hid, &mut o)?;
         backend.add_assign(&mut x, &o, t * hid)?;
         for (l, w) in self.layers.iter().enumerate() {
-            backend.layer_norm(&x, &w.ln_1.0, &w.ln_1.1, t, hid, eps, &mut h)?;
+            w.ln_1.apply(backend, &x, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_qkv, Some(&w.b_qkv), t, hid, ql.row_len(), &mut qkv)?;
-            let layout = kv.layouts[l];
-            backend.write_kv(
+            attend(
+                backend,
+                kv,
+                l,
                 &qkv,
-                &batch.slot_mapping,
-                t,
+                batch,
                 ql,
-                &mut kv.k[l],
-                &mut kv.v[l],
-                layout,
+                c.attention_options(l),
+                &mut attn,
             )?;
-            let opts = AttentionOptions::new(c.attention_scale());
-            backend
-                .paged_attention(&qkv, &kv.k[l], &kv.v[l], batch, ql, layout, opts, &mut attn)?;
             backend.matmul(&attn, &w.w_o, Some(&w.b_o), t, ql.q_len(), hid, &mut o)?;
             backend.add_assign(&mut x, &o, t * hid)?;
-            backend.layer_norm(&x, &w.ln_2.0, &w.ln_2.1, t, hid, eps, &mut h)?;
+            w.ln_2.apply(backend, &x, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_fc, Some(&w.b_fc), t, hid, f, &mut u)?;
             backend.act(&mut u, t * f, c.hidden_act)?;
             backend.matmul(&u, &w.w_proj, Some(&w.b_proj), t, f, hid, &mut o)?;
             backend.add_assign(&mut x, &o, t * hid)?;
         }
-        let mut xs = backend.alloc_f32(r * hid)?; // [R, hidden]
-        backend.gather_rows(&x, &batch.logits_rows, hid, &mut xs)?;
-        let mut xn = backend.alloc_f32(r * hid)?;
-        backend.layer_norm(&xs, &self.ln_f.0, &self.ln_f.1, r, hid, eps, &mut xn)?;
-        let mut logits = backend.alloc_f32(r * c.vocab_size)?; // [R, vocab]
-        backend.matmul(&xn, &self.wte, None, r, hid, c.vocab_size, &mut logits)?;
-        Ok(logits)
+        final_logits(backend, c, &x, batch, &self.ln_f, &self.wte)
     }
 }

@@ -7,10 +7,10 @@
 
 use super::config::ModelConfig;
 use super::gguf::GgufFile;
-use super::kv_cache::{KvCache, LayerKvSpec};
+use super::kv_cache::KvCache;
 use super::loader::WeightSource;
-use super::{CausalLm, Uploader, stack};
-use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
+use super::{CausalLm, Norm, Uploader, attend, check_positions, final_logits, stack};
+use crate::backend::{Backend, DeviceBatch};
 use crate::tensor::DType;
 use anyhow::{Result, bail};
 use serde_json::Value;
@@ -31,7 +31,7 @@ pub struct Llama<B: Backend> {
     pub cfg: ModelConfig,
     embed: B::Buf, // [vocab, hidden]
     layers: Vec<Layer<B>>,
-    norm: B::Buf,            // [hidden] f32
+    norm: Norm<B>,           // [hidden] f32
     lm_head: Option<B::Buf>, // [vocab, hidden]; None when tied to `embed`
     rope_cos: B::Buf,        // [max_positions, D / 2]
     rope_sin: B::Buf,        // [max_positions, D / 2]
@@ -171,7 +171,7 @@ impl<B: Backend> Llama<B> {
             });
             progress(i + 2, total);
         }
-        let norm = up.weight("model.norm.weight", &[hid], DType::F32)?;
+        let norm = Norm::Rms(up.weight("model.norm.weight", &[hid], DType::F32)?);
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
@@ -196,30 +196,11 @@ impl<B: Backend> Llama<B> {
             num_params: up.params,
         })
     }
-
-    fn qkv_layout(&self) -> QkvLayout {
-        QkvLayout {
-            num_heads: self.cfg.num_heads,
-            num_kv_heads: self.cfg.num_kv_heads,
-            head_dim: self.cfg.head_dim,
-        }
-    }
 }
 
 impl<B: Backend> CausalLm<B> for Llama<B> {
     fn config(&self) -> &ModelConfig {
         &self.cfg
-    }
-
-    fn kv_spec(&self) -> Vec<LayerKvSpec> {
-        (0..self.cfg.num_layers)
-            .map(|l| LayerKvSpec {
-                num_kv_heads: self.cfg.num_kv_heads,
-                head_dim: self.cfg.head_dim,
-                dtype: DType::F32,
-                sliding_window: self.cfg.layer_window(l),
-            })
-            .collect()
     }
 
     fn weight_bytes(&self) -> u64 {
@@ -233,17 +214,9 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
-        let r = batch.host.logits_rows.len();
-        if let Some(&p) = batch.host.positions.iter().max()
-            && p as usize >= self.max_positions
-        {
-            bail!(
-                "position {p} is beyond the maximum model length {}",
-                self.max_positions
-            );
-        }
+        check_positions(&batch.host.positions, self.max_positions)?;
         let (hid, f) = (c.hidden_size, c.intermediate_size);
-        let ql = self.qkv_layout();
+        let ql = c.qkv_layout();
         let eps = c.rms_norm_eps as f32;
 
         let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
@@ -273,23 +246,16 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
                 t,
                 ql,
             )?;
-            let layout = kv.layouts[l];
-            backend.write_kv(
+            attend(
+                backend,
+                kv,
+                l,
                 &qkv,
-                &batch.slot_mapping,
-                t,
+                batch,
                 ql,
-                &mut kv.k[l],
-                &mut kv.v[l],
-                layout,
+                c.attention_options(l),
+                &mut attn,
             )?;
-            let opts = AttentionOptions {
-                scale: c.attention_scale(),
-                sliding_window: c.layer_window(l),
-                logit_softcap: c.attn_logit_softcap.map(|x| x as f32),
-            };
-            backend
-                .paged_attention(&qkv, &kv.k[l], &kv.v[l], batch, ql, layout, opts, &mut attn)?;
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
             backend.add_rms_norm(&mut x, &o, &w.mlp_norm, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_gate_up, None, t, hid, 2 * f, &mut gu)?;
@@ -303,13 +269,7 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
             }
         }
         // Only the rows that are sampled go through the final norm and the lm_head.
-        let mut xs = backend.alloc_f32(r * hid)?; // [R, hidden]
-        backend.gather_rows(&x, &batch.logits_rows, hid, &mut xs)?;
-        let mut xn = backend.alloc_f32(r * hid)?;
-        backend.rms_norm(&xs, &self.norm, r, hid, eps, &mut xn)?;
-        let mut logits = backend.alloc_f32(r * c.vocab_size)?; // [R, vocab]
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        backend.matmul(&xn, head, None, r, hid, c.vocab_size, &mut logits)?;
-        Ok(logits)
+        final_logits(backend, c, &x, batch, &self.norm, head)
     }
 }
