@@ -8,7 +8,8 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
   `llama.attention.sliding_window`;
 - gemma3: RMSNorm weights stored as 1 + w; the layer pattern, local RoPE base, attention scale
   and final soft-cap under the gguf package's keys (llama.cpp fixes some of them per model size);
-- phi3: longrope factors as `rope_factors_short/long.weight` tensors;
+- phi3: longrope factors as `rope_factors_short/long.weight` tensors, the original context and
+  the attention factor as keys;
 - gpt2: Conv1D weights transposed to [out, in];
 - falcon (new decoder architecture): the grouped QKV rows reordered to [q | k | v].
 
@@ -27,6 +28,7 @@ ARCH = {  # tiny model -> (GGUF architecture name, MODEL_ARCH)
     "qwen3": ("qwen3", MODEL_ARCH.QWEN3),
     "gemma3": ("gemma3", MODEL_ARCH.GEMMA3),
     "phi3": ("phi3", MODEL_ARCH.PHI3),
+    "phi3-longrope": ("phi3", MODEL_ARCH.PHI3),
     "gpt2": ("gpt2", MODEL_ARCH.GPT2),
     "falcon": ("falcon", MODEL_ARCH.FALCON),
     "falcon-new": ("falcon", MODEL_ARCH.FALCON),
@@ -106,10 +108,19 @@ def convert(name, d, out):
     if name == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if name == "phi3":
+    if name.startswith("phi3"):
         w.add_rope_dimension_count(head_dim)
         if c.get("sliding_window"):
             w.add_sliding_window(c["sliding_window"])
+        if rope.get("rope_type") == "longrope":
+            # llama.cpp's Phi3 converter: the factors as tensors, the rest as keys
+            orig = rope["original_max_position_embeddings"]
+            scale = c["max_position_embeddings"] / orig
+            w.add_rope_scaling_attn_factors(
+                (1 + np.log(scale) / np.log(orig)) ** 0.5 if scale > 1 else 1.0)
+            w.add_rope_scaling_orig_ctx_len(orig)
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     tokenizer(w, d)
 
     names = get_tensor_name_map(arch, n_layer)
@@ -137,8 +148,6 @@ def convert(name, d, out):
         w.add_tensor(new, np.ascontiguousarray(a))
     if not tied and "lm_head.weight" not in weights:
         raise SystemExit(f"{name}: untied without lm_head")
-    if name == "phi3" and rope.get("rope_type") == "longrope":
-        raise SystemExit("phi3-longrope is not converted")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

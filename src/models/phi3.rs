@@ -5,7 +5,7 @@
 
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, GgufTensorName, map_name};
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 pub fn hf_config(v: &Value, c: &mut ModelConfig) -> Result<()> {
@@ -22,8 +22,52 @@ pub fn hf_config(v: &Value, c: &mut ModelConfig) -> Result<()> {
 /// llama.cpp's `phi3` files: the fused tensors are `attn_qkv` and `ffn_up` (gate and up).
 pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> {
     super::llama::gguf_config(g, arch, c)?;
-    if g.tensor_info("rope_factors_long.weight").is_some() {
-        bail!("Phi-3 with longrope from a GGUF file is not supported yet (its HF directory is)");
+    // longrope (the 128k variants): the factors as tensors, the original context and the
+    // attention factor as keys
+    let factors = |name: &str| -> Result<Option<Vec<f64>>> {
+        let Some(f) = g.gguf_tensor_f32(name)? else {
+            return Ok(None);
+        };
+        if f.len() != c.head_dim / 2 {
+            bail!(
+                "{name} has {} factors, expected head_dim / 2 = {}",
+                f.len(),
+                c.head_dim / 2
+            );
+        }
+        Ok(Some(f.into_iter().map(f64::from).collect()))
+    };
+    match (
+        factors("rope_factors_short.weight")?,
+        factors("rope_factors_long.weight")?,
+    ) {
+        (None, None) => {}
+        (Some(short_factor), Some(long_factor)) => {
+            let key = format!("{arch}.rope.scaling.original_context_length");
+            let original = g
+                .metadata()
+                .get(&key)
+                .and_then(|v| v.as_u64())
+                .with_context(|| format!("longrope needs the integer metadata '{key}'"))?
+                as usize;
+            let scale = c.max_position_embeddings as f64 / original as f64;
+            let attention_factor = match g
+                .metadata()
+                .get(&format!("{arch}.rope.scaling.attn_factor"))
+                .and_then(|v| v.as_f64())
+            {
+                Some(a) => a,
+                None if scale <= 1.0 => 1.0,
+                None => (1.0 + scale.ln() / (original as f64).ln()).sqrt(),
+            };
+            c.longrope = Some(super::config::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings: original,
+                attention_factor,
+            });
+        }
+        _ => bail!("longrope needs both rope_factors_short.weight and rope_factors_long.weight"),
     }
     Ok(())
 }

@@ -582,6 +582,15 @@ impl GgufFile {
     }
 
     /// The raw data of a tensor, dequantized to f32, in file (GGUF) order.
+    /// A tensor by its GGUF name, dequantized to f32 in file order (RoPE factor tables and the
+    /// like, which have no HF name); `Ok(None)` if the file has no such tensor.
+    pub fn gguf_tensor_f32(&self, gguf_name: &str) -> Result<Option<Vec<f32>>> {
+        match self.tensor_info(gguf_name) {
+            Some(info) => self.load_gguf_tensor(info).map(Some),
+            None => Ok(None),
+        }
+    }
+
     fn load_gguf_tensor(&self, info: &TensorInfo) -> Result<Vec<f32>> {
         // Both were checked against the file size at open.
         let start = usize::try_from(info.offset)?;
