@@ -7,8 +7,8 @@
 
 mod common;
 
-use common::ids;
-use pagoda::backend::{BatchInput, CpuBackend, DeviceBatch};
+use common::{ids, single_sequence_step};
+use pagoda::backend::{CpuBackend, DeviceBatch};
 use pagoda::engine::KvBudget;
 use pagoda::models::{KvCache, load_model, registry};
 use pagoda::tensor::DType;
@@ -234,18 +234,7 @@ fn first_logits_match_transformers() {
                     vec![generated[step - 1]]
                 };
                 let n = toks.len();
-                let input = BatchInput {
-                    token_ids: toks,
-                    positions: (done..done + n).map(|p| p as u32).collect(),
-                    slot_mapping: (done..done + n)
-                        .map(|p| table[p / bs] * bs as u32 + (p % bs) as u32)
-                        .collect(),
-                    query_start: vec![0, n as u32],
-                    seq_lens: vec![(done + n) as u32],
-                    block_tables: table.clone(),
-                    max_blocks: table.len(),
-                    logits_rows: vec![n as u32 - 1],
-                };
+                let input = single_sequence_step(toks, done, &table, bs);
                 done += n;
                 let batch = DeviceBatch::upload(&be, input).unwrap();
                 let logits = pagoda::backend::Backend::download_f32(

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use pagoda::backend::{BatchInput, CpuBackend, DeviceBatch};
+use pagoda::backend::{CpuBackend, DeviceBatch};
 use pagoda::models::{KvCache, load_model, registry};
 use pagoda::tensor::DType;
 use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
@@ -84,18 +84,7 @@ fn check_logits(path: std::path::PathBuf, model_id: &str) {
                 vec![generated[step - 1]]
             };
             let n = toks.len();
-            let input = BatchInput {
-                token_ids: toks,
-                positions: (done..done + n).map(|p| p as u32).collect(),
-                slot_mapping: (done..done + n)
-                    .map(|p| table[p / bs] * bs as u32 + (p % bs) as u32)
-                    .collect(),
-                query_start: vec![0, n as u32],
-                seq_lens: vec![(done + n) as u32],
-                block_tables: table.clone(),
-                max_blocks: table.len(),
-                logits_rows: vec![n as u32 - 1],
-            };
+            let input = single_sequence_step(toks, done, &table, bs);
             done += n;
             let batch = DeviceBatch::upload(&be, input).unwrap();
             let logits = be_download(&be, &llama.forward(&be, &batch, &mut kv).unwrap());

@@ -39,3 +39,27 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
 }
+
+/// One step of a single sequence for a model's forward alone: `toks` at positions
+/// `done .. done + n`, written through `table` (block ids) with `bs` tokens a block; the last
+/// row's logits are wanted.
+pub fn single_sequence_step(
+    toks: Vec<u32>,
+    done: usize,
+    table: &[u32],
+    bs: usize,
+) -> pagoda::backend::BatchInput {
+    let n = toks.len();
+    pagoda::backend::BatchInput {
+        token_ids: toks,
+        positions: (done..done + n).map(|p| p as u32).collect(),
+        slot_mapping: (done..done + n)
+            .map(|p| table[p / bs] * bs as u32 + (p % bs) as u32)
+            .collect(),
+        query_start: vec![0, n as u32],
+        seq_lens: vec![(done + n) as u32],
+        block_tables: table.to_vec(),
+        max_blocks: table.len(),
+        logits_rows: vec![n as u32 - 1],
+    }
+}
