@@ -48,6 +48,9 @@ pub struct EngineArgs {
     pub seed: u64,
     /// Show a progress bar while the weights load.
     pub progress: bool,
+    /// Keep the K/V of full blocks for later requests with the same prefix (vLLM's
+    /// `--enable-prefix-caching`, on by default as in vLLM v1).
+    pub enable_prefix_caching: bool,
 }
 
 impl Default for EngineArgs {
@@ -64,6 +67,7 @@ impl Default for EngineArgs {
             scheduling: SchedulingPolicy::Continuous,
             seed: 0,
             progress: false,
+            enable_prefix_caching: true,
         }
     }
 }
@@ -209,7 +213,11 @@ impl Engine {
         if let Some(b) = bar {
             b.finish_and_clear();
         }
-        let kv = KvCacheManager::new(runner.num_blocks(), args.block_size);
+        let kv = KvCacheManager::new(
+            runner.num_blocks(),
+            args.block_size,
+            args.enable_prefix_caching,
+        );
         let sched_cfg = SchedulerConfig {
             max_num_batched_tokens: args.max_num_batched_tokens,
             max_num_seqs: args.max_num_seqs,

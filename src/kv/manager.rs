@@ -1,7 +1,29 @@
-//! Per-request block tables over a [`BlockPool`].
+//! Per-request block tables over a [`BlockPool`], and the prefix cache that lets requests share
+//! the blocks of a common prefix.
+//!
+//! Prefix caching (vLLM v1's design): every full block is named by a hash chained over the
+//! previous block's hash and its own token ids, so equal hashes mean equal prefixes and thus
+//! equal K/V. A block is registered under its hash as soon as it is allocated for tokens that
+//! fill it (its K/V are written in the same step, before any attention reads them, since each
+//! layer writes the whole batch's K/V first). A new request looks its prompt up block by block
+//! and takes the blocks it finds (reference count up) instead of computing them. A freed block
+//! keeps its hash and contents, parked in the pool's cached list until a hit revives it or a
+//! new allocation evicts it.
+//!
+//! ```text
+//!   tokens  [t0 .. t15][t16 .. t31][t32 .. t40]
+//!   hash     h0=H(root,t0..)  h1=H(h0,t16..)   (partial: no hash, never shared)
+//!   table    [ b7 ][ b3 ][ b12 ]        b7, b3 may be in other tables too
+//! ```
 
-use super::block_pool::{BlockId, BlockPool};
+use super::block_pool::{BlockId, BlockPool, FreeKind};
+use sha2::{Digest, Sha256};
 use std::collections::HashMap;
+
+/// A block's identity: SHA-256 over the chain of token ids up to its end (and the root that
+/// scopes who may share it). NOTE: a cryptographic hash, as vLLM's default, so that no prompt
+/// can be crafted to collide with another user's and read its K/V.
+pub type BlockHash = [u8; 32];
 
 /// KV usage at one moment, for metrics and benchmarks.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -9,12 +31,46 @@ pub struct KvUsage {
     pub num_blocks: usize,
     pub blocks_used: usize,
     pub blocks_free: usize,
-    /// Tokens whose K/V are (or are being) stored.
+    /// Tokens whose K/V are (or are being) stored, counted once per request (a shared block
+    /// counts for each request that holds it).
     pub tokens_stored: usize,
-    /// Tokens stored over the slots of the allocated blocks: 1.0 means no slot is wasted.
+    /// Tokens stored over the slots of the allocated blocks: 1.0 means no slot is wasted; above
+    /// 1.0 when sharing stores several requests' tokens in one block.
     pub utilization: f64,
     /// Blocks used over usable blocks.
     pub usage: f64,
+}
+
+/// Prefix-cache lookups since the start, in tokens (vLLM's `prefix_cache_queries` and `_hits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixCacheStats {
+    /// Tokens of the requests that looked their prefix up.
+    pub queries: u64,
+    /// Of those, tokens found in the cache (not computed).
+    pub hits: u64,
+}
+
+impl PrefixCacheStats {
+    pub fn hit_rate(&self) -> f64 {
+        if self.queries == 0 {
+            0.0
+        } else {
+            self.hits as f64 / self.queries as f64
+        }
+    }
+}
+
+/// The cached blocks a prompt starts with, found by [`KvCacheManager::cached_prefix`].
+#[derive(Debug, Clone, Default)]
+pub struct CachedPrefix {
+    pub blocks: Vec<BlockId>,
+    hashes: Vec<BlockHash>,
+}
+
+impl CachedPrefix {
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -22,21 +78,50 @@ pub struct KvCacheManager {
     pool: BlockPool,
     block_size: usize,
     tables: HashMap<u64, Table>,
+    /// Freed blocks keep their hash and may be revived (prefix caching on).
+    keep_freed: bool,
+    /// Hash to the one block registered under it.
+    cached: HashMap<BlockHash, BlockId>,
+    /// The hash each block is registered under: `block_hash[b] == Some(h)` iff `cached[h] == b`.
+    block_hash: Vec<Option<BlockHash>>,
+    stats: PrefixCacheStats,
 }
 
 #[derive(Debug, Clone, Default)]
 struct Table {
     blocks: Vec<BlockId>,
     num_tokens: usize,
+    /// `Some`: the request's full blocks are registered in the cache under this root.
+    root: Option<u64>,
+    /// Hashes of the request's full blocks so far (when `root` is `Some`).
+    hashes: Vec<BlockHash>,
+}
+
+fn hash_block(parent: Option<&BlockHash>, root: u64, tokens: &[u32]) -> BlockHash {
+    let mut h = Sha256::new();
+    match parent {
+        Some(p) => h.update(p),
+        None => h.update(root.to_le_bytes()),
+    }
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+    h.finalize().into()
 }
 
 impl KvCacheManager {
-    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+    /// A manager over `num_blocks` blocks of `block_size` tokens. `prefix_caching`: freed blocks
+    /// stay revivable (otherwise only requests alive at the same time share blocks).
+    pub fn new(num_blocks: usize, block_size: usize, prefix_caching: bool) -> Self {
         assert!(block_size > 0);
         KvCacheManager {
             pool: BlockPool::new(num_blocks),
             block_size,
             tables: HashMap::new(),
+            keep_freed: prefix_caching,
+            cached: HashMap::new(),
+            block_hash: vec![None; num_blocks],
+            stats: PrefixCacheStats::default(),
         }
     }
 
@@ -48,6 +133,14 @@ impl KvCacheManager {
         &self.pool
     }
 
+    pub fn prefix_caching(&self) -> bool {
+        self.keep_freed
+    }
+
+    pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
+        self.stats
+    }
+
     /// Tokens the pool can hold at most (usable blocks times block size).
     pub fn capacity_tokens(&self) -> usize {
         self.pool.num_usable() * self.block_size
@@ -57,32 +150,162 @@ impl KvCacheManager {
         num_tokens.div_ceil(self.block_size)
     }
 
-    /// Makes the request's block table cover `num_tokens` tokens (its computed tokens plus the
-    /// ones scheduled now), taking new blocks as needed. Returns `false`, changing nothing, when
-    /// the pool has too few free blocks; the scheduler then decides whom to preempt.
-    pub fn allocate_slots(&mut self, request_id: u64, num_tokens: usize) -> bool {
-        let need = self.blocks_needed(num_tokens);
-        let table = self.tables.entry(request_id).or_default();
-        if need > table.blocks.len() {
-            match self.pool.take(need - table.blocks.len()) {
-                Some(new) => table.blocks.extend(new),
-                None => {
-                    if table.blocks.is_empty() {
-                        self.tables.remove(&request_id);
-                    }
-                    return false;
-                }
-            }
+    /// The longest run of cached blocks `tokens` starts with, under `root`. It covers whole
+    /// blocks and stops before the last token, which must be computed to give logits.
+    pub fn cached_prefix(&self, tokens: &[u32], root: u64) -> CachedPrefix {
+        let mut out = CachedPrefix::default();
+        let full = tokens.len().saturating_sub(1) / self.block_size;
+        for chunk in tokens.chunks_exact(self.block_size).take(full) {
+            let h = hash_block(out.hashes.last(), root, chunk);
+            let Some(&b) = self.cached.get(&h) else { break };
+            out.blocks.push(b);
+            out.hashes.push(h);
         }
-        table.num_tokens = table.num_tokens.max(num_tokens);
+        out
+    }
+
+    /// Counts one lookup of `queried` tokens of which `hit` were found.
+    pub fn record_prefix_query(&mut self, queried: usize, hit: usize) {
+        self.stats.queries += queried as u64;
+        self.stats.hits += hit as u64;
+    }
+
+    /// Makes a running request's block table cover `num_tokens` of its `tokens` (its computed
+    /// tokens plus the ones scheduled now), taking new blocks as needed. Returns `false`,
+    /// changing nothing, when the pool has too few free blocks; the scheduler then decides whom
+    /// to preempt.
+    pub fn allocate_slots(&mut self, request_id: u64, tokens: &[u32], num_tokens: usize) -> bool {
+        let Some(table) = self.tables.get(&request_id) else {
+            return self.admit(
+                request_id,
+                tokens,
+                num_tokens,
+                None,
+                CachedPrefix::default(),
+            );
+        };
+        let need = self
+            .blocks_needed(num_tokens)
+            .saturating_sub(table.blocks.len());
+        if need > self.pool.num_free() {
+            return false;
+        }
+        self.grow(request_id, tokens, num_tokens, need);
         true
     }
 
-    /// Frees all blocks of a request (finished, aborted or preempted), tail first.
-    pub fn free(&mut self, request_id: u64) {
-        if let Some(t) = self.tables.remove(&request_id) {
-            self.pool.release(t.blocks.into_iter().rev());
+    /// Gives a new request a block table covering `num_tokens` of `tokens`: the blocks of
+    /// `prefix` (shared, from [`Self::cached_prefix`] with the same `root`) and new ones for the
+    /// rest. `root`: `Some` registers the request's full blocks for others to share. Returns
+    /// `false`, changing nothing, when too few blocks are free.
+    pub fn admit(
+        &mut self,
+        request_id: u64,
+        tokens: &[u32],
+        num_tokens: usize,
+        root: Option<u64>,
+        prefix: CachedPrefix,
+    ) -> bool {
+        assert!(
+            !self.tables.contains_key(&request_id),
+            "request {request_id} already has blocks"
+        );
+        assert!(prefix.blocks.is_empty() || root.is_some());
+        assert!(prefix.blocks.len() * self.block_size <= num_tokens);
+        let need = self.blocks_needed(num_tokens) - prefix.blocks.len();
+        // NOTE: a hit on a free cached block takes it out of the free count too.
+        let revived = prefix
+            .blocks
+            .iter()
+            .filter(|&&b| self.pool.ref_count(b) == 0)
+            .count();
+        if need + revived > self.pool.num_free() {
+            return false;
         }
+        for &b in &prefix.blocks {
+            self.pool.touch(b);
+        }
+        self.tables.insert(
+            request_id,
+            Table {
+                blocks: prefix.blocks,
+                num_tokens: 0,
+                root,
+                hashes: prefix.hashes,
+            },
+        );
+        self.grow(request_id, tokens, num_tokens, need);
+        true
+    }
+
+    /// Takes `need` blocks (known to be free) for the table and registers its newly full blocks.
+    fn grow(&mut self, request_id: u64, tokens: &[u32], num_tokens: usize, need: usize) {
+        let Self {
+            pool,
+            tables,
+            cached,
+            block_hash,
+            block_size,
+            ..
+        } = self;
+        let new = pool
+            .take(need, |b| {
+                // NOTE: an evicted block's hash goes, or a later hit would read new data.
+                if let Some(h) = block_hash[b as usize].take() {
+                    cached.remove(&h);
+                }
+            })
+            .expect("the caller checked that enough blocks are free");
+        let table = tables.get_mut(&request_id).expect("the table exists");
+        table.blocks.extend(new);
+        table.num_tokens = table.num_tokens.max(num_tokens);
+        let Some(root) = table.root else { return };
+        let full = (table.num_tokens / *block_size).min(tokens.len() / *block_size);
+        for i in table.hashes.len()..full {
+            let h = hash_block(
+                table.hashes.last(),
+                root,
+                &tokens[i * *block_size..(i + 1) * *block_size],
+            );
+            table.hashes.push(h);
+            let b = table.blocks[i];
+            // NOTE: if another block already holds these tokens (two requests computed the same
+            // prefix at once), that one stays the cached copy and this one is private.
+            if block_hash[b as usize].is_none() && !cached.contains_key(&h) {
+                cached.insert(h, b);
+                block_hash[b as usize] = Some(h);
+            }
+        }
+    }
+
+    /// Frees all blocks of a request (finished, aborted or preempted), tail first, so that with
+    /// prefix caching the ends of prefixes are evicted before their beginnings.
+    pub fn free(&mut self, request_id: u64) {
+        let Some(t) = self.tables.remove(&request_id) else {
+            return;
+        };
+        for b in t.blocks.into_iter().rev() {
+            let keep = self.keep_freed && self.block_hash[b as usize].is_some();
+            let kind = if keep {
+                FreeKind::Cached
+            } else {
+                FreeKind::Plain
+            };
+            if self.pool.release(b, kind)
+                && !keep
+                && let Some(h) = self.block_hash[b as usize].take()
+            {
+                self.cached.remove(&h);
+            }
+        }
+    }
+
+    /// Forgets every cached prefix (the weights changed, say): blocks in use stay with their
+    /// requests but are no longer found by lookups; freed cached blocks become plain.
+    pub fn reset_prefix_cache(&mut self) {
+        self.cached.clear();
+        self.block_hash.iter_mut().for_each(|h| *h = None);
+        self.pool.forget_cached();
     }
 
     pub fn block_table(&self, request_id: u64) -> &[BlockId] {
@@ -113,8 +336,15 @@ impl KvCacheManager {
         }
     }
 
-    /// Checks that no block is owned twice, reference counts match the block tables, and the
-    /// free list holds exactly the unowned blocks. Panics with a description otherwise.
+    /// Checks the block tables, reference counts, free lists and the prefix cache against each
+    /// other. Panics with a description of the first violation.
+    ///
+    /// - reference counts equal the number of tables holding each block; unowned blocks are in
+    ///   exactly one free list: the cached one iff the block is registered;
+    /// - a block held by several tables is registered, and full in each of them (a request only
+    ///   writes slots past its shared blocks, so no request's writes reach another's tokens);
+    /// - the hash map and the per-block hashes agree, and a registered block sits where the
+    ///   hash of that table's own tokens says it should.
     pub fn check_invariants(&self) {
         let n = self.pool.num_blocks();
         let mut owners = vec![0u32; n];
@@ -128,17 +358,29 @@ impl KvCacheManager {
                 owners[b as usize] += 1;
             }
         }
-        let free = self.pool.free_blocks();
-        assert_eq!(
-            free.len(),
-            self.pool.num_free(),
-            "free count disagrees with free list"
-        );
-        let mut is_free = vec![false; n];
-        for b in free {
-            assert!(!is_free[b as usize], "block {b} twice in the free list");
-            is_free[b as usize] = true;
+        let mut where_free = vec![None; n];
+        for kind in [FreeKind::Plain, FreeKind::Cached] {
+            for b in self.pool.free_list(kind) {
+                assert!(
+                    where_free[b as usize].is_none(),
+                    "block {b} twice in the free lists"
+                );
+                where_free[b as usize] = Some(kind);
+            }
         }
+        for (&h, &b) in &self.cached {
+            assert_eq!(
+                self.block_hash[b as usize],
+                Some(h),
+                "block {b} is in the map under another hash"
+            );
+        }
+        let registered = self.block_hash.iter().filter(|h| h.is_some()).count();
+        assert_eq!(
+            registered,
+            self.cached.len(),
+            "a block has a hash the map lacks"
+        );
         for b in 1..n {
             let rc = self.pool.ref_count(b as BlockId);
             assert_eq!(
@@ -146,98 +388,43 @@ impl KvCacheManager {
                 "block {b}: ref count {rc} but {} owners",
                 owners[b]
             );
-            // NOTE: without sharing (not implemented yet) a block has at most one owner.
-            assert!(owners[b] <= 1, "block {b} owned {} times", owners[b]);
-            assert_eq!(
-                is_free[b],
-                rc == 0,
-                "block {b}: free-list membership disagrees with rc"
-            );
+            let want = (rc == 0).then(|| {
+                if self.block_hash[b].is_some() {
+                    FreeKind::Cached
+                } else {
+                    FreeKind::Plain
+                }
+            });
+            assert_eq!(where_free[b], want, "block {b}: in the wrong free list");
+            if owners[b] > 1 {
+                assert!(
+                    self.block_hash[b].is_some(),
+                    "block {b} shared but not cached"
+                );
+            }
+        }
+        for t in self.tables.values() {
+            let full = t.num_tokens / self.block_size;
+            for (i, &b) in t.blocks.iter().enumerate() {
+                if owners[b as usize] > 1 {
+                    assert!(
+                        i < full,
+                        "shared block {b} is not full in one of its tables"
+                    );
+                }
+                if let Some(h) = self.block_hash[b as usize]
+                    && owners[b as usize] > 0
+                {
+                    assert_eq!(
+                        t.hashes.get(i),
+                        Some(&h),
+                        "block {b} is cached under a hash that is not its tokens'"
+                    );
+                }
+            }
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    #[test]
-    fn allocate_grows_by_blocks() {
-        let mut m = KvCacheManager::new(5, 4);
-        assert!(m.allocate_slots(1, 5));
-        assert_eq!(m.block_table(1).len(), 2);
-        assert!(m.allocate_slots(1, 8));
-        assert_eq!(m.block_table(1).len(), 2);
-        assert!(m.allocate_slots(1, 9));
-        assert_eq!(m.block_table(1).len(), 3);
-        assert!(!m.allocate_slots(2, 8), "only one block left");
-        assert_eq!(m.block_table(2).len(), 0);
-        assert_eq!(m.usage().blocks_used, 3);
-        assert!((m.usage().utilization - 9.0 / 12.0).abs() < 1e-12);
-        m.free(1);
-        assert_eq!(m.usage().blocks_free, 4);
-        m.check_invariants();
-    }
-
-    #[derive(Debug, Clone)]
-    enum Op {
-        Add(u8, u16),
-        Grow(u8, u16),
-        Finish(u8),
-        Abort(u8),
-        Preempt(u8),
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![
-            (0u8..12, 1u16..80).prop_map(|(r, n)| Op::Add(r, n)),
-            (0u8..12, 1u16..20).prop_map(|(r, n)| Op::Grow(r, n)),
-            (0u8..12).prop_map(Op::Finish),
-            (0u8..12).prop_map(Op::Abort),
-            (0u8..12).prop_map(Op::Preempt),
-        ]
-    }
-
-    proptest! {
-        #[test]
-        fn block_ownership_invariants(ops in proptest::collection::vec(op(), 1..200), bs in 1usize..9) {
-            let mut m = KvCacheManager::new(40, bs);
-            let mut tokens: HashMap<u64, usize> = HashMap::new();
-            for o in ops {
-                match o {
-                    Op::Add(r, n) => {
-                        let r = r as u64;
-                        if !tokens.contains_key(&r) && m.allocate_slots(r, n as usize) {
-                            tokens.insert(r, n as usize);
-                        }
-                    }
-                    Op::Grow(r, n) => {
-                        let r = r as u64;
-                        if let Some(t) = tokens.get_mut(&r) {
-                            let before = m.block_table(r).to_vec();
-                            if m.allocate_slots(r, *t + n as usize) {
-                                *t += n as usize;
-                                // growing never moves existing blocks
-                                prop_assert_eq!(&m.block_table(r)[..before.len()], &before[..]);
-                            } else {
-                                prop_assert_eq!(m.block_table(r), &before[..]);
-                            }
-                        }
-                    }
-                    Op::Finish(r) | Op::Abort(r) | Op::Preempt(r) => {
-                        m.free(r as u64);
-                        tokens.remove(&(r as u64));
-                    }
-                }
-                m.check_invariants();
-                prop_assert_eq!(m.num_requests(), tokens.len());
-            }
-            for r in tokens.keys() {
-                m.free(*r);
-            }
-            m.check_invariants();
-            prop_assert_eq!(m.pool().num_free(), 39);
-        }
-    }
-}
+mod tests;

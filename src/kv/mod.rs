@@ -5,5 +5,5 @@
 mod block_pool;
 mod manager;
 
-pub use block_pool::{BlockId, BlockPool, NULL_BLOCK};
-pub use manager::{KvCacheManager, KvUsage};
+pub use block_pool::{BlockId, BlockPool, FreeKind, NULL_BLOCK};
+pub use manager::{BlockHash, CachedPrefix, KvCacheManager, KvUsage, PrefixCacheStats};

@@ -45,6 +45,9 @@ pub struct Request {
     pub stop_token_ids: Vec<u32>,
     pub status: RequestStatus,
     pub num_preemptions: usize,
+    /// `Some(root)`: the request may share cached blocks registered under `root` (prefix
+    /// caching uses one root for all; parallel samples without it share one of their own).
+    pub cache_root: Option<u64>,
 }
 
 impl Request {
@@ -64,6 +67,7 @@ impl Request {
             stop_token_ids,
             status: RequestStatus::Waiting,
             num_preemptions: 0,
+            cache_root: None,
         }
     }
 
@@ -77,6 +81,12 @@ impl Request {
 
     pub fn output(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
+    }
+
+    /// The same request, sharing cached blocks under `root`.
+    pub fn with_cache_root(mut self, root: Option<u64>) -> Self {
+        self.cache_root = root;
+        self
     }
 
     pub fn is_finished(&self) -> bool {

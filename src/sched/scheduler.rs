@@ -1,8 +1,8 @@
 //! The scheduling policy: one token budget per step, running requests first, preemption by
-//! recompute when blocks run out.
+//! recompute when blocks run out, cached prefixes taken at admission.
 
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
-use crate::kv::{BlockId, KvCacheManager};
+use crate::kv::{BlockId, CachedPrefix, KvCacheManager};
 use std::collections::{HashMap, VecDeque};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -149,6 +149,11 @@ impl Scheduler {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
+    /// Forgets every cached prefix (after the weights change).
+    pub fn reset_prefix_cache(&mut self) {
+        self.kv.reset_prefix_cache();
+    }
+
     /// Preemptions since the scheduler was made.
     pub fn num_preemptions(&self) -> usize {
         self.num_preemptions
@@ -169,7 +174,10 @@ impl Scheduler {
             let n = (r.num_tokens() - computed).min(budget);
             debug_assert!(n > 0, "a running request always has a token to compute");
             let scheduled = loop {
-                if self.kv.allocate_slots(id, computed + n) {
+                if self
+                    .kv
+                    .allocate_slots(id, &self.requests[&id].tokens, computed + n)
+                {
                     break true;
                 }
                 // NOTE: recompute preemption: the victim loses its blocks and starts over later
@@ -204,13 +212,28 @@ impl Scheduler {
                     break;
                 }
                 let r = &self.requests[&id];
-                let n = (r.num_tokens() - r.num_computed_tokens).min(budget);
-                if !self.kv.allocate_slots(id, r.num_computed_tokens + n) {
+                debug_assert_eq!(
+                    r.num_computed_tokens, 0,
+                    "a waiting request holds no blocks"
+                );
+                // NOTE: the leading full blocks already in the cache are taken, not computed.
+                let prefix = match r.cache_root {
+                    Some(root) => self.kv.cached_prefix(&r.tokens, root),
+                    None => CachedPrefix::default(),
+                };
+                let hit = prefix.num_blocks() * self.kv.block_size();
+                let n = (r.num_tokens() - hit).min(budget);
+                if !self.kv.admit(id, &r.tokens, hit + n, r.cache_root, prefix) {
                     break;
+                }
+                if r.cache_root.is_some() {
+                    self.kv.record_prefix_query(r.num_tokens(), hit);
                 }
                 self.waiting.pop_front();
                 self.running.push(id);
-                self.requests.get_mut(&id).unwrap().status = RequestStatus::Running;
+                let r = self.requests.get_mut(&id).unwrap();
+                r.status = RequestStatus::Running;
+                r.num_computed_tokens = hit;
                 grants.push((id, n));
                 budget -= n;
             }
@@ -322,7 +345,15 @@ mod tests {
             max_model_len: 10_000,
             policy: SchedulingPolicy::Continuous,
         };
-        Scheduler::new(cfg, KvCacheManager::new(blocks, bs))
+        Scheduler::new(cfg, KvCacheManager::new(blocks, bs, false))
+    }
+
+    fn cached(blocks: usize, bs: usize, budget: usize) -> Scheduler {
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens: budget,
+            ..SchedulerConfig::default()
+        };
+        Scheduler::new(cfg, KvCacheManager::new(blocks, bs, true))
     }
 
     /// A fake model: the next token is a function of the request id and position only, so the
@@ -451,7 +482,7 @@ mod tests {
             max_model_len: 1000,
             policy: SchedulingPolicy::Static,
         };
-        let mut s = Scheduler::new(cfg, KvCacheManager::new(100, 4));
+        let mut s = Scheduler::new(cfg, KvCacheManager::new(100, 4, false));
         s.add_request(Request::new(1, vec![1; 4], 1, vec![]))
             .unwrap();
         s.add_request(Request::new(2, vec![1; 4], 5, vec![]))
@@ -473,6 +504,87 @@ mod tests {
         assert_eq!(first_step_of_3, Some(5));
     }
 
+    #[test]
+    fn a_cached_prompt_computes_only_its_last_block() {
+        let mut s = cached(100, 4, 64);
+        let prompt: Vec<u32> = (0..30).collect();
+        let req = |id| Request::new(id, prompt.clone(), 2, vec![]).with_cache_root(Some(0));
+        s.add_request(req(1)).unwrap();
+        run_to_end(&mut s, 100);
+        s.add_request(req(2)).unwrap();
+        let out = s.schedule();
+        assert_eq!(out.scheduled[0].num_computed_tokens, 28);
+        assert_eq!(out.scheduled[0].num_new_tokens, 2);
+        assert!(out.scheduled[0].sample);
+        let st = s.kv().prefix_cache_stats();
+        assert_eq!((st.queries, st.hits), (60, 28));
+        // a request without a root neither finds nor is counted
+        s.add_request(Request::new(3, prompt.clone(), 2, vec![]))
+            .unwrap();
+        let out = s.schedule();
+        let r3 = out.scheduled.iter().find(|r| r.id == 3).unwrap();
+        assert_eq!(r3.num_computed_tokens, 0);
+        assert_eq!(s.kv().prefix_cache_stats().queries, 60);
+    }
+
+    #[test]
+    fn requests_admitted_in_one_step_share_their_prompt() {
+        let mut s = cached(100, 4, 64);
+        let prompt: Vec<u32> = (0..30).collect();
+        for id in 1..=2 {
+            s.add_request(Request::new(id, prompt.clone(), 3, vec![]).with_cache_root(Some(0)))
+                .unwrap();
+        }
+        let out = s.schedule();
+        assert_eq!(out.scheduled[1].num_computed_tokens, 28);
+        assert_eq!(
+            out.scheduled[0].block_table[..7],
+            out.scheduled[1].block_table[..7]
+        );
+        // 7 shared full blocks and one partial block each
+        assert_eq!(s.kv().usage().blocks_used, 9);
+        s.kv().check_invariants();
+        run_to_end(&mut s, 100);
+        assert_eq!(s.kv().pool().num_free(), 99);
+    }
+
+    #[test]
+    fn a_preempted_request_resumes_from_its_cached_blocks() {
+        // 9 usable blocks of 4 tokens; three requests of 8 prompt tokens and 8 outputs
+        let mut s = cached(10, 4, 100);
+        for id in 1..=3 {
+            s.add_request(Request::new(id, vec![id as u32; 8], 8, vec![]).with_cache_root(Some(0)))
+                .unwrap();
+        }
+        let mut preempted_at = None;
+        for step in 0.. {
+            let out = s.schedule();
+            if !out.preempted.is_empty() {
+                assert_eq!(out.preempted, vec![3]);
+                // its 3 full blocks went to the cached list, tail first; requests 1 and 2 each
+                // took one (nothing plain was left): the tail went, the head survives
+                assert_eq!(s.kv().pool().num_cached_free(), 1);
+                preempted_at = Some(step);
+            }
+            let sampled = out
+                .scheduled
+                .iter()
+                .filter(|r| r.sample)
+                .map(|r| (r.id, 9))
+                .collect();
+            s.update_from_output(&out, &sampled);
+            s.kv().check_invariants();
+            if !s.has_unfinished() {
+                break;
+            }
+        }
+        assert!(preempted_at.is_some());
+        // queries: three prompts of 8, then request 3 again with 8 + 5 tokens; hits: its head
+        let st = s.kv().prefix_cache_stats();
+        assert_eq!((st.queries, st.hits), (8 * 3 + 13, 4));
+        assert_eq!(s.request(3).unwrap().output().len(), 8);
+    }
+
     proptest! {
         /// Random arrivals, aborts and a small pool: every request ends with exactly the tokens
         /// the fake model gives it alone, no block is owned twice, and all blocks come back.
@@ -481,10 +593,15 @@ mod tests {
             prompts in proptest::collection::vec((1usize..40, 1usize..12), 1..20),
             aborts in proptest::collection::vec(0u64..20, 0..4),
             blocks in 14usize..40, bs in 1usize..6, budget in 8usize..64, max_seqs in 1usize..8,
+            caching in any::<bool>(),
         ) {
             let mut s = sched(blocks, bs, budget, max_seqs);
+            if caching {
+                s.kv = KvCacheManager::new(blocks, bs, true);
+            }
             for (i, (p, m)) in prompts.iter().enumerate() {
-                let _ = s.add_request(Request::new(i as u64, vec![3; *p], *m, vec![]));
+                let req = Request::new(i as u64, vec![3; *p], *m, vec![]);
+                let _ = s.add_request(req.with_cache_root(caching.then_some(0)));
             }
             let mut steps = 0;
             while s.has_unfinished() {
