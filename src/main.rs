@@ -132,6 +132,15 @@ struct ModelArgs {
     /// Context length limit (default: the model's).
     #[arg(long)]
     max_model_len: Option<usize>,
+    /// Reuse the K/V of cached prompt prefixes across requests (the default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    enable_prefix_caching: bool,
+    /// Compute every prompt in full (the samples of one request still share their prompt).
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    no_enable_prefix_caching: bool,
+    /// The largest `n` and `best_of` a request may ask for.
+    #[arg(long, default_value_t = 16)]
+    max_n: usize,
 }
 
 impl ModelArgs {
@@ -156,6 +165,8 @@ impl ModelArgs {
             scheduling: SchedulingPolicy::Continuous,
             seed: 0,
             progress: true,
+            enable_prefix_caching: !self.no_enable_prefix_caching,
+            max_n: self.max_n,
         }
     }
 
@@ -277,6 +288,12 @@ struct SamplingArgs {
     /// Log-probabilities of the N most likely tokens at each step (with --json).
     #[arg(long)]
     logprobs: Option<usize>,
+    /// Completions per prompt (sampled: give a temperature).
+    #[arg(long, default_value_t = 1)]
+    n: usize,
+    /// Generate this many completions per prompt and keep the `n` most likely.
+    #[arg(long)]
+    best_of: Option<usize>,
 }
 
 impl SamplingArgs {
@@ -302,6 +319,8 @@ impl SamplingArgs {
             stop_token_ids: self.stop_token_id.clone(),
             ignore_eos: self.ignore_eos,
             logprobs: self.logprobs,
+            n: self.n,
+            best_of: self.best_of,
             ..base
         };
         defaults.fill(&self.explicit(), base)
@@ -401,43 +420,60 @@ fn run(cli: Cli) -> Result<()> {
             let secs = t0.elapsed().as_secs_f64();
             let mut n_out = 0;
             for (i, o) in outs.iter().enumerate() {
-                let c = &o.outputs[0];
-                n_out += c.token_ids.len();
-                if json {
-                    let logprobs: Vec<_> = c
+                for c in &o.outputs {
+                    n_out += c.token_ids.len();
+                    if json {
+                        let logprobs: Vec<_> = c
                         .logprobs
                         .iter()
                         .map(|l| serde_json::json!({"token_id": l.token_id, "logprob": l.logprob, "top": l.top}))
                         .collect();
+                        println!(
+                            "{}",
+                            serde_json::json!({
+                                "index": i,
+                                "sample": c.index,
+                                "prompt_token_ids": o.prompt_token_ids,
+                                "token_ids": c.token_ids,
+                                "text": c.text,
+                                "logprobs": logprobs,
+                            })
+                        );
+                        continue;
+                    }
+                    if o.outputs.len() > 1 {
+                        println!(
+                            "--- [{i}.{}] {:?}",
+                            c.index,
+                            o.prompt.as_deref().unwrap_or_default()
+                        );
+                    } else if outs.len() > 1 {
+                        println!("--- [{i}] {:?}", o.prompt.as_deref().unwrap_or_default());
+                    }
                     println!(
-                        "{}",
-                        serde_json::json!({
-                            "index": i,
-                            "prompt_token_ids": o.prompt_token_ids,
-                            "token_ids": c.token_ids,
-                            "text": c.text,
-                            "logprobs": logprobs,
-                        })
+                        "{}{}",
+                        o.prompt
+                            .as_deref()
+                            .filter(|_| !chat_template)
+                            .unwrap_or_default(),
+                        c.text
                     );
-                    continue;
                 }
-                if outs.len() > 1 {
-                    println!("--- [{i}] {:?}", o.prompt.as_deref().unwrap_or_default());
-                }
-                println!(
-                    "{}{}",
-                    o.prompt
-                        .as_deref()
-                        .filter(|_| !chat_template)
-                        .unwrap_or_default(),
-                    c.text
-                );
             }
             eprintln!(
                 "\n{} requests, {n_out} tokens generated in {secs:.3} s: {:.1} tokens/s",
                 outs.len(),
                 n_out as f64 / secs
             );
+            let pc = llm.engine().prefix_cache_stats();
+            if pc.queries > 0 {
+                eprintln!(
+                    "prefix cache: {} of {} prompt tokens found ({:.1}%)",
+                    pc.hits,
+                    pc.queries,
+                    100.0 * pc.hit_rate()
+                );
+            }
         }
         Command::Chat {
             system,

@@ -1,6 +1,7 @@
 //! Continuous batching must not change results: many prompts at once, with a KV pool too small
 //! for all of them (so chunked prefill and preemption happen), give exactly the tokens each
-//! prompt gives alone; seeded sampling is likewise independent of the batch around it.
+//! prompt gives alone, with prefix caching on (half the prompts share a long prefix) and off;
+//! seeded sampling is likewise independent of the batch around it.
 
 mod common;
 
@@ -16,24 +17,32 @@ fn prompts(n: usize) -> Vec<String> {
         the sea was calm so they studied at the kitchen table"
             .split(' ')
             .collect::<Vec<_>>();
+    let shared = "the keeper's log, page one: ".repeat(6);
     (0..n)
         .map(|i| {
             // lengths spread over 10..600 tokens (about one token per word here)
             let len = 10 + (i * 560 / n.max(1) + i * 37 % 50) % 570;
-            (0..len)
+            let text = (0..len)
                 .map(|j| words[(i * 7 + j * (i % 5 + 1)) % words.len()])
                 .collect::<Vec<_>>()
-                .join(" ")
+                .join(" ");
+            // NOTE: every other prompt starts with one shared prefix, for the prefix cache.
+            if i % 2 == 1 {
+                format!("{shared}{text}")
+            } else {
+                text
+            }
         })
         .collect()
 }
 
-fn engine_args(kv_bytes: Option<u64>) -> EngineArgs {
+fn engine_args(kv_bytes: Option<u64>, prefix_caching: bool) -> EngineArgs {
     EngineArgs {
         model: Some(model_path(SMOL_GGUF)),
         kv_budget: kv_bytes.map(KvBudget::Bytes),
         max_num_batched_tokens: 512,
         max_model_len: Some(1024),
+        enable_prefix_caching: prefix_caching,
         ..Default::default()
     }
 }
@@ -42,8 +51,8 @@ fn engine_args(kv_bytes: Option<u64>) -> EngineArgs {
 fn batch_with_preemption_equals_each_alone() {
     let prompts = prompts(64);
     let max_tokens = |i: usize| 4 + i % 5;
-    // Alone: one request at a time.
-    let mut alone = LLM::new(engine_args(None)).unwrap();
+    // Alone: one request at a time, every prompt computed in full.
+    let mut alone = LLM::new(engine_args(None, false)).unwrap();
     let want: Vec<Vec<u32>> = prompts
         .iter()
         .enumerate()
@@ -68,14 +77,26 @@ fn batch_with_preemption_equals_each_alone() {
         .collect();
     assert!(
         *lens.iter().min().unwrap() >= 10
-            && *lens.iter().max().unwrap() <= 600
+            && *lens.iter().max().unwrap() <= 700
             && *lens.iter().max().unwrap() > 450,
         "{lens:?}"
     );
     drop(alone);
 
-    // Together, in a pool of 2048 tokens (SmolLM2: 46080 bytes of K/V per token).
-    let mut llm = LLM::new(engine_args(Some(2048 * 46080))).unwrap();
+    for caching in [true, false] {
+        together(&prompts, &want, &lens, max_tokens, caching);
+    }
+}
+
+/// All prompts at once in a pool of 2048 tokens (SmolLM2: 46080 bytes of K/V per token).
+fn together(
+    prompts: &[String],
+    want: &[Vec<u32>],
+    lens: &[usize],
+    max_tokens: impl Fn(usize) -> usize,
+    caching: bool,
+) {
+    let mut llm = LLM::new(engine_args(Some(2048 * 46080), caching)).unwrap();
     let reqs = prompts
         .iter()
         .enumerate()
@@ -92,11 +113,13 @@ fn batch_with_preemption_equals_each_alone() {
     for (i, o) in outs.iter().enumerate() {
         assert_eq!(
             o.outputs[0].token_ids, want[i],
-            "prompt {i} ({} tokens)",
+            "prompt {i} ({} tokens), prefix caching {caching}",
             lens[i]
         );
     }
     let e = llm.engine();
+    let pc = e.prefix_cache_stats();
+    assert_eq!(pc.hits > 0, caching, "{pc:?}");
     assert!(
         e.stats().preemptions > 0,
         "the pool was meant to be too small: no preemption happened"
@@ -111,7 +134,7 @@ fn batch_with_preemption_equals_each_alone() {
 
 #[test]
 fn seeded_sampling_is_independent_of_the_batch() {
-    let mut llm = LLM::new(engine_args(None)).unwrap();
+    let mut llm = LLM::new(engine_args(None, true)).unwrap();
     let params = |seed| SamplingParams {
         temperature: 0.9,
         top_p: 0.95,

@@ -265,10 +265,26 @@ fn bad_requests_are_refused_and_nothing_is_lost() {
         ),
         (
             SamplingParams {
-                n: 2,
+                n: 17,
                 ..Default::default()
             },
             "n",
+        ),
+        (
+            SamplingParams {
+                n: 2,
+                best_of: Some(1),
+                ..Default::default()
+            },
+            "best_of",
+        ),
+        (
+            SamplingParams {
+                n: 2,
+                best_of: Some(17),
+                ..Default::default()
+            },
+            "best_of",
         ),
     ] {
         match engine.add_request("Hi".into(), p) {

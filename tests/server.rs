@@ -323,7 +323,12 @@ fn invalid_requests() {
             "temperature",
         ),
         (json!({"prompt": PROMPT, "top_p": 0}), "top_p"),
-        (json!({"prompt": PROMPT, "n": 2}), "n"),
+        (json!({"prompt": PROMPT, "n": 17}), "n"),
+        (json!({"prompt": PROMPT, "n": 2, "best_of": 1}), "best_of"),
+        (
+            json!({"prompt": PROMPT, "n": 1, "best_of": 2, "stream": true}),
+            "best_of",
+        ),
         (json!({"prompt": PROMPT, "max_tokens": 0}), "max_tokens"),
         (json!({"prompt": PROMPT, "max_tokens": -5}), "max_tokens"),
         (

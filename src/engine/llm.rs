@@ -24,7 +24,7 @@ pub struct RequestOutput {
     pub request_id: RequestId,
     pub prompt: Option<String>,
     pub prompt_token_ids: Vec<u32>,
-    /// One per sequence (`n`; only 1 until parallel sampling lands).
+    /// One per completion (`n`), in index order.
     pub outputs: Vec<CompletionOutput>,
     pub finished: bool,
 }
@@ -69,6 +69,7 @@ impl LLM {
         let mut order = Vec::with_capacity(requests.len());
         let mut results: HashMap<RequestId, RequestOutput> = HashMap::new();
         for (prompt, params) in requests {
+            let n = params.n;
             let text = match &prompt {
                 Prompt::Text(t) => Some(t.clone()),
                 Prompt::Tokens(_) => None,
@@ -95,7 +96,12 @@ impl LLM {
                     request_id: id,
                     prompt: text,
                     prompt_token_ids,
-                    outputs: vec![CompletionOutput::default()],
+                    outputs: (0..n)
+                        .map(|index| CompletionOutput {
+                            index,
+                            ..Default::default()
+                        })
+                        .collect(),
                     finished: false,
                 },
             );
@@ -111,14 +117,15 @@ impl LLM {
                 }
             };
             for o in step {
-                if let Some(r) = results.get_mut(&o.request_id) {
-                    let c = &mut r.outputs[0];
+                if let Some(r) = results.get_mut(&o.request_id)
+                    && let Some(c) = r.outputs.get_mut(o.index)
+                {
                     c.text.push_str(&o.new_text);
                     c.token_ids.extend(&o.new_token_ids);
                     c.logprobs.extend(o.new_logprobs);
                     if let Some(f) = o.finish_reason {
                         c.finish_reason = Some(f);
-                        r.finished = true;
+                        r.finished = r.outputs.iter().all(|c| c.finish_reason.is_some());
                     }
                 }
             }

@@ -9,12 +9,12 @@ pub use llm::{CompletionOutput, LLM, RequestOutput};
 pub use runner::{KvBudget, ModelRunner};
 
 use crate::backend::{BackendKind, BatchInput};
-use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK};
+use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK, PrefixCacheStats};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{ModelConfig, load_model};
 use crate::sampling::{
     IncrementalDetokenizer, InvalidParam, SamplingDefaults, SamplingParams, StopChecker,
-    TokenLogprobs, sample,
+    TokenLogprobs, sample, token_logprob,
 };
 use crate::sched::{
     FinishReason, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
@@ -51,6 +51,8 @@ pub struct EngineArgs {
     /// Keep the K/V of full blocks for later requests with the same prefix (vLLM's
     /// `--enable-prefix-caching`, on by default as in vLLM v1).
     pub enable_prefix_caching: bool,
+    /// The largest `n` and `best_of` a request may ask for.
+    pub max_n: usize,
 }
 
 impl Default for EngineArgs {
@@ -68,6 +70,7 @@ impl Default for EngineArgs {
             seed: 0,
             progress: false,
             enable_prefix_caching: true,
+            max_n: 16,
         }
     }
 }
@@ -80,6 +83,19 @@ fn argmax_suffices(p: &SamplingParams) -> bool {
         && p.presence_penalty == 0.0
         && p.frequency_penalty == 0.0
         && p.logprobs.is_none()
+        && p.best_of() == p.n
+}
+
+/// The seed of sample `index` of a request seeded with `seed`: sample 0 keeps the request's
+/// seed (so `n = 1` is unchanged), the others get independent streams (SplitMix64's mixer).
+pub fn sample_seed(seed: u64, index: usize) -> u64 {
+    if index == 0 {
+        return seed;
+    }
+    let mut z = seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// Why a request was refused. The server maps these to HTTP 400 with the `param` named.
@@ -118,11 +134,14 @@ impl From<Vec<u32>> for Prompt {
     }
 }
 
-/// What one step produced for one request: the new tokens and text (deltas), and whether it
-/// ended.
+/// What one step produced for one completion of a request: the new tokens and text (deltas),
+/// and whether it ended. With `best_of > n` the `n` chosen completions come whole, once all
+/// `best_of` have ended.
 #[derive(Debug, Clone)]
 pub struct StepOutput {
     pub request_id: RequestId,
+    /// Which of the request's `n` completions (0 when `n` is 1).
+    pub index: usize,
     pub new_token_ids: Vec<u32>,
     pub new_text: String,
     /// One entry per new token when `logprobs` was asked for.
@@ -138,11 +157,32 @@ impl StepOutput {
     }
 }
 
+/// One sequence the scheduler runs: a request, or one of its `best_of` samples.
 struct RequestState {
     params: SamplingParams,
     seed: u64,
     detok: IncrementalDetokenizer,
     stop: StopChecker,
+    /// The request (the id its caller knows) and this sample's place in it.
+    group: RequestId,
+    index: usize,
+    /// Sum of the sampled tokens' log-probabilities (ranks the samples of `best_of`).
+    cum_logprob: f64,
+}
+
+/// The samples of one request. Its id is its first sample's.
+struct Group {
+    seqs: Vec<RequestId>,
+    unfinished: usize,
+    /// `best_of > n`: every sample's output so far, kept until all have ended.
+    ranked: Option<Ranked>,
+}
+
+struct Ranked {
+    /// How many samples to return.
+    n: usize,
+    /// Each sample's whole output and its cumulative log-probability.
+    kept: Vec<(StepOutput, f64)>,
 }
 
 /// Counters since the engine started.
@@ -165,6 +205,8 @@ pub struct Engine {
     eos_token_ids: Vec<u32>,
     sampling_defaults: SamplingDefaults,
     states: HashMap<RequestId, RequestState>,
+    groups: HashMap<RequestId, Group>,
+    max_n: usize,
     next_id: RequestId,
     seed_rng: ChaCha8Rng,
     stats: EngineStats,
@@ -253,6 +295,8 @@ impl Engine {
             eos_token_ids: model.eos_token_ids,
             sampling_defaults: model.sampling_defaults,
             states: HashMap::new(),
+            groups: HashMap::new(),
+            max_n: args.max_n,
             next_id: 0,
             seed_rng: ChaCha8Rng::seed_from_u64(args.seed),
             stats: EngineStats::default(),
@@ -316,13 +360,22 @@ impl Engine {
         self.tokenizer.apply_chat_template(messages, true)
     }
 
-    /// Validates and queues a request. Nothing is queued when it fails.
+    /// Validates and queues a request (its `best_of` samples, which share the prompt's blocks).
+    /// Nothing is queued when it fails. Its outputs carry the returned id and their `index`.
     pub fn add_request(
         &mut self,
         prompt: Prompt,
         params: SamplingParams,
     ) -> Result<RequestId, RequestError> {
         params.validate()?;
+        for (param, v) in [("n", params.n), ("best_of", params.best_of())] {
+            if v > self.max_n {
+                return Err(RequestError::InvalidParam(InvalidParam {
+                    param,
+                    message: format!("{param} must be at most {} (--max-n), got {v}", self.max_n),
+                }));
+            }
+        }
         let ids = match prompt {
             Prompt::Text(t) => self.tokenizer.encode(&t).map_err(RequestError::Internal)?,
             Prompt::Tokens(t) => t,
@@ -358,34 +411,85 @@ impl Engine {
         if !params.ignore_eos {
             stop_ids.extend(&self.eos_token_ids);
         }
-        let id = self.next_id;
-        self.next_id += 1;
+        let group = self.next_id;
+        let best_of = params.best_of();
         let seed = params.seed.unwrap_or_else(|| self.seed_rng.next_u64());
-        let state = RequestState {
-            detok: IncrementalDetokenizer::new(
-                self.tokenizer.clone(),
-                &ids,
-                params.skip_special_tokens,
-            ),
-            stop: StopChecker::new(&params.stop),
-            params,
-            seed,
+        // NOTE: with prefix caching every request shares one root; without it, the samples of
+        // one request still share their prompt's blocks under a root of their own.
+        let root = if self.scheduler.kv().prefix_caching() {
+            Some(0)
+        } else {
+            (best_of > 1).then_some(group + 1)
         };
+        let mut seqs = Vec::with_capacity(best_of);
+        for index in 0..best_of {
+            let id = self.next_id;
+            let req = Request::new(id, ids.clone(), max_tokens, stop_ids.clone());
+            if let Err(e) = self.scheduler.add_request(req.with_cache_root(root)) {
+                for &s in &seqs {
+                    self.scheduler.finish_request(s, FinishReason::Abort);
+                    self.scheduler.remove_finished(s);
+                    self.states.remove(&s);
+                }
+                return Err(RequestError::PromptTooLong(e));
+            }
+            self.next_id += 1;
+            self.states.insert(
+                id,
+                RequestState {
+                    detok: IncrementalDetokenizer::new(
+                        self.tokenizer.clone(),
+                        &ids,
+                        params.skip_special_tokens,
+                    ),
+                    stop: StopChecker::new(&params.stop),
+                    params: params.clone(),
+                    seed: sample_seed(seed, index),
+                    group,
+                    index,
+                    cum_logprob: 0.0,
+                },
+            );
+            seqs.push(id);
+        }
         self.stats.prompt_tokens += ids.len() as u64;
-        self.scheduler
-            .add_request(Request::new(id, ids, max_tokens, stop_ids))
-            .map_err(RequestError::PromptTooLong)?;
-        self.states.insert(id, state);
-        Ok(id)
+        self.groups.insert(
+            group,
+            Group {
+                unfinished: seqs.len(),
+                seqs,
+                ranked: (best_of > params.n).then(|| Ranked {
+                    n: params.n,
+                    kept: Vec::new(),
+                }),
+            },
+        );
+        Ok(group)
     }
 
-    /// Aborts a request: its blocks return to the pool at once. False if it was not running
-    /// or waiting.
+    /// Aborts a request, all its samples: their blocks return to the pool at once. False if
+    /// it was not running or waiting.
     pub fn abort(&mut self, id: RequestId) -> bool {
-        let ok = self.scheduler.finish_request(id, FinishReason::Abort);
-        self.scheduler.remove_finished(id);
-        self.states.remove(&id);
+        let Some(g) = self.groups.remove(&id) else {
+            return false;
+        };
+        let mut ok = false;
+        for s in g.seqs {
+            ok |= self.scheduler.finish_request(s, FinishReason::Abort);
+            self.scheduler.remove_finished(s);
+            self.states.remove(&s);
+        }
         ok
+    }
+
+    /// Prefix-cache lookups and hits since the start, in tokens.
+    pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
+        self.scheduler.kv().prefix_cache_stats()
+    }
+
+    /// Forgets every cached prefix; requests in flight keep their blocks.
+    pub fn reset_prefix_cache(&mut self) {
+        self.scheduler.reset_prefix_cache();
     }
 
     /// One engine step: schedule, execute, update. Returns an output for every request that
@@ -450,11 +554,16 @@ impl Engine {
                     .get(id)
                     .is_some_and(|st| argmax_suffices(&st.params))
             });
-        let (logits, greedy_ids) = if greedy_only {
-            (Vec::new(), Some(self.runner.execute_greedy(input)?))
+        let executed = if greedy_only {
+            self.runner
+                .execute_greedy(input)
+                .map(|g| (Vec::new(), Some(g)))
         } else {
-            (self.runner.execute(input)?, None)
+            self.runner.execute(input).map(|l| (l, None))
         };
+        // NOTE: blocks registered in the prefix cache this step were not (all) written: forget
+        // every cached prefix rather than let a later request read them.
+        let (logits, greedy_ids) = executed.inspect_err(|_| self.scheduler.reset_prefix_cache())?;
         let vocab = self.config.vocab_size;
 
         let mut sampled = HashMap::new();
@@ -468,7 +577,10 @@ impl Engine {
                 .scheduler
                 .request(*id)
                 .context("sampled request is unknown")?;
-            let st = &self.states[id];
+            let st = self
+                .states
+                .get_mut(id)
+                .context("request state is missing")?;
             let row = &logits[i * vocab..(i + 1) * vocab];
             let tok = sample(
                 row,
@@ -478,6 +590,12 @@ impl Engine {
                 st.seed,
                 req.output().len(),
             );
+            if st.params.best_of() > st.params.n {
+                st.cum_logprob += match &tok.logprobs {
+                    Some(lp) => lp.logprob,
+                    None => token_logprob(row, tok.token_id),
+                } as f64;
+            }
             sampled.insert(*id, tok.token_id);
             if let Some(lp) = tok.logprobs {
                 logprobs.insert(*id, lp);
@@ -506,22 +624,75 @@ impl Engine {
                 .scheduler
                 .request(ev.id)
                 .context("request is unknown")?;
-            outputs.push(StepOutput {
-                request_id: ev.id,
+            let out = StepOutput {
+                request_id: st.group,
+                index: st.index,
                 new_token_ids: vec![ev.token],
                 new_text: text,
                 new_logprobs: logprobs.remove(&ev.id).into_iter().collect(),
                 finish_reason: finish,
                 num_prompt_tokens: req.prompt_len,
                 num_output_tokens: req.output().len(),
-            });
+            };
+            let (group, cum_logprob) = (st.group, st.cum_logprob);
             if finish.is_some() {
                 self.scheduler.remove_finished(ev.id);
                 self.states.remove(&ev.id);
             }
+            self.emit(group, out, cum_logprob, &mut outputs)?;
         }
         self.stats.steps += 1;
         self.stats.step_time_s += t0.elapsed().as_secs_f64();
         Ok(outputs)
+    }
+
+    /// Passes a sample's output on, or keeps it while its request ranks `best_of` samples; ends
+    /// the request when its last sample ends.
+    fn emit(
+        &mut self,
+        group: RequestId,
+        out: StepOutput,
+        cum_logprob: f64,
+        outputs: &mut Vec<StepOutput>,
+    ) -> Result<()> {
+        let g = self
+            .groups
+            .get_mut(&group)
+            .context("request group is missing")?;
+        let finished = out.finished();
+        match &mut g.ranked {
+            None => outputs.push(out),
+            Some(r) => match r.kept.iter_mut().find(|(k, _)| k.index == out.index) {
+                Some((k, score)) => {
+                    k.new_token_ids.extend(out.new_token_ids);
+                    k.new_text.push_str(&out.new_text);
+                    k.new_logprobs.extend(out.new_logprobs);
+                    k.finish_reason = out.finish_reason;
+                    k.num_output_tokens = out.num_output_tokens;
+                    *score = cum_logprob;
+                }
+                None => r.kept.push((out, cum_logprob)),
+            },
+        }
+        if finished {
+            g.unfinished -= 1;
+        }
+        if g.unfinished > 0 {
+            return Ok(());
+        }
+        let g = self
+            .groups
+            .remove(&group)
+            .context("request group is missing")?;
+        if let Some(mut r) = g.ranked {
+            // The n most likely samples, best first (ties: the lower sample index).
+            r.kept
+                .sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.index.cmp(&b.0.index)));
+            for (index, (mut out, _)) in r.kept.into_iter().take(r.n).enumerate() {
+                out.index = index;
+                outputs.push(out);
+            }
+        }
+        Ok(())
     }
 }

@@ -9,5 +9,5 @@ pub mod stop;
 
 pub use detokenizer::IncrementalDetokenizer;
 pub use params::{InvalidParam, SamplingDefaults, SamplingParams};
-pub use sampler::{SampledToken, TokenLogprobs, sample};
+pub use sampler::{SampledToken, TokenLogprobs, sample, token_logprob};
 pub use stop::StopChecker;

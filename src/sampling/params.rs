@@ -16,8 +16,11 @@ pub const GREEDY_EPS: f32 = 1e-5;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SamplingParams {
-    /// Number of completions per prompt; only 1 is supported for now.
+    /// Number of completions returned per prompt.
     pub n: usize,
+    /// Completions generated per prompt, of which the `n` with the highest cumulative
+    /// log-probability are returned; `None`: `n`. At least `n`.
+    pub best_of: Option<usize>,
     /// Most tokens to generate; `None` = until the context is full. `Some(0)` is invalid.
     pub max_tokens: Option<usize>,
     /// Softmax temperature; 0 = greedy. Must be finite and >= 0.
@@ -52,6 +55,7 @@ impl Default for SamplingParams {
     fn default() -> Self {
         Self {
             n: 1,
+            best_of: None,
             max_tokens: None,
             temperature: 1.0,
             top_p: 1.0,
@@ -101,6 +105,11 @@ impl SamplingParams {
         self.temperature < GREEDY_EPS
     }
 
+    /// Completions generated: `best_of`, or `n` when it is not given.
+    pub fn best_of(&self) -> usize {
+        self.best_of.unwrap_or(self.n)
+    }
+
     /// The effective top-k: `None` when disabled.
     pub fn effective_top_k(&self) -> Option<usize> {
         usize::try_from(self.top_k).ok().filter(|&k| k >= 1)
@@ -111,10 +120,12 @@ impl SamplingParams {
         if self.n == 0 {
             return Err(InvalidParam::new("n", "n must be >= 1, got 0"));
         }
-        if self.n > 1 {
+        if let Some(b) = self.best_of
+            && b < self.n
+        {
             return Err(InvalidParam::new(
-                "n",
-                "n > 1 (parallel sampling) is not supported yet",
+                "best_of",
+                format!("best_of must be >= n, got best_of {b} and n {}", self.n),
             ));
         }
         if self.max_tokens == Some(0) {
@@ -254,14 +265,21 @@ mod tests {
     fn each_invalid_value_names_its_param() {
         let d = SamplingParams::default;
         check_invalid(SamplingParams { n: 0, ..d() }, "n");
-        check_invalid(SamplingParams { n: 2, ..d() }, "n");
-        assert_eq!(
-            SamplingParams { n: 2, ..d() }
-                .validate()
-                .unwrap_err()
-                .message,
-            "n > 1 (parallel sampling) is not supported yet"
+        check_invalid(
+            SamplingParams {
+                n: 3,
+                best_of: Some(2),
+                ..d()
+            },
+            "best_of",
         );
+        SamplingParams {
+            n: 2,
+            best_of: Some(5),
+            ..d()
+        }
+        .validate()
+        .unwrap();
         check_invalid(
             SamplingParams {
                 max_tokens: Some(0),

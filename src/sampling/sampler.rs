@@ -475,6 +475,11 @@ fn exp_nonpos(x: f32) -> f32 {
 }
 
 /// Log-probabilities of the raw logits: the chosen token's and the `k` largest.
+/// The log-probability of token `id` under the raw logits (log-softmax, f64 accumulation).
+pub fn token_logprob(logits: &[f32], id: u32) -> f32 {
+    raw_logprobs(logits, id, 0).logprob
+}
+
 fn raw_logprobs(logits: &[f32], chosen: u32, k: usize) -> TokenLogprobs {
     // NaN counts as -inf; +inf as the largest finite value (so no inf - inf below).
     let clean = |v: f32| nan_to_neg_inf(v).min(f32::MAX);

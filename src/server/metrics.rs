@@ -64,6 +64,9 @@ pub struct EngineGauges {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache, and of those found there.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
 }
 
 #[derive(Debug)]
@@ -186,6 +189,18 @@ impl Metrics {
             "counter",
             "Requests preempted (recomputed later) for lack of KV blocks.",
             g.preemptions.to_string(),
+        );
+        one(
+            "pagoda:prefix_cache_queries_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            g.prefix_cache_queries.to_string(),
+        );
+        one(
+            "pagoda:prefix_cache_hits_total",
+            "counter",
+            "Prompt tokens found in the prefix cache (not computed).",
+            g.prefix_cache_hits.to_string(),
         );
         let name = "pagoda:request_success_total";
         let _ = writeln!(out, "# HELP {name} Requests finished, by finish reason.");

@@ -197,12 +197,6 @@ fn sampling_params(
     logprobs: Option<usize>,
     model: &SamplingDefaults,
 ) -> Result<SamplingParams, ApiError> {
-    if f.best_of.is_some_and(|b| b > 1) {
-        return Err(ApiError::unsupported(
-            "best_of > 1 is not supported yet",
-            "best_of",
-        ));
-    }
     if f.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
         return Err(ApiError::unsupported(
             "logit_bias is not supported yet",
@@ -219,6 +213,7 @@ fn sampling_params(
     };
     let p = SamplingParams {
         n: f.n.unwrap_or(1),
+        best_of: f.best_of,
         max_tokens,
         presence_penalty: f.presence_penalty.unwrap_or(d.presence_penalty),
         frequency_penalty: f.frequency_penalty.unwrap_or(d.frequency_penalty),
@@ -236,6 +231,21 @@ fn sampling_params(
     p.validate()
         .map_err(|e| ApiError::invalid(e.message, Some(e.param)))?;
     Ok(p)
+}
+
+/// `best_of > n` returns the best completions once all have ended: nothing to stream before.
+fn check_stream_best_of(p: &SamplingParams, stream: bool) -> Result<(), ApiError> {
+    if stream && p.best_of() > p.n {
+        return Err(ApiError::invalid(
+            format!(
+                "best_of ({}) > n ({}) cannot be streamed: the best completions are known only when all have ended",
+                p.best_of(),
+                p.n
+            ),
+            Some("best_of"),
+        ));
+    }
+    Ok(())
 }
 
 /// A prompt of a completions request, before tokenizing.
@@ -507,6 +517,9 @@ async fn completions_inner(
         req.logprobs,
         &st.sampling_defaults,
     )?;
+    let stream = req.stream.unwrap_or(false);
+    check_stream_best_of(&params, stream)?;
+    let samples = params.n;
     let prompts = parse_prompts(&req.prompt)?;
     let tok = st.tokenizer.clone();
     // (token ids, prompt text for echo)
@@ -533,7 +546,8 @@ async fn completions_inner(
             .collect()
     })
     .await?;
-    let n = prompts.len();
+    // NOTE: choice i * n + j is prompt i's completion j, as OpenAI numbers them.
+    let n = prompts.len() * samples;
     let requests = prompts
         .iter()
         .map(|(ids, _)| SubRequest {
@@ -554,10 +568,10 @@ async fn completions_inner(
     let created = unix_now();
     let echo_texts: Vec<String> = prompts
         .into_iter()
-        .map(|(_, t)| if echo { t } else { String::new() })
+        .flat_map(|(_, t)| std::iter::repeat_n(if echo { t } else { String::new() }, samples))
         .collect();
 
-    if req.stream.unwrap_or(false) {
+    if stream {
         let include_usage = req
             .stream_options
             .and_then(|o| o.include_usage)
@@ -570,7 +584,14 @@ async fn completions_inner(
             echo_texts,
             req.logprobs.is_some(),
         );
-        return Ok(streaming::response(rx, guard, n, include_usage, fmt));
+        return Ok(streaming::response(
+            rx,
+            guard,
+            n,
+            samples,
+            include_usage,
+            fmt,
+        ));
     }
 
     let results = collect(&mut rx, n).await?;
@@ -581,8 +602,14 @@ async fn completions_inner(
         .zip(echo_texts)
         .enumerate()
         .map(|(index, (c, echo_text))| {
+            // NOTE: a prompt counts once however many completions it has.
+            let prompt_tokens = if index % samples == 0 {
+                c.prompt_tokens
+            } else {
+                0
+            };
             usage = Usage::new(
-                usage.prompt_tokens + c.prompt_tokens,
+                usage.prompt_tokens + prompt_tokens,
                 usage.completion_tokens + c.output_tokens,
             );
             let logprobs = req.logprobs.is_some().then(|| {
@@ -717,6 +744,9 @@ async fn chat_inner(
             e
         },
     )?;
+    let stream = req.stream.unwrap_or(false);
+    check_stream_best_of(&params, stream)?;
+    let samples = params.n;
     let messages = chat_messages(&req.messages)?;
     let tok = st.tokenizer.clone();
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
@@ -743,33 +773,54 @@ async fn chat_inner(
     .await?;
     let created = unix_now();
 
-    if req.stream.unwrap_or(false) {
+    if stream {
         let include_usage = req
             .stream_options
             .and_then(|o| o.include_usage)
             .unwrap_or(false);
-        let fmt = ChatStream::new(id, created, model, st.tokenizer.clone(), want_logprobs);
-        return Ok(streaming::response(rx, guard, 1, include_usage, fmt));
+        let fmt = ChatStream::new(
+            id,
+            created,
+            model,
+            st.tokenizer.clone(),
+            want_logprobs,
+            samples,
+        );
+        return Ok(streaming::response(
+            rx,
+            guard,
+            samples,
+            samples,
+            include_usage,
+            fmt,
+        ));
     }
 
-    let mut results = collect(&mut rx, 1).await?;
+    let results = collect(&mut rx, samples).await?;
     guard.disarm();
-    let c = results.pop().unwrap_or_default();
-    let usage = Usage::new(c.prompt_tokens, c.output_tokens);
-    Ok(Json(ChatResponse {
-        id,
-        object: "chat.completion",
-        created,
-        model,
-        choices: vec![ChatChoice {
-            index: 0,
+    let usage = Usage::new(
+        results.first().map_or(0, |c| c.prompt_tokens),
+        results.iter().map(|c| c.output_tokens).sum(),
+    );
+    let choices = results
+        .into_iter()
+        .enumerate()
+        .map(|(index, c)| ChatChoice {
+            index,
             logprobs: want_logprobs.then(|| chat_logprobs(&st.tokenizer, &c.logprobs)),
             message: ChatMessageOut {
                 role: "assistant",
                 content: c.text,
             },
             finish_reason: finish_str(c.finish),
-        }],
+        })
+        .collect();
+    Ok(Json(ChatResponse {
+        id,
+        object: "chat.completion",
+        created,
+        model,
+        choices,
         usage,
     })
     .into_response())

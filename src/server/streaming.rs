@@ -144,6 +144,8 @@ pub struct ChatStream {
     model: String,
     tokenizer: Arc<Tokenizer>,
     logprobs: bool,
+    /// Choices (`n`): each gets its role delta first.
+    choices: usize,
 }
 
 impl ChatStream {
@@ -153,6 +155,7 @@ impl ChatStream {
         model: String,
         tokenizer: Arc<Tokenizer>,
         logprobs: bool,
+        choices: usize,
     ) -> Self {
         ChatStream {
             id,
@@ -160,6 +163,7 @@ impl ChatStream {
             model,
             tokenizer,
             logprobs,
+            choices,
         }
     }
 
@@ -177,18 +181,22 @@ impl ChatStream {
 
 impl ChunkFormat for ChatStream {
     fn start(&mut self, usage_null: bool) -> Vec<String> {
-        vec![self.chunk(
-            vec![ChatChunkChoice {
-                index: 0,
-                delta: ChatDelta {
-                    role: Some("assistant"),
-                    content: Some(String::new()),
-                },
-                logprobs: None,
-                finish_reason: None,
-            }],
-            usage_field(usage_null),
-        )]
+        (0..self.choices)
+            .map(|index| {
+                self.chunk(
+                    vec![ChatChunkChoice {
+                        index,
+                        delta: ChatDelta {
+                            role: Some("assistant"),
+                            content: Some(String::new()),
+                        },
+                        logprobs: None,
+                        finish_reason: None,
+                    }],
+                    usage_field(usage_null),
+                )
+            })
+            .collect()
     }
 
     fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Option<String> {
@@ -223,6 +231,8 @@ struct StreamState<F> {
     pending: VecDeque<Bytes>,
     /// Per sub-request: (prompt tokens, output tokens, finished).
     progress: Vec<(usize, usize, bool)>,
+    /// Completions per prompt: choice `i` belongs to prompt `i / samples`.
+    samples: usize,
     left: usize,
     include_usage: bool,
     done: bool,
@@ -263,10 +273,15 @@ impl<F: ChunkFormat> StreamState<F> {
 
     fn end(&mut self) {
         if self.include_usage {
+            // NOTE: a prompt counts once however many completions it has.
             let (p, c) = self
                 .progress
                 .iter()
-                .fold((0, 0), |(p, c), x| (p + x.0, c + x.1));
+                .enumerate()
+                .fold((0, 0), |(p, c), (i, x)| {
+                    let prompt = if i % self.samples == 0 { x.0 } else { 0 };
+                    (p + prompt, c + x.1)
+                });
             let u = self.fmt.usage(Usage::new(p, c));
             self.pending.push_back(sse(&u));
         }
@@ -276,12 +291,14 @@ impl<F: ChunkFormat> StreamState<F> {
     }
 }
 
-/// The streaming response for `n` sub-requests whose events arrive on `rx`. Dropping the body
-/// (the client went away) drops `guard`, which aborts the requests still running.
+/// The streaming response for `n` choices (`samples` per prompt) whose events arrive on `rx`.
+/// Dropping the body (the client went away) drops `guard`, which aborts the requests still
+/// running.
 pub fn response<F: ChunkFormat>(
     rx: tmpsc::UnboundedReceiver<Event>,
     guard: AbortGuard,
     n: usize,
+    samples: usize,
     include_usage: bool,
     mut fmt: F,
 ) -> Response {
@@ -292,6 +309,7 @@ pub fn response<F: ChunkFormat>(
         fmt,
         pending,
         progress: vec![(0, 0, false); n],
+        samples: samples.max(1),
         left: n,
         include_usage,
         done: false,

@@ -43,7 +43,8 @@ pub enum Command {
     Shutdown,
 }
 
-/// What a handler receives for sub-request `index`.
+/// What a handler receives for choice `index` (sub-request `i`'s completion `j` is choice
+/// `i * n + j`, as OpenAI numbers the choices of several prompts).
 pub struct Event {
     pub index: usize,
     pub kind: EventKind,
@@ -63,13 +64,17 @@ pub enum AddError {
 }
 
 struct Track {
+    /// The choice index of the sub-request's first completion.
     index: usize,
+    /// Completions not yet finished.
+    unfinished: usize,
     log_id: String,
     events: tmpsc::UnboundedSender<Event>,
     arrival: Instant,
     first_token: Option<Instant>,
     prompt_tokens: usize,
-    output_tokens: usize,
+    /// Output tokens per completion.
+    output_tokens: Vec<usize>,
 }
 
 pub struct Worker {
@@ -190,6 +195,7 @@ impl Worker {
                 Prompt::Tokens(t) => t.len(),
                 Prompt::Text(_) => 0,
             };
+            let samples = sub.params.n;
             let engine = &mut self.engine;
             let res = catch_unwind(AssertUnwindSafe(|| {
                 engine.add_request(sub.prompt, sub.params)
@@ -205,7 +211,8 @@ impl Worker {
                     self.tracks.insert(
                         id,
                         Track {
-                            index,
+                            index: index * samples,
+                            unfinished: samples,
                             log_id: if n == 1 {
                                 log_id.to_string()
                             } else {
@@ -215,7 +222,7 @@ impl Worker {
                             arrival,
                             first_token: None,
                             prompt_tokens,
-                            output_tokens: 0,
+                            output_tokens: vec![0; samples],
                         },
                     );
                 }
@@ -289,17 +296,24 @@ impl Worker {
                 .observe_first_token((now - t.arrival).as_secs_f64());
         }
         t.prompt_tokens = out.num_prompt_tokens;
-        t.output_tokens = out.num_output_tokens;
+        if let Some(o) = t.output_tokens.get_mut(out.index) {
+            *o = out.num_output_tokens;
+        }
         let finish = out.finish_reason;
+        if finish.is_some() {
+            t.unfinished = t.unfinished.saturating_sub(1);
+        }
+        let all_done = t.unfinished == 0;
         let sent = t
             .events
             .send(Event {
-                index: t.index,
+                index: t.index + out.index,
                 kind: EventKind::Output(out),
             })
             .is_ok();
         match finish {
-            Some(reason) => self.finish(id, reason),
+            Some(reason) if all_done => self.finish(id, reason),
+            Some(_) => {}
             None if !sent => {
                 // The reader is gone: its client disconnected.
                 self.engine.abort(id);
@@ -317,10 +331,10 @@ impl Worker {
         let now = Instant::now();
         let total = (now - t.arrival).as_secs_f64();
         let ttft = t.first_token.map(|f| (f - t.arrival).as_secs_f64());
+        // NOTE: with n > 1 the time per output token is that of one completion: the longest.
+        let longest = t.output_tokens.iter().copied().max().unwrap_or(0);
         let tpot = match t.first_token {
-            Some(f) if t.output_tokens > 1 => {
-                Some((now - f).as_secs_f64() / (t.output_tokens - 1) as f64)
-            }
+            Some(f) if longest > 1 => Some((now - f).as_secs_f64() / (longest - 1) as f64),
             _ => None,
         };
         self.metrics.observe_finished(reason.as_str(), total, tpot);
@@ -329,7 +343,7 @@ impl Worker {
             t.log_id,
             reason.as_str(),
             t.prompt_tokens,
-            t.output_tokens,
+            t.output_tokens.iter().sum::<usize>(),
             ttft.map_or_else(|| "-".to_string(), |s| format!("{s:.3} s")),
             total
         );
@@ -338,6 +352,7 @@ impl Worker {
     fn publish_gauges(&self) {
         let kv = self.engine.kv_usage();
         let stats = self.engine.stats();
+        let pc = self.engine.prefix_cache_stats();
         self.metrics.set_gauges(EngineGauges {
             running: self.engine.num_running(),
             waiting: self.engine.num_waiting(),
@@ -347,6 +362,8 @@ impl Worker {
             prompt_tokens: stats.prompt_tokens,
             generation_tokens: stats.generated_tokens,
             preemptions: stats.preemptions,
+            prefix_cache_queries: pc.queries,
+            prefix_cache_hits: pc.hits,
         });
     }
 }
