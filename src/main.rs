@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use pagoda::engine::KvBudget;
 use pagoda::sampling::SamplingDefaults;
-use pagoda::sched::SchedulingPolicy;
+use pagoda::sched::{PreemptionMode, SchedulingPolicy};
 use pagoda::{BackendKind, ChatMessage, DType, EngineArgs, LLM, SamplingParams};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -141,10 +141,20 @@ struct ModelArgs {
     /// The largest `n` and `best_of` a request may ask for.
     #[arg(long, default_value_t = 16)]
     max_n: usize,
+    /// What preemption does with a request's K/V when blocks run out: recompute (free them,
+    /// compute again later) or swap (copy them to host memory and back).
+    #[arg(long, default_value = "recompute", value_parser = PreemptionMode::parse)]
+    preemption_mode: PreemptionMode,
+    /// Host memory for swapped-out KV blocks, in GiB (with --preemption-mode swap).
+    #[arg(long, default_value_t = 4.0)]
+    swap_space: f64,
 }
 
 impl ModelArgs {
-    fn engine_args(&self) -> EngineArgs {
+    fn engine_args(&self) -> Result<EngineArgs> {
+        if !(self.swap_space.is_finite() && self.swap_space >= 0.0) {
+            anyhow::bail!("--swap-space must be a number of GiB >= 0");
+        }
         let kv_budget = match (self.kv_cache_memory, self.memory_utilization) {
             (Some(b), _) => Some(KvBudget::Bytes(b)),
             (None, Some(f)) => Some(KvBudget::Fraction(f)),
@@ -153,7 +163,7 @@ impl ModelArgs {
         if self.backend.len() > 1 {
             tracing::warn!("several backends given: only `bench` runs each; using the first");
         }
-        EngineArgs {
+        Ok(EngineArgs {
             model: self.model.clone(),
             backend: self.backend.first().copied().unwrap_or(BackendKind::Cpu),
             dtype: self.dtype,
@@ -167,11 +177,13 @@ impl ModelArgs {
             progress: true,
             enable_prefix_caching: !self.no_enable_prefix_caching,
             max_n: self.max_n,
-        }
+            preemption_mode: self.preemption_mode,
+            swap_space: (self.swap_space * (1u64 << 30) as f64) as u64,
+        })
     }
 
     /// One `EngineArgs` per backend in `--backend`, for `bench`.
-    fn engine_args_per_backend(&self) -> Vec<(BackendKind, EngineArgs)> {
+    fn engine_args_per_backend(&self) -> Result<Vec<(BackendKind, EngineArgs)>> {
         let mut kinds = self.backend.clone();
         kinds.dedup();
         kinds
@@ -181,7 +193,7 @@ impl ModelArgs {
                     backend: vec![b],
                     ..self.clone()
                 };
-                (b, one.engine_args())
+                one.engine_args().map(|a| (b, a))
             })
             .collect()
     }
@@ -402,7 +414,7 @@ fn run(cli: Cli) -> Result<()> {
             // NOTE: `generate` is greedy unless told otherwise (reproducible runs, goldens).
             let params = sampling.params(&SamplingDefaults::default(), SamplingParams::greedy());
             params.validate()?;
-            let mut llm = LLM::new(model.engine_args())?;
+            let mut llm = LLM::new(model.engine_args()?)?;
             if chat_template {
                 let engine = llm.engine();
                 prompts = prompts
@@ -489,11 +501,11 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Serve { model, server } => {
             let args = server.server_args(&model)?;
-            pagoda::server::serve(model.engine_args(), args)?;
+            pagoda::server::serve(model.engine_args()?, args)?;
         }
         Command::Bench { command } => bench(command)?,
         Command::Info { model } => {
-            let mut llm = LLM::new(model.engine_args())?;
+            let mut llm = LLM::new(model.engine_args()?)?;
             let e = llm.engine();
             let c = e.config().clone();
             let kv = e.kv_usage();
@@ -537,10 +549,10 @@ fn bench(command: BenchCommand) -> Result<()> {
     use pagoda::bench::cli;
     match command {
         BenchCommand::Throughput { model, bench } => {
-            cli::throughput_cmd(&model.engine_args_per_backend(), &bench)
+            cli::throughput_cmd(&model.engine_args_per_backend()?, &bench)
         }
         BenchCommand::Latency { model, bench } => {
-            cli::latency_cmd(&model.engine_args_per_backend(), &bench)
+            cli::latency_cmd(&model.engine_args_per_backend()?, &bench)
         }
         BenchCommand::Serve(args) => cli::serve_cmd(&args),
         BenchCommand::Report(args) => cli::report_cmd(&args),
@@ -548,7 +560,7 @@ fn bench(command: BenchCommand) -> Result<()> {
 }
 
 fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Result<()> {
-    let mut llm = LLM::new(model.engine_args())?;
+    let mut llm = LLM::new(model.engine_args()?)?;
     let engine = llm.engine();
     let defaults = chat_defaults(engine.sampling_defaults());
     let params = sampling.params(&defaults, SamplingParams::default());

@@ -1,12 +1,14 @@
 //! Continuous batching must not change results: many prompts at once, with a KV pool too small
 //! for all of them (so chunked prefill and preemption happen), give exactly the tokens each
-//! prompt gives alone, with prefix caching on (half the prompts share a long prefix) and off;
-//! seeded sampling is likewise independent of the batch around it.
+//! prompt gives alone, with prefix caching on (half the prompts share a long prefix) and off,
+//! and with preemption by recompute and by swapping to host memory; seeded sampling is likewise
+//! independent of the batch around it.
 
 mod common;
 
 use common::*;
 use pagoda::engine::KvBudget;
+use pagoda::sched::PreemptionMode;
 use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
 
 /// Prompts of 10 to 600 tokens made of real text, varied in content and length.
@@ -83,8 +85,12 @@ fn batch_with_preemption_equals_each_alone() {
     );
     drop(alone);
 
-    for caching in [true, false] {
-        together(&prompts, &want, &lens, max_tokens, caching);
+    // NOTE: two runs cover prefix caching on and off and both preemption modes.
+    for (caching, mode) in [
+        (true, PreemptionMode::Recompute),
+        (false, PreemptionMode::Swap),
+    ] {
+        together(&prompts, &want, &lens, max_tokens, caching, mode);
     }
 }
 
@@ -95,8 +101,13 @@ fn together(
     lens: &[usize],
     max_tokens: impl Fn(usize) -> usize,
     caching: bool,
+    mode: PreemptionMode,
 ) {
-    let mut llm = LLM::new(engine_args(Some(2048 * 46080), caching)).unwrap();
+    let mut llm = LLM::new(EngineArgs {
+        preemption_mode: mode,
+        ..engine_args(Some(2048 * 46080), caching)
+    })
+    .unwrap();
     let reqs = prompts
         .iter()
         .enumerate()
@@ -113,13 +124,20 @@ fn together(
     for (i, o) in outs.iter().enumerate() {
         assert_eq!(
             o.outputs[0].token_ids, want[i],
-            "prompt {i} ({} tokens), prefix caching {caching}",
+            "prompt {i} ({} tokens), prefix caching {caching}, {mode:?}",
             lens[i]
         );
     }
     let e = llm.engine();
     let pc = e.prefix_cache_stats();
     assert_eq!(pc.hits > 0, caching, "{pc:?}");
+    let st = e.stats();
+    if mode == PreemptionMode::Swap {
+        assert!(st.blocks_swapped_out > 0, "nothing was swapped: {st:?}");
+        assert_eq!(st.blocks_swapped_in, st.blocks_swapped_out, "{st:?}");
+    } else {
+        assert_eq!(st.blocks_swapped_out, 0);
+    }
     assert!(
         e.stats().preemptions > 0,
         "the pool was meant to be too small: no preemption happened"

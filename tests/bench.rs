@@ -5,7 +5,7 @@ mod common;
 
 use pagoda::bench::latency::{self, LatencyOptions};
 use pagoda::bench::throughput::{self, ThroughputOptions, ThroughputResult};
-use pagoda::bench::workload::RequestLens;
+use pagoda::bench::workload::{RequestLens, SharedPrefixes};
 use pagoda::engine::KvBudget;
 use pagoda::sched::SchedulingPolicy;
 use pagoda::{Engine, EngineArgs};
@@ -30,6 +30,9 @@ fn run(policy: SchedulingPolicy, reqs: &[RequestLens], stop: &AtomicBool) -> Thr
         scheduling: format!("{policy:?}"),
         block_size: 16,
         seed: 5,
+        prefixes: None,
+        n: 1,
+        separate_n: false,
         stop,
         progress: false,
     };
@@ -135,4 +138,70 @@ fn latency_measures_each_request_of_each_iteration() {
     assert!(r.ttft_ms.p50 > 0.0 && r.e2e_ms.min >= r.ttft_ms.min);
     assert!(r.tpot_ms.p50 > 0.0 && r.output_tokens_per_s > 0.0);
     assert!(!e.has_unfinished());
+}
+
+fn run_with(
+    e: &mut Engine,
+    reqs: &[RequestLens],
+    prefixes: Option<SharedPrefixes>,
+    n: usize,
+    separate_n: bool,
+) -> ThroughputResult {
+    let stop = AtomicBool::new(false);
+    let opts = ThroughputOptions {
+        backend: "cpu".into(),
+        scheduling: "continuous".into(),
+        block_size: 16,
+        seed: 9,
+        prefixes,
+        n,
+        separate_n,
+        stop: &stop,
+        progress: false,
+    };
+    throughput::run(e, reqs, &opts).unwrap()
+}
+
+fn engine_caching(prefix_caching: bool) -> Engine {
+    Engine::new(EngineArgs {
+        model: Some(common::model_path(common::SMOL_GGUF)),
+        max_model_len: Some(512),
+        kv_budget: Some(KvBudget::Bytes(64 << 20)),
+        enable_prefix_caching: prefix_caching,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+#[test]
+fn the_prefix_workload_hits_the_cache_only_when_it_is_on() {
+    let p = SharedPrefixes { len: 64, count: 2 };
+    // 64 shared + 8 own tokens each; request i uses prefix i % 2
+    let reqs = lens(&[(72, 2); 6]);
+    let on = run_with(&mut engine_caching(true), &reqs, Some(p), 1, false);
+    let off = run_with(&mut engine_caching(false), &reqs, Some(p), 1, false);
+    assert_eq!(off.prefix_cache_hits, 0);
+    assert!(!off.prefix_caching && on.prefix_caching);
+    // the first request of each prefix computes it, the other four find its 4 full blocks
+    assert_eq!(on.prefix_cache_queries, 6 * 72);
+    assert!(on.prefix_cache_hits >= 4 * 64, "{}", on.prefix_cache_hits);
+    assert!(on.kv_peak_blocks < off.kv_peak_blocks);
+    assert_eq!(on.output_tokens, off.output_tokens);
+}
+
+#[test]
+fn n_samples_as_one_request_use_fewer_blocks_than_as_separate_requests() {
+    let reqs = lens(&[(100, 4); 2]);
+    let group = run_with(&mut engine_caching(false), &reqs, None, 4, false);
+    let separate = run_with(&mut engine_caching(false), &reqs, None, 4, true);
+    for r in [&group, &separate] {
+        assert_eq!(r.output_tokens, 2 * 4 * 4);
+        assert_eq!(r.completed, 2);
+        assert!(r.requests.iter().all(|q| q.produced == 16));
+    }
+    // 100 tokens: 6 full blocks shared by the 4 samples, 1 own block each, per request
+    assert_eq!(group.kv_peak_blocks, 2 * (6 + 4));
+    assert_eq!(separate.kv_peak_blocks, 2 * 4 * 7);
+    assert_eq!(group.n_mode, "group");
+    assert_eq!(separate.n_mode, "separate");
 }

@@ -110,6 +110,8 @@ fn models_health_version_metrics() {
         "pagoda:time_to_first_token_seconds_bucket",
         "pagoda:time_per_output_token_seconds_bucket",
         "pagoda:e2e_request_latency_seconds_bucket",
+        "pagoda:prefix_cache_queries_total",
+        "pagoda:prefix_cache_hits_total",
     ] {
         assert!(text.contains(name), "{name} missing:\n{text}");
     }
@@ -258,6 +260,72 @@ fn stop_strings_and_seeds() {
     let a = completion(sampled.clone());
     let b = completion(sampled);
     assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+}
+
+#[test]
+fn n_and_best_of_on_both_routes() {
+    let prompts = [PROMPT, "Once upon a time"];
+    let body = json!({"prompt": prompts, "n": 3, "max_tokens": 6, "temperature": 1.0,
+                      "seed": 42, "ignore_eos": true});
+    let v = completion(body.clone());
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    let texts: Vec<&str> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_eq!(c["index"], i);
+            c["text"].as_str().unwrap()
+        })
+        .collect();
+    assert!(texts[..3].iter().any(|t| *t != texts[0]), "{texts:?}");
+    assert_eq!(v["usage"]["completion_tokens"], 36);
+    // each prompt counts once
+    let one = |p: &str| {
+        completion(json!({"prompt": p, "max_tokens": 1}))["usage"]["prompt_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(
+        v["usage"]["prompt_tokens"].as_u64().unwrap(),
+        one(prompts[0]) + one(prompts[1])
+    );
+    // the same seed, the same six texts, streamed interleaved
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let (streamed, finish, usage) = check_stream(&stream("/v1/completions", sb), false);
+    assert_eq!(streamed, texts);
+    assert_eq!(finish, vec!["length"; 6]);
+    assert_eq!(usage.unwrap(), v["usage"]);
+
+    let chat_body = json!({"messages": [{"role": "user", "content": "Name a color."}],
+                           "n": 2, "max_tokens": 5, "temperature": 1.0, "seed": 7});
+    let c = chat(chat_body.clone());
+    let cs = c["choices"].as_array().unwrap();
+    assert_eq!(cs.len(), 2);
+    let mut sb = chat_body;
+    sb["stream"] = json!(true);
+    let (streamed, _, _) = check_stream(&stream("/v1/chat/completions", sb), true);
+    let want: Vec<&str> = cs
+        .iter()
+        .map(|c| c["message"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(streamed, want);
+
+    // best_of: the best one of three, not streamable
+    let v = completion(
+        json!({"prompt": PROMPT, "n": 1, "best_of": 3, "max_tokens": 4,
+                              "temperature": 1.0, "seed": 3, "ignore_eos": true}),
+    );
+    assert_eq!(v["choices"].as_array().unwrap().len(), 1);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let r = post(
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "x"}], "n": 1, "best_of": 2,
+               "stream": true}),
+    );
+    assert_error(&r, 400, Some("best_of"));
 }
 
 #[test]

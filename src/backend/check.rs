@@ -131,6 +131,15 @@ enum Case {
         cols: usize,
         logits: Vec<f32>,
     },
+    /// Swap's block copies: the cache filled block by block, some blocks overwritten, some
+    /// read back; the result is the blocks read, then the whole cache.
+    KvBlocks {
+        kv: KvLayout,
+        cache: Vec<f32>,
+        write: Vec<u32>,
+        data: Vec<f32>,
+        read: Vec<u32>,
+    },
 }
 
 fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
@@ -287,6 +296,22 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
                 .into_iter()
                 .map(|i| i as f32)
                 .collect()
+        }
+        Case::KvBlocks {
+            kv,
+            cache,
+            write,
+            data,
+            read,
+        } => {
+            let bl = kv.num_kv_heads * kv.block_size * kv.head_dim;
+            let mut c = be.alloc_kv(*kv)?;
+            let all: Vec<u32> = (0..kv.num_blocks as u32).collect();
+            be.write_kv_blocks(&mut c, bl, &all, cache)?;
+            be.write_kv_blocks(&mut c, bl, write, data)?;
+            let mut v = be.read_kv_blocks(&c, bl, read)?;
+            v.extend(be.download_f32(&c)?);
+            v
         }
     })
 }
@@ -460,6 +485,26 @@ fn reference(case: &Case) -> Vec<f64> {
         Case::Argmax { rows, cols, logits } => (0..*rows)
             .map(|r| super::argmax(&logits[r * cols..(r + 1) * cols]) as f64)
             .collect(),
+        Case::KvBlocks {
+            kv,
+            cache,
+            write,
+            data,
+            read,
+        } => {
+            let bl = kv.num_kv_heads * kv.block_size * kv.head_dim;
+            let mut c = f(cache);
+            for (&b, d) in write.iter().zip(data.chunks_exact(bl)) {
+                let at = b as usize * bl;
+                c[at..at + bl].copy_from_slice(&f(d));
+            }
+            let mut out: Vec<f64> = read
+                .iter()
+                .flat_map(|&b| c[b as usize * bl..(b as usize + 1) * bl].to_vec())
+                .collect();
+            out.extend(c);
+            out
+        }
     }
 }
 
@@ -883,6 +928,27 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         format!("{rows}x{cols} (ties, NaN)"),
         0.0,
         Case::Argmax { rows, cols, logits },
+    ));
+    // KV block copies (swap): 80 blocks of 512 bytes span several parts of a split cache
+    let kv = KvLayout {
+        num_blocks: 80,
+        block_size: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+    };
+    let bl = 128;
+    let write = vec![79, 3, 40, 0, 33];
+    out.push((
+        "kv block copies".into(),
+        format!("{} blocks of {bl}: write 5, read 6", kv.num_blocks),
+        0.0,
+        Case::KvBlocks {
+            kv,
+            cache: rand_vec(&mut r, kv.num_blocks * bl),
+            data: rand_vec(&mut r, write.len() * bl),
+            write,
+            read: vec![40, 1, 79, 31, 32, 0],
+        },
     ));
     out
 }

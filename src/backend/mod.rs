@@ -316,6 +316,23 @@ pub trait Backend: Send + Sync + 'static {
     /// One layer's K or V cache, zero-filled.
     fn alloc_kv(&self, layout: KvLayout) -> Result<Self::Buf>;
     fn download_f32(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
+    /// Copies whole blocks of one layer's K or V cache to the host (swap-out): the blocks in
+    /// the order given, `block_len` elements each (`Hkv · block_size · D`).
+    fn read_kv_blocks(
+        &self,
+        cache: &Self::Buf,
+        block_len: usize,
+        blocks: &[u32],
+    ) -> Result<Vec<f32>>;
+    /// Writes whole blocks of one layer's K or V cache from the host (swap-in), ordered after
+    /// the work queued before it: `data` holds the blocks in the order given.
+    fn write_kv_blocks(
+        &self,
+        cache: &mut Self::Buf,
+        block_len: usize,
+        blocks: &[u32],
+        data: &[f32],
+    ) -> Result<()>;
     /// Number of elements in a buffer.
     fn len(&self, buf: &Self::Buf) -> usize;
 

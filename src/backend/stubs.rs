@@ -39,6 +39,23 @@ macro_rules! stub_backend_impl {
             fn download_f32(&self, buf: &Self::Buf) -> Result<Vec<f32>> {
                 match self.0 {}
             }
+            fn read_kv_blocks(
+                &self,
+                cache: &Self::Buf,
+                block_len: usize,
+                blocks: &[u32],
+            ) -> Result<Vec<f32>> {
+                match self.0 {}
+            }
+            fn write_kv_blocks(
+                &self,
+                cache: &mut Self::Buf,
+                block_len: usize,
+                blocks: &[u32],
+                data: &[f32],
+            ) -> Result<()> {
+                match self.0 {}
+            }
             fn len(&self, buf: &Self::Buf) -> usize {
                 match self.0 {}
             }

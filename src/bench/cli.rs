@@ -6,11 +6,11 @@ use super::latency::{self, LatencyOptions};
 use super::report;
 use super::serve::{self, ServeOptions};
 use super::throughput::{self, ThroughputOptions, ThroughputResult};
-use super::workload::{Workload, WorkloadKind};
+use super::workload::{SharedPrefixes, Workload, WorkloadKind};
 use super::{Machine, interrupt_flag};
 use crate::backend::BackendKind;
 use crate::engine::{Engine, EngineArgs};
-use crate::sched::SchedulingPolicy;
+use crate::sched::{PreemptionMode, SchedulingPolicy};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -43,6 +43,13 @@ pub struct WorkloadArgs {
     /// Sharegpt: longest output (default 4 × the median).
     #[arg(long)]
     pub max_output_len: Option<usize>,
+    /// Prefix: tokens of each shared prompt (the workload's requests add --input-len of their
+    /// own).
+    #[arg(long, default_value_t = 1024)]
+    pub prefix_len: usize,
+    /// Prefix: how many shared prompts there are (request i uses prompt i mod this).
+    #[arg(long, default_value_t = 4)]
+    pub num_prefixes: usize,
     /// Seed of the lengths, the prompts and the arrival times.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -70,6 +77,15 @@ impl WorkloadArgs {
         if let Some(m) = self.max_output_len {
             w.max_output_len = m.max(1);
         }
+        if self.workload == WorkloadKind::Prefix {
+            if self.num_prefixes == 0 || self.prefix_len == 0 {
+                bail!("--num-prefixes and --prefix-len must be at least 1");
+            }
+            w.shared_prefixes = Some(SharedPrefixes {
+                len: self.prefix_len,
+                count: self.num_prefixes,
+            });
+        }
         Ok(w)
     }
 }
@@ -79,6 +95,23 @@ fn parse_policy(s: &str) -> Result<SchedulingPolicy, String> {
         "continuous" => Ok(SchedulingPolicy::Continuous),
         "static" => Ok(SchedulingPolicy::Static),
         _ => Err(format!("unknown scheduling '{s}' (continuous or static)")),
+    }
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "on" | "true" => Ok(true),
+        "off" | "false" => Ok(false),
+        _ => Err(format!("'{s}': on or off")),
+    }
+}
+
+/// `separate` is true.
+fn parse_n_mode(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "group" => Ok(false),
+        "separate" => Ok(true),
+        _ => Err(format!("'{s}': group or separate")),
     }
 }
 
@@ -106,6 +139,21 @@ pub struct ThroughputArgs {
     /// continuous, static, or both (`continuous,static`: run back to back on one workload).
     #[arg(long, value_delimiter = ',', default_value = "continuous", value_parser = parse_policy)]
     pub scheduling: Vec<SchedulingPolicy>,
+    /// Prefix caching on, off, or both (`on,off`: back to back on one workload). Default: as
+    /// --enable-prefix-caching says (on).
+    #[arg(long, value_delimiter = ',', value_parser = parse_on_off)]
+    pub prefix_caching: Vec<bool>,
+    /// Preemption by recompute, swap, or both (`recompute,swap`: back to back). Default: as
+    /// --preemption-mode says (recompute).
+    #[arg(long, value_delimiter = ',', value_parser = PreemptionMode::parse)]
+    pub preemption: Vec<PreemptionMode>,
+    /// Samples per request (above 1: sampled at temperature 1, seeded).
+    #[arg(long, default_value_t = 1)]
+    pub n: usize,
+    /// How the n samples run: `group` (one request of n samples, sharing the prompt),
+    /// `separate` (n requests of one sample, the same seeds), or `group,separate`.
+    #[arg(long, value_delimiter = ',', default_value = "group", value_parser = parse_n_mode)]
+    pub n_mode: Vec<bool>,
     /// Where to write the JSON results (default: bench-throughput-<UTC time>.json).
     #[arg(long)]
     pub output_json: Option<PathBuf>,
@@ -278,16 +326,47 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
     let reqs = workload.generate();
     let mut policies = args.scheduling.clone();
     policies.dedup();
+    if args.n == 0 {
+        bail!("--n must be at least 1");
+    }
+    let mut n_modes = args.n_mode.clone();
+    n_modes.dedup();
+    // Every combination of policy, prefix caching, preemption mode and n mode, in the order
+    // given.
+    let listed = |v: &[bool]| -> Vec<Option<bool>> {
+        if v.is_empty() {
+            vec![None]
+        } else {
+            v.iter().map(|&c| Some(c)).collect()
+        }
+    };
+    let preemptions: Vec<Option<PreemptionMode>> = if args.preemption.is_empty() {
+        vec![None]
+    } else {
+        args.preemption.iter().map(|&p| Some(p)).collect()
+    };
+    let mut variants = Vec::new();
+    for &policy in &policies {
+        for caching in listed(&args.prefix_caching) {
+            for &preemption in &preemptions {
+                for &separate in &n_modes {
+                    variants.push((policy, caching, preemption, separate));
+                }
+            }
+        }
+    }
     let (mut rows, mut skips, mut results) = (vec![], vec![], vec![]);
     let (mut model, mut engine_cfg) = (String::new(), Value::Null);
     'outer: for (kind, base) in engines {
-        for &policy in &policies {
+        for &(policy, caching, preemption, separate_n) in &variants {
             if stop.load(std::sync::atomic::Ordering::Relaxed) {
                 break 'outer;
             }
             let ea = EngineArgs {
                 scheduling: policy,
                 seed: workload.seed,
+                enable_prefix_caching: caching.unwrap_or(base.enable_prefix_caching),
+                preemption_mode: preemption.unwrap_or(base.preemption_mode),
                 ..base.clone()
             };
             let mut engine = match Engine::new(ea.clone()) {
@@ -300,17 +379,32 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
             model = engine.model_name().to_string();
             engine_cfg = engine_json(&ea, engine.max_model_len());
             eprintln!(
-                "throughput: {} requests ({}), backend {}, {} batching",
+                "throughput: {} requests ({}), backend {}, {} batching, prefix caching {}, preemption by {}, n {}{}",
                 reqs.len(),
                 workload.kind.name(),
                 kind.name(),
-                policy_name(policy)
+                policy_name(policy),
+                if ea.enable_prefix_caching {
+                    "on"
+                } else {
+                    "off"
+                },
+                ea.preemption_mode.name(),
+                args.n,
+                if separate_n {
+                    " (separate requests)"
+                } else {
+                    ""
+                }
             );
             let opts = ThroughputOptions {
                 backend: kind.name().to_string(),
                 scheduling: policy_name(policy).to_string(),
                 block_size: ea.block_size,
                 seed: workload.seed,
+                prefixes: workload.shared_prefixes,
+                n: args.n,
+                separate_n,
                 stop,
                 progress: true,
             };
@@ -376,6 +470,94 @@ fn print_throughput(results: &[ThroughputResult]) {
     let refs: Vec<&ThroughputResult> = results.iter().collect();
     for (b, x) in report::scheduling_ratios(&refs) {
         println!("{b}: continuous / static batching = {x:.2}× output tokens/s");
+    }
+    println!(
+        "\n{:<8} {:<10} {:>7} {:>10} {:>12} {:>11} {:>13} {:>9} {:>11} {:>8} {:>11}",
+        "backend",
+        "scheduling",
+        "prefix",
+        "preempt",
+        "n",
+        "out tok/s",
+        "TTFT p50 ms",
+        "hit rate",
+        "peak blocks",
+        "preempt",
+        "swap MiB"
+    );
+    for r in results {
+        println!(
+            "{:<8} {:<10} {:>7} {:>10} {:>12} {:>11.1} {:>13.0} {:>8.1}% {:>11} {:>8} {:>11.1}",
+            r.backend,
+            r.scheduling,
+            if r.prefix_caching { "on" } else { "off" },
+            r.preemption_mode,
+            format!("{} {}", r.n, r.n_mode),
+            r.output_tokens_per_s,
+            r.ttft_ms.p50,
+            r.prefix_cache_hit_rate * 100.0,
+            r.kv_peak_blocks,
+            r.preemptions,
+            r.swap_bytes as f64 / 1048576.0
+        );
+    }
+    // Side-by-side ratios of runs that differ in one setting only.
+    for a in results {
+        for b in results {
+            let same = a.backend == b.backend && a.scheduling == b.scheduling;
+            if same
+                && a.n == b.n
+                && a.n_mode == b.n_mode
+                && a.preemption_mode == b.preemption_mode
+                && a.prefix_caching
+                && !b.prefix_caching
+            {
+                println!(
+                    "{} / {}: prefix caching on / off = {:.2}× output tokens/s, TTFT p50 {:.2}× (hit rate {:.1}%)",
+                    a.backend,
+                    a.scheduling,
+                    a.output_tokens_per_s / b.output_tokens_per_s.max(1e-9),
+                    a.ttft_ms.p50 / b.ttft_ms.p50.max(1e-9),
+                    a.prefix_cache_hit_rate * 100.0
+                );
+            }
+            if same
+                && a.prefix_caching == b.prefix_caching
+                && a.n == b.n
+                && a.n_mode == b.n_mode
+                && a.preemption_mode == "swap"
+                && b.preemption_mode == "recompute"
+            {
+                println!(
+                    "{} / {}: preemption by swap / recompute = {:.2}× output tokens/s ({} and {} preemptions, {:.1} MiB copied to host and back)",
+                    a.backend,
+                    a.scheduling,
+                    a.output_tokens_per_s / b.output_tokens_per_s.max(1e-9),
+                    a.preemptions,
+                    b.preemptions,
+                    a.swap_bytes as f64 / 1048576.0
+                );
+            }
+            if same
+                && a.prefix_caching == b.prefix_caching
+                && a.preemption_mode == b.preemption_mode
+                && a.n_mode == "group"
+                && b.n_mode == "separate"
+                && a.n == b.n
+            {
+                println!(
+                    "{} / {}: n = {} as one request / as {} requests = {:.2}× output tokens/s, peak KV blocks {} / {} ({:.0}% fewer)",
+                    a.backend,
+                    a.scheduling,
+                    a.n,
+                    b.n,
+                    a.output_tokens_per_s / b.output_tokens_per_s.max(1e-9),
+                    a.kv_peak_blocks,
+                    b.kv_peak_blocks,
+                    100.0 * (1.0 - a.kv_peak_blocks as f64 / b.kv_peak_blocks.max(1) as f64)
+                );
+            }
+        }
     }
     for r in results {
         println!(
@@ -514,6 +696,7 @@ pub fn serve_cmd(args: &ServeBenchArgs) -> Result<()> {
         warmup: args.warmup,
         timeout: Duration::from_secs_f64(args.timeout),
         seed: workload.seed,
+        prefixes: workload.shared_prefixes,
         stop,
         progress: true,
     };

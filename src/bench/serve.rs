@@ -14,7 +14,7 @@
 //! field they do not know.
 
 use super::stats::Summary;
-use super::workload::{RequestLens, poisson_arrivals, prompt_text};
+use super::workload::{RequestLens, SharedPrefixes, poisson_arrivals, request_text};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -68,6 +68,8 @@ pub struct ServeOptions<'a> {
     pub warmup: usize,
     pub timeout: Duration,
     pub seed: u64,
+    /// The prefix workload's shared prompts.
+    pub prefixes: Option<SharedPrefixes>,
     pub stop: &'a AtomicBool,
     pub progress: bool,
 }
@@ -248,7 +250,7 @@ pub fn client() -> Result<reqwest::Client> {
 fn request_body(opts: &ServeOptions, i: usize, r: &RequestLens) -> Value {
     let mut body = json!({
         "model": opts.model,
-        "prompt": prompt_text(opts.seed, i, r.prompt_len),
+        "prompt": request_text(opts.prefixes, opts.seed, i, r.prompt_len),
         "max_tokens": r.output_len,
         "temperature": 0.0,
         "stream": true,
@@ -543,6 +545,7 @@ mod tests {
             ignore_eos: true,
             timeout: Duration::from_secs(20),
             seed: 1,
+            prefixes: None,
             stop,
             progress: false,
         }

@@ -12,8 +12,8 @@
 //! are the largest sample.
 
 use super::stats::{Summary, mean};
-use super::workload::{RequestLens, prompt_tokens, word_token_ids};
-use crate::engine::{Engine, Prompt};
+use super::workload::{RequestLens, SharedPrefixes, request_tokens, word_token_ids};
+use crate::engine::{Engine, Prompt, sample_seed};
 use crate::sampling::SamplingParams;
 use crate::sched::RequestId;
 use anyhow::Result;
@@ -47,7 +47,8 @@ pub struct KvSample {
 pub struct RequestRecord {
     pub prompt_len: usize,
     pub output_len: usize,
-    /// Output tokens actually produced (less than `output_len` only when interrupted).
+    /// Output tokens actually produced, all samples together (less than `n × output_len` only
+    /// when interrupted).
     pub produced: usize,
     pub first_token_s: Option<f64>,
     pub finish_s: Option<f64>,
@@ -92,9 +93,40 @@ pub struct ThroughputResult {
     pub reserve_max_tokens_peak_tokens: usize,
     pub reserve_max_tokens_peak_bytes: u64,
     pub preemptions: u64,
+    /// Prefix caching on or off in this run.
+    #[serde(default)]
+    pub prefix_caching: bool,
+    /// Samples per request, and whether they ran as one request (`group`: they share the
+    /// prompt's blocks) or as `n` separate requests (`separate`).
+    #[serde(default = "one")]
+    pub n: usize,
+    #[serde(default)]
+    pub n_mode: String,
+    /// `recompute` or `swap`, and the bytes swap copied to host memory and back.
+    #[serde(default)]
+    pub preemption_mode: String,
+    #[serde(default)]
+    pub swap_bytes: u64,
+    /// Prompt tokens looked up in the prefix cache, and found there.
+    #[serde(default)]
+    pub prefix_cache_queries: u64,
+    #[serde(default)]
+    pub prefix_cache_hits: u64,
+    #[serde(default)]
+    pub prefix_cache_hit_rate: f64,
+    /// Time to first token over requests, in milliseconds since the run started.
+    #[serde(default)]
+    pub ttft_ms: Summary,
+    /// Most KV blocks in use at once.
+    #[serde(default)]
+    pub kv_peak_blocks: usize,
     pub interrupted: bool,
     pub kv_timeline: Vec<KvSample>,
     pub requests: Vec<RequestRecord>,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// What the run loop needs to know besides the engine.
@@ -103,13 +135,21 @@ pub struct ThroughputOptions<'a> {
     pub scheduling: String,
     pub block_size: usize,
     pub seed: u64,
+    /// The prefix workload's shared prompts.
+    pub prefixes: Option<SharedPrefixes>,
+    /// Samples per request (sampled at temperature 1 when above 1).
+    pub n: usize,
+    /// Submit the `n` samples as `n` requests of one sample each, with the same seeds.
+    pub separate_n: bool,
     /// Set (by Ctrl-C) to end the run early; what was measured is still returned.
     pub stop: &'a AtomicBool,
     pub progress: bool,
 }
 
 /// Submits every request at once (exact prompt lengths as token ids, EOS ignored so that each
-/// produces exactly its `output_len`), steps until all have ended, and measures.
+/// produces exactly its `output_len`), steps until all have ended, and measures. Greedy when
+/// `n` is 1; otherwise sampled at temperature 1 from seeds that make the `group` and `separate`
+/// modes produce the same tokens.
 pub fn run(
     engine: &mut Engine,
     reqs: &[RequestLens],
@@ -131,23 +171,48 @@ pub fn run(
             finish_step: None,
         })
         .collect();
+    // Samples of each request still running.
+    let mut unfinished = vec![opts.n; reqs.len()];
     for (i, r) in reqs.iter().enumerate() {
-        let params = SamplingParams {
+        let base = SamplingParams {
             max_tokens: Some(r.output_len),
             ignore_eos: true,
             ..SamplingParams::greedy()
         };
-        let prompt = Prompt::Tokens(prompt_tokens(opts.seed, i, r.prompt_len, &vocab));
-        let id = engine
-            .add_request(prompt, params)
-            .map_err(|e| anyhow::anyhow!("request {i} refused: {e}"))?;
-        ids.insert(id, i);
+        let seed = opts.seed.wrapping_add(i as u64);
+        let each: Vec<SamplingParams> = if opts.n == 1 {
+            vec![base]
+        } else if opts.separate_n {
+            (0..opts.n)
+                .map(|j| SamplingParams {
+                    temperature: 1.0,
+                    seed: Some(sample_seed(seed, j)),
+                    ..base.clone()
+                })
+                .collect()
+        } else {
+            vec![SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed),
+                n: opts.n,
+                ..base
+            }]
+        };
+        let prompt = request_tokens(opts.prefixes, opts.seed, i, r.prompt_len, &vocab);
+        for params in each {
+            let id = engine
+                .add_request(Prompt::Tokens(prompt.clone()), params)
+                .map_err(|e| anyhow::anyhow!("request {i} refused: {e}"))?;
+            ids.insert(id, i);
+        }
     }
+    let pc0 = engine.prefix_cache_stats();
 
     let usage0 = engine.kv_usage();
     let bytes_per_token =
         engine.kv_bytes() as f64 / ((usage0.num_blocks + 1) * opts.block_size) as f64;
     let preempt0 = engine.stats().preemptions;
+    let swap0 = engine.stats().swap_bytes;
     let bar = super::progress_bar(opts.progress, reqs.len() as u64, "requests");
 
     let t0 = Instant::now();
@@ -179,16 +244,20 @@ pub fn run(
                 rec.first_token_step = Some(step);
             }
             if o.finished() {
-                rec.finish_s = Some(now);
-                rec.finish_step = Some(step);
-                completed += 1;
-                bar.inc(1);
+                unfinished[i] -= 1;
+                if unfinished[i] == 0 {
+                    rec.finish_s = Some(now);
+                    rec.finish_step = Some(step);
+                    completed += 1;
+                    bar.inc(1);
+                }
             }
         }
         let u = engine.kv_usage();
         let (mut reserve_len, mut reserve_tok) = (0usize, 0usize);
-        for id in engine.running_request_ids() {
-            if let Some(&i) = ids.get(id) {
+        // NOTE: the scheduler's ids are per sample; a reserving engine reserves per sample too.
+        for id in engine.running_sequence_ids() {
+            if let Some(&i) = ids.get(&engine.request_of(*id)) {
                 reserve_len += max_model_len;
                 reserve_tok += reqs[i].prompt_len + reqs[i].output_len;
             }
@@ -227,6 +296,7 @@ pub fn run(
     }
     let duration = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();
+    let pc = engine.prefix_cache_stats();
 
     // NOTE: samples taken while nothing is allocated (the very end) say nothing about waste.
     let live: Vec<&KvSample> = timeline.iter().filter(|s| s.running > 0).collect();
@@ -272,6 +342,26 @@ pub fn run(
         reserve_max_tokens_peak_tokens: peak_reserve_tok,
         reserve_max_tokens_peak_bytes: bytes(peak_reserve_tok),
         preemptions: engine.stats().preemptions - preempt0,
+        prefix_caching: engine.prefix_caching(),
+        n: opts.n,
+        n_mode: if opts.separate_n { "separate" } else { "group" }.to_string(),
+        preemption_mode: engine.preemption_mode().name().to_string(),
+        swap_bytes: engine.stats().swap_bytes - swap0,
+        prefix_cache_queries: pc.queries - pc0.queries,
+        prefix_cache_hits: pc.hits - pc0.hits,
+        prefix_cache_hit_rate: if pc.queries > pc0.queries {
+            (pc.hits - pc0.hits) as f64 / (pc.queries - pc0.queries) as f64
+        } else {
+            0.0
+        },
+        ttft_ms: Summary::of(
+            &records
+                .iter()
+                .filter_map(|r| r.first_token_s)
+                .collect::<Vec<_>>(),
+        )
+        .scaled(1e3),
+        kv_peak_blocks: peak_blocks,
         interrupted,
         kv_timeline: thin(timeline, MAX_TIMELINE_POINTS),
         requests: records,

@@ -1,14 +1,17 @@
 //! Workloads: the prompt and output lengths of N requests, drawn from a seed, and the prompts
 //! themselves (token ids for the engine, text for a server). No data set is downloaded.
 //!
-//! Three kinds (`--workload`):
+//! Four kinds (`--workload`):
 //! - `fixed`: every request has `input_len` prompt tokens and `output_len` output tokens;
 //! - `uniform`: lengths uniform over `len·(1−r) ..= len·(1+r)` (`r` = `--range-ratio`, 0.5);
 //! - `sharegpt`: a ShareGPT-like long tail: log-normal lengths whose median is `input_len`
 //!   (default 100) and `output_len` (default 64), with σ = [`SHAREGPT_SIGMA_INPUT`] and
 //!   [`SHAREGPT_SIGMA_OUTPUT`], clamped to `4 ..= max_input_len` (default 10 × the median) and
 //!   `4 ..= max_output_len` (default 4 × the median). With the defaults the prompts have a mean
-//!   of about 160 tokens and a p99 near 1000; the outputs a mean of about 80 and a p99 near 256.
+//!   of about 160 tokens and a p99 near 1000; the outputs a mean of about 80 and a p99 near 256;
+//! - `prefix`: many requests sharing one of a few long system prompts: request `i` is shared
+//!   prefix `i % num_prefixes` (`prefix_len` tokens) then `input_len` tokens of its own, and
+//!   `output_len` output tokens (for the prefix cache).
 
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
@@ -27,6 +30,7 @@ pub enum WorkloadKind {
     Fixed,
     Uniform,
     Sharegpt,
+    Prefix,
 }
 
 impl WorkloadKind {
@@ -35,6 +39,7 @@ impl WorkloadKind {
             WorkloadKind::Fixed => "fixed",
             WorkloadKind::Uniform => "uniform",
             WorkloadKind::Sharegpt => "sharegpt",
+            WorkloadKind::Prefix => "prefix",
         }
     }
 }
@@ -54,7 +59,61 @@ pub struct Workload {
     pub max_input_len: usize,
     /// Sharegpt: longest output drawn.
     pub max_output_len: usize,
+    /// Prefix: the shared prompts every request starts with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_prefixes: Option<SharedPrefixes>,
     pub seed: u64,
+}
+
+/// `count` shared prompts of `len` tokens; request `i` starts with prompt `i % count`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedPrefixes {
+    pub len: usize,
+    pub count: usize,
+}
+
+/// Mixed into the seed of the shared prefixes, so they are not any request's own tokens.
+const PREFIX_SEED: u64 = 0x5052_4546_4958;
+
+/// Request `index`'s prompt of `prompt_len` tokens: its shared prefix (if any) then its own.
+pub fn request_tokens(
+    prefixes: Option<SharedPrefixes>,
+    seed: u64,
+    index: usize,
+    prompt_len: usize,
+    vocab: &[u32],
+) -> Vec<u32> {
+    match prefixes {
+        None => prompt_tokens(seed, index, prompt_len, vocab),
+        Some(p) => {
+            let head = p.len.min(prompt_len);
+            let mut t = prompt_tokens(seed ^ PREFIX_SEED, index % p.count, head, vocab);
+            t.extend(prompt_tokens(seed, index, prompt_len - head, vocab));
+            t
+        }
+    }
+}
+
+/// As [`request_tokens`], as text for a server (about one token per word).
+pub fn request_text(
+    prefixes: Option<SharedPrefixes>,
+    seed: u64,
+    index: usize,
+    prompt_len: usize,
+) -> String {
+    match prefixes {
+        None => prompt_text(seed, index, prompt_len),
+        Some(p) => {
+            let head = p.len.min(prompt_len);
+            let own = prompt_text(seed, index, prompt_len - head);
+            let shared = prompt_text(seed ^ PREFIX_SEED, index % p.count, head);
+            if own.is_empty() {
+                shared
+            } else {
+                format!("{shared} {own}")
+            }
+        }
+    }
 }
 
 impl Workload {
@@ -68,7 +127,7 @@ impl Workload {
     ) -> Self {
         let (di, d_o) = match kind {
             WorkloadKind::Sharegpt => (100, 64),
-            WorkloadKind::Fixed | WorkloadKind::Uniform => (128, 128),
+            WorkloadKind::Fixed | WorkloadKind::Uniform | WorkloadKind::Prefix => (128, 128),
         };
         let input_len = input_len.unwrap_or(di).max(1);
         let output_len = output_len.unwrap_or(d_o).max(1);
@@ -80,6 +139,7 @@ impl Workload {
             range_ratio: 0.5,
             max_input_len: input_len * 10,
             max_output_len: output_len * 4,
+            shared_prefixes: None,
             seed,
         }
     }
@@ -91,6 +151,10 @@ impl Workload {
             .map(|_| match self.kind {
                 WorkloadKind::Fixed => RequestLens {
                     prompt_len: self.input_len,
+                    output_len: self.output_len,
+                },
+                WorkloadKind::Prefix => RequestLens {
+                    prompt_len: self.shared_prefixes.map_or(0, |p| p.len) + self.input_len,
                     output_len: self.output_len,
                 },
                 WorkloadKind::Uniform => RequestLens {

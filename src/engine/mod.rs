@@ -17,7 +17,7 @@ use crate::sampling::{
     TokenLogprobs, sample, token_logprob,
 };
 use crate::sched::{
-    FinishReason, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
+    FinishReason, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
 };
 use crate::tensor::DType;
 use anyhow::{Context, Result};
@@ -53,6 +53,11 @@ pub struct EngineArgs {
     pub enable_prefix_caching: bool,
     /// The largest `n` and `best_of` a request may ask for.
     pub max_n: usize,
+    /// What preemption does with a request's K/V: recompute it later, or swap it to host
+    /// memory.
+    pub preemption_mode: PreemptionMode,
+    /// Host memory for swapped-out blocks, in bytes (vLLM's `--swap-space`).
+    pub swap_space: u64,
 }
 
 impl Default for EngineArgs {
@@ -71,6 +76,8 @@ impl Default for EngineArgs {
             progress: false,
             enable_prefix_caching: true,
             max_n: 16,
+            preemption_mode: PreemptionMode::Recompute,
+            swap_space: 4 << 30,
         }
     }
 }
@@ -193,6 +200,10 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     pub batched_tokens: u64,
     pub preemptions: u64,
+    /// KV blocks copied to host memory and back (swap preemption), and their bytes.
+    pub blocks_swapped_out: u64,
+    pub blocks_swapped_in: u64,
+    pub swap_bytes: u64,
     pub step_time_s: f64,
 }
 
@@ -255,16 +266,26 @@ impl Engine {
         if let Some(b) = bar {
             b.finish_and_clear();
         }
-        let kv = KvCacheManager::new(
+        let mut kv = KvCacheManager::new(
             runner.num_blocks(),
             args.block_size,
             args.enable_prefix_caching,
         );
+        let block_bytes = runner.kv_bytes() / runner.num_blocks() as u64;
+        if args.preemption_mode == PreemptionMode::Swap {
+            let host_blocks = (args.swap_space / block_bytes.max(1)).min(u32::MAX as u64 - 1);
+            kv = kv.with_swap_space(host_blocks as usize);
+            tracing::info!(
+                "swap preemption: {host_blocks} host blocks ({} MiB)",
+                (host_blocks * block_bytes) >> 20
+            );
+        }
         let sched_cfg = SchedulerConfig {
             max_num_batched_tokens: args.max_num_batched_tokens,
             max_num_seqs: args.max_num_seqs,
             max_model_len,
             policy: args.scheduling,
+            preemption_mode: args.preemption_mode,
         };
         let scheduler = Scheduler::new(sched_cfg, kv);
         let eff_len = scheduler.config().max_model_len;
@@ -347,9 +368,20 @@ impl Engine {
     pub fn num_waiting(&self) -> usize {
         self.scheduler.num_waiting()
     }
-    /// The requests that hold KV blocks now (benchmarks compare them with a reserving engine).
-    pub fn running_request_ids(&self) -> &[RequestId] {
+    /// The sequences (samples of requests) that hold KV blocks now (benchmarks compare them
+    /// with a reserving engine).
+    pub fn running_sequence_ids(&self) -> &[RequestId] {
         self.scheduler.running_ids()
+    }
+    /// The request a sequence belongs to (itself for unknown ids).
+    pub fn request_of(&self, seq: RequestId) -> RequestId {
+        self.states.get(&seq).map_or(seq, |st| st.group)
+    }
+    pub fn prefix_caching(&self) -> bool {
+        self.scheduler.kv().prefix_caching()
+    }
+    pub fn preemption_mode(&self) -> PreemptionMode {
+        self.scheduler.config().preemption_mode
     }
     pub fn has_unfinished(&self) -> bool {
         self.scheduler.has_unfinished()
@@ -498,6 +530,16 @@ impl Engine {
         let t0 = Instant::now();
         let sched = self.scheduler.schedule();
         self.stats.preemptions += sched.preempted.len() as u64;
+        if !sched.swap_out.is_empty() || !sched.swap_in.is_empty() {
+            // NOTE: before the forward, which may write the blocks just swapped out.
+            self.runner
+                .swap_blocks(&sched.swap_out, &sched.swap_in)
+                .inspect_err(|_| self.scheduler.reset_prefix_cache())?;
+            let n = (sched.swap_out.len() + sched.swap_in.len()) as u64;
+            self.stats.blocks_swapped_out += sched.swap_out.len() as u64;
+            self.stats.blocks_swapped_in += sched.swap_in.len() as u64;
+            self.stats.swap_bytes += n * (self.runner.kv_bytes() / self.runner.num_blocks() as u64);
+        }
         if sched.is_empty() {
             return Ok(Vec::new());
         }

@@ -36,6 +36,9 @@ pub trait ModelRunner: Send {
     /// Runs the batch like [`Self::execute`] but returns the argmax token of each row in
     /// `logits_rows` (greedy requests): on a GPU only the token ids come back.
     fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>>;
+    /// Copies KV blocks of every layer to host blocks (`out`: device, host), then host blocks
+    /// to device blocks (`inn`: host, device): swap preemption's transfers for one step.
+    fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()>;
 }
 
 struct Runner<B: Backend> {
@@ -43,6 +46,9 @@ struct Runner<B: Backend> {
     model: Box<dyn CausalLm<B>>,
     kv: KvCache<B>,
     kv_bytes: u64,
+    /// Host blocks of swapped-out requests: per layer, K then V, `block_len` values per block,
+    /// grown as host blocks are first used.
+    host: Vec<[Vec<f32>; 2]>,
 }
 
 impl<B: Backend> ModelRunner for Runner<B> {
@@ -72,6 +78,39 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
         self.backend
             .argmax_rows(&logits, rows, self.model.config().vocab_size)
+    }
+    fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()> {
+        let (b, kv) = (&self.backend, &mut self.kv);
+        let dev_out: Vec<u32> = out.iter().map(|p| p.0).collect();
+        let dev_in: Vec<u32> = inn.iter().map(|p| p.1).collect();
+        for (l, layout) in kv.layouts.iter().enumerate() {
+            let bl = layout.num_kv_heads * layout.block_size * layout.head_dim;
+            for (half, cache) in [&mut kv.k[l], &mut kv.v[l]].into_iter().enumerate() {
+                let host = &mut self.host[l][half];
+                if !out.is_empty() {
+                    let data = b.read_kv_blocks(cache, bl, &dev_out)?;
+                    for (&(_, h), block) in out.iter().zip(data.chunks_exact(bl)) {
+                        let at = h as usize * bl;
+                        if host.len() < at + bl {
+                            host.resize(at + bl, 0.0);
+                        }
+                        host[at..at + bl].copy_from_slice(block);
+                    }
+                }
+                if !inn.is_empty() {
+                    let mut data = Vec::with_capacity(inn.len() * bl);
+                    for &(h, _) in inn {
+                        let at = h as usize * bl;
+                        let block = host
+                            .get(at..at + bl)
+                            .context("swap-in of a host block that was never written")?;
+                        data.extend_from_slice(block);
+                    }
+                    b.write_kv_blocks(cache, bl, &dev_in, &data)?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -220,6 +259,9 @@ fn build<B: Backend>(
     Ok(Box::new(Runner {
         backend,
         model: lm,
+        host: (0..kv.layouts.len())
+            .map(|_| [Vec::new(), Vec::new()])
+            .collect(),
         kv,
         kv_bytes: num_blocks as u64 * per_block,
     }))

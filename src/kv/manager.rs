@@ -85,6 +85,20 @@ pub struct KvCacheManager {
     /// The hash each block is registered under: `block_hash[b] == Some(h)` iff `cached[h] == b`.
     block_hash: Vec<Option<BlockHash>>,
     stats: PrefixCacheStats,
+    /// Host blocks for swapped-out requests (swap preemption): the free ones, as a stack.
+    host_free: Vec<u32>,
+    host_blocks: usize,
+    /// Requests whose blocks are in host memory.
+    swapped: HashMap<u64, Swapped>,
+}
+
+/// A swapped-out request: its table with host blocks in place of device blocks.
+#[derive(Debug, Clone)]
+struct Swapped {
+    host: Vec<u32>,
+    num_tokens: usize,
+    root: Option<u64>,
+    hashes: Vec<BlockHash>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -122,7 +136,84 @@ impl KvCacheManager {
             cached: HashMap::new(),
             block_hash: vec![None; num_blocks],
             stats: PrefixCacheStats::default(),
+            host_free: Vec::new(),
+            host_blocks: 0,
+            swapped: HashMap::new(),
         }
+    }
+
+    /// The same manager with `host_blocks` blocks of host memory for swapped-out requests.
+    pub fn with_swap_space(mut self, host_blocks: usize) -> Self {
+        assert!(host_blocks < u32::MAX as usize, "too many host blocks");
+        self.host_blocks = host_blocks;
+        self.host_free = (0..host_blocks as u32).rev().collect();
+        self
+    }
+
+    /// Host blocks free for swapping out.
+    pub fn num_free_host_blocks(&self) -> usize {
+        self.host_free.len()
+    }
+
+    /// Moves a request's blocks to host memory: each device block is paired with a host block
+    /// (the caller copies them before the device blocks are written again) and released.
+    /// `None`, changing nothing, when the request holds no blocks or the host pool is too
+    /// small (the caller recomputes instead).
+    pub fn swap_out(&mut self, request_id: u64) -> Option<Vec<(BlockId, u32)>> {
+        let t = self.tables.get(&request_id)?;
+        if t.blocks.len() > self.host_free.len() {
+            return None;
+        }
+        let t = self.tables.remove(&request_id)?;
+        let host: Vec<u32> = (0..t.blocks.len())
+            .map(|_| self.host_free.pop().expect("checked above"))
+            .collect();
+        let pairs = t.blocks.iter().copied().zip(host.iter().copied()).collect();
+        self.release_blocks(t.blocks);
+        self.swapped.insert(
+            request_id,
+            Swapped {
+                host,
+                num_tokens: t.num_tokens,
+                root: t.root,
+                hashes: t.hashes,
+            },
+        );
+        Some(pairs)
+    }
+
+    /// Brings a swapped-out request back with a table covering `num_tokens` of `tokens`: each
+    /// host block is paired with a new device block (the caller copies them before the step
+    /// runs), and the host blocks are free again. `None`, changing nothing, when too few device
+    /// blocks are free.
+    pub fn swap_in(
+        &mut self,
+        request_id: u64,
+        tokens: &[u32],
+        num_tokens: usize,
+    ) -> Option<Vec<(u32, BlockId)>> {
+        let s = self.swapped.get(&request_id)?;
+        let need = self.blocks_needed(num_tokens).max(s.host.len());
+        if need > self.pool.num_free() {
+            return None;
+        }
+        let s = self.swapped.remove(&request_id)?;
+        // NOTE: the copies are private: their blocks are not registered under their hashes
+        // (the originals may still be), but blocks filled from now on are.
+        self.tables.insert(
+            request_id,
+            Table {
+                blocks: Vec::new(),
+                num_tokens: s.num_tokens,
+                root: s.root,
+                hashes: s.hashes,
+            },
+        );
+        self.grow(request_id, tokens, num_tokens, need);
+        let blocks = &self.tables[&request_id].blocks;
+        let pairs = s.host.iter().copied().zip(blocks.iter().copied()).collect();
+        self.host_free.extend(s.host);
+        Some(pairs)
     }
 
     pub fn block_size(&self) -> usize {
@@ -281,10 +372,17 @@ impl KvCacheManager {
     /// Frees all blocks of a request (finished, aborted or preempted), tail first, so that with
     /// prefix caching the ends of prefixes are evicted before their beginnings.
     pub fn free(&mut self, request_id: u64) {
-        let Some(t) = self.tables.remove(&request_id) else {
-            return;
-        };
-        for b in t.blocks.into_iter().rev() {
+        if let Some(s) = self.swapped.remove(&request_id) {
+            self.host_free.extend(s.host);
+        }
+        if let Some(t) = self.tables.remove(&request_id) {
+            self.release_blocks(t.blocks);
+        }
+    }
+
+    /// Drops one reference to each block, tail first.
+    fn release_blocks(&mut self, blocks: Vec<BlockId>) {
+        for b in blocks.into_iter().rev() {
             let keep = self.keep_freed && self.block_hash[b as usize].is_some();
             let kind = if keep {
                 FreeKind::Cached
@@ -315,8 +413,14 @@ impl KvCacheManager {
             .unwrap_or(&[])
     }
 
+    /// Requests holding device blocks.
     pub fn num_requests(&self) -> usize {
         self.tables.len()
+    }
+
+    /// Requests whose blocks are in host memory.
+    pub fn num_swapped(&self) -> usize {
+        self.swapped.len()
     }
 
     pub fn usage(&self) -> KvUsage {
@@ -402,6 +506,22 @@ impl KvCacheManager {
                     "block {b} shared but not cached"
                 );
             }
+        }
+        let mut host_used = vec![false; self.host_blocks];
+        for &h in self
+            .host_free
+            .iter()
+            .chain(self.swapped.values().flat_map(|s| &s.host))
+        {
+            assert!(!host_used[h as usize], "host block {h} used twice");
+            host_used[h as usize] = true;
+        }
+        assert!(host_used.iter().all(|&u| u), "a host block went missing");
+        for id in self.swapped.keys() {
+            assert!(
+                !self.tables.contains_key(id),
+                "request {id} is both swapped and resident"
+            );
         }
         for t in self.tables.values() {
             let full = t.num_tokens / self.block_size;

@@ -10,5 +10,6 @@ mod scheduler;
 
 pub use request::{FinishReason, Request, RequestId, RequestStatus};
 pub use scheduler::{
-    ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput, SchedulingPolicy, TokenEvent,
+    PreemptionMode, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput,
+    SchedulingPolicy, TokenEvent,
 };

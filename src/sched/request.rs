@@ -28,6 +28,8 @@ pub enum RequestStatus {
     Running,
     /// Preempted: blocks freed, back in the waiting queue, to be recomputed.
     Preempted,
+    /// Preempted: blocks copied to host memory, to be copied back when it resumes.
+    Swapped,
     Finished(FinishReason),
 }
 

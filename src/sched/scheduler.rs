@@ -1,5 +1,6 @@
-//! The scheduling policy: one token budget per step, running requests first, preemption by
-//! recompute when blocks run out, cached prefixes taken at admission.
+//! The scheduling policy: one token budget per step, running requests first, preemption when
+//! blocks run out (recompute, or swap to host memory), swapped requests resumed before new ones
+//! are admitted, cached prefixes taken at admission.
 
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::kv::{BlockId, CachedPrefix, KvCacheManager};
@@ -15,12 +16,42 @@ pub enum SchedulingPolicy {
     Static,
 }
 
+/// What happens to a preempted request's K/V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PreemptionMode {
+    /// Freed; the request is computed again from its tokens when it resumes (vLLM v1).
+    #[default]
+    Recompute,
+    /// Copied to host blocks and back when it resumes (vLLM v0's swap); recompute when the
+    /// host pool is full.
+    Swap,
+}
+
+impl PreemptionMode {
+    /// `recompute` or `swap` (a flag's value).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "recompute" => Ok(PreemptionMode::Recompute),
+            "swap" => Ok(PreemptionMode::Swap),
+            _ => Err(format!("unknown preemption mode '{s}' (recompute or swap)")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PreemptionMode::Recompute => "recompute",
+            PreemptionMode::Swap => "swap",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     pub max_num_seqs: usize,
     pub max_model_len: usize,
     pub policy: SchedulingPolicy,
+    pub preemption_mode: PreemptionMode,
 }
 
 impl Default for SchedulerConfig {
@@ -30,6 +61,7 @@ impl Default for SchedulerConfig {
             max_num_seqs: 256,
             max_model_len: 8192,
             policy: SchedulingPolicy::Continuous,
+            preemption_mode: PreemptionMode::Recompute,
         }
     }
 }
@@ -54,6 +86,11 @@ pub struct SchedulerOutput {
     pub num_batched_tokens: usize,
     /// Requests preempted while building this step.
     pub preempted: Vec<RequestId>,
+    /// Device blocks to copy to host blocks before the step runs (swapped out).
+    pub swap_out: Vec<(BlockId, u32)>,
+    /// Host blocks to copy to device blocks before the step runs (swapped in), after
+    /// `swap_out`.
+    pub swap_in: Vec<(u32, BlockId)>,
 }
 
 impl SchedulerOutput {
@@ -75,6 +112,8 @@ pub struct Scheduler {
     kv: KvCacheManager,
     requests: HashMap<RequestId, Request>,
     waiting: VecDeque<RequestId>,
+    /// Swapped out, in the order they were preempted (resumed first in, first out).
+    swapped: VecDeque<RequestId>,
     /// In admission order: the last one is the first to be preempted.
     running: Vec<RequestId>,
     /// Static policy: the current batch still accepts requests.
@@ -93,6 +132,7 @@ impl Scheduler {
             kv,
             requests: HashMap::new(),
             waiting: VecDeque::new(),
+            swapped: VecDeque::new(),
             running: Vec::new(),
             batch_open: true,
             num_preemptions: 0,
@@ -136,6 +176,11 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// Requests whose K/V are in host memory, waiting to resume.
+    pub fn num_swapped(&self) -> usize {
+        self.swapped.len()
+    }
+
     pub fn num_running(&self) -> usize {
         self.running.len()
     }
@@ -146,7 +191,7 @@ impl Scheduler {
     }
 
     pub fn has_unfinished(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        !self.waiting.is_empty() || !self.running.is_empty() || !self.swapped.is_empty()
     }
 
     /// Forgets every cached prefix (after the weights change).
@@ -183,7 +228,7 @@ impl Scheduler {
                 // NOTE: recompute preemption: the victim loses its blocks and starts over later
                 // from its prompt plus its output so far, which gives the same tokens.
                 let victim = self.running.pop().expect("running is not empty");
-                self.preempt(victim);
+                self.preempt(victim, &mut out);
                 out.preempted.push(victim);
                 if victim == id {
                     break false;
@@ -207,6 +252,26 @@ impl Scheduler {
             }
         };
         if may_admit {
+            // Swapped requests resume first, with their K/V copied back.
+            while let Some(&id) = self.swapped.front() {
+                if budget == 0 || self.running.len() >= self.config.max_num_seqs {
+                    break;
+                }
+                let r = &self.requests[&id];
+                let n = (r.num_tokens() - r.num_computed_tokens).min(budget);
+                let Some(pairs) = self.kv.swap_in(id, &r.tokens, r.num_computed_tokens + n) else {
+                    break;
+                };
+                out.swap_in.extend(pairs);
+                self.swapped.pop_front();
+                self.running.push(id);
+                self.requests.get_mut(&id).unwrap().status = RequestStatus::Running;
+                grants.push((id, n));
+                budget -= n;
+            }
+        }
+        // NOTE: nothing new is admitted while a swapped request waits for blocks.
+        if may_admit && self.swapped.is_empty() {
             while let Some(&id) = self.waiting.front() {
                 if budget == 0 || self.running.len() >= self.config.max_num_seqs {
                     break;
@@ -257,13 +322,21 @@ impl Scheduler {
         out
     }
 
-    fn preempt(&mut self, id: RequestId) {
-        self.kv.free(id);
+    fn preempt(&mut self, id: RequestId, out: &mut SchedulerOutput) {
+        self.num_preemptions += 1;
         let r = self.requests.get_mut(&id).unwrap();
+        r.num_preemptions += 1;
+        if self.config.preemption_mode == PreemptionMode::Swap
+            && let Some(pairs) = self.kv.swap_out(id)
+        {
+            out.swap_out.extend(pairs);
+            r.status = RequestStatus::Swapped;
+            self.swapped.push_back(id);
+            return;
+        }
+        self.kv.free(id);
         r.num_computed_tokens = 0;
         r.status = RequestStatus::Preempted;
-        r.num_preemptions += 1;
-        self.num_preemptions += 1;
         self.waiting.push_front(id);
     }
 
@@ -321,6 +394,7 @@ impl Scheduler {
         self.kv.free(id);
         self.running.retain(|&x| x != id);
         self.waiting.retain(|&x| x != id);
+        self.swapped.retain(|&x| x != id);
         true
     }
 
@@ -344,6 +418,7 @@ mod tests {
             max_num_seqs: max_seqs,
             max_model_len: 10_000,
             policy: SchedulingPolicy::Continuous,
+            preemption_mode: PreemptionMode::Recompute,
         };
         Scheduler::new(cfg, KvCacheManager::new(blocks, bs, false))
     }
@@ -443,6 +518,59 @@ mod tests {
     }
 
     #[test]
+    fn swap_preemption_keeps_the_computed_tokens_and_copies_them_back() {
+        // as above, with a host pool: request 3 is swapped out, not recomputed
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens: 100,
+            preemption_mode: PreemptionMode::Swap,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(cfg, KvCacheManager::new(7, 4, false).with_swap_space(8));
+        for id in 1..=3 {
+            s.add_request(Request::new(id, vec![5; 8], 6, vec![]))
+                .unwrap();
+        }
+        let out = s.schedule();
+        let table3 = out.scheduled[2].block_table.clone();
+        s.update_from_output(&out, &HashMap::from([(1, 1), (2, 2), (3, 3)]));
+        let out = s.schedule();
+        assert_eq!(out.preempted, vec![3]);
+        assert_eq!(
+            out.swap_out.iter().map(|p| p.0).collect::<Vec<_>>(),
+            table3,
+            "every block of request 3 goes to the host"
+        );
+        assert_eq!(s.request(3).unwrap().num_computed_tokens, 8);
+        assert_eq!(s.request(3).unwrap().status, RequestStatus::Swapped);
+        assert_eq!(s.num_swapped(), 1);
+        // it resumes with its blocks copied back and computes only its new token
+        let mut resumed = false;
+        while s.has_unfinished() {
+            let out = s.schedule();
+            if let Some(r) = out.scheduled.iter().find(|r| r.id == 3)
+                && !out.swap_in.is_empty()
+            {
+                assert_eq!(out.swap_in.len(), 2);
+                assert_eq!(r.num_computed_tokens, 8);
+                assert_eq!(r.num_new_tokens, 1);
+                resumed = true;
+            }
+            let sampled = out
+                .scheduled
+                .iter()
+                .filter(|r| r.sample)
+                .map(|r| (r.id, 9))
+                .collect();
+            s.update_from_output(&out, &sampled);
+            s.kv.check_invariants();
+        }
+        assert!(resumed);
+        assert_eq!(s.request(3).unwrap().output().len(), 6);
+        assert_eq!(s.kv.pool().num_free(), 6);
+        assert_eq!(s.kv.num_free_host_blocks(), 8);
+    }
+
+    #[test]
     fn stop_token_and_length_finish() {
         let mut s = sched(50, 4, 64, 8);
         s.add_request(Request::new(1, vec![1, 2], 10, vec![99]))
@@ -481,6 +609,7 @@ mod tests {
             max_num_seqs: 2,
             max_model_len: 1000,
             policy: SchedulingPolicy::Static,
+            preemption_mode: PreemptionMode::Recompute,
         };
         let mut s = Scheduler::new(cfg, KvCacheManager::new(100, 4, false));
         s.add_request(Request::new(1, vec![1; 4], 1, vec![]))
@@ -594,10 +723,13 @@ mod tests {
             aborts in proptest::collection::vec(0u64..20, 0..4),
             blocks in 14usize..40, bs in 1usize..6, budget in 8usize..64, max_seqs in 1usize..8,
             caching in any::<bool>(),
+            host_blocks in proptest::option::of(0usize..30),
         ) {
             let mut s = sched(blocks, bs, budget, max_seqs);
-            if caching {
-                s.kv = KvCacheManager::new(blocks, bs, true);
+            s.kv = KvCacheManager::new(blocks, bs, caching);
+            if let Some(h) = host_blocks {
+                s.config.preemption_mode = PreemptionMode::Swap;
+                s.kv = KvCacheManager::new(blocks, bs, caching).with_swap_space(h);
             }
             for (i, (p, m)) in prompts.iter().enumerate() {
                 let req = Request::new(i as u64, vec![3; *p], *m, vec![]);

@@ -172,12 +172,42 @@ def test_invalid_request(client):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=-1)
     assert e.value.status_code == 400
     assert e.value.body["param"] == "temperature"
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], n=2
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=17
         )
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, n=3, best_of=2, max_tokens=2)
+    assert e.value.body["param"] == "best_of"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10_000_000)
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
+
+
+def test_n_choices_streamed_and_not(client):
+    args = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a fact."}],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=11,
+    )
+    full = client.chat.completions.create(**args)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts = [""] * 3
+    finishes = [None] * 3
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == [c.message.content for c in full.choices]
+    assert finishes == [c.finish_reason for c in full.choices]
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, n=2, best_of=4, max_tokens=4, temperature=1.0, seed=5
+    )
+    assert [c.index for c in r.choices] == [0, 1]

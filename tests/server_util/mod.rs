@@ -275,6 +275,8 @@ pub fn check_stream(events: &[String], chat: bool) -> (Vec<String>, Vec<String>,
     let mut id: Option<String> = None;
     let mut texts: Vec<String> = Vec::new();
     let mut finish: Vec<Option<String>> = Vec::new();
+    // Per choice: whether a chunk of it was seen (its first chat delta carries the role).
+    let mut seen: Vec<bool> = Vec::new();
     let mut usage = None;
     for (i, e) in events[..events.len() - 1].iter().enumerate() {
         let v: Value = serde_json::from_str(e).unwrap_or_else(|_| panic!("chunk {i}: {e}"));
@@ -294,11 +296,13 @@ pub fn check_stream(events: &[String], chat: bool) -> (Vec<String>, Vec<String>,
             if texts.len() <= idx {
                 texts.resize(idx + 1, String::new());
                 finish.resize(idx + 1, None);
+                seen.resize(idx + 1, false);
             }
+            let first = !std::mem::replace(&mut seen[idx], true);
             assert!(finish[idx].is_none(), "a chunk after finish_reason: {e}");
             if chat {
                 let d = &c["delta"];
-                if i == 0 {
+                if first {
                     assert_eq!(d["role"], "assistant", "role in the first delta: {e}");
                 } else {
                     assert!(d.get("role").is_none(), "role only in the first delta: {e}");

@@ -8,7 +8,7 @@ use matmul::Weights;
 
 use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
 use crate::tensor::{DType, HostTensor};
-use anyhow::{Result, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -124,6 +124,46 @@ impl Backend for CpuBackend {
             CpuBuf::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
             CpuBuf::U32(v) => v.iter().map(|&x| x as f32).collect(),
         })
+    }
+
+    fn read_kv_blocks(&self, cache: &CpuBuf, block_len: usize, blocks: &[u32]) -> Result<Vec<f32>> {
+        let CpuBuf::F32(c) = cache else {
+            bail!("read_kv_blocks: the KV cache is not f32");
+        };
+        let mut out = Vec::with_capacity(blocks.len() * block_len);
+        for &b in blocks {
+            let at = b as usize * block_len;
+            let src = c
+                .get(at..at + block_len)
+                .with_context(|| format!("read_kv_blocks: block {b} is outside the cache"))?;
+            out.extend_from_slice(src);
+        }
+        Ok(out)
+    }
+
+    fn write_kv_blocks(
+        &self,
+        cache: &mut CpuBuf,
+        block_len: usize,
+        blocks: &[u32],
+        data: &[f32],
+    ) -> Result<()> {
+        let CpuBuf::F32(c) = cache else {
+            bail!("write_kv_blocks: the KV cache is not f32");
+        };
+        ensure!(
+            data.len() == blocks.len() * block_len,
+            "write_kv_blocks: {} values for {} blocks of {block_len}",
+            data.len(),
+            blocks.len()
+        );
+        for (&b, src) in blocks.iter().zip(data.chunks_exact(block_len.max(1))) {
+            let at = b as usize * block_len;
+            c.get_mut(at..at + block_len)
+                .with_context(|| format!("write_kv_blocks: block {b} is outside the cache"))?
+                .copy_from_slice(src);
+        }
+        Ok(())
     }
 
     fn len(&self, buf: &CpuBuf) -> usize {

@@ -648,6 +648,67 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         self.alloc(layout.numel(), Elem::F32, true)
     }
 
+    fn read_kv_blocks(
+        &self,
+        cache: &GpuBuf<R>,
+        block_len: usize,
+        blocks: &[u32],
+    ) -> Result<Vec<f32>> {
+        ensure!(
+            cache.elem == Elem::F32,
+            "read_kv_blocks: the KV cache is not f32"
+        );
+        self.rt.bind()?;
+        let bytes = block_len * 4;
+        let mut out = vec![0u8; blocks.len() * bytes];
+        for (&b, dst) in blocks.iter().zip(out.chunks_exact_mut(bytes.max(1))) {
+            ensure!(
+                (b as usize + 1) * block_len <= cache.len,
+                "read_kv_blocks: block {b} is outside the cache"
+            );
+            // SAFETY: the block lies inside the buffer (checked above).
+            unsafe {
+                self.rt
+                    .dtoh(dst, cache.ptr() + (b as usize * bytes) as u64)?
+            };
+        }
+        Ok(from_bytes::<f32>(&out))
+    }
+
+    fn write_kv_blocks(
+        &self,
+        cache: &mut GpuBuf<R>,
+        block_len: usize,
+        blocks: &[u32],
+        data: &[f32],
+    ) -> Result<()> {
+        ensure!(
+            cache.elem == Elem::F32,
+            "write_kv_blocks: the KV cache is not f32"
+        );
+        ensure!(
+            data.len() == blocks.len() * block_len,
+            "write_kv_blocks: {} values for {} blocks of {block_len}",
+            data.len(),
+            blocks.len()
+        );
+        self.rt.bind()?;
+        let bytes = block_len * 4;
+        let src: &[u8] = bytemuck::cast_slice(data);
+        for (&b, chunk) in blocks.iter().zip(src.chunks_exact(bytes.max(1))) {
+            ensure!(
+                (b as usize + 1) * block_len <= cache.len,
+                "write_kv_blocks: block {b} is outside the cache"
+            );
+            // SAFETY: the block lies inside the buffer (checked above).
+            unsafe {
+                self.rt
+                    .htod(cache.ptr() + (b as usize * bytes) as u64, chunk)?
+            };
+        }
+        Ok(())
+    }
+
     fn download_f32(&self, buf: &GpuBuf<R>) -> Result<Vec<f32>> {
         let bytes = self.download_bytes(buf)?;
         Ok(match buf.elem {

@@ -3,7 +3,7 @@
 //! encoder.
 
 use super::kernels::{self, Kernel, PipelineKey};
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::{Arc, Mutex, mpsc};
@@ -454,6 +454,38 @@ impl Gpu {
             rec.params.clear();
         }
         self.check().context("submitting a step")
+    }
+
+    /// Copies `data` into `parts` (consecutive pieces of it, in order), recorded after the work
+    /// recorded so far: through a staging buffer, so the copy keeps its place in the queue.
+    pub fn copy_in(&self, data: &[u8], parts: &[Bind<'_>]) -> Result<()> {
+        let total: u64 = parts.iter().map(|p| p.size).sum();
+        ensure!(
+            total == data.len() as u64 && parts.iter().all(|p| p.size % 4 == 0),
+            "copy_in: {} bytes for {total} bytes of destinations",
+            data.len()
+        );
+        if parts.is_empty() {
+            return Ok(());
+        }
+        let staging = self.buffer_init(data, "upload staging")?;
+        let mut rec = self.recorder.lock().unwrap_or_else(|p| p.into_inner());
+        rec.pass = None;
+        if rec.encoder.is_none() {
+            rec.encoder = Some(self.device.create_command_encoder(
+                &wgpu::CommandEncoderDescriptor {
+                    label: Some("copy in"),
+                },
+            ));
+        }
+        let enc = rec.encoder.as_mut().expect("encoder exists");
+        let mut at = 0;
+        for p in parts {
+            enc.copy_buffer_to_buffer(&staging, at, p.buf, p.offset, p.size);
+            at += p.size;
+        }
+        drop(rec);
+        self.check().context("recording a copy")
     }
 
     /// Submits the step and reads `parts` back: one submission, one wait.

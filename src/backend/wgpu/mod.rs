@@ -71,6 +71,24 @@ pub struct WgpuBuf {
 }
 
 impl WgpuBuf {
+    /// Where block `b` of a KV cache (rows of `block_len` elements) lives.
+    fn block_bind(&self, b: usize, block_len: usize) -> Result<Bind<'_>> {
+        ensure!(
+            block_len == self.row_len,
+            "a KV block is one row of the cache"
+        );
+        let p = self
+            .parts
+            .iter()
+            .find(|p| p.row0 <= b && b < p.row0 + p.rows)
+            .with_context(|| format!("block {b} is outside the KV cache"))?;
+        Ok(Bind {
+            buf: &p.buf,
+            offset: ((b - p.row0) * block_len * 4) as u64,
+            size: (block_len * 4) as u64,
+        })
+    }
+
     fn whole(&self, what: &str) -> Result<&wgpu::Buffer> {
         ensure!(
             self.parts.len() == 1,
@@ -592,6 +610,48 @@ impl Backend for WgpuBackend {
                 .map(bf16::to_f32)
                 .collect(),
         })
+    }
+
+    fn read_kv_blocks(
+        &self,
+        cache: &WgpuBuf,
+        block_len: usize,
+        blocks: &[u32],
+    ) -> Result<Vec<f32>> {
+        ensure!(
+            cache.elem == Elem::F32,
+            "read_kv_blocks: the KV cache is not f32"
+        );
+        let binds = blocks
+            .iter()
+            .map(|&b| cache.block_bind(b as usize, block_len))
+            .collect::<Result<Vec<_>>>()?;
+        let bytes = self.gpu.read(&binds)?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    fn write_kv_blocks(
+        &self,
+        cache: &mut WgpuBuf,
+        block_len: usize,
+        blocks: &[u32],
+        data: &[f32],
+    ) -> Result<()> {
+        ensure!(
+            cache.elem == Elem::F32,
+            "write_kv_blocks: the KV cache is not f32"
+        );
+        ensure!(
+            data.len() == blocks.len() * block_len,
+            "write_kv_blocks: {} values for {} blocks of {block_len}",
+            data.len(),
+            blocks.len()
+        );
+        let binds = blocks
+            .iter()
+            .map(|&b| cache.block_bind(b as usize, block_len))
+            .collect::<Result<Vec<_>>>()?;
+        self.gpu.copy_in(bytemuck::cast_slice(data), &binds)
     }
 
     fn len(&self, buf: &WgpuBuf) -> usize {

@@ -135,15 +135,83 @@ fn a_hit_on_free_blocks_counts_them_against_the_free_pool() {
     assert_eq!(m.pool().num_cached_free(), 2, "nothing changed");
 }
 
+#[test]
+fn swap_out_and_in_pairs_every_block_and_returns_the_host_blocks() {
+    let mut m = KvCacheManager::new(10, 4, true).with_swap_space(3);
+    let t = toks(10, 0);
+    admit_all(&mut m, 1, &t).unwrap();
+    let before = m.block_table(1).to_vec();
+    let out = m.swap_out(1).unwrap();
+    assert_eq!(out.iter().map(|p| p.0).collect::<Vec<_>>(), before);
+    assert_eq!(m.num_free_host_blocks(), 0);
+    assert_eq!(m.num_swapped(), 1);
+    assert_eq!(m.pool().num_free(), 9);
+    m.check_invariants();
+    // no room for a second one: the caller recomputes it
+    admit_all(&mut m, 2, &toks(5, 50)).unwrap();
+    assert!(m.swap_out(2).is_none());
+    // back, one token longer: the same host blocks in order, a fresh table
+    let inn = m.swap_in(1, &t, 11).unwrap();
+    let host: Vec<u32> = out.iter().map(|p| p.1).collect();
+    assert_eq!(inn.iter().map(|p| p.0).collect::<Vec<_>>(), host);
+    assert_eq!(
+        inn.iter().map(|p| p.1).collect::<Vec<_>>(),
+        m.block_table(1)
+    );
+    assert_eq!(m.num_free_host_blocks(), 3);
+    m.check_invariants();
+    // a swapped request that is aborted gives its host blocks back
+    m.swap_out(1).unwrap();
+    m.free(1);
+    assert_eq!(m.num_free_host_blocks(), 3);
+    assert_eq!(m.num_swapped(), 0);
+    m.check_invariants();
+}
+
 /// A model of the cache's contents: each slot holds the token whose K/V were written there.
 struct Sim {
     m: KvCacheManager,
     slots: Vec<Option<u32>>,
     /// Per request: its tokens and how many are computed.
     reqs: HashMap<u64, (Vec<u32>, usize)>,
+    /// The host pool's slots, and the requests swapped out there.
+    host: Vec<Option<u32>>,
+    swapped: HashMap<u64, (Vec<u32>, usize)>,
 }
 
 impl Sim {
+    fn swap_out(&mut self, id: u64) {
+        let bs = self.m.block_size();
+        let Some(pairs) = self.m.swap_out(id) else {
+            return;
+        };
+        for (d, h) in pairs {
+            for j in 0..bs {
+                self.host[h as usize * bs + j] = self.slots[d as usize * bs + j];
+            }
+        }
+        let r = self.reqs.remove(&id).unwrap();
+        self.swapped.insert(id, r);
+    }
+
+    fn swap_in(&mut self, id: u64) {
+        let bs = self.m.block_size();
+        let Some((tokens, computed)) = self.swapped.get(&id).cloned() else {
+            return;
+        };
+        let Some(pairs) = self.m.swap_in(id, &tokens, computed) else {
+            return;
+        };
+        for (h, d) in pairs {
+            assert_eq!(self.m.pool().ref_count(d), 1, "swap-in into a shared block");
+            for j in 0..bs {
+                self.slots[d as usize * bs + j] = self.host[h as usize * bs + j];
+            }
+        }
+        self.swapped.remove(&id);
+        self.reqs.insert(id, (tokens, computed));
+    }
+
     fn write(&mut self, id: u64, from: usize, to: usize) {
         let bs = self.m.block_size();
         let (tokens, _) = &self.reqs[&id];
@@ -193,6 +261,8 @@ enum Op {
     /// Computes up to `k` more prompt tokens, or decodes one new token.
     Step(u8, u8, u32),
     Free(u8),
+    SwapOut(u8),
+    SwapIn(u8),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -201,6 +271,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(r, tpl, len, tail, chunk)| Op::Add(r, tpl, len, tail, chunk)),
         3 => (0u8..10, 1u8..12, 0u32..3).prop_map(|(r, k, t)| Op::Step(r, k, t)),
         1 => (0u8..10).prop_map(Op::Free),
+        1 => (0u8..10).prop_map(Op::SwapOut),
+        1 => (0u8..10).prop_map(Op::SwapIn),
     ]
 }
 
@@ -213,19 +285,22 @@ proptest! {
         bs in 1usize..6,
         blocks in 6usize..40,
         caching in any::<bool>(),
+        host_blocks in 0usize..20,
     ) {
         let templates: Vec<Vec<u32>> =
             (0..3u32).map(|k| (0..30).map(|i| (i * 7 + k * 13) % 5).collect()).collect();
         let mut s = Sim {
-            m: KvCacheManager::new(blocks, bs, caching),
+            m: KvCacheManager::new(blocks, bs, caching).with_swap_space(host_blocks),
             slots: vec![None; blocks * bs],
             reqs: HashMap::new(),
+            host: vec![None; host_blocks * bs],
+            swapped: HashMap::new(),
         };
         for o in ops {
             match o {
                 Op::Add(r, tpl, len, tail, chunk) => {
                     let id = r as u64;
-                    if s.reqs.contains_key(&id) {
+                    if s.reqs.contains_key(&id) || s.swapped.contains_key(&id) {
                         continue;
                     }
                     let mut tokens = templates[tpl as usize][..len as usize].to_vec();
@@ -270,20 +345,25 @@ proptest! {
                 Op::Free(r) => {
                     s.m.free(r as u64);
                     s.reqs.remove(&(r as u64));
+                    s.swapped.remove(&(r as u64));
                 }
+                Op::SwapOut(r) => s.swap_out(r as u64),
+                Op::SwapIn(r) => s.swap_in(r as u64),
             }
             s.m.check_invariants();
             prop_assert_eq!(s.m.num_requests(), s.reqs.len());
+            prop_assert_eq!(s.m.num_swapped(), s.swapped.len());
             for id in s.reqs.keys() {
                 s.check_reads(*id);
             }
         }
-        let ids: Vec<u64> = s.reqs.keys().copied().collect();
+        let ids: Vec<u64> = s.reqs.keys().chain(s.swapped.keys()).copied().collect();
         for id in ids {
             s.m.free(id);
         }
         s.m.check_invariants();
         prop_assert_eq!(s.m.pool().num_free(), blocks - 1);
+        prop_assert_eq!(s.m.num_free_host_blocks(), host_blocks);
         if !caching {
             prop_assert_eq!(s.m.pool().num_cached_free(), 0);
         }
