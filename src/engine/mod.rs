@@ -365,8 +365,9 @@ impl Engine {
     pub fn num_running(&self) -> usize {
         self.scheduler.num_running()
     }
+    /// Sequences waiting to run: new or preempted, and swapped out to host memory.
     pub fn num_waiting(&self) -> usize {
-        self.scheduler.num_waiting()
+        self.scheduler.num_waiting() + self.scheduler.num_swapped()
     }
     /// The sequences (samples of requests) that hold KV blocks now (benchmarks compare them
     /// with a reserving engine).
