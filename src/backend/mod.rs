@@ -503,6 +503,17 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 /// Ties go to the lowest index; NaN never wins.
+/// Checks a `write_kv_blocks` call's sizes: `data` holds `blocks.len()` blocks of `block_len`.
+pub fn check_kv_blocks_data(data: &[f32], blocks: &[u32], block_len: usize) -> Result<()> {
+    anyhow::ensure!(
+        data.len() == blocks.len() * block_len && block_len > 0,
+        "write_kv_blocks: {} values for {} blocks of {block_len}",
+        data.len(),
+        blocks.len()
+    );
+    Ok(())
+}
+
 pub fn argmax(v: &[f32]) -> usize {
     let mut best = 0;
     let mut best_v = f32::NEG_INFINITY;

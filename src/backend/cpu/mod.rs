@@ -151,13 +151,8 @@ impl Backend for CpuBackend {
         let CpuBuf::F32(c) = cache else {
             bail!("write_kv_blocks: the KV cache is not f32");
         };
-        ensure!(
-            data.len() == blocks.len() * block_len,
-            "write_kv_blocks: {} values for {} blocks of {block_len}",
-            data.len(),
-            blocks.len()
-        );
-        for (&b, src) in blocks.iter().zip(data.chunks_exact(block_len.max(1))) {
+        super::check_kv_blocks_data(data, blocks, block_len)?;
+        for (&b, src) in blocks.iter().zip(data.chunks_exact(block_len)) {
             let at = b as usize * block_len;
             c.get_mut(at..at + block_len)
                 .with_context(|| format!("write_kv_blocks: block {b} is outside the cache"))?

@@ -686,12 +686,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             cache.elem == Elem::F32,
             "write_kv_blocks: the KV cache is not f32"
         );
-        ensure!(
-            data.len() == blocks.len() * block_len,
-            "write_kv_blocks: {} values for {} blocks of {block_len}",
-            data.len(),
-            blocks.len()
-        );
+        super::check_kv_blocks_data(data, blocks, block_len)?;
         self.rt.bind()?;
         let bytes = block_len * 4;
         let src: &[u8] = bytemuck::cast_slice(data);

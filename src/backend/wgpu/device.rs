@@ -130,6 +130,19 @@ struct Recorder {
     params: Vec<u8>,
 }
 
+impl Recorder {
+    /// The encoder to record a copy into, after everything recorded so far (the open compute
+    /// pass is closed first).
+    fn copy_encoder(&mut self, device: &wgpu::Device) -> &mut wgpu::CommandEncoder {
+        self.pass = None;
+        self.encoder.get_or_insert_with(|| {
+            device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("copies"),
+            })
+        })
+    }
+}
+
 /// A part of a buffer bound to a kernel.
 #[derive(Clone, Copy)]
 pub struct Bind<'a> {
@@ -470,15 +483,7 @@ impl Gpu {
         }
         let staging = self.buffer_init(data, "upload staging")?;
         let mut rec = self.recorder.lock().unwrap_or_else(|p| p.into_inner());
-        rec.pass = None;
-        if rec.encoder.is_none() {
-            rec.encoder = Some(self.device.create_command_encoder(
-                &wgpu::CommandEncoderDescriptor {
-                    label: Some("copy in"),
-                },
-            ));
-        }
-        let enc = rec.encoder.as_mut().expect("encoder exists");
+        let enc = rec.copy_encoder(&self.device);
         let mut at = 0;
         for p in parts {
             enc.copy_buffer_to_buffer(&staging, at, p.buf, p.offset, p.size);
@@ -500,15 +505,7 @@ impl Gpu {
         self.check().context("allocating a readback buffer")?;
         {
             let mut rec = self.recorder.lock().unwrap_or_else(|p| p.into_inner());
-            rec.pass = None;
-            if rec.encoder.is_none() {
-                rec.encoder = Some(self.device.create_command_encoder(
-                    &wgpu::CommandEncoderDescriptor {
-                        label: Some("readback"),
-                    },
-                ));
-            }
-            let enc = rec.encoder.as_mut().expect("encoder exists");
+            let enc = rec.copy_encoder(&self.device);
             let mut at = 0;
             for p in parts {
                 let n = p.size.next_multiple_of(4);

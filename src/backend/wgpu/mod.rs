@@ -641,12 +641,7 @@ impl Backend for WgpuBackend {
             cache.elem == Elem::F32,
             "write_kv_blocks: the KV cache is not f32"
         );
-        ensure!(
-            data.len() == blocks.len() * block_len,
-            "write_kv_blocks: {} values for {} blocks of {block_len}",
-            data.len(),
-            blocks.len()
-        );
+        super::check_kv_blocks_data(data, blocks, block_len)?;
         let binds = blocks
             .iter()
             .map(|&b| cache.block_bind(b as usize, block_len))
