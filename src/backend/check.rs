@@ -304,7 +304,7 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
             data,
             read,
         } => {
-            let bl = kv.num_kv_heads * kv.block_size * kv.head_dim;
+            let bl = kv.block_len();
             let mut c = be.alloc_kv(*kv)?;
             let all: Vec<u32> = (0..kv.num_blocks as u32).collect();
             be.write_kv_blocks(&mut c, bl, &all, cache)?;
@@ -492,7 +492,7 @@ fn reference(case: &Case) -> Vec<f64> {
             data,
             read,
         } => {
-            let bl = kv.num_kv_heads * kv.block_size * kv.head_dim;
+            let bl = kv.block_len();
             let mut c = f(cache);
             for (&b, d) in write.iter().zip(data.chunks_exact(bl)) {
                 let at = b as usize * bl;
@@ -936,7 +936,7 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         num_kv_heads: 2,
         head_dim: 16,
     };
-    let bl = 128;
+    let bl = kv.block_len();
     let write = vec![79, 3, 40, 0, 33];
     out.push((
         "kv block copies".into(),

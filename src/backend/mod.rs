@@ -209,8 +209,13 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
+    /// Elements of one block: `Hkv · block_size · D`, contiguous in the cache.
+    pub fn block_len(&self) -> usize {
+        self.num_kv_heads * self.block_size * self.head_dim
+    }
+
     pub fn numel(&self) -> usize {
-        self.num_blocks * self.num_kv_heads * self.block_size * self.head_dim
+        self.num_blocks * self.block_len()
     }
 }
 

@@ -84,7 +84,7 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let dev_out: Vec<u32> = out.iter().map(|p| p.0).collect();
         let dev_in: Vec<u32> = inn.iter().map(|p| p.1).collect();
         for (l, layout) in kv.layouts.iter().enumerate() {
-            let bl = layout.num_kv_heads * layout.block_size * layout.head_dim;
+            let bl = layout.block_len();
             for (half, cache) in [&mut kv.k[l], &mut kv.v[l]].into_iter().enumerate() {
                 let host = &mut self.host[l][half];
                 if !out.is_empty() {

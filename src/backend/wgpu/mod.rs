@@ -555,7 +555,7 @@ impl Backend for WgpuBackend {
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<WgpuBuf> {
-        let block = layout.num_kv_heads * layout.block_size * layout.head_dim;
+        let block = layout.block_len();
         let block_bytes = block as u64 * 4;
         let per = (self.gpu.max_binding / block_bytes.max(1)) as usize;
         if per == 0 {
