@@ -23,6 +23,7 @@ pub mod sampling;
 pub mod sched;
 pub mod server;
 pub mod tensor;
+pub mod untrusted;
 
 pub use backend::BackendKind;
 pub use engine::{CompletionOutput, Engine, EngineArgs, LLM, Prompt, RequestOutput, StepOutput};

@@ -169,7 +169,8 @@ impl Activation {
             "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" | "gelu_tanh" => Activation::GeluTanh,
             "gelu" => Activation::Gelu,
             other => anyhow::bail!(
-                "activation '{other}' is not supported (silu, gelu, gelu_new, gelu_pytorch_tanh)"
+                "activation '{}' is not supported (silu, gelu, gelu_new, gelu_pytorch_tanh)",
+                crate::untrusted::text(other)
             ),
         })
     }

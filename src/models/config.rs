@@ -199,9 +199,10 @@ impl ModelConfig {
                             as usize,
                     }),
                     "default" | "" | "longrope" | "su" => None,
-                    other => {
-                        bail!("rope_scaling of type '{other}' is not supported (llama3, longrope)")
-                    }
+                    other => bail!(
+                        "rope_scaling of type '{}' is not supported (llama3, longrope)",
+                        crate::untrusted::text(other)
+                    ),
                 }
             }
         };

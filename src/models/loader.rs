@@ -7,6 +7,7 @@ use super::gguf::GgufFile;
 use super::tokenizer::Tokenizer;
 use crate::sampling::SamplingDefaults;
 use crate::tensor::HostTensor;
+use crate::untrusted::text;
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
 use memmap2::Mmap;
@@ -64,13 +65,18 @@ impl SafetensorsWeights {
         let mut files = Vec::new();
         let mut index = HashMap::new();
         for (i, p) in paths.into_iter().enumerate() {
-            let f = File::open(&p).with_context(|| format!("cannot open {}", p.display()))?;
+            // NOTE: shard names come from the index file: shown escaped.
+            let shown = text(&p.display().to_string());
+            let f = File::open(&p).with_context(|| format!("cannot open {shown}"))?;
             // SAFETY: the file is opened read-only; a change of the file under us while mapped
             // is outside what we can guard against (as with every mmap-based loader).
-            let mmap =
-                unsafe { Mmap::map(&f) }.with_context(|| format!("cannot map {}", p.display()))?;
+            let mmap = unsafe { Mmap::map(&f) }.with_context(|| format!("cannot map {shown}"))?;
             let st = SafeTensors::deserialize(&mmap).map_err(|e| {
-                anyhow::anyhow!("{} is not a valid safetensors file: {e}", p.display())
+                anyhow::anyhow!(
+                    "{} is not a valid safetensors file: {}",
+                    text(&p.display().to_string()),
+                    text(&e.to_string())
+                )
             })?;
             for name in st.names() {
                 index.insert(name.to_string(), i);
@@ -87,11 +93,12 @@ impl WeightSource for SafetensorsWeights {
             return Ok(None);
         };
         let (path, mmap) = &self.files[i];
+        let shown = || text(&path.display().to_string());
         let st = SafeTensors::deserialize(mmap)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            .map_err(|e| anyhow::anyhow!("{}: {}", shown(), text(&e.to_string())))?;
         let t = st
             .tensor(name)
-            .map_err(|e| anyhow::anyhow!("{}: {name}: {e}", path.display()))?;
+            .map_err(|e| anyhow::anyhow!("{}: {name}: {}", shown(), text(&e.to_string())))?;
         let b = t.data();
         let data: Vec<f32> = match t.dtype() {
             Dtype::F32 => b
@@ -108,7 +115,7 @@ impl WeightSource for SafetensorsWeights {
                 .collect(),
             other => bail!(
                 "{}: tensor {name} has dtype {other:?} (supported: F32, F16, BF16)",
-                path.display()
+                shown()
             ),
         };
         Ok(Some(HostTensor::new(t.shape().to_vec(), data)))

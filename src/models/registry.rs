@@ -176,7 +176,8 @@ pub fn by_hf_model_type(model_type: &str) -> Result<&'static Family> {
     {
         Some(f) => Ok(f),
         None => bail!(
-            "unknown architecture '{model_type}' (model_type; supported: {})",
+            "unknown architecture '{}' (model_type; supported: {})",
+            crate::untrusted::text(model_type),
             supported(|f| f.hf_model_types)
         ),
     }
@@ -190,7 +191,8 @@ pub fn by_gguf_architecture(arch: &str) -> Result<&'static Family> {
     {
         Some(f) => Ok(f),
         None => bail!(
-            "unknown architecture '{arch}' (general.architecture; supported: {})",
+            "unknown architecture '{}' (general.architecture; supported: {})",
+            crate::untrusted::text(arch),
             supported(|f| f.gguf_architectures)
         ),
     }

@@ -4,6 +4,7 @@
 //! so the `tokenizers` crate's BPE runs it (with byte fallback for what no piece covers), as HF's
 //! converters for these models do.
 
+use crate::untrusted::text;
 use anyhow::{Result, anyhow, bail};
 use std::collections::HashMap;
 use tokenizers::decoders::DecoderWrapper;
@@ -73,13 +74,19 @@ pub fn tokenizer(tokens: &[&str], scores: &[f32], types: &[i64], unk: usize) -> 
         .fuse_unk(true)
         .byte_fallback(true)
         .build()
-        .map_err(|e| anyhow!("cannot build the SentencePiece BPE: {e}"))?;
+        .map_err(|e| {
+            anyhow!(
+                "cannot build the SentencePiece BPE: {}",
+                text(&e.to_string())
+            )
+        })?;
     let mut tk = Tokenizer::new(bpe);
     let space = |from: &str, to: &str| {
-        Replace::new(from, to).map_err(|e| anyhow!("cannot build a replacement: {e}"))
+        Replace::new(from, to)
+            .map_err(|e| anyhow!("cannot build a replacement: {}", text(&e.to_string())))
     };
     tk.with_normalizer(Some(space(" ", "\u{2581}")?))
-        .map_err(|e| anyhow!("cannot set the normalizer: {e}"))?;
+        .map_err(|e| anyhow!("cannot set the normalizer: {}", text(&e.to_string())))?;
     tk.with_decoder(Some(Sequence::new(vec![
         DecoderWrapper::Replace(space("\u{2581}", " ")?),
         DecoderWrapper::ByteFallback(ByteFallback::new()),
@@ -93,7 +100,7 @@ pub fn tokenizer(tokens: &[&str], scores: &[f32], types: &[i64], unk: usize) -> 
         .collect();
     // Their ids are already in the vocabulary, so they keep them.
     tk.add_tokens(added)
-        .map_err(|e| anyhow!("cannot add the special tokens: {e}"))?;
+        .map_err(|e| anyhow!("cannot add the special tokens: {}", text(&e.to_string())))?;
     Ok(tk)
 }
 

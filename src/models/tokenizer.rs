@@ -70,8 +70,9 @@ fn token_field(
             ),
         },
         Some(other) => bail!(
-            "{}: {key} must be a string or {{\"content\": ...}}, got {other}",
-            path.display()
+            "{}: {key} must be a string or {{\"content\": ...}}, got {}",
+            path.display(),
+            crate::untrusted::json(other)
         ),
     }
 }
@@ -121,8 +122,13 @@ impl Tokenizer {
         }
         let bytes =
             std::fs::read(&tok_path).with_context(|| format!("reading {}", tok_path.display()))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| anyhow!("{}: not a valid tokenizer: {e}", tok_path.display()))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+            anyhow!(
+                "{}: not a valid tokenizer: {}",
+                tok_path.display(),
+                crate::untrusted::text(&e.to_string())
+            )
+        })?;
 
         let cfg_path = dir.join("tokenizer_config.json");
         let mut chat_template = None;
@@ -144,8 +150,9 @@ impl Tokenizer {
                 None | Some(Json::Null) => None,
                 Some(Json::Bool(b)) => Some(*b),
                 Some(other) => bail!(
-                    "{}: add_bos_token must be true or false, got {other}",
-                    cfg_path.display()
+                    "{}: add_bos_token must be true or false, got {}",
+                    cfg_path.display(),
+                    crate::untrusted::json(other)
                 ),
             };
         }
@@ -286,7 +293,12 @@ impl Tokenizer {
             .chat_env
             .get_or_init(|| chat_environment(source))
             .as_ref()
-            .map_err(|e| anyhow!("the chat template does not compile: {e}"))?;
+            .map_err(|e| {
+                anyhow!(
+                    "the chat template does not compile: {}",
+                    crate::untrusted::text(&e.to_string())
+                )
+            })?;
         let template = env
             .get_template(CHAT_TEMPLATE)
             .map_err(|e| anyhow!("the chat template does not compile: {}", jinja_error(&e)))?;
@@ -309,7 +321,8 @@ impl Tokenizer {
     }
 }
 
-/// A minijinja error with the chain of its sources, on one line.
+/// A minijinja error with the chain of its sources, on one line (escaped and cut: it may quote
+/// the template, which comes from the model's files).
 fn jinja_error(e: &JinjaError) -> String {
     let mut out = e.to_string();
     let mut source = std::error::Error::source(e);
@@ -318,7 +331,7 @@ fn jinja_error(e: &JinjaError) -> String {
         out.push_str(&s.to_string());
         source = s.source();
     }
-    out
+    crate::untrusted::text(&out)
 }
 
 /// The Jinja environment HF renders chat templates in (`trim_blocks`, `lstrip_blocks`, Python

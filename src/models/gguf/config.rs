@@ -172,7 +172,10 @@ impl GgufFile {
                     as usize,
             }),
             "linear" if num("factor") == Some(1.0) => None,
-            other => bail!("RoPE scaling of type '{other}' is not supported (only llama3)"),
+            other => bail!(
+                "RoPE scaling of type '{}' is not supported (only llama3)",
+                crate::untrusted::text(other)
+            ),
         };
         if from_keys.is_some() {
             return Ok(from_keys);

@@ -22,6 +22,7 @@ pub use names::{GgufFix, GgufTensorName, llama_tensor_name, map_name};
 pub use quant::dequantize;
 
 use crate::tensor::HostTensor;
+use crate::untrusted::text;
 use anyhow::{Context, Result, anyhow, bail};
 use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap};
@@ -29,8 +30,10 @@ use std::fmt;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-/// A metadata value.
-#[derive(Debug, Clone, PartialEq)]
+/// A metadata value. Its `Debug` is bounded: strings are escaped and cut
+/// ([`crate::untrusted::text`]) and arrays show their length and first few elements, so that
+/// a value can go into an error message whatever the file holds.
+#[derive(Clone, PartialEq)]
 pub enum GgufValue {
     U8(u8),
     I8(i8),
@@ -45,6 +48,44 @@ pub enum GgufValue {
     Bool(bool),
     String(String),
     Array(Vec<GgufValue>),
+}
+
+impl fmt::Debug for GgufValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        /// Array elements shown before the rest is summed up by the length.
+        const SHOWN: usize = 4;
+        match self {
+            GgufValue::U8(v) => write!(f, "U8({v})"),
+            GgufValue::I8(v) => write!(f, "I8({v})"),
+            GgufValue::U16(v) => write!(f, "U16({v})"),
+            GgufValue::I16(v) => write!(f, "I16({v})"),
+            GgufValue::U32(v) => write!(f, "U32({v})"),
+            GgufValue::I32(v) => write!(f, "I32({v})"),
+            GgufValue::U64(v) => write!(f, "U64({v})"),
+            GgufValue::I64(v) => write!(f, "I64({v})"),
+            GgufValue::F32(v) => write!(f, "F32({v:?})"),
+            GgufValue::F64(v) => write!(f, "F64({v:?})"),
+            GgufValue::Bool(v) => write!(f, "Bool({v})"),
+            GgufValue::String(s) => write!(f, "String(\"{}\")", crate::untrusted::text(s)),
+            GgufValue::Array(a) => {
+                write!(f, "Array(len {}: [", a.len())?;
+                for (i, x) in a.iter().take(SHOWN).enumerate() {
+                    if i > 0 {
+                        f.write_str(", ")?;
+                    }
+                    match x {
+                        // a nested array by its length only: the whole stays bounded
+                        GgufValue::Array(inner) => write!(f, "Array(len {})", inner.len())?,
+                        x => write!(f, "{x:?}")?,
+                    }
+                }
+                if a.len() > SHOWN {
+                    f.write_str(", …")?;
+                }
+                f.write_str("])")
+            }
+        }
+    }
 }
 
 impl GgufValue {
@@ -528,7 +569,7 @@ impl GgufFile {
             anyhow!(
                 "{}: tensor '{}' ({hf_name}): {e:#}",
                 self.path.display(),
-                info.name
+                text(&info.name)
             )
         })
     }
@@ -647,10 +688,11 @@ fn parse(data: &[u8]) -> Result<Parsed> {
     let mut metadata = BTreeMap::new();
     for i in 0..n_kv {
         let key = r.string(&|| format!("the key of metadata entry {i}"))?;
-        let vt = r.u32(&|| format!("the value type of metadata '{key}'"))?;
-        let value = r.value(vt, 0, &|| format!("metadata '{key}'"))?;
-        if metadata.insert(key.clone(), value).is_some() {
-            bail!("duplicate metadata key '{key}'");
+        let k = text(&key);
+        let vt = r.u32(&|| format!("the value type of metadata '{k}'"))?;
+        let value = r.value(vt, 0, &|| format!("metadata '{k}'"))?;
+        if metadata.insert(key, value).is_some() {
+            bail!("duplicate metadata key '{k}'");
         }
     }
 
@@ -666,10 +708,11 @@ fn parse(data: &[u8]) -> Result<Parsed> {
     let mut seen = HashMap::with_capacity(n_tensors);
     for i in 0..n_tensors {
         let name = r.string(&|| format!("the name of tensor {i}"))?;
-        let what = |field: &str| format!("the {field} of tensor '{name}'");
+        let shown = text(&name);
+        let what = |field: &str| format!("the {field} of tensor '{shown}'");
         let n_dims = r.u32(&|| what("dimension count"))?;
         if n_dims > MAX_DIMS {
-            bail!("tensor '{name}' has {n_dims} dimensions (at most {MAX_DIMS} are allowed)");
+            bail!("tensor '{shown}' has {n_dims} dimensions (at most {MAX_DIMS} are allowed)");
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -678,10 +721,10 @@ fn parse(data: &[u8]) -> Result<Parsed> {
         let type_id = r.u32(&|| what("type"))?;
         let offset = r.u64(&|| what("offset"))?;
         let Some(ty) = GgmlType::from_id(type_id) else {
-            bail!("tensor '{name}' has the unknown tensor type id {type_id}");
+            bail!("tensor '{shown}' has the unknown tensor type id {type_id}");
         };
         if seen.insert(name.clone(), i).is_some() {
-            bail!("duplicate tensor name '{name}'");
+            bail!("duplicate tensor name '{shown}'");
         }
         infos.push((name, dims, ty, offset));
     }
@@ -694,24 +737,25 @@ fn parse(data: &[u8]) -> Result<Parsed> {
 
     let mut tensors = Vec::with_capacity(infos.len());
     for (name, dims, ty, rel) in infos {
+        let shown = text(&name);
         let (block, type_size) = ty.block_layout();
         let n_elements = dims
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .filter(|&n| n <= i64::MAX as u64)
-            .ok_or_else(|| anyhow!("tensor '{name}' has an absurd shape {dims:?}"))?;
+            .ok_or_else(|| anyhow!("tensor '{shown}' has an absurd shape {dims:?}"))?;
         let ne0 = dims.first().copied().unwrap_or(1);
         if !ne0.is_multiple_of(block as u64) {
             bail!(
-                "tensor '{name}' of type {ty}: its first dimension {ne0} is not a multiple of the block size {block}"
+                "tensor '{shown}' of type {ty}: its first dimension {ne0} is not a multiple of the block size {block}"
             );
         }
         let n_bytes = (n_elements / block as u64)
             .checked_mul(type_size as u64)
-            .ok_or_else(|| anyhow!("tensor '{name}' is too large"))?;
+            .ok_or_else(|| anyhow!("tensor '{shown}' is too large"))?;
         if !rel.is_multiple_of(alignment) {
             bail!(
-                "tensor '{name}' has offset {rel}, which is not a multiple of the alignment {alignment}"
+                "tensor '{shown}' has offset {rel}, which is not a multiple of the alignment {alignment}"
             );
         }
         let offset = data_start.checked_add(rel);
@@ -725,7 +769,7 @@ fn parse(data: &[u8]) -> Result<Parsed> {
                 n_bytes,
             }),
             _ => bail!(
-                "tensor '{name}' ({ty}, shape {dims:?}) needs bytes {}..{} but the file has only {file_len} bytes: \
+                "tensor '{shown}' ({ty}, shape {dims:?}) needs bytes {}..{} but the file has only {file_len} bytes: \
                  the file is truncated",
                 data_start as u128 + rel as u128,
                 data_start as u128 + rel as u128 + n_bytes as u128
@@ -1471,6 +1515,93 @@ mod tests {
         let w = Writer::new().kv("deep", VT_ARRAY, v.clone());
         let (e, _) = open_err(&w.bytes());
         assert!(e.contains("nests arrays deeper"), "{e}");
+    }
+
+    /// Keys, names and values from the file are escaped and cut in errors: no raw control
+    /// characters or newlines (terminal and log injection), no message of hundreds of KB.
+    #[test]
+    fn text_from_the_file_is_escaped_and_cut_in_errors() {
+        let clean = |e: &str| {
+            assert!(e.len() < 1000, "{} bytes: {}", e.len(), &e[..1000]);
+            assert!(!e.chars().any(|c| c.is_control()), "{e:?}");
+        };
+        let evil = "evil\x1b[2J\nINFO forged line";
+        let w = synthetic("llama").kv(evil, 13, vec![0; 8]);
+        let (e, _) = open_err(&w.bytes());
+        clean(&e);
+        assert!(
+            e.contains(
+                "metadata 'evil\\u{1b}[2J\\nINFO forged line' has the unknown value type 13"
+            ),
+            "{e}"
+        );
+        let w = synthetic("llama").tensor(evil, &[1, 1, 1, 1, 1], 0, vec![0; 4]);
+        let (e, _) = open_err(&w.bytes());
+        clean(&e);
+        assert!(e.contains("tensor 'evil\\u{1b}[2J\\n"), "{e}");
+        let long = format!("{evil}{}", "x".repeat(100_000));
+        let w = synthetic("llama").kv(&long, 13, vec![0; 8]);
+        let (e, _) = open_err(&w.bytes());
+        clean(&e);
+        assert!(e.contains("(100025 bytes in all)"), "{e}");
+
+        // an array of 100000 strings where a number belongs
+        let big = vec![evil; 100_000];
+        let mut w = synthetic("llama");
+        w.kvs.retain(|(k, _, _)| k != "llama.block_count");
+        let w = w.strs("llama.block_count", &big);
+        let t = write_tmp(&w.bytes());
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .config()
+            .unwrap_err()
+            .to_string();
+        clean(&e);
+        assert!(
+            e.contains("'llama.block_count' should be a non-negative integer")
+                && e.contains("Array(len 100000: [String(\"evil\\u{1b}[2J\\nINFO forged line\"), "),
+            "{e}"
+        );
+        // string values: the architecture, the tokenizer model
+        let t = write_tmp(&synthetic(&long).bytes());
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .config()
+            .unwrap_err()
+            .to_string();
+        clean(&e);
+        assert!(e.contains("unknown architecture 'evil\\u{1b}"), "{e}");
+        let mut w = synthetic("llama");
+        w.kvs.retain(|(k, _, _)| k != "tokenizer.ggml.model");
+        let w = w.str("tokenizer.ggml.model", &long);
+        let t = write_tmp(&w.bytes());
+        let e = GgufFile::open(&t.path)
+            .unwrap()
+            .tokenizer()
+            .unwrap_err()
+            .to_string();
+        clean(&e);
+        assert!(e.contains("tokenizer model 'evil\\u{1b}"), "{e}");
+    }
+
+    #[test]
+    fn debug_of_values_is_bounded() {
+        let nested = GgufValue::Array(vec![GgufValue::Array(vec![GgufValue::U8(1); 1000]); 1000]);
+        assert_eq!(
+            format!("{nested:?}"),
+            "Array(len 1000: [Array(len 1000), Array(len 1000), Array(len 1000), Array(len 1000), …])"
+        );
+        assert_eq!(
+            format!(
+                "{:?}",
+                GgufValue::Array(vec![GgufValue::F32(0.5), GgufValue::I8(-1)])
+            ),
+            "Array(len 2: [F32(0.5), I8(-1)])"
+        );
+        assert_eq!(
+            format!("{:?}", GgufValue::String("a\nb".into())),
+            "String(\"a\\nb\")"
+        );
     }
 
     #[test]

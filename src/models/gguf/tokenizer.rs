@@ -3,6 +3,7 @@
 //! the special tokens.
 
 use super::{GgufFile, GgufValue, in_file};
+use crate::untrusted::text;
 use anyhow::{Result, anyhow, bail};
 
 impl GgufFile {
@@ -29,8 +30,9 @@ impl GgufFile {
             Some("gpt2") => {}
             Some("llama") => return self.spm_tokenizer(),
             Some(other) => bail!(
-                "tokenizer model '{other}' (tokenizer.ggml.model) is not supported yet \
-                 (gpt2: byte-level BPE, llama: SentencePiece)"
+                "tokenizer model '{}' (tokenizer.ggml.model) is not supported yet \
+                 (gpt2: byte-level BPE, llama: SentencePiece)",
+                text(other)
             ),
             None => bail!("no tokenizer in the metadata (tokenizer.ggml.model is missing)"),
         }
@@ -80,7 +82,10 @@ impl GgufFile {
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_string(), b.to_string()))
                     .ok_or_else(|| {
-                        anyhow!("tokenizer.ggml.merges[{i}] = {m:?} is not a space-separated pair")
+                        anyhow!(
+                            "tokenizer.ggml.merges[{i}] = \"{}\" is not a space-separated pair",
+                            text(m)
+                        )
                     })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -89,7 +94,7 @@ impl GgufFile {
             .fuse_unk(false)
             .byte_fallback(false)
             .build()
-            .map_err(|e| anyhow!("cannot build the BPE model: {e}"))?;
+            .map_err(|e| anyhow!("cannot build the BPE model: {}", text(&e.to_string())))?;
         let mut tk = Tokenizer::new(bpe);
         match pre {
             "smollm" => {
@@ -106,9 +111,14 @@ impl GgufFile {
                     SplitDelimiterBehavior::Isolated,
                     false,
                 )
-                .map_err(|e| anyhow!("cannot build the qwen2 pre-tokenizer: {e}"))?;
+                .map_err(|e| {
+                    anyhow!(
+                        "cannot build the qwen2 pre-tokenizer: {}",
+                        text(&e.to_string())
+                    )
+                })?;
                 tk.with_normalizer(Some(NFC))
-                    .map_err(|e| anyhow!("cannot set the normalizer: {e}"))?;
+                    .map_err(|e| anyhow!("cannot set the normalizer: {}", text(&e.to_string())))?;
                 tk.with_pre_tokenizer(Some(Sequence::new(vec![
                     split.into(),
                     ByteLevel::new(false, false, false).into(),
@@ -119,7 +129,10 @@ impl GgufFile {
                 tk.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
             }
             other => {
-                bail!("tokenizer pre-tokenizer '{other}' (tokenizer.ggml.pre) is not supported yet")
+                bail!(
+                    "tokenizer pre-tokenizer '{}' (tokenizer.ggml.pre) is not supported yet",
+                    text(other)
+                )
             }
         }
         tk.with_decoder(Some(ByteLevel::default()));
@@ -132,7 +145,7 @@ impl GgufFile {
             .collect();
         // Their ids are already in the vocabulary, so they keep them.
         tk.add_tokens(added)
-            .map_err(|e| anyhow!("cannot add the special tokens: {e}"))?;
+            .map_err(|e| anyhow!("cannot add the special tokens: {}", text(&e.to_string())))?;
         Ok(tk)
     }
 
