@@ -38,6 +38,93 @@ fn missing_model_path() {
     );
 }
 
+/// `load_model` on another thread, failing the test instead of hanging when it blocks.
+fn load_err_soon(path: &Path) -> String {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = path.to_path_buf();
+    std::thread::spawn(move || {
+        let _ = tx.send(load_model(&p).map(|_| ()).map_err(|e| format!("{e:#}")));
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(20)) {
+        Ok(Err(e)) => e,
+        Ok(Ok(())) => panic!("{} loaded but should not have", path.display()),
+        Err(_) => panic!("loading {} blocked", path.display()),
+    }
+}
+
+fn mkfifo(path: &Path) {
+    let ok = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "mkfifo {}", path.display());
+}
+
+#[test]
+fn symlink_loops_and_dangling_links_say_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.gguf"), dir.path().join("b.gguf"));
+    std::os::unix::fs::symlink(&b, &a).unwrap();
+    std::os::unix::fs::symlink(&a, &b).unwrap();
+    let e = load_err(&a);
+    assert!(
+        e.contains("a.gguf") && e.contains("symbolic links") && !e.contains("does not exist"),
+        "{e}"
+    );
+    let c = dir.path().join("c.gguf");
+    std::os::unix::fs::symlink(dir.path().join("gone.gguf"), &c).unwrap();
+    let e = load_err(&c);
+    assert!(
+        e.contains("c.gguf is a symbolic link to") && e.contains("gone.gguf, which does not exist"),
+        "{e}"
+    );
+}
+
+/// A FIFO, a device or a directory that is not a model fails at once (opening a FIFO blocks).
+#[test]
+fn files_that_are_not_regular_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("model.gguf");
+    mkfifo(&fifo);
+    let e = load_err_soon(&fifo);
+    assert!(
+        e.contains("model.gguf is a FIFO")
+            && e.contains("not a GGUF file or an HF model directory"),
+        "{e}"
+    );
+    let e = load_err_soon(Path::new("/dev/zero"));
+    assert!(e.contains("/dev/zero is a character device"), "{e}");
+    let e = load_err_soon(dir.path());
+    assert!(e.contains("a directory without config.json"), "{e}");
+
+    // in an HF directory: config.json, tokenizer.json, the weights, generation_config.json
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+        "generation_config.json",
+    ] {
+        let dir = hf_dir(|_| {});
+        if f != "model.safetensors" {
+            std::os::unix::fs::symlink(
+                model_path(SMOL_HF).join("model.safetensors"),
+                dir.path().join("model.safetensors"),
+            )
+            .unwrap();
+        }
+        let p = dir.path().join(f);
+        let _ = std::fs::remove_file(&p);
+        mkfifo(&p);
+        let e = load_err_soon(dir.path());
+        assert!(
+            e.contains(&format!("{f} is a FIFO (named pipe), not a regular file")),
+            "{f}: {e}"
+        );
+    }
+}
+
 #[test]
 fn truncated_gguf() {
     let dir = tempfile::tempdir().unwrap();

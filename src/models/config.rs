@@ -144,6 +144,7 @@ impl ModelConfig {
 
     /// Reads an HF `config.json`.
     pub fn from_hf_json(path: &Path) -> Result<Self> {
+        super::loader::regular_file(path)?;
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
         let v: Value = serde_json::from_str(&text)

@@ -16,6 +16,80 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+/// What kind of file system object this is, for error messages.
+fn kind(t: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO (named pipe)";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+    }
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_file() {
+        "a regular file"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// The metadata of `path`, symbolic links followed; `Ok(None)` when nothing is there. A
+/// dangling link and every other failure (a loop of links, no permission) are errors that say
+/// so.
+fn metadata(path: &Path) -> Result<Option<std::fs::Metadata>> {
+    match std::fs::metadata(path) {
+        Ok(m) => Ok(Some(m)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Ok(target) = std::fs::read_link(path) {
+                bail!(
+                    "{} is a symbolic link to {}, which does not exist",
+                    path.display(),
+                    target.display()
+                );
+            }
+            Ok(None)
+        }
+        Err(e) => bail!("cannot access {}: {e}", path.display()),
+    }
+}
+
+/// Checks, before it is opened, that the optional file `path` is a regular file where it
+/// exists: `Ok(false)` when it does not.
+///
+/// NOTE: opening a FIFO blocks until a writer comes and a device may read forever, so a model
+/// path of the wrong type would hang the load instead of failing.
+pub(crate) fn optional_regular_file(path: &Path) -> Result<bool> {
+    match metadata(path)? {
+        None => Ok(false),
+        Some(m) if m.is_file() => Ok(true),
+        Some(m) => bail!(
+            "{} is {}, not a regular file",
+            path.display(),
+            kind(&m.file_type())
+        ),
+    }
+}
+
+/// Checks that `path` exists and is a regular file, before it is opened.
+pub(crate) fn regular_file(path: &Path) -> Result<()> {
+    if !optional_regular_file(path)? {
+        bail!("{} does not exist", path.display());
+    }
+    Ok(())
+}
+
 /// Where weights come from, by HF tensor name (`model.layers.0.self_attn.q_proj.weight`).
 pub trait WeightSource: Send + Sync {
     /// The tensor, as f32 in HF shape; `Ok(None)` when the model has no such tensor.
@@ -39,9 +113,9 @@ impl SafetensorsWeights {
     pub fn open(dir: &Path) -> Result<Self> {
         let single = dir.join("model.safetensors");
         let index_path = dir.join("model.safetensors.index.json");
-        let paths: Vec<PathBuf> = if single.exists() {
+        let paths: Vec<PathBuf> = if optional_regular_file(&single)? {
             vec![single]
-        } else if index_path.exists() {
+        } else if optional_regular_file(&index_path)? {
             let text = std::fs::read_to_string(&index_path)
                 .with_context(|| format!("cannot read {}", index_path.display()))?;
             let v: serde_json::Value = serde_json::from_str(&text)
@@ -67,6 +141,7 @@ impl SafetensorsWeights {
         for (i, p) in paths.into_iter().enumerate() {
             // NOTE: shard names come from the index file: shown escaped.
             let shown = text(&p.display().to_string());
+            regular_file(&p).map_err(|e| anyhow::anyhow!("{}", text(&e.to_string())))?;
             let f = File::open(&p).with_context(|| format!("cannot open {shown}"))?;
             // SAFETY: the file is opened read-only; a change of the file under us while mapped
             // is outside what we can guard against (as with every mmap-based loader).
@@ -163,19 +238,26 @@ fn end_of_generation_ids(mut ids: Vec<u32>, tokenizer: &Tokenizer) -> Vec<u32> {
 
 /// Opens a GGUF file or an HF-layout directory.
 pub fn load_model(path: &Path) -> Result<LoadedModel> {
-    if !path.exists() {
-        bail!("model path {} does not exist", path.display());
-    }
+    let meta = metadata(path)
+        .map_err(|e| anyhow::anyhow!("model path: {e}"))?
+        .with_context(|| format!("model path {} does not exist", path.display()))?;
     let name = path
         .file_name()
         .map(|s| s.to_string_lossy().trim_end_matches(".gguf").to_string())
         .unwrap_or_else(|| path.display().to_string());
-    if path.is_dir() {
-        let config = ModelConfig::from_hf_json(&path.join("config.json"))?;
+    if meta.is_dir() {
+        let config_path = path.join("config.json");
+        if !optional_regular_file(&config_path)? {
+            bail!(
+                "{} is a directory without config.json: neither an HF model directory nor a GGUF file",
+                path.display()
+            );
+        }
+        let config = ModelConfig::from_hf_json(&config_path)?;
         let tokenizer = Tokenizer::from_hf_dir(path)?;
         let weights = SafetensorsWeights::open(path)?;
         let gen_path = path.join("generation_config.json");
-        let generation_defaults = if gen_path.exists() {
+        let generation_defaults = if optional_regular_file(&gen_path)? {
             let text = std::fs::read_to_string(&gen_path)
                 .with_context(|| format!("cannot read {}", gen_path.display()))?;
             serde_json::from_str(&text)
@@ -201,7 +283,7 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
             eos_token_ids: eos,
             sampling_defaults: SamplingDefaults::from_generation_config(&generation_defaults),
         })
-    } else {
+    } else if meta.is_file() {
         let g = GgufFile::open(path)?;
         let config = g
             .config()
@@ -226,5 +308,11 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
             eos_token_ids: eos,
             sampling_defaults,
         })
+    } else {
+        bail!(
+            "model path {} is {}, not a GGUF file or an HF model directory",
+            path.display(),
+            kind(&meta.file_type())
+        )
     }
 }

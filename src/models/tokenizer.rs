@@ -114,7 +114,7 @@ impl Tokenizer {
     /// Without `add_bos_token`, BOS is prepended when the tokenizer's post-processor would add it.
     pub fn from_hf_dir(dir: &Path) -> anyhow::Result<Self> {
         let tok_path = dir.join("tokenizer.json");
-        if !tok_path.is_file() {
+        if !super::loader::optional_regular_file(&tok_path)? {
             bail!(
                 "{} not found: a HF tokenizer directory must contain tokenizer.json",
                 tok_path.display()
@@ -135,7 +135,7 @@ impl Tokenizer {
         let mut bos_token = None;
         let mut eos_token = None;
         let mut add_bos_token = None;
-        if cfg_path.is_file() {
+        if super::loader::optional_regular_file(&cfg_path)? {
             let text = std::fs::read_to_string(&cfg_path)
                 .with_context(|| format!("reading {}", cfg_path.display()))?;
             let json: Json = serde_json::from_str(&text)
@@ -158,7 +158,7 @@ impl Tokenizer {
         }
         if chat_template.is_none() {
             let jinja = dir.join("chat_template.jinja");
-            if jinja.is_file() {
+            if super::loader::optional_regular_file(&jinja)? {
                 chat_template = Some(
                     std::fs::read_to_string(&jinja)
                         .with_context(|| format!("reading {}", jinja.display()))?,

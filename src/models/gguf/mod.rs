@@ -497,6 +497,7 @@ impl GgufFile {
     /// Opens, memory-maps and validates a GGUF file (header, metadata, tensor directory, and
     /// every tensor's byte range). Tensor data are read lazily by [`GgufFile::tensor`].
     pub fn open(path: &Path) -> Result<Self> {
+        crate::models::loader::regular_file(path)?;
         let file = File::open(path).map_err(|e| anyhow!("{}: cannot open: {e}", path.display()))?;
         // SAFETY: the map is read-only; as with any memory-mapped file, the file must not be
         // truncated or modified by another process while this `GgufFile` lives.
