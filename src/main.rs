@@ -221,6 +221,17 @@ struct ServeArgs {
     /// Largest request body in bytes (suffixes as for --kv-cache-memory).
     #[arg(long, default_value = "8MiB", value_parser = parse_bytes)]
     max_body_size: u64,
+    /// Seconds a client gets to send a request's headers before its connection is closed.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds an idle keep-alive connection (no request in flight) stays open (uvicorn's
+    /// --timeout-keep-alive, as vLLM serves).
+    #[arg(long, default_value_t = 5.0)]
+    keep_alive_timeout: f64,
+    /// Most open connections; more wait to be accepted. Default: 4096, or fewer where the
+    /// open-file limit is lower.
+    #[arg(long)]
+    max_connections: Option<usize>,
     /// Accepted for vLLM compatibility; only 1 works until tensor parallelism lands.
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
@@ -236,6 +247,18 @@ impl ServeArgs {
         }
         if !(self.shutdown_timeout.is_finite() && self.shutdown_timeout >= 0.0) {
             anyhow::bail!("--shutdown-timeout must be a number of seconds >= 0");
+        }
+        let seconds = |flag: &str, s: f64| {
+            if s.is_finite() && s > 0.0 && s < 1e6 {
+                Ok(std::time::Duration::from_secs_f64(s))
+            } else {
+                Err(anyhow::anyhow!(
+                    "--{flag} must be a positive number of seconds, got {s}"
+                ))
+            }
+        };
+        if self.max_connections == Some(0) {
+            anyhow::bail!("--max-connections must be at least 1");
         }
         let served_model_names = if self.served_model_name.is_empty() {
             // As vLLM: the model is served under the name it was given on the command line.
@@ -259,6 +282,11 @@ impl ServeArgs {
             max_waiting: self.max_waiting,
             shutdown_grace: std::time::Duration::from_secs_f64(self.shutdown_timeout),
             max_body_bytes: usize::try_from(self.max_body_size).unwrap_or(usize::MAX),
+            header_read_timeout: seconds("header-timeout", self.header_timeout)?,
+            idle_timeout: seconds("keep-alive-timeout", self.keep_alive_timeout)?,
+            max_connections: self
+                .max_connections
+                .unwrap_or_else(pagoda::server::default_max_connections),
         })
     }
 }

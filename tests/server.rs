@@ -641,3 +641,324 @@ fn graceful_shutdown_finishes_running_requests() {
         }
     );
 }
+
+/// Fields the server does not implement are refused by name (never a 200 that ignored them);
+/// their inert values (`null`, `false`, `"none"`) pass.
+#[test]
+fn unsupported_fields_are_refused_by_name() {
+    let user = json!([{"role": "user", "content": "Hi"}]);
+    for (field, value) in [
+        ("guided_json", json!({"type": "object"})),
+        ("guided_regex", json!("a+")),
+        ("guided_choice", json!(["a", "b"])),
+        ("guided_grammar", json!("root ::= \"a\"")),
+        ("structured_outputs", json!({"json": {"type": "object"}})),
+        ("prompt_logprobs", json!(1)),
+        ("min_tokens", json!(3)),
+        ("bad_words", json!(["x"])),
+        ("response_format", json!({"type": "json_object"})),
+    ] {
+        let mut body = json!({"prompt": PROMPT, "max_tokens": 2});
+        body[field] = value.clone();
+        assert_error(&post("/v1/completions", body), 400, Some(field));
+        if field != "response_format" {
+            let mut body = json!({"messages": user, "max_tokens": 2});
+            body[field] = value;
+            assert_error(&post("/v1/chat/completions", body), 400, Some(field));
+        }
+    }
+    for (field, value) in [
+        ("functions", json!([{"name": "f", "parameters": {}}])),
+        ("function_call", json!("auto")),
+        ("echo", json!(true)),
+        ("tool_choice", json!("required")),
+        ("tool_choice", json!("auto")),
+        (
+            "tool_choice",
+            json!({"type": "function", "function": {"name": "f"}}),
+        ),
+        ("stream_options", json!({"include_usage": true})),
+    ] {
+        let mut body = json!({"messages": user, "max_tokens": 2});
+        body[field] = value;
+        assert_error(&post("/v1/chat/completions", body), 400, Some(field));
+    }
+    let r = post(
+        "/v1/completions",
+        json!({"prompt": PROMPT, "max_tokens": 2, "stream_options": {"include_usage": true}}),
+    );
+    assert_error(&r, 400, Some("stream_options"));
+    // Inert values ask for nothing.
+    chat(json!({
+        "messages": user, "max_tokens": 2, "echo": false, "tool_choice": "none",
+        "guided_json": null, "functions": [], "continue_final_message": false
+    }));
+    // A text part without its text says so.
+    let r = post(
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+    );
+    let v = assert_error(&r, 400, Some("messages"));
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("without"),
+        "{v}"
+    );
+}
+
+/// The routes that do work need the key; unknown `/v1` routes say 401 before 404; a wrong
+/// method gets a body; embeddings are a 400.
+#[test]
+fn routes_keys_and_methods() {
+    let addr = server();
+    for (path, body) in [
+        ("/tokenize", json!({"prompt": "x"})),
+        ("/detokenize", json!({"tokens": [1]})),
+        ("/v1/embeddings", json!({"input": "x"})),
+    ] {
+        assert_error(&post_json(addr, path, None, &body), 401, None);
+    }
+    assert_error(&get(addr, "/v1/nope", None), 401, None);
+    assert_error(&get(addr, "/v1/nope", Some(KEY)), 404, None);
+    assert_error(&get(addr, "/v1/completions", Some(KEY)), 405, None);
+    assert_error(&get(addr, "/tokenize", Some(KEY)), 405, None);
+    let r = post("/v1/embeddings", json!({"input": "x", "model": MODEL}));
+    assert_error(&r, 400, Some("model"));
+}
+
+/// A text longer than any prompt the context holds is refused before it is tokenized: a
+/// megabyte of words is hundreds of thousands of tokens.
+#[test]
+fn overlong_text_is_refused_before_tokenizing() {
+    let text = "a ".repeat(400_000);
+    let t0 = Instant::now();
+    let r = post("/tokenize", json!({ "prompt": text }));
+    let v = assert_error(&r, 400, Some("prompt"));
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("bytes long"),
+        "{v}"
+    );
+    let r = post(
+        "/v1/completions",
+        json!({ "prompt": text, "max_tokens": 1 }),
+    );
+    assert_error(&r, 400, Some("prompt"));
+    let r = post(
+        "/v1/chat/completions",
+        json!({ "messages": [{"role": "user", "content": text}] }),
+    );
+    assert_error(&r, 400, Some("messages"));
+    // NOTE: not a timing assertion: printed to show the refusals cost no tokenizing.
+    println!("three refusals in {:?}", t0.elapsed());
+    // More prompts than may ever wait: the request is wrong, not the server busy.
+    let many = vec![json!("x"); 1025];
+    let r = post(
+        "/v1/completions",
+        json!({ "prompt": many, "max_tokens": 1 }),
+    );
+    assert_error(&r, 400, Some("prompt"));
+}
+
+/// `continue_final_message`: the prompt ends with the assistant's unfinished message, not with
+/// an end of turn.
+#[test]
+fn continue_final_message() {
+    let messages = json!([
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]);
+    let t = post(
+        "/tokenize",
+        json!({"messages": messages, "continue_final_message": true, "add_generation_prompt": false}),
+    )
+    .json();
+    let d = post("/detokenize", json!({"tokens": t["tokens"]})).json();
+    let prompt = d["prompt"].as_str().unwrap();
+    assert!(
+        prompt.ends_with("<|im_start|>assistant\nThe capital of France is"),
+        "{prompt:?}"
+    );
+    let v = chat(json!({
+        "messages": messages, "continue_final_message": true, "add_generation_prompt": false,
+        "max_tokens": 4, "temperature": 0
+    }));
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{text:?}");
+    // Both at once, or a last message that is not the assistant's: 400.
+    for body in [
+        json!({"messages": messages, "continue_final_message": true, "add_generation_prompt": true}),
+        json!({"messages": [{"role": "user", "content": "x"}], "continue_final_message": true}),
+    ] {
+        assert_error(
+            &post("/v1/chat/completions", body),
+            400,
+            Some("continue_final_message"),
+        );
+    }
+}
+
+/// Connection limits: a client that sends nothing, or sends its headers a byte at a time, is
+/// closed; connections over the cap wait instead of being served with no descriptors left;
+/// shutdown does not wait for idle keep-alive connections.
+#[test]
+fn connection_timeouts_and_cap() {
+    let h = start(
+        model_path(SMOL_GGUF),
+        32,
+        ServerArgs {
+            header_read_timeout: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(1),
+            max_connections: 3,
+            shutdown_grace: Duration::from_secs(60),
+            ..ServerArgs::default()
+        },
+    );
+    let addr = h.addr();
+    let closed_within = |s: &mut std::net::TcpStream, limit: Duration| {
+        s.set_read_timeout(Some(limit)).unwrap();
+        let mut buf = [0u8; 256];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    };
+    // Silent: closed after the idle timeout.
+    let mut silent = std::net::TcpStream::connect(addr).unwrap();
+    let t0 = Instant::now();
+    assert!(closed_within(&mut silent, Duration::from_secs(10)));
+    println!("silent connection closed after {:?}", t0.elapsed());
+    // Slow headers: bytes keep coming, but the headers never end within the timeout.
+    let mut slow = std::net::TcpStream::connect(addr).unwrap();
+    let head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let t0 = Instant::now();
+    let mut closed = false;
+    for b in head.iter() {
+        if slow.write_all(&[*b]).is_err() {
+            closed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(closed || closed_within(&mut slow, Duration::from_secs(10)));
+    assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+    // The cap: three silent connections fill it; a request waits until one times out.
+    let _held: Vec<_> = (0..3)
+        .map(|_| std::net::TcpStream::connect(addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(get(addr, "/health", None).status, 200);
+    h.shutdown().unwrap();
+    // Shutdown with an idle keep-alive connection open returns without waiting for it (its
+    // idle timeout and the grace period are a minute here).
+    let h = start(
+        model_path(SMOL_GGUF),
+        32,
+        ServerArgs {
+            idle_timeout: Duration::from_secs(60),
+            shutdown_grace: Duration::from_secs(60),
+            ..ServerArgs::default()
+        },
+    );
+    let mut keep = std::net::TcpStream::connect(h.addr()).unwrap();
+    keep.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let n = keep.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let t0 = Instant::now();
+    h.shutdown().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+}
+
+/// Replays malformed and hostile requests (bodies, values, raw HTTP), then checks that the
+/// server answers a normal request with the same greedy text as before and that every KV block
+/// came back. (Its own server, so that no other test's requests count.)
+#[test]
+fn hostile_requests_leave_the_server_as_it_was() {
+    let h = start(model_path(SMOL_GGUF), 32, ServerArgs::default());
+    let addr = h.addr();
+    let greedy = json!({"prompt": PROMPT, "max_tokens": 8, "temperature": 0});
+    let before =
+        post_json(addr, "/v1/completions", None, &greedy).json()["choices"][0]["text"].clone();
+    let nested = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+    let bodies: Vec<Vec<u8>> = vec![
+        b"\xff\xfe{\"prompt\": \"x\"}".to_vec(),
+        b"{\"prompt\": \"\xc3\x28\"}".to_vec(),
+        nested.into_bytes(),
+        b"".to_vec(),
+        b"null".to_vec(),
+        b"[1, 2, 3]".to_vec(),
+        b"{\"prompt\": \"x\", \"max_tokens\": 1e30}".to_vec(),
+        b"{\"prompt\": \"x\", \"temperature\": 1e999}".to_vec(),
+        b"{\"prompt\": \"x\", \"n\": 100000000000000000000}".to_vec(),
+        b"{\"prompt\": \"x\", \"seed\": -1}".to_vec(),
+        b"{\"prompt\": \"x\", \"top_k\": 1099511627776}".to_vec(),
+        b"{\"prompt\": [[4294967296]]}".to_vec(),
+        b"{\"prompt\": \"x\", \"stream\": \"yes\"}".to_vec(),
+        b"{\"prompt\": \"x\", \"logit_bias\": {\"abc\": \"def\"}}".to_vec(),
+        b"{\"prompt\": \"x\", \"stop\": {\"a\": 1}}".to_vec(),
+        b"{\"prompt\": \"\\u0000\\ud800\", \"max_tokens\": 1}".to_vec(),
+    ];
+    for body in &bodies {
+        for path in ["/v1/completions", "/v1/chat/completions", "/tokenize"] {
+            let r = request(addr, "POST", path, &[], Some(body));
+            assert!(
+                (400..500).contains(&r.status) || r.status == 200,
+                "{path} {}: {} {}",
+                String::from_utf8_lossy(body),
+                r.status,
+                r.text()
+            );
+        }
+    }
+    let chats = [
+        json!({"messages": [{"role": null, "content": "x"}]}),
+        json!({"messages": [{"role": "user", "content": 5}]}),
+        json!({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+        json!({"messages": "hello"}),
+        json!({"messages": [{"role": "user", "content": "x"}], "stop": vec!["a"; 5000]}),
+        json!({"messages": [{"role": "user", "content": "x"}], "stop": ["a".repeat(10_000)]}),
+    ];
+    for body in chats {
+        let r = post_json(addr, "/v1/chat/completions", None, &body);
+        assert!((400..500).contains(&r.status), "{body}: {}", r.status);
+    }
+    // Raw HTTP that is not HTTP, and a request cut off in its body: an error or a closed
+    // connection, never a hang.
+    for raw in [
+        b"FOO / HTTP/1.1\r\nHost: x\r\n\r\n".as_slice(),
+        b"GET / HTTP/9.9\r\n\r\n",
+        b"\x00\x01\x02\x03garbage\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    ] {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(raw).unwrap();
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut out = Vec::new();
+        let r = s.read_to_end(&mut out);
+        assert!(
+            r.is_ok() || out.is_empty(),
+            "{}: {r:?}",
+            String::from_utf8_lossy(raw)
+        );
+        assert!(
+            out.is_empty() || out.starts_with(b"HTTP/1.1 4"),
+            "{}",
+            String::from_utf8_lossy(&out)
+        );
+    }
+    let after =
+        post_json(addr, "/v1/completions", None, &greedy).json()["choices"][0]["text"].clone();
+    assert_eq!(before, after);
+    wait_idle(addr, Duration::from_secs(30));
+    assert_eq!(get(addr, "/health", None).status, 200);
+    h.shutdown().unwrap();
+}

@@ -36,6 +36,8 @@ pub struct Tokenizer {
     eos_id: Option<u32>,
     /// The chat template compiled on first use (or why it does not compile).
     chat_env: OnceLock<Result<Environment<'static>, String>>,
+    /// The most bytes one token stands for, computed on first use.
+    max_token_bytes: OnceLock<usize>,
 }
 
 /// Name of the chat template in its environment.
@@ -206,6 +208,7 @@ impl Tokenizer {
             bos_id,
             eos_id,
             chat_env: OnceLock::new(),
+            max_token_bytes: OnceLock::new(),
         }
     }
 
@@ -231,6 +234,55 @@ impl Tokenizer {
         self.inner
             .decode(ids, skip_special_tokens)
             .map_err(|e| anyhow!("decoding failed: {e}"))
+    }
+
+    /// The bytes token `id` stands for, also when they are not whole UTF-8 characters (a
+    /// byte-level BPE token holding part of an emoji, SentencePiece's `<0xE6>`), where
+    /// [`Self::decode`] gives U+FFFD.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let text = self.decode(&[id], false).unwrap_or_default();
+        if !text.contains('\u{FFFD}') {
+            return text.into_bytes();
+        }
+        let Some(piece) = self.id_to_token(id) else {
+            return text.into_bytes();
+        };
+        if let Some(b) = piece
+            .strip_prefix("<0x")
+            .and_then(|h| h.strip_suffix('>'))
+            .and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            return vec![b];
+        }
+        // NOTE: a byte-level BPE vocabulary spells each byte as one printable character
+        // (GPT-2's table); undo it when every character is one of those.
+        let table = byte_level_table();
+        match piece
+            .chars()
+            .map(|c| table.get(&c).copied())
+            .collect::<Option<Vec<u8>>>()
+        {
+            Some(bytes) => bytes,
+            None => text.into_bytes(),
+        }
+    }
+
+    /// The most bytes of text one token stands for: a text longer than `n` times this has more
+    /// than `n` tokens, which bounds what is worth tokenizing.
+    pub fn max_token_bytes(&self) -> usize {
+        *self.max_token_bytes.get_or_init(|| {
+            // NOTE: a byte-level piece has one character per byte; a SentencePiece piece one
+            // per character (▁ for a space, which decoding a lone token may drop), so the
+            // larger of its characters and its decoded bytes is what it can cover. The floor
+            // covers normalisers that expand text.
+            self.inner
+                .get_vocab(true)
+                .iter()
+                .map(|(piece, &id)| piece.chars().count().max(self.token_bytes(id).len()))
+                .max()
+                .unwrap_or(1)
+                .max(16)
+        })
     }
 
     pub fn token_to_id(&self, s: &str) -> Option<u32> {
@@ -334,6 +386,33 @@ fn jinja_error(e: &JinjaError) -> String {
     crate::untrusted::text(&out)
 }
 
+/// GPT-2's byte-level alphabet, character to byte: the bytes that are printable stand for
+/// themselves, the others are shifted to 256 and up, in order.
+fn byte_level_table() -> &'static std::collections::HashMap<char, u8> {
+    static TABLE: OnceLock<std::collections::HashMap<char, u8>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let mut next = 256u32;
+        (0..=255u8)
+            .map(|b| {
+                let c = if printable(b) {
+                    char::from(b)
+                } else {
+                    let c = char::from_u32(next).unwrap_or('\u{FFFD}');
+                    next += 1;
+                    c
+                };
+                (c, b)
+            })
+            .collect()
+    })
+}
+
+/// Work a chat template may do in one rendering (minijinja's fuel: about one unit per
+/// instruction). Real templates use thousands; a template with runaway loops stops with an
+/// error instead of holding a thread.
+const CHAT_TEMPLATE_FUEL: u64 = 20_000_000;
+
 /// The Jinja environment HF renders chat templates in (`trim_blocks`, `lstrip_blocks`, Python
 /// string methods, `raise_exception`), holding the compiled chat template.
 fn chat_environment(source: &str) -> Result<Environment<'static>, String> {
@@ -344,6 +423,7 @@ fn chat_environment(source: &str) -> Result<Environment<'static>, String> {
         .build()
         .map_err(|e| jinja_error(&e))?;
     env.set_syntax(syntax);
+    env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
@@ -623,5 +703,36 @@ pub(crate) mod tests {
             err.contains("/nonexistent/pagoda/model/tokenizer.json"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn token_bytes_are_the_real_bytes_of_partial_characters() {
+        let tok = Tokenizer::from_parts(tiny_tokenizer(), None, None, None, false);
+        // "é" is the bytes c3 a9, one merged token; each byte alone is a token too.
+        let ids = tok.encode("hé").unwrap();
+        assert_eq!(ids.len(), 1);
+        assert_eq!(tok.token_bytes(ids[0]), "hé".as_bytes());
+        let c3 = tok.token_to_id("Ã").unwrap();
+        let a9 = tok.token_to_id("©").unwrap();
+        assert_eq!(tok.decode(&[c3], false).unwrap(), "\u{FFFD}");
+        assert_eq!(tok.token_bytes(c3), [0xc3]);
+        assert_eq!(tok.token_bytes(a9), [0xa9]);
+        // Printable bytes and the shifted ones ("Ġ" is a space).
+        assert_eq!(tok.token_bytes(tok.token_to_id("Ġ").unwrap()), b" ");
+        assert_eq!(tok.token_bytes(tok.token_to_id("h").unwrap()), b"h");
+        // The longest piece: "<|endoftext|>", 13 characters, under the floor of 16.
+        assert_eq!(tok.max_token_bytes(), 16);
+    }
+
+    #[test]
+    fn runaway_templates_run_out_of_fuel() {
+        let t = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}";
+        let dir = write_dir(Some(&config(t, "")));
+        let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+        let err = tok
+            .apply_chat_template(&[ChatMessage::new("user", "x")], false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fuel"), "{err}");
     }
 }

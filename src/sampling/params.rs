@@ -5,6 +5,10 @@ use serde::{Deserialize, Serialize};
 /// The most top log-probs a request may ask for per position (OpenAI's limit).
 pub const MAX_LOGPROBS: usize = 20;
 
+/// The most stop strings (and stop token ids) a request may give, and the longest stop string.
+pub const MAX_STOP: usize = 256;
+pub const MAX_STOP_BYTES: usize = 4096;
+
 /// Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`): dividing by a
 /// near-zero temperature only amplifies rounding noise.
 pub const GREEDY_EPS: f32 = 1e-5;
@@ -182,6 +186,24 @@ impl SamplingParams {
                     format!("{param} must be in [-2, 2], got {v}"),
                 ));
             }
+        }
+        // NOTE: every stop string is searched for at every step; a bound keeps one request
+        // from slowing the detokenizer for all (OpenAI allows 4; vLLM sets no bound).
+        if self.stop.len() > MAX_STOP || self.stop_token_ids.len() > MAX_STOP {
+            return Err(InvalidParam::new(
+                if self.stop.len() > MAX_STOP {
+                    "stop"
+                } else {
+                    "stop_token_ids"
+                },
+                format!("at most {MAX_STOP} stop strings and {MAX_STOP} stop token ids"),
+            ));
+        }
+        if let Some(i) = self.stop.iter().position(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(InvalidParam::new(
+                "stop",
+                format!("stop[{i}] is longer than {MAX_STOP_BYTES} bytes"),
+            ));
         }
         if let Some(i) = self.stop.iter().position(|s| s.is_empty()) {
             return Err(InvalidParam::new(

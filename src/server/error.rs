@@ -79,6 +79,17 @@ impl ApiError {
         }
     }
 
+    /// 405, with a body like every other error (axum's own has none).
+    pub fn method_not_allowed(method: &axum::http::Method, path: &str) -> Self {
+        ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: format!("method {method} is not allowed on {path}"),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
     pub fn too_large(limit: usize) -> Self {
         ApiError {
             status: StatusCode::PAYLOAD_TOO_LARGE,

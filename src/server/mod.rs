@@ -12,6 +12,7 @@
 //! running requests finish within the grace period, and returns.
 
 mod error;
+mod http;
 mod metrics;
 mod routes;
 mod streaming;
@@ -19,12 +20,13 @@ mod types;
 mod worker;
 
 pub use error::ApiError;
+pub use http::default_max_connections;
 pub use metrics::Metrics;
 
 use crate::engine::{Engine, EngineArgs};
 use crate::models::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
@@ -48,6 +50,12 @@ pub struct ServerArgs {
     pub shutdown_grace: Duration,
     /// Largest request body accepted (413 above).
     pub max_body_bytes: usize,
+    /// How long a client may take to send a request's headers.
+    pub header_read_timeout: Duration,
+    /// How long a connection with no request in flight may stay open (keep-alive).
+    pub idle_timeout: Duration,
+    /// Most connections open at once; more wait to be accepted.
+    pub max_connections: usize,
 }
 
 impl Default for ServerArgs {
@@ -60,6 +68,9 @@ impl Default for ServerArgs {
             max_waiting: 1024,
             shutdown_grace: Duration::from_secs(30),
             max_body_bytes: 8 << 20,
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(5),
+            max_connections: http::default_max_connections(),
         }
     }
 }
@@ -83,6 +94,12 @@ pub(crate) struct AppState {
     draining: AtomicBool,
     dead: Arc<AtomicBool>,
     max_body_bytes: usize,
+    max_waiting: usize,
+    /// Longest text worth tokenizing: longer ones have more tokens than the model's context.
+    max_prompt_bytes: usize,
+    /// Tokenizer and chat template work running at once (each may take a core and memory in
+    /// proportion to its text).
+    tokenizer_slots: tokio::sync::Semaphore,
 }
 
 impl AppState {
@@ -238,6 +255,13 @@ async fn run(
         draining: AtomicBool::new(false),
         dead: dead.clone(),
         max_body_bytes: args.max_body_bytes,
+        max_waiting: args.max_waiting,
+        max_prompt_bytes: engine
+            .max_model_len()
+            .saturating_mul(engine.tokenizer().max_token_bytes()),
+        tokenizer_slots: tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(2, |n| n.get()),
+        ),
     });
 
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
@@ -271,7 +295,12 @@ async fn run(
         let _ = drain_tx.send(());
     };
     let app = routes::router(state.clone());
-    let server = axum::serve(listener, app).with_graceful_shutdown(signal);
+    let limits = http::ConnLimits {
+        header_read_timeout: args.header_read_timeout,
+        idle_timeout: args.idle_timeout,
+        max_connections: args.max_connections,
+    };
+    let server = http::serve(listener, app, limits, signal);
     let grace = args.shutdown_grace;
     let grace_over = async move {
         if drain_rx.await.is_ok() {
@@ -281,7 +310,7 @@ async fn run(
         }
     };
     let result = tokio::select! {
-        r = server.into_future() => r.context("the HTTP server failed"),
+        _ = server => Ok(()),
         _ = grace_over => {
             let g = state.metrics.gauges();
             tracing::warn!(

@@ -34,22 +34,27 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 type St = State<Arc<AppState>>;
 
 pub fn router(state: Arc<AppState>) -> Router {
-    let v1 = Router::new()
+    // NOTE: the key covers every route that does work for the caller (tokenizing is work:
+    // a long text costs seconds of CPU), not only /v1; /health, /version and /metrics stay
+    // open for probes and scrapers, as in vLLM.
+    let keyed = Router::new()
         .route("/v1/models", get(list_models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
         ));
     Router::new()
-        .merge(v1)
+        .merge(keyed)
         .route("/health", get(health))
         .route("/version", get(version))
-        .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
         .fallback(fallback)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(state.max_body_bytes))
         .with_state(state)
 }
@@ -61,18 +66,24 @@ pub fn unix_now() -> u64 {
 }
 
 async fn require_api_key(State(st): St, req: Request, next: Next) -> Response {
-    if let Some(key) = &st.api_key {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-            return ApiError::unauthorized().into_response();
-        }
+    if !has_key(&st, &req) {
+        return ApiError::unauthorized().into_response();
     }
     next.run(req).await
+}
+
+/// Whether the request carries the server's API key (or none is required).
+fn has_key(st: &AppState, req: &Request) -> bool {
+    let Some(key) = &st.api_key else {
+        return true;
+    };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()))
 }
 
 /// Compares without an early exit, so the time taken does not tell how much of a key matched.
@@ -84,8 +95,25 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     diff == 0
 }
 
-async fn fallback(uri: Uri) -> ApiError {
-    ApiError::not_found(uri.path())
+/// An unknown route: 404, except under `/v1` without the key, which is 401 first (as vLLM
+/// does: which routes exist is not told to callers without the key).
+async fn fallback(State(st): St, req: Request) -> ApiError {
+    if req.uri().path().starts_with("/v1") && !has_key(&st, &req) {
+        return ApiError::unauthorized();
+    }
+    ApiError::not_found(req.uri().path())
+}
+
+async fn method_not_allowed(uri: Uri, method: axum::http::Method) -> ApiError {
+    ApiError::method_not_allowed(&method, uri.path())
+}
+
+/// The model generates text; it has no embedding head.
+async fn embeddings() -> ApiError {
+    ApiError::invalid(
+        "embeddings are not supported by this model: it is served for generation only",
+        Some("model"),
+    )
 }
 
 async fn health(State(st): St) -> StatusCode {
@@ -233,6 +261,58 @@ fn sampling_params(
     Ok(p)
 }
 
+/// Fields of OpenAI's or vLLM's API that Pagoda does not implement yet: refused by name (400)
+/// rather than accepted and ignored. A field set to its inert value (`null`, `false`, empty)
+/// asks for nothing and passes.
+const UNSUPPORTED: &[&str] = &[
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+    "prompt_logprobs",
+    "min_tokens",
+    "bad_words",
+    "allowed_token_ids",
+    "truncate_prompt_tokens",
+    "use_beam_search",
+];
+
+/// The fields only chat completions refuse (on top of [`UNSUPPORTED`]).
+const UNSUPPORTED_CHAT: &[&str] = &["functions", "function_call", "echo", "documents"];
+
+fn refuse_unsupported(body: &Value, fields: &[&str]) -> Result<(), ApiError> {
+    let inert = |v: &Value| match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::Bool(true) | Value::Number(_) => false,
+    };
+    for &f in fields {
+        if body.get(f).is_some_and(|v| !inert(v)) {
+            return Err(ApiError::unsupported(
+                format!("'{f}' is not supported by this server yet"),
+                f,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `stream_options` only means something on a stream (vLLM and OpenAI refuse it otherwise).
+fn check_stream_options(stream: bool, options: &Option<StreamOptions>) -> Result<(), ApiError> {
+    if options.is_some() && !stream {
+        return Err(ApiError::invalid(
+            "stream_options can only be given when stream is true",
+            Some("stream_options"),
+        ));
+    }
+    Ok(())
+}
+
 /// `best_of > n` returns the best completions once all have ended: nothing to stream before.
 fn check_stream_best_of(p: &SamplingParams, stream: bool) -> Result<(), ApiError> {
     if stream && p.best_of() > p.n {
@@ -297,13 +377,38 @@ fn parse_prompts(v: &Value) -> Result<Vec<PromptIn>, ApiError> {
     }
 }
 
-/// Runs tokenizer work on the blocking pool: long prompts must not hold up the async workers.
+/// Runs tokenizer work on the blocking pool (long prompts must not hold up the async workers),
+/// at most one task per core at a time: the others wait their turn instead of taking memory
+/// and CPU from the engine all at once.
 async fn blocking<T: Send + 'static>(
+    st: &AppState,
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
+    let _slot = st
+        .tokenizer_slots
+        .acquire()
+        .await
+        .map_err(|_| ApiError::internal("the tokenizer pool is closed"))?;
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+}
+
+/// Refuses a text too long to be a prompt before tokenizing it: it has more tokens than the
+/// model's context holds, and tokenizing it would cost memory and CPU in proportion.
+fn check_text_len(st: &AppState, len: usize, param: &str) -> Result<(), ApiError> {
+    if len > st.max_prompt_bytes {
+        return Err(ApiError::invalid(
+            format!(
+                "the text is {len} bytes long: more tokens than the model's context of {} tokens \
+                 can hold (no token here stands for more than {} bytes)",
+                st.max_model_len,
+                st.max_prompt_bytes / st.max_model_len.max(1)
+            ),
+            Some(param),
+        ));
+    }
+    Ok(())
 }
 
 /// Aborts the engine requests when dropped before [`AbortGuard::disarm`]: a dropped handler or
@@ -424,26 +529,89 @@ async fn collect(
     Ok(out)
 }
 
-/// The text of one token, as log-probs show it.
-pub fn token_text(tok: &Tokenizer, id: u32) -> String {
-    tok.decode(&[id], false).unwrap_or_default()
+/// A token as log-probs name it: its text when its bytes are whole UTF-8 characters, else
+/// vLLM's lossless `bytes:\xNN…` form, so that the fragments of a character split over
+/// tokens are told apart (and never share a `top_logprobs` key).
+pub fn token_repr(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => s.to_string(),
+        Err(_) => {
+            let mut out = String::from("bytes:");
+            for b in bytes {
+                out.push_str(&format!("\\x{b:02x}"));
+            }
+            out
+        }
+    }
+}
+
+/// Where each token's text starts, in characters of the choice's text: a token whose bytes
+/// end inside a character (an emoji split over tokens) adds its character only once the
+/// token that completes it comes.
+#[derive(Debug, Clone, Default)]
+pub struct TextOffsets {
+    chars: usize,
+    pending: Vec<u8>,
+}
+
+impl TextOffsets {
+    /// Offsets after `chars` characters of text (the echoed prompt).
+    pub fn new(chars: usize) -> Self {
+        TextOffsets {
+            chars,
+            pending: Vec::new(),
+        }
+    }
+
+    /// The offset of a token with these bytes; then moves past them.
+    fn advance(&mut self, bytes: &[u8]) -> usize {
+        let at = self.chars;
+        self.pending.extend_from_slice(bytes);
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    self.chars += s.chars().count();
+                    self.pending.clear();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    self.chars += String::from_utf8_lossy(&self.pending[..valid])
+                        .chars()
+                        .count();
+                    match e.error_len() {
+                        // NOTE: bytes that can never be a character show as one U+FFFD.
+                        Some(bad) => {
+                            self.chars += 1;
+                            self.pending.drain(..valid + bad);
+                        }
+                        None => {
+                            self.pending.drain(..valid);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        at
+    }
 }
 
 pub fn completion_logprobs(
     tok: &Tokenizer,
     lps: &[TokenLogprobs],
-    start_offset: usize,
+    offsets: &mut TextOffsets,
 ) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
-    let mut offset = start_offset;
     for lp in lps {
-        let s = token_text(tok, lp.token_id);
-        out.text_offset.push(offset);
-        offset += s.chars().count();
+        let bytes = tok.token_bytes(lp.token_id);
+        let s = token_repr(&bytes);
+        out.text_offset.push(offsets.advance(&bytes));
         out.token_logprobs.push(Some(lp.logprob));
         let mut top = serde_json::Map::new();
         for &(id, l) in &lp.top {
-            top.entry(token_text(tok, id)).or_insert(Value::from(l));
+            top.entry(token_repr(&tok.token_bytes(id)))
+                .or_insert(Value::from(l));
         }
         top.entry(s.clone()).or_insert(Value::from(lp.logprob));
         out.top_logprobs.push(top);
@@ -453,24 +621,28 @@ pub fn completion_logprobs(
 }
 
 pub fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprobs]) -> ChatLogprobs {
+    let entry = |id: u32| {
+        let bytes = tok.token_bytes(id);
+        (token_repr(&bytes), bytes)
+    };
     ChatLogprobs {
         content: lps
             .iter()
             .map(|lp| {
-                let s = token_text(tok, lp.token_id);
+                let (token, bytes) = entry(lp.token_id);
                 ChatTokenLogprob {
-                    bytes: s.as_bytes().to_vec(),
-                    token: s,
+                    token,
+                    bytes,
                     logprob: lp.logprob,
                     top_logprobs: lp
                         .top
                         .iter()
-                        .map(|&(id, l)| {
-                            let t = token_text(tok, id);
+                        .map(|&(id, logprob)| {
+                            let (token, bytes) = entry(id);
                             TopLogprob {
-                                bytes: t.as_bytes().to_vec(),
-                                token: t,
-                                logprob: l,
+                                token,
+                                bytes,
+                                logprob,
                             }
                         })
                         .collect(),
@@ -504,6 +676,8 @@ async fn completions_inner(
     if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported("suffix is not supported", "suffix"));
     }
+    refuse_unsupported(&body, UNSUPPORTED)?;
+    refuse_unsupported(&body, &["response_format"])?;
     let echo = req.echo.unwrap_or(false);
     if echo && req.logprobs.is_some() {
         return Err(ApiError::unsupported(
@@ -518,12 +692,41 @@ async fn completions_inner(
         &st.sampling_defaults,
     )?;
     let stream = req.stream.unwrap_or(false);
+    check_stream_options(stream, &req.stream_options)?;
     check_stream_best_of(&params, stream)?;
     let samples = params.n;
     let prompts = parse_prompts(&req.prompt)?;
+    // NOTE: a request with more prompts than may ever wait could only be refused as "busy",
+    // which clients retry: it is the request that is wrong.
+    if prompts.len() > st.max_waiting.max(1) {
+        return Err(ApiError::invalid(
+            format!(
+                "{} prompts in one request: more than the {} requests that may wait at once (--max-waiting); split the request",
+                prompts.len(),
+                st.max_waiting
+            ),
+            Some("prompt"),
+        ));
+    }
+    for p in &prompts {
+        match p {
+            PromptIn::Text(t) => check_text_len(&st, t.len(), "prompt")?,
+            PromptIn::Tokens(ids) if ids.len() >= st.max_model_len => {
+                return Err(ApiError::invalid(
+                    format!(
+                        "the prompt has {} tokens: the model's context is {} tokens, and at least one must be left to generate",
+                        ids.len(),
+                        st.max_model_len
+                    ),
+                    Some("prompt"),
+                ));
+            }
+            PromptIn::Tokens(_) => {}
+        }
+    }
     let tok = st.tokenizer.clone();
     // (token ids, prompt text for echo)
-    let prompts: Vec<(Vec<u32>, String)> = blocking(move || {
+    let prompts: Vec<(Vec<u32>, String)> = blocking(&st, move || {
         prompts
             .into_iter()
             .map(|p| match p {
@@ -613,7 +816,8 @@ async fn completions_inner(
                 usage.completion_tokens + c.output_tokens,
             );
             let logprobs = req.logprobs.is_some().then(|| {
-                completion_logprobs(&st.tokenizer, &c.logprobs, echo_text.chars().count())
+                let mut offsets = TextOffsets::new(echo_text.chars().count());
+                completion_logprobs(&st.tokenizer, &c.logprobs, &mut offsets)
             });
             CompletionChoice {
                 index,
@@ -671,6 +875,14 @@ fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiErro
                                 }
                                 text.push_str(t);
                             }
+                            ("text", None) => {
+                                return Err(ApiError::invalid(
+                                    format!(
+                                        "messages[{i}].content[{j}] is a text part without a string 'text'"
+                                    ),
+                                    Some("messages"),
+                                ));
+                            }
                             (kind, _) => {
                                 return Err(ApiError::unsupported(
                                     format!(
@@ -696,6 +908,64 @@ fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiErro
         .collect()
 }
 
+/// How a conversation is rendered: with the assistant's turn opened after it
+/// (`add_generation_prompt`, the default), or with its final assistant message left open for
+/// the model to continue (vLLM's `continue_final_message`).
+#[derive(Debug, Clone, Copy)]
+struct ChatRender {
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+}
+
+impl ChatRender {
+    fn new(
+        messages: &[ChatMessage],
+        add_generation_prompt: Option<bool>,
+        continue_final_message: Option<bool>,
+    ) -> Result<Self, ApiError> {
+        let cont = continue_final_message.unwrap_or(false);
+        if cont && add_generation_prompt == Some(true) {
+            return Err(ApiError::invalid(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                Some("continue_final_message"),
+            ));
+        }
+        if cont && messages.last().is_none_or(|m| m.role != "assistant") {
+            return Err(ApiError::invalid(
+                "continue_final_message needs the last message to be the assistant's",
+                Some("continue_final_message"),
+            ));
+        }
+        Ok(ChatRender {
+            add_generation_prompt: !cont && add_generation_prompt.unwrap_or(true),
+            continue_final_message: cont,
+        })
+    }
+
+    /// The prompt text. NOTE: to continue the final message, the template renders the whole
+    /// conversation and the text is cut right after that message's content (what
+    /// transformers' `continue_final_message` does), dropping the end-of-turn the template
+    /// put after it.
+    fn apply(&self, tok: &Tokenizer, messages: &[ChatMessage]) -> Result<String, ApiError> {
+        let mut text = tok
+            .apply_chat_template(messages, self.add_generation_prompt)
+            .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("messages")))?;
+        if self.continue_final_message {
+            let last = messages.last().map_or("", |m| m.content.trim_end());
+            match text.rfind(last) {
+                Some(at) if !last.is_empty() => text.truncate(at + last.len()),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "continue_final_message: the chat template does not render the final message's content as given",
+                        Some("continue_final_message"),
+                    ));
+                }
+            }
+        }
+        Ok(text)
+    }
+}
+
 async fn chat_completions(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
     match chat_inner(st, body).await {
         Ok(r) => r,
@@ -719,6 +989,19 @@ async fn chat_inner(
             "tools",
         ));
     }
+    // NOTE: without tools, only "none" (or nothing) is a choice that can be honoured.
+    match &req.tool_choice {
+        None | Some(Value::Null) => {}
+        Some(Value::String(c)) if c == "none" => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "tool_choice needs tools, and tools are not supported yet",
+                Some("tool_choice"),
+            ));
+        }
+    }
+    refuse_unsupported(&body, UNSUPPORTED)?;
+    refuse_unsupported(&body, UNSUPPORTED_CHAT)?;
     if let Some(rf) = &req.response_format
         && rf.get("type").and_then(Value::as_str) != Some("text")
     {
@@ -745,15 +1028,34 @@ async fn chat_inner(
         },
     )?;
     let stream = req.stream.unwrap_or(false);
+    check_stream_options(stream, &req.stream_options)?;
     check_stream_best_of(&params, stream)?;
     let samples = params.n;
     let messages = chat_messages(&req.messages)?;
+    let render = ChatRender::new(
+        &messages,
+        req.add_generation_prompt,
+        req.continue_final_message,
+    )?;
+    check_text_len(
+        &st,
+        messages.iter().map(|m| m.content.len()).sum(),
+        "messages",
+    )?;
     let tok = st.tokenizer.clone();
-    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
-    let ids = blocking(move || {
-        let text = tok
-            .apply_chat_template(&messages, add_generation_prompt)
-            .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("messages")))?;
+    let max_bytes = st.max_prompt_bytes;
+    let max_len = st.max_model_len;
+    let ids = blocking(&st, move || {
+        let text = render.apply(&tok, &messages)?;
+        if text.len() > max_bytes {
+            return Err(ApiError::invalid(
+                format!(
+                    "the conversation renders to {} bytes: more tokens than the model's context of {max_len} tokens can hold",
+                    text.len()
+                ),
+                Some("messages"),
+            ));
+        }
         tok.encode(&text)
             .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("messages")))
     })
@@ -836,13 +1138,18 @@ async fn tokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Respons
             (Some(p), None) => p,
             (None, Some(m)) => {
                 let messages = chat_messages(&m)?;
-                let agp = req.add_generation_prompt.unwrap_or(true);
+                let render = ChatRender::new(
+                    &messages,
+                    req.add_generation_prompt,
+                    req.continue_final_message,
+                )?;
+                check_text_len(
+                    &st,
+                    messages.iter().map(|m| m.content.len()).sum(),
+                    "messages",
+                )?;
                 let tok = tok.clone();
-                blocking(move || {
-                    tok.apply_chat_template(&messages, agp)
-                        .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("messages")))
-                })
-                .await?
+                blocking(&st, move || render.apply(&tok, &messages)).await?
             }
             _ => {
                 return Err(ApiError::invalid(
@@ -851,7 +1158,8 @@ async fn tokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Respons
                 ));
             }
         };
-        let tokens = blocking(move || {
+        check_text_len(&st, text.len(), "prompt")?;
+        let tokens = blocking(&st, move || {
             let r = if special {
                 tok.encode(&text)
             } else {
@@ -887,7 +1195,7 @@ async fn detokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Respo
             ));
         }
         let tok = st.tokenizer.clone();
-        let prompt = blocking(move || {
+        let prompt = blocking(&st, move || {
             tok.decode(&req.tokens, false)
                 .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("tokens")))
         })
@@ -954,6 +1262,39 @@ mod tests {
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert_eq!(e.param.as_deref(), Some("prompt"));
         }
+    }
+
+    #[test]
+    fn offsets_count_characters_once_complete() {
+        // "a", then an emoji's four bytes over three tokens, then "b".
+        let emoji = "😀".as_bytes();
+        let mut o = TextOffsets::new(5);
+        let got: Vec<usize> = [
+            b"a".as_slice(),
+            &emoji[..1],
+            &emoji[1..3],
+            &emoji[3..],
+            b"b",
+        ]
+        .iter()
+        .map(|t| o.advance(t))
+        .collect();
+        assert_eq!(got, [5, 6, 6, 6, 7]);
+        assert_eq!(o.advance(b""), 8);
+        // A byte that can never start a character counts as one U+FFFD.
+        let mut o = TextOffsets::new(0);
+        assert_eq!(
+            (o.advance(&[0xff]), o.advance(b"x"), o.advance(b"")),
+            (0, 1, 2)
+        );
+    }
+
+    #[test]
+    fn token_names_are_lossless() {
+        assert_eq!(token_repr(b"hi"), "hi");
+        assert_eq!(token_repr("é".as_bytes()), "é");
+        assert_eq!(token_repr(&[0xf0, 0x9f]), "bytes:\\xf0\\x9f");
+        assert_ne!(token_repr(&[0xf0]), token_repr(&[0x9f]));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! `stream_options.include_usage` asks for it, then `data: [DONE]`.
 
 use super::error::ApiError;
-use super::routes::{AbortGuard, chat_logprobs, completion_logprobs};
+use super::routes::{AbortGuard, TextOffsets, chat_logprobs, completion_logprobs};
 use super::types::*;
 use super::worker::{Event, EventKind};
 use crate::engine::StepOutput;
@@ -45,8 +45,8 @@ pub struct CompletionStream {
     model: String,
     tokenizer: Arc<Tokenizer>,
     echo: Vec<String>,
-    /// Characters sent so far per choice (the log-probs' text offsets).
-    offsets: Vec<usize>,
+    /// Where the next token's text starts, per choice (the log-probs' text offsets).
+    offsets: Vec<TextOffsets>,
     logprobs: bool,
 }
 
@@ -59,7 +59,10 @@ impl CompletionStream {
         echo: Vec<String>,
         logprobs: bool,
     ) -> Self {
-        let offsets = echo.iter().map(|e| e.chars().count()).collect();
+        let offsets = echo
+            .iter()
+            .map(|e| TextOffsets::new(e.chars().count()))
+            .collect();
         CompletionStream {
             id,
             created,
@@ -108,13 +111,14 @@ impl ChunkFormat for CompletionStream {
         if out.new_text.is_empty() && !has_lp && out.finish_reason.is_none() {
             return None;
         }
-        let logprobs = self.logprobs.then(|| {
-            let start = self.offsets.get(index).copied().unwrap_or(0);
-            completion_logprobs(&self.tokenizer, &out.new_logprobs, start)
-        });
-        if let Some(o) = self.offsets.get_mut(index) {
-            *o += out.new_text.chars().count();
-        }
+        let logprobs = match self.offsets.get_mut(index) {
+            Some(offsets) if self.logprobs => Some(completion_logprobs(
+                &self.tokenizer,
+                &out.new_logprobs,
+                offsets,
+            )),
+            _ => None,
+        };
         Some(self.chunk(
             CompletionChoice {
                 index,

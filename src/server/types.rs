@@ -97,8 +97,11 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     pub tools: Option<Vec<Value>>,
     pub response_format: Option<Value>,
+    pub tool_choice: Option<Value>,
     /// vLLM's extra: render the generation prompt (true by default).
     pub add_generation_prompt: Option<bool>,
+    /// vLLM's extra: leave the final (assistant) message open for the model to continue.
+    pub continue_final_message: Option<bool>,
 }
 
 /// vLLM's `/tokenize`: a `prompt`, or chat `messages` rendered with the template.
@@ -109,6 +112,7 @@ pub struct TokenizeRequest {
     pub messages: Option<Vec<ChatMessageIn>>,
     pub add_special_tokens: Option<bool>,
     pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
 }
 
 #[derive(Debug, Clone, Serialize)]
