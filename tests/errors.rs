@@ -29,6 +29,15 @@ fn hf_dir(edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
     dir
 }
 
+/// SmolLM2's weights in `dir`, linked.
+fn link_weights(dir: &Path) {
+    std::os::unix::fs::symlink(
+        model_path(SMOL_HF).join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+}
+
 #[test]
 fn missing_model_path() {
     let e = load_err(Path::new("/nonexistent/model.gguf"));
@@ -108,11 +117,7 @@ fn files_that_are_not_regular_are_refused() {
     ] {
         let dir = hf_dir(|_| {});
         if f != "model.safetensors" {
-            std::os::unix::fs::symlink(
-                model_path(SMOL_HF).join("model.safetensors"),
-                dir.path().join("model.safetensors"),
-            )
-            .unwrap();
+            link_weights(dir.path());
         }
         let p = dir.path().join(f);
         let _ = std::fs::remove_file(&p);
@@ -233,6 +238,126 @@ fn family_configs_that_do_not_fit() {
         let e = load_err(dir.path());
         assert!(e.contains(want) && e.contains("config.json"), "{want}: {e}");
     }
+}
+
+/// A field that is present with a value of the wrong type, or a token id that is not a token,
+/// is an error naming the key and the value, never silently the default.
+#[test]
+fn wrong_types_and_bad_token_ids_are_named() {
+    use serde_json::json;
+    let cases: Vec<(&str, &str, serde_json::Value)> = vec![
+        (
+            "'rope_theta' must be a number, found \"64\"",
+            "rope_theta",
+            json!("64"),
+        ),
+        (
+            "'max_position_embeddings' must be a non-negative integer, found -1",
+            "max_position_embeddings",
+            json!(-1),
+        ),
+        (
+            "'num_key_value_heads' must be a non-negative integer, found 1.5",
+            "num_key_value_heads",
+            json!(1.5),
+        ),
+        (
+            "'tie_word_embeddings' must be true or false",
+            "tie_word_embeddings",
+            json!("yes"),
+        ),
+        (
+            "'hidden_act' must be a string, found 3",
+            "hidden_act",
+            json!(3),
+        ),
+        (
+            "'rope_scaling' must be an object",
+            "rope_scaling",
+            json!("llama3"),
+        ),
+        (
+            "'rope_scaling.factor' must be a number, found \"8\"",
+            "rope_scaling",
+            json!({"rope_type": "llama3", "factor": "8"}),
+        ),
+        (
+            "'eos_token_id' must be a token id",
+            "eos_token_id",
+            json!(-1),
+        ),
+        (
+            "'eos_token_id' must be a token id",
+            "eos_token_id",
+            json!(4294967298u64),
+        ),
+        (
+            "'eos_token_id' must be a token id",
+            "eos_token_id",
+            json!([2, "x"]),
+        ),
+        (
+            "'bos_token_id' must be a token id",
+            "bos_token_id",
+            json!(1e10),
+        ),
+        (
+            "eos_token_id 49152 is not a token: the vocabulary has 49152",
+            "eos_token_id",
+            json!([2, 49152]),
+        ),
+        (
+            "bos_token_id 100000 is not a token",
+            "bos_token_id",
+            json!(100000),
+        ),
+    ];
+    for (want, key, value) in cases {
+        let dir = hf_dir(|c| c[key] = value.clone());
+        let e = load_err(dir.path());
+        assert!(e.contains(want) && e.contains("config.json"), "{key}: {e}");
+    }
+    // a float with no fraction is an integer (Python writes 8192.0 for floats); null is absent
+    let dir = hf_dir(|c| {
+        c["max_position_embeddings"] = json!(8192.0);
+        c["rope_theta"] = serde_json::Value::Null;
+        c["eos_token_id"] = serde_json::Value::Null;
+    });
+    link_weights(dir.path());
+    let m = load_model(dir.path()).unwrap();
+    assert_eq!(m.config.max_position_embeddings, 8192);
+    assert_eq!(m.config.rope_theta, 10000.0);
+    assert!(m.config.eos_token_ids.is_empty());
+
+    // family fields and generation_config.json alike
+    let dir = hf_dir(|c| {
+        c["model_type"] = "gemma3_text".into();
+        c["sliding_window"] = 512.into();
+        c["query_pre_attn_scalar"] = json!("256");
+    });
+    let e = load_err(dir.path());
+    assert!(
+        e.contains("'query_pre_attn_scalar' must be a number"),
+        "{e}"
+    );
+    let dir = hf_dir(|c| {
+        c["model_type"] = "falcon".into();
+        c["multi_query"] = json!("false");
+    });
+    let e = load_err(dir.path());
+    assert!(e.contains("'multi_query' must be true or false"), "{e}");
+    let dir = hf_dir(|_| {});
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        r#"{"eos_token_id": [2, -1]}"#,
+    )
+    .unwrap();
+    link_weights(dir.path());
+    let e = load_err(dir.path());
+    assert!(
+        e.contains("generation_config.json") && e.contains("'eos_token_id' must be a token id"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -131,6 +131,19 @@ impl ModelConfig {
                 c.num_layers
             );
         }
+        for (key, id) in c
+            .bos_token_id
+            .iter()
+            .map(|&t| ("bos_token_id", t))
+            .chain(c.eos_token_ids.iter().map(|&t| ("eos_token_id", t)))
+        {
+            if id as usize >= c.vocab_size {
+                bail!(
+                    "{key} {id} is not a token: the vocabulary has {} (vocab_size)",
+                    c.vocab_size
+                );
+            }
+        }
         for cap in [c.attn_logit_softcap, c.final_logit_softcap]
             .into_iter()
             .flatten()
@@ -153,157 +166,283 @@ impl ModelConfig {
     }
 
     pub fn from_hf_value(v: &Value) -> Result<Self> {
-        let family = match v["model_type"].as_str() {
+        let family = match Fields::top(v).str("model_type")? {
             None | Some("") => bail!("config.json has no model_type"),
             Some(t) => super::registry::by_hf_model_type(t)?,
         };
         let mut v = v.clone();
         (family.hf_prepare)(&mut v)?;
-        let v = &v;
-        let req = |k: &str| -> Result<usize> {
-            v[k].as_u64()
-                .map(|x| x as usize)
-                .with_context(|| format!("config.json lacks the integer '{k}'"))
-        };
-        let hidden_size = req("hidden_size")?;
-        let num_heads = req("num_attention_heads")?;
-        let num_kv_heads = v["num_key_value_heads"]
-            .as_u64()
-            .map(|x| x as usize)
-            .unwrap_or(num_heads);
-        let head_dim = match v["head_dim"].as_u64() {
-            Some(d) => d as usize,
+        let f = Fields::top(&v);
+        let hidden_size = f.req_usize("hidden_size")?;
+        let num_heads = f.req_usize("num_attention_heads")?;
+        let num_kv_heads = f.usize("num_key_value_heads")?.unwrap_or(num_heads);
+        let head_dim = match f.usize("head_dim")? {
+            Some(d) => d,
             None => hidden_size / num_heads.max(1),
         };
         // NOTE: transformers 5 writes `rope_parameters` (rope_theta and the scaling together)
         // where earlier versions wrote `rope_theta` and `rope_scaling`; both are read.
-        let rope_params = &v["rope_parameters"];
-        let scaling = match (&v["rope_scaling"], rope_params) {
-            (Value::Null, p) if p.is_object() => p,
-            (s, _) => s,
+        let rope_params = f.object("rope_parameters")?;
+        let scaling = match f.object("rope_scaling")? {
+            None => rope_params.clone(),
+            s => s,
         };
-        let rope_scaling = match scaling {
-            Value::Null => None,
-            s => {
-                let ty = s["rope_type"]
-                    .as_str()
-                    .or(s["type"].as_str())
-                    .unwrap_or_default();
-                match ty {
-                    "llama3" => Some(Llama3RopeScaling {
-                        factor: s["factor"].as_f64().context("rope_scaling.factor")?,
-                        low_freq_factor: s["low_freq_factor"].as_f64().unwrap_or(1.0),
-                        high_freq_factor: s["high_freq_factor"].as_f64().unwrap_or(4.0),
-                        original_max_position_embeddings: s["original_max_position_embeddings"]
-                            .as_u64()
-                            .unwrap_or(8192)
-                            as usize,
-                    }),
-                    "default" | "" | "longrope" | "su" => None,
-                    other => bail!(
-                        "rope_scaling of type '{}' is not supported (llama3, longrope)",
-                        crate::untrusted::text(other)
-                    ),
-                }
-            }
+        let rope_type = match &scaling {
+            None => None,
+            Some(s) => Some(match s.str("rope_type")? {
+                Some(t) => t,
+                None => s.str("type")?.unwrap_or_default(),
+            }),
         };
-        let eos_token_ids = match &v["eos_token_id"] {
-            Value::Number(n) => vec![n.as_u64().unwrap_or(0) as u32],
-            Value::Array(a) => a
-                .iter()
-                .filter_map(|x| x.as_u64())
-                .map(|x| x as u32)
-                .collect(),
-            _ => vec![],
+        let rope_scaling = match (&scaling, rope_type) {
+            (Some(s), Some("llama3")) => Some(Llama3RopeScaling {
+                factor: s.f64("factor")?.context("rope_scaling.factor is missing")?,
+                low_freq_factor: s.f64("low_freq_factor")?.unwrap_or(1.0),
+                high_freq_factor: s.f64("high_freq_factor")?.unwrap_or(4.0),
+                original_max_position_embeddings: s
+                    .usize("original_max_position_embeddings")?
+                    .unwrap_or(8192),
+            }),
+            (_, None | Some("default" | "" | "longrope" | "su")) => None,
+            (_, Some(other)) => bail!(
+                "rope_scaling of type '{}' is not supported (llama3, longrope)",
+                crate::untrusted::text(other)
+            ),
         };
+        let max_position_embeddings = f.usize("max_position_embeddings")?;
         let mut c = ModelConfig {
             arch: family.arch,
             hidden_size,
-            intermediate_size: req("intermediate_size")?,
-            num_layers: req("num_hidden_layers")?,
+            intermediate_size: f.req_usize("intermediate_size")?,
+            num_layers: f.req_usize("num_hidden_layers")?,
             num_heads,
             num_kv_heads,
             head_dim,
-            vocab_size: req("vocab_size")?,
-            max_position_embeddings: v["max_position_embeddings"].as_u64().unwrap_or(4096) as usize,
-            rms_norm_eps: v["rms_norm_eps"].as_f64().unwrap_or(1e-6),
-            rope_theta: v["rope_theta"]
-                .as_f64()
-                .or(rope_params["rope_theta"].as_f64())
-                .unwrap_or(10000.0),
+            vocab_size: f.req_usize("vocab_size")?,
+            max_position_embeddings: max_position_embeddings.unwrap_or(4096),
+            rms_norm_eps: f.f64("rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta: match f.f64("rope_theta")? {
+                Some(t) => t,
+                None => match &rope_params {
+                    Some(p) => p.f64("rope_theta")?.unwrap_or(10000.0),
+                    None => 10000.0,
+                },
+            },
             rope_scaling,
-            tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
-            attention_bias: v["attention_bias"].as_bool().unwrap_or(false),
+            tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(false),
+            attention_bias: f.bool("attention_bias")?.unwrap_or(false),
             sliding_window: None,
             qk_norm: false,
             sliding_layers: Vec::new(),
             rope_theta_local: None,
             longrope: None,
-            hidden_act: match v["hidden_act"].as_str().or(v["hidden_activation"].as_str()) {
+            hidden_act: match f.str("hidden_act")? {
                 Some(a) => Activation::from_hf(a)?,
-                None => Activation::Silu,
+                None => match f.str("hidden_activation")? {
+                    Some(a) => Activation::from_hf(a)?,
+                    None => Activation::Silu,
+                },
             },
             attn_scale: None,
             attn_logit_softcap: None,
             final_logit_softcap: None,
             extra: Value::Null,
-            bos_token_id: v["bos_token_id"].as_u64().map(|x| x as u32),
-            eos_token_ids,
+            bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
+            eos_token_ids: f.token_ids("eos_token_id")?,
         };
-        c.longrope = longrope(v, scaling, head_dim)?;
-        (family.hf_config)(v, &mut c)?;
+        if let (Some(s), Some("longrope" | "su")) = (&scaling, rope_type) {
+            c.longrope = Some(longrope(&f, s, head_dim, max_position_embeddings)?);
+        }
+        (family.hf_config)(&v, &mut c)?;
         c.validate()?;
         Ok(c)
     }
 }
 
-/// Phi-3's `longrope` (or `su`) scaling, when `scaling` says so.
-fn longrope(v: &Value, scaling: &Value, head_dim: usize) -> Result<Option<LongRope>> {
-    let ty = scaling["rope_type"]
-        .as_str()
-        .or(scaling["type"].as_str())
-        .unwrap_or_default();
-    if ty != "longrope" && ty != "su" {
-        return Ok(None);
+/// Typed reads of the fields of a `config.json` object. An absent or null field is `None` (the
+/// caller's default); a field that is present with a value of the wrong type is an error that
+/// names the key and the value, never silently the default.
+#[derive(Clone)]
+pub struct Fields<'a> {
+    v: &'a Value,
+    /// The object's key in its parent with a dot (`rope_scaling.`), or "" for the top level.
+    prefix: String,
+}
+
+impl<'a> Fields<'a> {
+    /// The top-level object.
+    pub fn top(v: &'a Value) -> Self {
+        Fields {
+            v,
+            prefix: String::new(),
+        }
     }
-    if let Some(p) = scaling["partial_rotary_factor"]
-        .as_f64()
-        .or(v["partial_rotary_factor"].as_f64())
+
+    /// The raw value of `key` (`Null` when absent).
+    pub fn get(&self, key: &str) -> &'a Value {
+        &self.v[key]
+    }
+
+    fn wrong(&self, key: &str, what: &str) -> anyhow::Error {
+        anyhow::anyhow!(
+            "'{}{key}' must be {what}, found {}",
+            self.prefix,
+            crate::untrusted::json(&self.v[key])
+        )
+    }
+
+    /// A non-negative integer (a float with no fraction, as Python may write one, too).
+    pub fn u64(&self, key: &str) -> Result<Option<u64>> {
+        let x = &self.v[key];
+        if x.is_null() {
+            return Ok(None);
+        }
+        let n = x.as_u64().or_else(|| {
+            x.as_f64()
+                .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 9007199254740992.0)
+                .map(|f| f as u64)
+        });
+        n.map(Some)
+            .ok_or_else(|| self.wrong(key, "a non-negative integer"))
+    }
+
+    pub fn usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.u64(key)? {
+            None => Ok(None),
+            Some(n) => usize::try_from(n)
+                .map(Some)
+                .map_err(|_| self.wrong(key, "a smaller integer")),
+        }
+    }
+
+    /// A non-negative integer that must be there.
+    pub fn req_usize(&self, key: &str) -> Result<usize> {
+        self.usize(key)?
+            .with_context(|| format!("config.json lacks the integer '{}{key}'", self.prefix))
+    }
+
+    pub fn f64(&self, key: &str) -> Result<Option<f64>> {
+        let x = &self.v[key];
+        if x.is_null() {
+            return Ok(None);
+        }
+        x.as_f64()
+            .map(Some)
+            .ok_or_else(|| self.wrong(key, "a number"))
+    }
+
+    pub fn bool(&self, key: &str) -> Result<Option<bool>> {
+        let x = &self.v[key];
+        if x.is_null() {
+            return Ok(None);
+        }
+        x.as_bool()
+            .map(Some)
+            .ok_or_else(|| self.wrong(key, "true or false"))
+    }
+
+    pub fn str(&self, key: &str) -> Result<Option<&'a str>> {
+        let x = &self.v[key];
+        if x.is_null() {
+            return Ok(None);
+        }
+        x.as_str()
+            .map(Some)
+            .ok_or_else(|| self.wrong(key, "a string"))
+    }
+
+    /// A list of numbers.
+    pub fn f64s(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        let x = &self.v[key];
+        if x.is_null() {
+            return Ok(None);
+        }
+        x.as_array()
+            .and_then(|a| a.iter().map(Value::as_f64).collect::<Option<Vec<f64>>>())
+            .map(Some)
+            .ok_or_else(|| self.wrong(key, "a list of numbers"))
+    }
+
+    /// A nested object, whose fields are named `key.field` in messages.
+    pub fn object(&self, key: &str) -> Result<Option<Fields<'a>>> {
+        let x = &self.v[key];
+        match x {
+            Value::Null => Ok(None),
+            Value::Object(_) => Ok(Some(Fields {
+                v: x,
+                prefix: format!("{}{key}.", self.prefix),
+            })),
+            _ => Err(self.wrong(key, "an object")),
+        }
+    }
+
+    /// Token ids: one integer or a list of them (`eos_token_id`), each of which must fit a u32.
+    pub fn token_ids(&self, key: &str) -> Result<Vec<u32>> {
+        let x = &self.v[key];
+        let one = |t: &Value| -> Result<u32> {
+            t.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| {
+                    self.wrong(
+                        key,
+                        "a token id (an integer from 0 to 2^32 - 1) or a list of them",
+                    )
+                })
+        };
+        match x {
+            Value::Null => Ok(vec![]),
+            Value::Array(a) => a.iter().map(one).collect(),
+            t => Ok(vec![one(t)?]),
+        }
+    }
+}
+
+/// Phi-3's `longrope` (or `su`) scaling, from the `scaling` object `s`.
+fn longrope(
+    f: &Fields,
+    s: &Fields,
+    head_dim: usize,
+    max_position_embeddings: Option<usize>,
+) -> Result<LongRope> {
+    let partial = match s.f64("partial_rotary_factor")? {
+        Some(p) => Some(p),
+        None => f.f64("partial_rotary_factor")?,
+    };
+    if let Some(p) = partial
         && p != 1.0
     {
         bail!("partial_rotary_factor {p} is not supported (only 1.0)");
     }
     let factors = |k: &str| -> Result<Vec<f64>> {
-        let a = scaling[k]
-            .as_array()
+        let v = s
+            .f64s(k)?
             .with_context(|| format!("rope_scaling.{k} is missing"))?;
-        let f: Vec<f64> = a.iter().filter_map(Value::as_f64).collect();
-        if f.len() != head_dim / 2 || f.len() != a.len() {
+        if v.len() != head_dim / 2 {
             bail!(
                 "rope_scaling.{k} has {} numbers, expected head_dim / 2 = {}",
-                a.len(),
+                v.len(),
                 head_dim / 2
             );
         }
-        Ok(f)
+        Ok(v)
     };
-    let original = scaling["original_max_position_embeddings"]
-        .as_u64()
-        .or(v["original_max_position_embeddings"].as_u64())
-        .context("longrope needs original_max_position_embeddings")? as usize;
-    let max = v["max_position_embeddings"]
-        .as_u64()
-        .context("longrope needs max_position_embeddings")? as usize;
+    let original = match s.usize("original_max_position_embeddings")? {
+        Some(o) => o,
+        None => f
+            .usize("original_max_position_embeddings")?
+            .context("longrope needs original_max_position_embeddings")?,
+    };
+    let max = max_position_embeddings.context("longrope needs max_position_embeddings")?;
     let scale = max as f64 / original as f64;
-    let attention_factor = match scaling["attention_factor"].as_f64() {
+    let attention_factor = match s.f64("attention_factor")? {
         Some(a) => a,
         None if scale <= 1.0 => 1.0,
         None => (1.0 + scale.ln() / (original as f64).ln()).sqrt(),
     };
-    Ok(Some(LongRope {
+    Ok(LongRope {
         short_factor: factors("short_factor")?,
         long_factor: factors("long_factor")?,
         original_max_position_embeddings: original,
         attention_factor,
-    }))
+    })
 }

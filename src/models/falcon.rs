@@ -5,33 +5,36 @@
 //! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = query heads,
 //! Hkv = kv heads, D = head_dim, F = ffn size.
 
-use super::config::ModelConfig;
+use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
 use super::loader::WeightSource;
 use super::{CausalLm, Norm, Uploader, attend, check_positions, final_logits};
 use crate::backend::{Backend, DeviceBatch};
 use crate::tensor::{DType, HostTensor};
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
 /// Falcon's own config keys, copied to the common names; the KV heads follow transformers:
 /// `num_kv_heads` in the new architecture, 1 with `multi_query`, else one per query head.
 pub fn hf_prepare(v: &mut Value) -> Result<()> {
-    if v["alibi"].as_bool() == Some(true) {
+    let f = Fields::top(v);
+    if f.bool("alibi")? == Some(true) {
         bail!("Falcon with alibi: true is not supported (only rotary positions)");
     }
-    let hidden = v["hidden_size"]
-        .as_u64()
-        .ok_or_else(|| anyhow::anyhow!("config.json lacks the integer 'hidden_size'"))?;
-    v["intermediate_size"] = match v["ffn_hidden_size"].as_u64() {
-        Some(f) => f.into(),
-        None => (4 * hidden).into(),
+    let hidden = f.req_usize("hidden_size")?;
+    let ffn = match f.usize("ffn_hidden_size")? {
+        Some(n) => n,
+        None => hidden
+            .checked_mul(4)
+            .context("'hidden_size' is too large")?,
     };
-    let new_arch = v["new_decoder_architecture"].as_bool().unwrap_or(false);
+    let new_arch = f.bool("new_decoder_architecture")?.unwrap_or(false);
+    let multi_query = f.bool("multi_query")?.unwrap_or(true);
+    v["intermediate_size"] = ffn.into();
     v["num_key_value_heads"] = if new_arch {
         v["num_kv_heads"].clone()
-    } else if v["multi_query"].as_bool().unwrap_or(true) {
+    } else if multi_query {
         1.into()
     } else {
         v["num_attention_heads"].clone()
@@ -54,18 +57,19 @@ pub fn hf_prepare(v: &mut Value) -> Result<()> {
 }
 
 pub fn hf_config(v: &Value, c: &mut ModelConfig) -> Result<()> {
-    let new_arch = v["new_decoder_architecture"].as_bool().unwrap_or(false);
-    let parallel = v["parallel_attn"].as_bool().unwrap_or(true);
+    let f = Fields::top(v);
+    let new_arch = f.bool("new_decoder_architecture")?.unwrap_or(false);
+    let parallel = f.bool("parallel_attn")?.unwrap_or(true);
     // transformers: two LayerNorms in the new architecture unless num_ln_in_parallel_attn is 1
-    let two_norms = new_arch && v["num_ln_in_parallel_attn"].as_u64().unwrap_or(2) == 2;
+    let two_norms = new_arch && f.u64("num_ln_in_parallel_attn")?.unwrap_or(2) == 2;
     c.extra = json!({
         "new_decoder_architecture": new_arch,
         "parallel_attn": parallel || new_arch,
         "two_norms": two_norms,
-        "bias": v["bias"].as_bool().unwrap_or(false),
+        "bias": f.bool("bias")?.unwrap_or(false),
         "qkv_layout": if new_arch {
             "grouped"
-        } else if v["multi_query"].as_bool().unwrap_or(true) {
+        } else if f.bool("multi_query")?.unwrap_or(true) {
             "qkv"
         } else {
             "interleaved"

@@ -7,7 +7,7 @@
 //! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = query heads,
 //! Hkv = kv heads, D = head_dim, F = intermediate size.
 
-use super::config::ModelConfig;
+use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
 use super::loader::WeightSource;
@@ -27,63 +27,88 @@ fn sliding_by_pattern(layers: usize, pattern: usize) -> Vec<bool> {
 }
 
 pub fn hf_config(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    let f = Fields::top(v);
     c.qk_norm = true;
-    c.sliding_window = match v["sliding_window"].as_u64() {
-        Some(w) if w > 0 => Some(w as usize),
-        _ => bail!("gemma3_text needs a positive sliding_window"),
+    c.sliding_window = match f.usize("sliding_window") {
+        Ok(Some(w)) if w > 0 => Some(w),
+        _ => bail!(
+            "gemma3_text needs a positive sliding_window, found {}",
+            crate::untrusted::json(f.get("sliding_window"))
+        ),
     };
-    c.sliding_layers = match &v["layer_types"] {
-        Value::Array(a) => a
-            .iter()
-            .map(|t| match t.as_str() {
-                Some("sliding_attention") => Ok(true),
-                Some("full_attention") => Ok(false),
-                _ => bail!("layer_types has an unknown entry {t}"),
-            })
-            .collect::<Result<_>>()?,
-        _ => {
-            let p = v["sliding_window_pattern"]
-                .as_u64()
-                .or(v["_sliding_window_pattern"].as_u64())
-                .unwrap_or(SLIDING_PATTERN as u64) as usize;
+    c.sliding_layers = match f.get("layer_types") {
+        Value::Null => {
+            let p = match f.usize("sliding_window_pattern")? {
+                Some(p) => p,
+                None => f
+                    .usize("_sliding_window_pattern")?
+                    .unwrap_or(SLIDING_PATTERN),
+            };
             if p == 0 {
                 bail!("sliding_window_pattern must be positive");
             }
             sliding_by_pattern(c.num_layers, p)
         }
+        Value::Array(a) => a
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => bail!(
+                    "layer_types has an unknown entry {}",
+                    crate::untrusted::json(t)
+                ),
+            })
+            .collect::<Result<_>>()?,
+        other => bail!(
+            "'layer_types' must be a list, found {}",
+            crate::untrusted::json(other)
+        ),
     };
     // transformers 5: rope_parameters per layer type; before: rope_theta and
     // rope_local_base_freq.
-    let rp = &v["rope_parameters"];
-    if let Some(t) = rp["full_attention"]["rope_theta"].as_f64() {
+    let rp = f.object("rope_parameters")?;
+    let full = match &rp {
+        Some(rp) => rp.object("full_attention")?,
+        None => None,
+    };
+    let sliding = match &rp {
+        Some(rp) => rp.object("sliding_attention")?,
+        None => None,
+    };
+    if let Some(t) = match &full {
+        Some(full) => full.f64("rope_theta")?,
+        None => None,
+    } {
         c.rope_theta = t;
     }
-    c.rope_theta_local = Some(
-        rp["sliding_attention"]["rope_theta"]
-            .as_f64()
-            .or(v["rope_local_base_freq"].as_f64())
-            .unwrap_or(LOCAL_ROPE_THETA),
-    );
-    for (k, what) in [
-        (&rp["full_attention"], "full_attention"),
-        (&rp["sliding_attention"], "sliding_attention"),
-    ] {
-        if let Some(t) = k["rope_type"].as_str()
+    let local = match &sliding {
+        Some(s) => s.f64("rope_theta")?,
+        None => None,
+    };
+    c.rope_theta_local = Some(match local {
+        Some(t) => t,
+        None => f.f64("rope_local_base_freq")?.unwrap_or(LOCAL_ROPE_THETA),
+    });
+    for (k, what) in [(&full, "full_attention"), (&sliding, "sliding_attention")] {
+        if let Some(k) = k
+            && let Some(t) = k.str("rope_type")?
             && t != "default"
         {
-            bail!("rope_parameters.{what}.rope_type '{t}' is not supported for gemma3 yet");
+            bail!(
+                "rope_parameters.{what}.rope_type '{}' is not supported for gemma3 yet",
+                crate::untrusted::text(t)
+            );
         }
     }
-    let q = v["query_pre_attn_scalar"]
-        .as_f64()
-        .unwrap_or(c.head_dim as f64);
+    let q = f.f64("query_pre_attn_scalar")?.unwrap_or(c.head_dim as f64);
     c.attn_scale = Some(q.powf(-0.5));
-    c.attn_logit_softcap = v["attn_logit_softcapping"].as_f64();
-    c.final_logit_softcap = v["final_logit_softcapping"].as_f64();
-    if v["hidden_activation"].is_null() && v["hidden_act"].is_null() {
+    c.attn_logit_softcap = f.f64("attn_logit_softcapping")?;
+    c.final_logit_softcap = f.f64("final_logit_softcapping")?;
+    if f.get("hidden_activation").is_null() && f.get("hidden_act").is_null() {
         c.hidden_act = crate::backend::Activation::GeluTanh;
     }
-    c.tie_word_embeddings = v["tie_word_embeddings"].as_bool().unwrap_or(true);
+    c.tie_word_embeddings = f.bool("tie_word_embeddings")?.unwrap_or(true);
     Ok(())
 }
 

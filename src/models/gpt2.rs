@@ -5,7 +5,7 @@
 //! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = heads, D = head_dim,
 //! F = inner size (4 × hidden by default).
 
-use super::config::ModelConfig;
+use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
 use super::loader::WeightSource;
@@ -18,7 +18,17 @@ use serde_json::Value;
 /// GPT-2's config names the common fields its own way (`n_embd`, `n_head`, ...): they are
 /// copied to the common names before the common parse.
 pub fn hf_prepare(v: &mut Value) -> Result<()> {
-    let hidden = v["n_embd"].as_u64();
+    let f = Fields::top(v);
+    let hidden = f.u64("n_embd")?;
+    let inner = f.u64("n_inner")?;
+    for k in ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"] {
+        if f.bool(k)? == Some(true) {
+            bail!("GPT-2 with {k}: true is not supported");
+        }
+    }
+    if f.bool("scale_attn_weights")? == Some(false) {
+        bail!("GPT-2 with scale_attn_weights: false is not supported");
+    }
     for (from, to) in [
         ("n_embd", "hidden_size"),
         ("n_head", "num_attention_heads"),
@@ -31,21 +41,13 @@ pub fn hf_prepare(v: &mut Value) -> Result<()> {
             v[to] = v[from].clone();
         }
     }
-    v["intermediate_size"] = match (&v["n_inner"], hidden) {
-        (Value::Number(n), _) => Value::Number(n.clone()),
-        (_, Some(h)) => (4 * h).into(),
-        (_, None) => bail!("config.json lacks the integer 'n_embd'"),
+    v["intermediate_size"] = match (inner, hidden) {
+        (Some(n), _) => n.into(),
+        (None, Some(h)) => h.checked_mul(4).context("'n_embd' is too large")?.into(),
+        (None, None) => bail!("config.json lacks the integer 'n_embd'"),
     };
     if v["tie_word_embeddings"].is_null() {
         v["tie_word_embeddings"] = true.into();
-    }
-    for k in ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"] {
-        if v[k].as_bool() == Some(true) {
-            bail!("GPT-2 with {k}: true is not supported");
-        }
-    }
-    if v["scale_attn_weights"].as_bool() == Some(false) {
-        bail!("GPT-2 with scale_attn_weights: false is not supported");
     }
     Ok(())
 }

@@ -5,7 +5,7 @@
 //! Shapes: T = tokens in the step (all sequences flattened), R = rows whose logits are wanted,
 //! H = query heads, Hkv = kv heads, D = head_dim, F = intermediate size.
 
-use super::config::ModelConfig;
+use super::config::{Fields, ModelConfig};
 use super::gguf::GgufFile;
 use super::kv_cache::KvCache;
 use super::loader::WeightSource;
@@ -49,21 +49,26 @@ pub fn hf_config_llama(_v: &Value, _c: &mut ModelConfig) -> Result<()> {
 
 /// `model_type: mistral`: a sliding window over every layer where `sliding_window` is set.
 pub fn hf_config_mistral(v: &Value, c: &mut ModelConfig) -> Result<()> {
-    c.sliding_window = match &v["sliding_window"] {
-        Value::Null => None,
-        w => match w.as_u64() {
-            Some(w) if w > 0 => Some(w as usize),
-            _ => bail!("sliding_window must be a positive integer or null, found {w}"),
-        },
-    };
+    c.sliding_window = hf_sliding_window(v)?;
     Ok(())
+}
+
+/// `sliding_window`: a positive integer, or null (none).
+pub fn hf_sliding_window(v: &Value) -> Result<Option<usize>> {
+    match Fields::top(v).usize("sliding_window") {
+        Ok(Some(0)) | Err(_) => bail!(
+            "sliding_window must be a positive integer or null, found {}",
+            crate::untrusted::json(&v["sliding_window"])
+        ),
+        w => w,
+    }
 }
 
 /// `model_type: qwen2`: biases on Q, K and V. Qwen2's optional sliding window applies to some
 /// layers only (`max_window_layers`); it is off in every released checkpoint.
 pub fn hf_config_qwen2(v: &Value, c: &mut ModelConfig) -> Result<()> {
     c.attention_bias = true;
-    if v["use_sliding_window"].as_bool() == Some(true) {
+    if Fields::top(v).bool("use_sliding_window")? == Some(true) {
         bail!("use_sliding_window: true is not supported for qwen2");
     }
     Ok(())
@@ -72,7 +77,7 @@ pub fn hf_config_qwen2(v: &Value, c: &mut ModelConfig) -> Result<()> {
 /// `model_type: qwen3`: RMSNorm of each Q and K head (`q_norm`, `k_norm`) before RoPE.
 pub fn hf_config_qwen3(v: &Value, c: &mut ModelConfig) -> Result<()> {
     c.qk_norm = true;
-    if v["use_sliding_window"].as_bool() == Some(true) {
+    if Fields::top(v).bool("use_sliding_window")? == Some(true) {
         bail!("use_sliding_window: true is not supported for qwen3");
     }
     Ok(())

@@ -266,13 +266,17 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
             serde_json::Value::Null
         };
         let mut eos = config.eos_token_ids.clone();
-        match &generation_defaults["eos_token_id"] {
-            serde_json::Value::Number(n) => eos.extend(n.as_u64().map(|x| x as u32)),
-            serde_json::Value::Array(a) => {
-                eos.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32))
-            }
-            _ => {}
+        let gen_eos = super::config::Fields::top(&generation_defaults)
+            .token_ids("eos_token_id")
+            .with_context(|| format!("in {}", gen_path.display()))?;
+        if let Some(&bad) = gen_eos.iter().find(|&&t| t as usize >= config.vocab_size) {
+            bail!(
+                "in {}: eos_token_id {bad} is not a token (the vocabulary has {})",
+                gen_path.display(),
+                config.vocab_size
+            );
         }
+        eos.extend(gen_eos);
         let eos = end_of_generation_ids(eos, &tokenizer);
         Ok(LoadedModel {
             name,

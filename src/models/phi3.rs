@@ -9,13 +9,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 pub fn hf_config(v: &Value, c: &mut ModelConfig) -> Result<()> {
-    c.sliding_window = match &v["sliding_window"] {
-        Value::Null => None,
-        w => match w.as_u64() {
-            Some(w) if w > 0 => Some(w as usize),
-            _ => bail!("sliding_window must be a positive integer or null, found {w}"),
-        },
-    };
+    c.sliding_window = super::llama::hf_sliding_window(v)?;
     Ok(())
 }
 
