@@ -654,8 +654,6 @@ fn unsupported_fields_are_refused_by_name() {
         ("guided_grammar", json!("root ::= \"a\"")),
         ("structured_outputs", json!({"json": {"type": "object"}})),
         ("prompt_logprobs", json!(1)),
-        ("min_tokens", json!(3)),
-        ("bad_words", json!(["x"])),
         ("response_format", json!({"type": "json_object"})),
     ] {
         let mut body = json!({"prompt": PROMPT, "max_tokens": 2});
@@ -961,4 +959,77 @@ fn hostile_requests_leave_the_server_as_it_was() {
     wait_idle(addr, Duration::from_secs(30));
     assert_eq!(get(addr, "/health", None).status, 200);
     h.shutdown().unwrap();
+}
+
+/// `logit_bias`, `min_tokens` and `bad_words` change greedy output as they say.
+#[test]
+fn logit_bias_min_tokens_bad_words() {
+    let the = post(
+        "/tokenize",
+        json!({"prompt": " the", "add_special_tokens": false}),
+    )
+    .json();
+    let the = the["tokens"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .as_u64()
+        .unwrap();
+    let v = completion(json!({
+        "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+        "logit_bias": {the.to_string(): 100}
+    }));
+    assert_eq!(v["choices"][0]["text"], " the the the");
+    // bad_words: the greedy answer is Paris; banned, it is something else.
+    let greedy = json!({"prompt": PROMPT, "max_tokens": 6, "temperature": 0});
+    let plain = completion(greedy.clone());
+    assert!(
+        plain["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .contains("Paris")
+    );
+    let mut body = greedy.clone();
+    body["bad_words"] = json!(["Paris"]);
+    let v = completion(body);
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(!text.contains("Paris"), "{text:?}");
+    // min_tokens: a short greedy answer goes on past its end of turn.
+    let short = json!({
+        "messages": [{"role": "user", "content": "Answer with one word: is the sky blue?"}],
+        "max_tokens": 40, "temperature": 0
+    });
+    let v = chat(short.clone());
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let n = v["usage"]["completion_tokens"].as_u64().unwrap();
+    let mut body = short;
+    body["min_tokens"] = json!(n + 5);
+    let v = chat(body);
+    assert!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() >= n + 5,
+        "{v}"
+    );
+    for bias in [
+        json!({"abc": 1}),
+        json!({"5": 200}),
+        json!({"5": "x"}),
+        json!({"99999999": 1}),
+    ] {
+        let r = post(
+            "/v1/completions",
+            json!({"prompt": PROMPT, "max_tokens": 1, "logit_bias": bias}),
+        );
+        assert_error(&r, 400, Some("logit_bias"));
+    }
+    let r = post(
+        "/v1/completions",
+        json!({"prompt": PROMPT, "max_tokens": 2, "min_tokens": 3}),
+    );
+    assert_error(&r, 400, Some("min_tokens"));
+    let r = post(
+        "/v1/completions",
+        json!({"prompt": PROMPT, "max_tokens": 2, "bad_words": [" "]}),
+    );
+    assert_error(&r, 400, Some("bad_words"));
 }

@@ -14,7 +14,7 @@ use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{ModelConfig, load_model};
 use crate::sampling::{
     IncrementalDetokenizer, InvalidParam, SamplingDefaults, SamplingParams, StopChecker,
-    TokenLogprobs, sample, token_logprob,
+    TokenLogprobs, sampler::sample_banning, token_logprob,
 };
 use crate::sched::{
     FinishReason, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
@@ -91,6 +91,47 @@ fn argmax_suffices(p: &SamplingParams) -> bool {
         && p.frequency_penalty == 0.0
         && p.logprobs.is_none()
         && p.best_of() == p.n
+        && p.logit_bias.is_empty()
+        && p.min_tokens == 0
+        && p.bad_words.is_empty()
+}
+
+/// The token sequences of `bad_words` (vLLM's way): each word as written and with a leading
+/// space, since a word mid-sentence is usually tokenized with its space.
+fn bad_word_ids(tok: &Tokenizer, words: &[String]) -> Result<Vec<Vec<u32>>, RequestError> {
+    let mut out: Vec<Vec<u32>> = Vec::new();
+    for w in words {
+        let w = w.trim_start();
+        for text in [w.to_string(), format!(" {w}")] {
+            let ids = tok
+                .inner()
+                .encode_fast(text.as_str(), false)
+                .map_err(|e| RequestError::Internal(anyhow::anyhow!("tokenizing failed: {e}")))?
+                .get_ids()
+                .to_vec();
+            if !ids.is_empty() && !out.contains(&ids) {
+                out.push(ids);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The tokens a sample may not choose next: its stop tokens while it has fewer than
+/// `min_tokens`, and the last token of each bad word whose other tokens end the output.
+fn banned_tokens(st: &RequestState, output: &[u32]) -> Vec<u32> {
+    let mut banned = Vec::new();
+    if output.len() < st.params.min_tokens {
+        banned.extend_from_slice(&st.stop_ids);
+    }
+    for word in &st.bad_words {
+        if let Some((&last, head)) = word.split_last()
+            && output.ends_with(head)
+        {
+            banned.push(last);
+        }
+    }
+    banned
 }
 
 /// The seed of sample `index` of a request seeded with `seed`: sample 0 keeps the request's
@@ -168,6 +209,11 @@ impl StepOutput {
 struct RequestState {
     params: SamplingParams,
     seed: u64,
+    /// The tokens that end this sample (EOS unless ignored, `stop_token_ids`): banned before
+    /// `min_tokens`.
+    stop_ids: Vec<u32>,
+    /// `bad_words`, tokenized.
+    bad_words: Vec<Vec<u32>>,
     detok: IncrementalDetokenizer,
     stop: StopChecker,
     /// The request (the id its caller knows) and this sample's place in it.
@@ -440,6 +486,13 @@ impl Engine {
             Some(m) => m,
             None => room,
         };
+        if let Some(&bad) = params.logit_bias.keys().find(|&&t| t >= vocab) {
+            return Err(RequestError::InvalidParam(InvalidParam {
+                param: "logit_bias",
+                message: format!("token id {bad} is outside the vocabulary (size {vocab})"),
+            }));
+        }
+        let bad_words = bad_word_ids(&self.tokenizer, &params.bad_words)?;
         let mut stop_ids = params.stop_token_ids.clone();
         if !params.ignore_eos {
             stop_ids.extend(&self.eos_token_ids);
@@ -478,6 +531,8 @@ impl Engine {
                     stop: StopChecker::new(&params.stop),
                     params: params.clone(),
                     seed: sample_seed(seed, index),
+                    stop_ids: stop_ids.clone(),
+                    bad_words: bad_words.clone(),
                     group,
                     index,
                     cum_logprob: 0.0,
@@ -625,11 +680,12 @@ impl Engine {
                 .get_mut(id)
                 .context("request state is missing")?;
             let row = &logits[i * vocab..(i + 1) * vocab];
-            let tok = sample(
+            let tok = sample_banning(
                 row,
                 &st.params,
                 req.prompt(),
                 req.output(),
+                &banned_tokens(st, req.output()),
                 st.seed,
                 req.output().len(),
             );
@@ -649,12 +705,20 @@ impl Engine {
         let mut outputs = Vec::with_capacity(events.len());
         for ev in events {
             self.stats.generated_tokens += 1;
+            let n_out = self
+                .scheduler
+                .request(ev.id)
+                .map_or(0, |r| r.output().len());
             let st = self
                 .states
                 .get_mut(&ev.id)
                 .context("request state is missing")?;
             let delta = st.detok.push(ev.token)?;
-            let (mut text, stopped) = st.stop.push(&delta);
+            let (mut text, stopped) = if n_out <= st.params.min_tokens {
+                (st.stop.push_unchecked(&delta), false)
+            } else {
+                st.stop.push(&delta)
+            };
             let mut finish = ev.finished;
             if stopped {
                 // NOTE: a stop string ends the request even when the token also hit a limit.

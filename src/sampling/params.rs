@@ -1,6 +1,7 @@
 //! Per-request sampling parameters (the OpenAI / vLLM set) and their validation.
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// The most top log-probs a request may ask for per position (OpenAI's limit).
 pub const MAX_LOGPROBS: usize = 20;
@@ -8,6 +9,8 @@ pub const MAX_LOGPROBS: usize = 20;
 /// The most stop strings (and stop token ids) a request may give, and the longest stop string.
 pub const MAX_STOP: usize = 256;
 pub const MAX_STOP_BYTES: usize = 4096;
+/// The most `logit_bias` entries (OpenAI's limit is 300; vLLM's the vocabulary).
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 /// Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`): dividing by a
 /// near-zero temperature only amplifies rounding noise.
@@ -53,6 +56,14 @@ pub struct SamplingParams {
     pub logprobs: Option<usize>,
     /// Leave special tokens out of the output text.
     pub skip_special_tokens: bool,
+    /// Added to the logits of these token ids before sampling (OpenAI's `logit_bias`), each in
+    /// [-100, 100]: -100 in effect bans a token, 100 forces it.
+    pub logit_bias: BTreeMap<u32, f32>,
+    /// The end-of-sequence and stop tokens cannot be generated before this many tokens.
+    pub min_tokens: usize,
+    /// Words that are never generated (vLLM's `bad_words`): the last token of each word's
+    /// tokenization (with and without a leading space) is banned after its other tokens.
+    pub bad_words: Vec<String>,
 }
 
 impl Default for SamplingParams {
@@ -74,6 +85,9 @@ impl Default for SamplingParams {
             ignore_eos: false,
             logprobs: None,
             skip_special_tokens: true,
+            logit_bias: BTreeMap::new(),
+            min_tokens: 0,
+            bad_words: Vec::new(),
         }
     }
 }
@@ -211,6 +225,46 @@ impl SamplingParams {
                 format!("stop strings must not be empty (stop[{i}] is empty)"),
             ));
         }
+        if let Some((id, b)) = self
+            .logit_bias
+            .iter()
+            .find(|&(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(InvalidParam::new(
+                "logit_bias",
+                format!("logit_bias values must be in [-100, 100], got {b} for token {id}"),
+            ));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(InvalidParam::new(
+                "logit_bias",
+                format!("at most {MAX_LOGIT_BIAS} logit_bias entries"),
+            ));
+        }
+        if let Some(m) = self.max_tokens
+            && self.min_tokens > m
+        {
+            return Err(InvalidParam::new(
+                "min_tokens",
+                format!(
+                    "min_tokens ({}) must not exceed max_tokens ({m})",
+                    self.min_tokens
+                ),
+            ));
+        }
+        if self.bad_words.len() > MAX_STOP
+            || self
+                .bad_words
+                .iter()
+                .any(|w| w.trim().is_empty() || w.len() > MAX_STOP_BYTES)
+        {
+            return Err(InvalidParam::new(
+                "bad_words",
+                format!(
+                    "bad_words must be at most {MAX_STOP} words, each not blank and at most {MAX_STOP_BYTES} bytes"
+                ),
+            ));
+        }
         if let Some(k) = self.logprobs
             && k > MAX_LOGPROBS
         {
@@ -281,6 +335,38 @@ mod tests {
         ] {
             p.validate().unwrap_or_else(|e| panic!("{p:?}: {e}"));
         }
+    }
+
+    #[test]
+    fn logit_bias_min_tokens_and_bad_words_are_checked() {
+        let d = SamplingParams::default;
+        let bias = |b: f32| SamplingParams {
+            logit_bias: [(1, b)].into_iter().collect(),
+            ..d()
+        };
+        bias(100.0).validate().unwrap();
+        bias(-100.0).validate().unwrap();
+        check_invalid(bias(100.5), "logit_bias");
+        check_invalid(bias(f32::NAN), "logit_bias");
+        check_invalid(
+            SamplingParams {
+                min_tokens: 3,
+                max_tokens: Some(2),
+                ..d()
+            },
+            "min_tokens",
+        );
+        check_invalid(
+            SamplingParams {
+                bad_words: vec![" ".into()],
+                ..d()
+            },
+            "bad_words",
+        );
+        // serde: token ids as JSON object keys, as the library's users write them.
+        let p: SamplingParams =
+            serde_json::from_str(r#"{"logit_bias": {"7": -5.5}, "min_tokens": 2}"#).unwrap();
+        assert_eq!(p.logit_bias.get(&7), Some(&-5.5));
     }
 
     #[test]

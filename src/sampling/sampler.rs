@@ -6,6 +6,9 @@
 //! raw logits ──► log-probs (log_softmax of the raw logits, for the response only)
 //!     │
 //!     ▼
+//! logit_bias, banned tokens (min_tokens, bad_words) set to -inf
+//!     │
+//!     ▼
 //! repetition penalty (prompt + output) ─► presence/frequency penalties (output)
 //!     │
 //!     ├─ greedy ──► argmax (ties: lowest id)
@@ -62,7 +65,37 @@ pub fn sample(
     seed: u64,
     step: usize,
 ) -> SampledToken {
-    let token_id = choose(logits, params, prompt_ids, output_ids, seed, step);
+    sample_banning(logits, params, prompt_ids, output_ids, &[], seed, step)
+}
+
+/// [`sample`], with `banned` tokens that cannot be chosen at this step (the request's stop
+/// tokens before `min_tokens`, the last token of a bad word).
+pub fn sample_banning(
+    logits: &[f32],
+    params: &SamplingParams,
+    prompt_ids: &[u32],
+    output_ids: &[u32],
+    banned: &[u32],
+    seed: u64,
+    step: usize,
+) -> SampledToken {
+    let x: Cow<[f32]> = if params.logit_bias.is_empty() && banned.is_empty() {
+        Cow::Borrowed(logits)
+    } else {
+        let mut x = logits.to_vec();
+        for (&id, &b) in &params.logit_bias {
+            if let Some(l) = x.get_mut(id as usize) {
+                *l += b;
+            }
+        }
+        for &id in banned {
+            if let Some(l) = x.get_mut(id as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Cow::Owned(x)
+    };
+    let token_id = choose(&x, params, prompt_ids, output_ids, seed, step);
     let logprobs = params.logprobs.map(|k| raw_logprobs(logits, token_id, k));
     SampledToken { token_id, logprobs }
 }
@@ -859,6 +892,31 @@ mod tests {
             p.presence_penalty = -1.5;
         });
         assert_eq!(sample(&x, &p, &[], &[2], 0, 0).token_id, 2);
+    }
+
+    #[test]
+    fn logit_bias_and_banned_tokens() {
+        let x = [3.0, 2.0, 1.0, 0.0];
+        let g = SamplingParams::greedy();
+        let mut p = g.clone();
+        p.logit_bias.insert(3, 3.5);
+        assert_eq!(sample(&x, &p, &[], &[], 0, 0).token_id, 3);
+        p.logit_bias.insert(3, -100.0);
+        assert_eq!(sample(&x, &p, &[], &[], 0, 0).token_id, 0);
+        assert_eq!(sample_banning(&x, &g, &[], &[], &[0, 1], 0, 0).token_id, 2);
+        // Ids outside the row are ignored; log-probs stay those of the raw logits.
+        let mut p = g.clone();
+        p.logprobs = Some(0);
+        let t = sample_banning(&x, &p, &[], &[], &[0, 99], 0, 0);
+        assert_eq!(t.token_id, 1);
+        assert_eq!(t.logprobs.unwrap().logprob, token_logprob(&x, 1));
+        // Sampled (not greedy) draws never pick a banned token.
+        let mut p = SamplingParams::default();
+        p.seed = Some(1);
+        for step in 0..200 {
+            let t = sample_banning(&x, &p, &[], &[], &[0, 2], 1, step).token_id;
+            assert!(t == 1 || t == 3, "{t}");
+        }
     }
 
     #[test]

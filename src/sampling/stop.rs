@@ -72,6 +72,14 @@ impl StopChecker {
         (out, false)
     }
 
+    /// Adds text that may not stop generation (output before `min_tokens`, as vLLM does):
+    /// returns it with whatever was held back; stop strings are looked for in later text only.
+    pub fn push_unchecked(&mut self, delta: &str) -> String {
+        let mut out = std::mem::take(&mut self.held);
+        out.push_str(delta);
+        out
+    }
+
     /// At the end of generation (length or EOS): releases what was held back.
     pub fn flush(&mut self) -> String {
         std::mem::take(&mut self.held)

@@ -225,11 +225,24 @@ fn sampling_params(
     logprobs: Option<usize>,
     model: &SamplingDefaults,
 ) -> Result<SamplingParams, ApiError> {
-    if f.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-        return Err(ApiError::unsupported(
-            "logit_bias is not supported yet",
-            "logit_bias",
-        ));
+    let mut logit_bias = std::collections::BTreeMap::new();
+    for (k, v) in f.logit_bias.iter().flatten() {
+        let bad = |what: &str| {
+            ApiError::invalid(
+                format!(
+                    "logit_bias: {what} (keys are token ids, values numbers in [-100, 100]), got \"{}\": {}",
+                    crate::untrusted::text(k),
+                    crate::untrusted::json(v)
+                ),
+                Some("logit_bias"),
+            )
+        };
+        let id: u32 = k
+            .trim()
+            .parse()
+            .map_err(|_| bad("a key is not a token id"))?;
+        let b = v.as_f64().ok_or_else(|| bad("a value is not a number"))?;
+        logit_bias.insert(id, b as f32);
     }
     let d = SamplingParams::default();
     let explicit = SamplingDefaults {
@@ -251,6 +264,9 @@ fn sampling_params(
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+        logit_bias,
+        min_tokens: f.min_tokens.unwrap_or(0),
+        bad_words: f.bad_words.clone().unwrap_or_default(),
         ..d
     };
     // NOTE: what the request leaves out comes from the model's generation_config, then from
@@ -273,8 +289,6 @@ const UNSUPPORTED: &[&str] = &[
     "guided_whitespace_pattern",
     "structured_outputs",
     "prompt_logprobs",
-    "min_tokens",
-    "bad_words",
     "allowed_token_ids",
     "truncate_prompt_tokens",
     "use_beam_search",

@@ -49,6 +49,8 @@ pub struct SamplingFields {
     pub n: Option<usize>,
     pub best_of: Option<usize>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
+    pub min_tokens: Option<usize>,
+    pub bad_words: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
