@@ -7,6 +7,29 @@ use std::path::Path;
 pub use super::registry::Arch;
 use crate::backend::Activation;
 
+/// The largest context (`max_position_embeddings`, `--max-model-len`) a config may have.
+pub const MAX_CONTEXT: usize = 1 << 24;
+
+/// The largest value of each size a config may have.
+///
+/// NOTE: far beyond every released model (today's largest: 126 layers, 128 heads, head_dim
+/// 256, hidden 25600, FFN 53248, vocab 262144, context 10M for Llama 4 Scout), they exist to
+/// turn a corrupt size into an error before anything is sized from it: a block_count of 2^40
+/// made `Vec::with_capacity` panic, a context of 2^31 aborted building the RoPE tables. Within
+/// them every product the engine forms fits a u64 with room to spare (the largest weight,
+/// vocab × hidden, is 2^44 elements; KV bytes per token × context is under 2^60), positions
+/// and token ids fit a u32, and both are exact in an f32 (2^24).
+pub const LIMITS: &[(&str, usize)] = &[
+    ("num_hidden_layers", 1024),
+    ("num_attention_heads", 1024),
+    ("num_key_value_heads", 1024),
+    ("head_dim", 1024),
+    ("hidden_size", 1 << 20),
+    ("intermediate_size", 1 << 20),
+    ("vocab_size", 1 << 24),
+    ("max_position_embeddings", MAX_CONTEXT),
+];
+
 /// Phi-3's `longrope` (`su`) RoPE scaling: per-frequency factors for short and long contexts,
 /// and the cos/sin magnitude factor.
 #[derive(Debug, Clone, PartialEq)]
@@ -102,11 +125,126 @@ impl ModelConfig {
             .unwrap_or(1.0 / (self.head_dim as f64).sqrt()) as f32
     }
 
-    /// Checks the relations between hyper-parameters that the model code relies on.
+    /// Checks the relations between hyper-parameters that the model code relies on, and that
+    /// every size and value is one a real model could have (see [`LIMITS`]).
     pub fn validate(&self) -> Result<()> {
+        self.check_sizes()?;
+        self.check_values()
+    }
+
+    /// Checks every size against [`LIMITS`]. The readers call it before the family hooks,
+    /// which size things from the config (Gemma 3's per-layer pattern).
+    pub fn check_sizes(&self) -> Result<()> {
         let c = self;
-        if c.hidden_size == 0 || c.num_layers == 0 || c.num_heads == 0 || c.num_kv_heads == 0 {
-            bail!("config has a zero size: {c:?}");
+        let sizes = [
+            ("num_hidden_layers", c.num_layers),
+            ("num_attention_heads", c.num_heads),
+            ("num_key_value_heads", c.num_kv_heads),
+            ("head_dim", c.head_dim),
+            ("hidden_size", c.hidden_size),
+            ("intermediate_size", c.intermediate_size),
+            ("vocab_size", c.vocab_size),
+            ("max_position_embeddings", c.max_position_embeddings),
+        ];
+        for (name, n) in sizes {
+            let (_, max) = LIMITS
+                .iter()
+                .find(|(k, _)| *k == name)
+                .expect("every size has a limit");
+            if n == 0 {
+                bail!("{name} must be positive, got 0");
+            }
+            if n > *max {
+                bail!(
+                    "{name} {n} is larger than any model this engine runs (at most {max}): \
+                     the file is corrupt"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn check_values(&self) -> Result<()> {
+        let c = self;
+        let max_context = MAX_CONTEXT;
+        if let Some(w) = c.sliding_window
+            && w > max_context
+        {
+            bail!("sliding_window {w} is larger than the largest context ({max_context})");
+        }
+        for (name, v) in [
+            ("rope_theta", Some(c.rope_theta)),
+            ("the local rope_theta", c.rope_theta_local),
+        ] {
+            if let Some(v) = v
+                && !(v > 0.0 && v.is_finite())
+            {
+                bail!("{name} (the RoPE base) must be a positive number, got {v}");
+            }
+        }
+        // NOTE: no family uses an epsilon of 0 (it divides by zero on a zero row); llama.cpp
+        // does not check, transformers does not either, but such a file is corrupt.
+        if !(c.rms_norm_eps > 0.0 && c.rms_norm_eps.is_finite()) {
+            bail!(
+                "the norm epsilon (rms_norm_eps, layer_norm_epsilon) must be a positive number, got {}",
+                c.rms_norm_eps
+            );
+        }
+        if let Some(a) = c.attn_scale
+            && !(a > 0.0 && a.is_finite())
+        {
+            bail!("the attention scale must be a positive number, got {a}");
+        }
+        if let Some(s) = &c.rope_scaling {
+            let positive = |name: &str, v: f64| {
+                if v > 0.0 && v.is_finite() {
+                    Ok(())
+                } else {
+                    Err(anyhow::anyhow!(
+                        "llama3 RoPE scaling: {name} must be a positive number, got {v}"
+                    ))
+                }
+            };
+            positive("factor", s.factor)?;
+            positive("low_freq_factor", s.low_freq_factor)?;
+            positive("high_freq_factor", s.high_freq_factor)?;
+            // transformers' rule; equal factors divide by zero in the smooth band
+            if s.high_freq_factor <= s.low_freq_factor {
+                bail!(
+                    "llama3 RoPE scaling: high_freq_factor ({}) must be greater than low_freq_factor ({})",
+                    s.high_freq_factor,
+                    s.low_freq_factor
+                );
+            }
+            let o = s.original_max_position_embeddings;
+            if o == 0 || o > max_context {
+                bail!(
+                    "llama3 RoPE scaling: original_max_position_embeddings must be in 1..={max_context}, got {o}"
+                );
+            }
+        }
+        if let Some(l) = &c.longrope {
+            let o = l.original_max_position_embeddings;
+            // NOTE: 1 is refused too: the attention factor divides by ln(original).
+            if o < 2 || o > max_context {
+                bail!(
+                    "longrope: original_max_position_embeddings must be in 2..={max_context}, got {o}"
+                );
+            }
+            if let Some(x) = l
+                .short_factor
+                .iter()
+                .chain(&l.long_factor)
+                .find(|x| !(**x > 0.0 && x.is_finite()))
+            {
+                bail!("longrope: every short and long factor must be a positive number, got {x}");
+            }
+            if !(l.attention_factor > 0.0 && l.attention_factor.is_finite()) {
+                bail!(
+                    "longrope: the attention factor must be a positive number, got {}",
+                    l.attention_factor
+                );
+            }
         }
         if !c.num_heads.is_multiple_of(c.num_kv_heads) {
             bail!(
@@ -115,11 +253,8 @@ impl ModelConfig {
                 c.num_kv_heads
             );
         }
-        if c.head_dim == 0 || !c.head_dim.is_multiple_of(2) {
-            bail!("head_dim must be even and non-zero, got {}", c.head_dim);
-        }
-        if c.vocab_size == 0 || c.intermediate_size == 0 {
-            bail!("vocab_size and intermediate_size must be non-zero");
+        if !c.head_dim.is_multiple_of(2) {
+            bail!("head_dim must be even, got {}", c.head_dim);
         }
         if c.sliding_window == Some(0) {
             bail!("sliding_window must be positive");
@@ -250,6 +385,7 @@ impl ModelConfig {
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
         };
+        c.check_sizes()?;
         if let (Some(s), Some("longrope" | "su")) = (&scaling, rope_type) {
             c.longrope = Some(longrope(&f, s, head_dim, max_position_embeddings)?);
         }
@@ -445,4 +581,171 @@ fn longrope(
         original_max_position_embeddings: original,
         attention_factor,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 100,
+            "max_position_embeddings": 256,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2
+        })
+    }
+
+    fn err(edit: impl Fn(&mut Value)) -> String {
+        let mut v = base();
+        edit(&mut v);
+        match ModelConfig::from_hf_value(&v) {
+            Ok(c) => panic!("accepted: {c:?}"),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn the_base_config_is_valid() {
+        let c = ModelConfig::from_hf_value(&base()).unwrap();
+        assert_eq!((c.num_layers, c.head_dim), (2, 16));
+    }
+
+    #[test]
+    fn huge_sizes_are_refused_before_anything_is_sized_from_them() {
+        for (key, limit) in LIMITS {
+            for n in [*limit as u64 + 1, 1 << 31, 1 << 40, 1 << 62, u64::MAX] {
+                let e = err(|v| v[*key] = n.into());
+                assert!(
+                    e.contains(&format!("{key} {n} is larger than any model")),
+                    "{key} = {n}: {e}"
+                );
+            }
+            let e = err(|v| v[*key] = 0.into());
+            assert!(e.contains(&format!("{key} must be positive")), "{key}: {e}");
+        }
+        // Gemma 3 sizes its per-layer pattern from the layer count: checked before that
+        let e = err(|v| {
+            v["model_type"] = "gemma3_text".into();
+            v["sliding_window"] = 16.into();
+            v["num_hidden_layers"] = (1u64 << 60).into();
+        });
+        assert!(e.contains("num_hidden_layers 1152921504606846976"), "{e}");
+        let e = err(|v| {
+            v["model_type"] = "mistral".into();
+            v["sliding_window"] = (1u64 << 40).into();
+        });
+        assert!(e.contains("sliding_window 1099511627776 is larger"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        type Edit = Box<dyn Fn(&mut Value)>;
+        let cases: Vec<(&str, Edit)> = vec![
+            (
+                "rope_theta (the RoPE base) must be a positive number, got 0",
+                Box::new(|v| v["rope_theta"] = 0.into()),
+            ),
+            (
+                "got -10000",
+                Box::new(|v| v["rope_theta"] = (-10000).into()),
+            ),
+            ("norm epsilon", Box::new(|v| v["rms_norm_eps"] = 0.into())),
+            (
+                "norm epsilon",
+                Box::new(|v| v["rms_norm_eps"] = json!(-1e-5)),
+            ),
+            (
+                "llama3 RoPE scaling: factor must be a positive number, got 0",
+                Box::new(|v| v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 0})),
+            ),
+            (
+                "high_freq_factor (2) must be greater than low_freq_factor (2)",
+                Box::new(|v| {
+                    v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8,
+                        "low_freq_factor": 2, "high_freq_factor": 2})
+                }),
+            ),
+            (
+                "original_max_position_embeddings must be in 1..=16777216, got 0",
+                Box::new(|v| {
+                    v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8,
+                        "original_max_position_embeddings": 0})
+                }),
+            ),
+            (
+                "longrope: every short and long factor must be a positive number, got 0",
+                Box::new(|v| {
+                    v["model_type"] = "phi3".into();
+                    v["rope_scaling"] = json!({"type": "longrope",
+                        "short_factor": [1, 1, 1, 1, 1, 1, 1, 1],
+                        "long_factor": [1, 1, 1, 1, 1, 1, 1, 0],
+                        "original_max_position_embeddings": 128});
+                }),
+            ),
+            (
+                "longrope: original_max_position_embeddings must be in 2..",
+                Box::new(|v| {
+                    v["model_type"] = "phi3".into();
+                    v["rope_scaling"] = json!({"type": "longrope",
+                        "short_factor": [1, 1, 1, 1, 1, 1, 1, 1],
+                        "long_factor": [1, 1, 1, 1, 1, 1, 1, 1],
+                        "original_max_position_embeddings": 1});
+                }),
+            ),
+            (
+                "the attention scale must be a positive number, got inf",
+                Box::new(|v| {
+                    v["model_type"] = "gemma3_text".into();
+                    v["sliding_window"] = 16.into();
+                    v["query_pre_attn_scalar"] = 0.into();
+                }),
+            ),
+            (
+                "the local rope_theta (the RoPE base) must be a positive number",
+                Box::new(|v| {
+                    v["model_type"] = "gemma3_text".into();
+                    v["sliding_window"] = 16.into();
+                    v["rope_local_base_freq"] = (-1).into();
+                }),
+            ),
+            (
+                "eos_token_id 100 is not a token",
+                Box::new(|v| v["eos_token_id"] = 100.into()),
+            ),
+        ];
+        for (want, edit) in cases {
+            let e = err(edit);
+            assert!(e.contains(want), "want {want:?}: {e}");
+        }
+        // non-finite values, which JSON cannot hold, reach validate from GGUF files
+        let mut c = ModelConfig::from_hf_value(&base()).unwrap();
+        for x in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            c.rope_theta = x;
+            assert!(c.validate().unwrap_err().to_string().contains("RoPE base"));
+            c.rope_theta = 1e4;
+            c.rms_norm_eps = x;
+            assert!(c.validate().unwrap_err().to_string().contains("epsilon"));
+            c.rms_norm_eps = 1e-5;
+            c.rope_scaling = Some(Llama3RopeScaling {
+                factor: x,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            });
+            assert!(c.validate().unwrap_err().to_string().contains("factor"));
+            c.rope_scaling = None;
+        }
+        c.validate().unwrap();
+    }
 }

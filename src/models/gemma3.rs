@@ -140,18 +140,17 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
         },
     };
     c.rope_theta_local = Some(
-        g.metadata()
-            .get(&format!("{arch}.rope.freq_base_swa"))
-            .and_then(|v| v.as_f64())
+        g.meta_f64(&format!("{arch}.rope.freq_base_swa"))?
             .unwrap_or(LOCAL_ROPE_THETA),
     );
     c.qk_norm = true;
-    let num = |k: String| g.metadata().get(&k).and_then(|v| v.as_f64());
     // NOTE: llama.cpp uses 1/sqrt(head_dim) for the sizes it converts (query_pre_attn_scalar
     // equals head_dim there) unless the file says otherwise
-    c.attn_scale =
-        Some(num(format!("{arch}.attention.scale")).unwrap_or((c.head_dim as f64).powf(-0.5)));
-    c.final_logit_softcap = num(format!("{arch}.final_logit_softcapping"));
+    c.attn_scale = Some(
+        g.meta_f64(&format!("{arch}.attention.scale"))?
+            .unwrap_or((c.head_dim as f64).powf(-0.5)),
+    );
+    c.final_logit_softcap = g.meta_f64(&format!("{arch}.final_logit_softcapping"))?;
     c.hidden_act = crate::backend::Activation::GeluTanh;
     if g.tensor_info("blk.0.attn_q_norm.weight").is_none() {
         bail!("a {arch} model needs Q/K norms, but the file has no blk.0.attn_q_norm.weight");

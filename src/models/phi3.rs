@@ -39,17 +39,10 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
         (Some(short_factor), Some(long_factor)) => {
             let key = format!("{arch}.rope.scaling.original_context_length");
             let original = g
-                .metadata()
-                .get(&key)
-                .and_then(|v| v.as_u64())
-                .with_context(|| format!("longrope needs the integer metadata '{key}'"))?
-                as usize;
+                .meta_usize(&key)?
+                .with_context(|| format!("longrope needs the integer metadata '{key}'"))?;
             let scale = c.max_position_embeddings as f64 / original as f64;
-            let attention_factor = match g
-                .metadata()
-                .get(&format!("{arch}.rope.scaling.attn_factor"))
-                .and_then(|v| v.as_f64())
-            {
+            let attention_factor = match g.meta_f64(&format!("{arch}.rope.scaling.attn_factor"))? {
                 Some(a) => a,
                 None if scale <= 1.0 => 1.0,
                 None => (1.0 + scale.ln() / (original as f64).ln()).sqrt(),

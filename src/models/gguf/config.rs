@@ -4,6 +4,7 @@
 
 use super::{GgufFile, GgufValue, in_file};
 use crate::models::config::{Llama3RopeScaling, ModelConfig};
+use crate::untrusted::text;
 use anyhow::{Result, anyhow, bail};
 
 impl GgufFile {
@@ -24,6 +25,43 @@ impl GgufFile {
         }
     }
 
+    /// Metadata `key` as a non-negative integer: `None` when absent, an error naming the key
+    /// and the value when it is of another type.
+    pub fn meta_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.metadata.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_u64().and_then(|x| usize::try_from(x).ok()) {
+                Some(x) => Ok(Some(x)),
+                None => bail!(
+                    "metadata '{}' should be a non-negative integer, found {v:?}",
+                    text(key)
+                ),
+            },
+        }
+    }
+
+    /// Metadata `key` as a number (integers converted), as [`Self::meta_usize`].
+    pub fn meta_f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.metadata.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) => Ok(Some(x)),
+                None => bail!("metadata '{}' should be a number, found {v:?}", text(key)),
+            },
+        }
+    }
+
+    /// Metadata `key` as a string, as [`Self::meta_usize`].
+    pub fn meta_str(&self, key: &str) -> Result<Option<&str>> {
+        match self.metadata.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_str() {
+                Some(x) => Ok(Some(x)),
+                None => bail!("metadata '{}' should be a string, found {v:?}", text(key)),
+            },
+        }
+    }
+
     /// The model hyper-parameters, from the `{arch}.*` and `tokenizer.ggml.*` metadata.
     pub fn config(&self) -> Result<ModelConfig> {
         self.config_inner().map_err(|e| in_file(&self.path, e))
@@ -33,27 +71,11 @@ impl GgufFile {
         let arch_name = self.arch_str()?.to_owned();
         let family = crate::models::registry::by_gguf_architecture(&arch_name)?;
         let a = &arch_name;
-        let opt_usize = |k: &str| -> Result<Option<usize>> {
-            match self.metadata.get(k) {
-                None => Ok(None),
-                Some(v) => match v.as_u64().and_then(|x| usize::try_from(x).ok()) {
-                    Some(x) => Ok(Some(x)),
-                    None => bail!("metadata '{k}' should be a non-negative integer, found {v:?}"),
-                },
-            }
-        };
+        let opt_usize = |k: &str| self.meta_usize(k);
         let req_usize = |k: &str| -> Result<usize> {
             opt_usize(k)?.ok_or_else(|| anyhow!("metadata lacks the integer '{k}'"))
         };
-        let opt_f64 = |k: &str| -> Result<Option<f64>> {
-            match self.metadata.get(k) {
-                None => Ok(None),
-                Some(v) => match v.as_f64() {
-                    Some(x) => Ok(Some(x)),
-                    None => bail!("metadata '{k}' should be a number, found {v:?}"),
-                },
-            }
-        };
+        let opt_f64 = |k: &str| self.meta_f64(k);
         let opt_u32 = |k: &str| -> Result<Option<u32>> {
             match opt_usize(k)? {
                 None => Ok(None),
@@ -140,8 +162,26 @@ impl GgufFile {
             bos_token_id,
             eos_token_ids,
         };
+        c.check_sizes()?;
         (family.gguf_config)(self, &arch_name, &mut c)?;
         c.validate()?;
+        // NOTE: llama.cpp refuses a file with tensors it does not use; a layer's tensors past
+        // block_count mean a corrupt count (running fewer layers would go unnoticed).
+        for t in &self.tensors {
+            if let Some(n) = t
+                .name
+                .strip_prefix("blk.")
+                .and_then(|r| r.split_once('.'))
+                .and_then(|(n, _)| n.parse::<u64>().ok())
+                && n >= c.num_layers as u64
+            {
+                bail!(
+                    "tensor '{}' is of layer {n}, but {a}.block_count is {}",
+                    text(&t.name),
+                    c.num_layers
+                );
+            }
+        }
         Ok(c)
     }
 
@@ -156,22 +196,19 @@ impl GgufFile {
         theta: f64,
     ) -> Result<Option<Llama3RopeScaling>> {
         let key = |k: &str| format!("{a}.rope.scaling.{k}");
-        let num = |k: &str| self.metadata.get(&key(k)).and_then(GgufValue::as_f64);
-        let ty = self
-            .metadata
-            .get(&key("type"))
-            .and_then(GgufValue::as_str)
-            .unwrap_or("none");
+        let num = |k: &str| self.meta_f64(&key(k));
+        let ty = self.meta_str(&key("type"))?.unwrap_or("none");
         let from_keys = match ty {
             "none" => None,
             "llama3" => Some(Llama3RopeScaling {
-                factor: num("factor").ok_or_else(|| anyhow!("{} is missing", key("factor")))?,
-                low_freq_factor: num("low_freq_factor").unwrap_or(1.0),
-                high_freq_factor: num("high_freq_factor").unwrap_or(4.0),
-                original_max_position_embeddings: num("original_context_length").unwrap_or(8192.0)
-                    as usize,
+                factor: num("factor")?.ok_or_else(|| anyhow!("{} is missing", key("factor")))?,
+                low_freq_factor: num("low_freq_factor")?.unwrap_or(1.0),
+                high_freq_factor: num("high_freq_factor")?.unwrap_or(4.0),
+                original_max_position_embeddings: self
+                    .meta_usize(&key("original_context_length"))?
+                    .unwrap_or(8192),
             }),
-            "linear" if num("factor") == Some(1.0) => None,
+            "linear" if num("factor")? == Some(1.0) => None,
             other => bail!(
                 "RoPE scaling of type '{}' is not supported (only llama3)",
                 crate::untrusted::text(other)

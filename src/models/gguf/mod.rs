@@ -1518,6 +1518,124 @@ mod tests {
         assert!(e.contains("nests arrays deeper"), "{e}");
     }
 
+    /// Corrupt sizes, values and layer counts are refused with the key and the value named.
+    #[test]
+    fn corrupt_sizes_and_values_are_refused() {
+        let cfg_err = |w: Writer| -> String {
+            let t = write_tmp(&w.bytes());
+            match GgufFile::open(&t.path).unwrap().config() {
+                Ok(c) => panic!("accepted: {c:?}"),
+                Err(e) => e.to_string(),
+            }
+        };
+        let set = |k: &str, vt: u32, bytes: Vec<u8>| {
+            let mut w = synthetic("llama");
+            w.kvs.retain(|(kk, _, _)| kk != k);
+            w.kv(k, vt, bytes)
+        };
+        let u64_ = |n: u64| n.to_le_bytes().to_vec();
+        let f32_ = |x: f32| x.to_le_bytes().to_vec();
+
+        // a layer's tensors past block_count (llama.cpp refuses the file too)
+        let w = synthetic("llama").f32_tensor("blk.1.ffn_norm.weight", &[32], |_| 1.0);
+        let e = cfg_err(w);
+        assert!(
+            e.contains("tensor 'blk.1.ffn_norm.weight' is of layer 1, but llama.block_count is 1"),
+            "{e}"
+        );
+
+        for n in [1u64 << 31, 1 << 40, 1 << 62, u64::MAX] {
+            let e = cfg_err(set("llama.block_count", VT_U64, u64_(n)));
+            assert!(
+                e.contains(&format!("num_hidden_layers {n} is larger")),
+                "{e}"
+            );
+            let e = cfg_err(set("llama.context_length", VT_U64, u64_(n)));
+            assert!(
+                e.contains(&format!("max_position_embeddings {n} is larger")),
+                "{e}"
+            );
+            let e = cfg_err(set("llama.feed_forward_length", VT_U64, u64_(n)));
+            assert!(
+                e.contains(&format!("intermediate_size {n} is larger")),
+                "{e}"
+            );
+        }
+        for x in [0.0f32, -1.0, f32::NAN, f32::INFINITY] {
+            let e = cfg_err(set("llama.rope.freq_base", VT_F32, f32_(x)));
+            assert!(
+                e.contains("rope_theta (the RoPE base) must be a positive number"),
+                "{e}"
+            );
+            let e = cfg_err(set(
+                "llama.attention.layer_norm_rms_epsilon",
+                VT_F32,
+                f32_(x),
+            ));
+            assert!(
+                e.contains("epsilon") && e.contains("must be a positive number"),
+                "{e}"
+            );
+            let w = synthetic("llama")
+                .str("llama.rope.scaling.type", "llama3")
+                .f32("llama.rope.scaling.factor", x);
+            let e = cfg_err(w);
+            assert!(
+                e.contains("llama3 RoPE scaling: factor must be a positive number"),
+                "{e}"
+            );
+        }
+        let w = synthetic("llama")
+            .str("llama.rope.scaling.type", "llama3")
+            .f32("llama.rope.scaling.factor", 8.0)
+            .f32("llama.rope.scaling.low_freq_factor", 4.0);
+        let e = cfg_err(w);
+        assert!(
+            e.contains("high_freq_factor (4) must be greater than low_freq_factor (4)"),
+            "{e}"
+        );
+        let w = synthetic("llama")
+            .str("llama.rope.scaling.type", "llama3")
+            .f32("llama.rope.scaling.factor", 8.0)
+            .u32("llama.rope.scaling.original_context_length", 0);
+        let e = cfg_err(w);
+        assert!(
+            e.contains("original_max_position_embeddings must be in 1..="),
+            "{e}"
+        );
+        // keys of the wrong type are errors, not defaults
+        let w = synthetic("llama").u32("llama.rope.scaling.type", 3);
+        let e = cfg_err(w);
+        assert!(
+            e.contains("metadata 'llama.rope.scaling.type' should be a string, found U32(3)"),
+            "{e}"
+        );
+        let w = synthetic("llama")
+            .str("llama.rope.scaling.type", "llama3")
+            .f32("llama.rope.scaling.factor", 8.0)
+            .f32("llama.rope.scaling.original_context_length", -1.0);
+        let e = cfg_err(w);
+        assert!(
+            e.contains("should be a non-negative integer, found F32(-1.0)"),
+            "{e}"
+        );
+        // token ids
+        let e = cfg_err(set(
+            "tokenizer.ggml.eos_token_id",
+            VT_U32,
+            8u32.to_le_bytes().to_vec(),
+        ));
+        assert!(
+            e.contains("eos_token_id 8 is not a token: the vocabulary has 8"),
+            "{e}"
+        );
+        let e = cfg_err(set("tokenizer.ggml.bos_token_id", VT_U64, u64_(1 << 32)));
+        assert!(
+            e.contains("tokenizer.ggml.bos_token_id' = 4294967296 is not a token id"),
+            "{e}"
+        );
+    }
+
     /// Keys, names and values from the file are escaped and cut in errors: no raw control
     /// characters or newlines (terminal and log injection), no message of hundreds of KB.
     #[test]
