@@ -13,8 +13,9 @@ use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK, PrefixCacheStats};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{ModelConfig, load_model};
 use crate::sampling::{
-    IncrementalDetokenizer, InvalidParam, SamplingDefaults, SamplingParams, StopChecker,
-    TokenLogprobs, sampler::sample_banning, token_logprob,
+    IncrementalDetokenizer, InvalidParam, Restrict, SamplingDefaults, SamplingParams, StopChecker,
+    StructuredCompiler, TokenLogprobs, sampler::sample_restricted, structured::allowed_tokens,
+    token_logprob,
 };
 use crate::sched::{
     FinishReason, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
@@ -94,6 +95,7 @@ fn argmax_suffices(p: &SamplingParams) -> bool {
         && p.logit_bias.is_empty()
         && p.min_tokens == 0
         && p.bad_words.is_empty()
+        && p.structured.is_none()
 }
 
 /// The token sequences of `bad_words` (vLLM's way): each word as written and with a leading
@@ -214,6 +216,8 @@ struct RequestState {
     stop_ids: Vec<u32>,
     /// `bad_words`, tokenized.
     bad_words: Vec<Vec<u32>>,
+    /// The structured-output constraint's state: what the output may continue with.
+    matcher: Option<llguidance::Matcher>,
     detok: IncrementalDetokenizer,
     stop: StopChecker,
     /// The request (the id its caller knows) and this sample's place in it.
@@ -267,6 +271,8 @@ pub struct Engine {
     next_id: RequestId,
     seed_rng: ChaCha8Rng,
     stats: EngineStats,
+    /// Compiles structured-output constraints; built at the first request that has one.
+    structured: Option<StructuredCompiler>,
 }
 
 impl Engine {
@@ -366,6 +372,7 @@ impl Engine {
             max_n: args.max_n,
             next_id: 0,
             seed_rng: ChaCha8Rng::seed_from_u64(args.seed),
+            structured: None,
             stats: EngineStats::default(),
         })
     }
@@ -439,6 +446,34 @@ impl Engine {
         self.tokenizer.apply_chat_template(messages, true)
     }
 
+    /// A matcher for `c` (the compiler is built on first use).
+    fn compile_structured(
+        &mut self,
+        c: &crate::sampling::StructuredOutput,
+    ) -> Result<llguidance::Matcher, RequestError> {
+        if self.structured.is_none() {
+            let compiler = StructuredCompiler::new(
+                self.tokenizer.clone(),
+                self.config.vocab_size,
+                &self.eos_token_ids,
+            )
+            .map_err(RequestError::Internal)?;
+            self.structured = Some(compiler);
+        }
+        let compiler = self.structured.as_ref().ok_or_else(|| {
+            RequestError::Internal(anyhow::anyhow!("the structured-output compiler is missing"))
+        })?;
+        compiler.compile(c).map_err(|message| {
+            RequestError::InvalidParam(InvalidParam {
+                param: "structured_outputs",
+                message: format!(
+                    "the structured output constraint does not compile: {}",
+                    crate::untrusted::text(&message)
+                ),
+            })
+        })
+    }
+
     /// Validates and queues a request (its `best_of` samples, which share the prompt's blocks).
     /// Nothing is queued when it fails. Its outputs carry the returned id and their `index`.
     pub fn add_request(
@@ -493,6 +528,10 @@ impl Engine {
             }));
         }
         let bad_words = bad_word_ids(&self.tokenizer, &params.bad_words)?;
+        let matcher = match &params.structured {
+            Some(c) => Some(self.compile_structured(c)?),
+            None => None,
+        };
         let mut stop_ids = params.stop_token_ids.clone();
         if !params.ignore_eos {
             stop_ids.extend(&self.eos_token_ids);
@@ -533,6 +572,7 @@ impl Engine {
                     seed: sample_seed(seed, index),
                     stop_ids: stop_ids.clone(),
                     bad_words: bad_words.clone(),
+                    matcher: matcher.as_ref().map(|m| m.deep_clone()),
                     group,
                     index,
                     cum_logprob: 0.0,
@@ -652,12 +692,45 @@ impl Engine {
                     .get(id)
                     .is_some_and(|st| argmax_suffices(&st.params))
             });
-        let executed = if greedy_only {
-            self.runner
-                .execute_greedy(input)
-                .map(|g| (Vec::new(), Some(g)))
+        let runner = &mut self.runner;
+        let execute = move || {
+            if greedy_only {
+                runner.execute_greedy(input).map(|g| (Vec::new(), Some(g)))
+            } else {
+                runner.execute(input).map(|l| (l, None))
+            }
+        };
+        // NOTE: the structured-output masks are computed while the model runs (as vLLM
+        // overlaps them): they depend only on each request's output so far.
+        let constrained: Vec<(RequestId, &mut llguidance::Matcher)> = {
+            let wanted: std::collections::HashSet<RequestId> = sampling.iter().copied().collect();
+            self.states
+                .iter_mut()
+                .filter(|(id, _)| wanted.contains(id))
+                .filter_map(|(id, st)| st.matcher.as_mut().map(|m| (*id, m)))
+                .collect()
+        };
+        let (executed, mut masks) = if constrained.is_empty() {
+            (execute(), HashMap::new())
         } else {
-            self.runner.execute(input).map(|l| (l, None))
+            // NOTE: the model runs on this thread (a GPU context is bound to it); the masks
+            // on a scoped one.
+            let ids: Vec<RequestId> = constrained.iter().map(|(id, _)| *id).collect();
+            std::thread::scope(|scope| {
+                let masks = scope.spawn(move || {
+                    constrained
+                        .into_iter()
+                        .map(|(id, m)| (id, allowed_tokens(m)))
+                        .collect::<HashMap<_, _>>()
+                });
+                let executed = execute();
+                let masks = masks.join().unwrap_or_else(|_| {
+                    ids.into_iter()
+                        .map(|id| (id, Err("the mask thread panicked".to_string())))
+                        .collect()
+                });
+                (executed, masks)
+            })
         };
         // NOTE: blocks registered in the prefix cache this step were not (all) written: forget
         // every cached prefix rather than let a later request read them.
@@ -680,15 +753,37 @@ impl Engine {
                 .get_mut(id)
                 .context("request state is missing")?;
             let row = &logits[i * vocab..(i + 1) * vocab];
-            let tok = sample_banning(
+            let banned = banned_tokens(st, req.output());
+            // NOTE: a grammar that fails midway lets the output end (its stop tokens only)
+            // rather than take the step down.
+            let mask = match masks.remove(id) {
+                Some(Ok(v)) => Some(v),
+                Some(Err(e)) => {
+                    tracing::warn!("request {id}: structured output failed: {e}");
+                    let mut v = llguidance::toktrie::SimpleVob::alloc(vocab);
+                    st.stop_ids.iter().for_each(|&t| v.allow_token(t));
+                    Some(v)
+                }
+                None => None,
+            };
+            let restrict = Restrict {
+                banned: &banned,
+                allowed: mask.as_ref().map(|m| m.as_slice()),
+            };
+            let tok = sample_restricted(
                 row,
                 &st.params,
                 req.prompt(),
                 req.output(),
-                &banned_tokens(st, req.output()),
+                &restrict,
                 st.seed,
                 req.output().len(),
             );
+            if let Some(m) = &mut st.matcher
+                && let Err(e) = m.consume_token(tok.token_id)
+            {
+                tracing::warn!("request {id}: structured output failed: {e:#}");
+            }
             if st.params.best_of() > st.params.n {
                 st.cum_logprob += match &tok.logprobs {
                     Some(lp) => lp.logprob,
@@ -720,6 +815,18 @@ impl Engine {
                 st.stop.push(&delta)
             };
             let mut finish = ev.finished;
+            // NOTE: a grammar that is complete and allows nothing more ends the output here
+            // (the mask would allow only EOS next).
+            let grammar_done = finish.is_none()
+                && !stopped
+                && st
+                    .matcher
+                    .as_ref()
+                    .is_some_and(|m| m.is_stopped() && !st.stop_ids.contains(&ev.token));
+            let stopped = stopped || grammar_done;
+            if grammar_done {
+                text.push_str(&st.stop.flush());
+            }
             if stopped {
                 // NOTE: a stop string ends the request even when the token also hit a limit.
                 self.scheduler.finish_request(ev.id, FinishReason::Stop);

@@ -247,11 +247,7 @@ impl Tokenizer {
         let Some(piece) = self.id_to_token(id) else {
             return text.into_bytes();
         };
-        if let Some(b) = piece
-            .strip_prefix("<0x")
-            .and_then(|h| h.strip_suffix('>'))
-            .and_then(|h| u8::from_str_radix(h, 16).ok())
-        {
+        if let Some(b) = byte_fallback_piece(&piece) {
             return vec![b];
         }
         // NOTE: a byte-level BPE vocabulary spells each byte as one printable character
@@ -265,6 +261,45 @@ impl Tokenizer {
             Some(bytes) => bytes,
             None => text.into_bytes(),
         }
+    }
+
+    /// Every token's bytes as the vocabulary spells them (a SentencePiece `▁` as a space,
+    /// `<0xNN>` as its byte, byte-level characters as their bytes), and whether the token is
+    /// special (an added control token such as `<|im_end|>`, which text never tokenizes to).
+    /// Ids the tokenizer does not know get no bytes.
+    pub fn vocab_pieces(&self) -> Vec<(Vec<u8>, bool)> {
+        fn byte_level(d: &tokenizers::DecoderWrapper) -> bool {
+            match d {
+                tokenizers::DecoderWrapper::ByteLevel(_) => true,
+                tokenizers::DecoderWrapper::Sequence(s) => s.get_decoders().iter().any(byte_level),
+                _ => false,
+            }
+        }
+        let is_byte_level = self.inner.get_decoder().is_some_and(byte_level);
+        let added = self.inner.get_added_tokens_decoder();
+        let table = byte_level_table();
+        (0..self.vocab_size() as u32)
+            .map(|id| {
+                if let Some(a) = added.get(&id) {
+                    return (a.content.as_bytes().to_vec(), a.special);
+                }
+                let Some(piece) = self.id_to_token(id) else {
+                    return (Vec::new(), false);
+                };
+                let bytes = if is_byte_level {
+                    piece
+                        .chars()
+                        .map(|c| table.get(&c).copied())
+                        .collect::<Option<Vec<u8>>>()
+                        .unwrap_or_else(|| piece.as_bytes().to_vec())
+                } else if let Some(b) = byte_fallback_piece(&piece) {
+                    vec![b]
+                } else {
+                    piece.replace('\u{2581}', " ").into_bytes()
+                };
+                (bytes, false)
+            })
+            .collect()
     }
 
     /// The most bytes of text one token stands for: a text longer than `n` times this has more
@@ -384,6 +419,15 @@ fn jinja_error(e: &JinjaError) -> String {
         source = s.source();
     }
     crate::untrusted::text(&out)
+}
+
+/// The byte of a SentencePiece byte-fallback piece such as `<0xE6>`.
+fn byte_fallback_piece(piece: &str) -> Option<u8> {
+    piece
+        .strip_prefix("<0x")
+        .and_then(|h| h.strip_suffix('>'))
+        .filter(|h| h.len() == 2)
+        .and_then(|h| u8::from_str_radix(h, 16).ok())
 }
 
 /// GPT-2's byte-level alphabet, character to byte: the bytes that are printable stand for

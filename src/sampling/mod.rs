@@ -6,8 +6,10 @@ pub mod detokenizer;
 pub mod params;
 pub mod sampler;
 pub mod stop;
+pub mod structured;
 
 pub use detokenizer::IncrementalDetokenizer;
 pub use params::{InvalidParam, SamplingDefaults, SamplingParams};
-pub use sampler::{SampledToken, TokenLogprobs, sample, token_logprob};
+pub use sampler::{Restrict, SampledToken, TokenLogprobs, sample, token_logprob};
 pub use stop::StopChecker;
+pub use structured::{StructuredCompiler, StructuredOutput};

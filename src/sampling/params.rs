@@ -64,6 +64,8 @@ pub struct SamplingParams {
     /// Words that are never generated (vLLM's `bad_words`): the last token of each word's
     /// tokenization (with and without a leading space) is banned after its other tokens.
     pub bad_words: Vec<String>,
+    /// What the output must match (a JSON schema, a regex, a choice, a grammar).
+    pub structured: Option<super::StructuredOutput>,
 }
 
 impl Default for SamplingParams {
@@ -88,6 +90,7 @@ impl Default for SamplingParams {
             logit_bias: BTreeMap::new(),
             min_tokens: 0,
             bad_words: Vec::new(),
+            structured: None,
         }
     }
 }
@@ -264,6 +267,10 @@ impl SamplingParams {
                     "bad_words must be at most {MAX_STOP} words, each not blank and at most {MAX_STOP_BYTES} bytes"
                 ),
             ));
+        }
+        if let Some(s) = &self.structured {
+            s.validate()
+                .map_err(|m| InvalidParam::new("structured_outputs", m))?;
         }
         if let Some(k) = self.logprobs
             && k > MAX_LOGPROBS

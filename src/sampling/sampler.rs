@@ -6,7 +6,7 @@
 //! raw logits ──► log-probs (log_softmax of the raw logits, for the response only)
 //!     │
 //!     ▼
-//! logit_bias, banned tokens (min_tokens, bad_words) set to -inf
+//! logit_bias; tokens banned (min_tokens, bad_words) or not allowed (structured output): -inf
 //!     │
 //!     ▼
 //! repetition penalty (prompt + output) ─► presence/frequency penalties (output)
@@ -65,36 +65,63 @@ pub fn sample(
     seed: u64,
     step: usize,
 ) -> SampledToken {
-    sample_banning(logits, params, prompt_ids, output_ids, &[], seed, step)
+    sample_restricted(
+        logits,
+        params,
+        prompt_ids,
+        output_ids,
+        &Restrict::default(),
+        seed,
+        step,
+    )
 }
 
-/// [`sample`], with `banned` tokens that cannot be chosen at this step (the request's stop
-/// tokens before `min_tokens`, the last token of a bad word).
-pub fn sample_banning(
+/// The tokens a sequence may not choose at one step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Restrict<'a> {
+    /// These cannot be chosen (the stop tokens before `min_tokens`, a bad word's last token).
+    pub banned: &'a [u32],
+    /// Only these can be chosen (structured output): a bitmask, bit `i % 32` of word `i / 32`
+    /// for token `i`; tokens past its end are not allowed.
+    pub allowed: Option<&'a [u32]>,
+}
+
+/// [`sample`], restricted to the tokens `restrict` leaves.
+pub fn sample_restricted(
     logits: &[f32],
     params: &SamplingParams,
     prompt_ids: &[u32],
     output_ids: &[u32],
-    banned: &[u32],
+    restrict: &Restrict,
     seed: u64,
     step: usize,
 ) -> SampledToken {
-    let x: Cow<[f32]> = if params.logit_bias.is_empty() && banned.is_empty() {
-        Cow::Borrowed(logits)
-    } else {
-        let mut x = logits.to_vec();
-        for (&id, &b) in &params.logit_bias {
-            if let Some(l) = x.get_mut(id as usize) {
-                *l += b;
+    let x: Cow<[f32]> =
+        if params.logit_bias.is_empty() && restrict.banned.is_empty() && restrict.allowed.is_none()
+        {
+            Cow::Borrowed(logits)
+        } else {
+            let mut x = logits.to_vec();
+            for (&id, &b) in &params.logit_bias {
+                if let Some(l) = x.get_mut(id as usize) {
+                    *l += b;
+                }
             }
-        }
-        for &id in banned {
-            if let Some(l) = x.get_mut(id as usize) {
-                *l = f32::NEG_INFINITY;
+            for &id in restrict.banned {
+                if let Some(l) = x.get_mut(id as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
             }
-        }
-        Cow::Owned(x)
-    };
+            if let Some(mask) = restrict.allowed {
+                for (i, l) in x.iter_mut().enumerate() {
+                    let word = mask.get(i / 32).copied().unwrap_or(0);
+                    if word >> (i % 32) & 1 == 0 {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            Cow::Owned(x)
+        };
     let token_id = choose(&x, params, prompt_ids, output_ids, seed, step);
     let logprobs = params.logprobs.map(|k| raw_logprobs(logits, token_id, k));
     SampledToken { token_id, logprobs }
@@ -903,18 +930,34 @@ mod tests {
         assert_eq!(sample(&x, &p, &[], &[], 0, 0).token_id, 3);
         p.logit_bias.insert(3, -100.0);
         assert_eq!(sample(&x, &p, &[], &[], 0, 0).token_id, 0);
-        assert_eq!(sample_banning(&x, &g, &[], &[], &[0, 1], 0, 0).token_id, 2);
+        let ban = |banned| Restrict {
+            banned,
+            allowed: None,
+        };
+        assert_eq!(
+            sample_restricted(&x, &g, &[], &[], &ban(&[0, 1]), 0, 0).token_id,
+            2
+        );
+        // Only tokens 1 and 3 allowed (bits 1 and 3).
+        let allowed = Restrict {
+            banned: &[],
+            allowed: Some(&[0b1010]),
+        };
+        assert_eq!(
+            sample_restricted(&x, &g, &[], &[], &allowed, 0, 0).token_id,
+            1
+        );
         // Ids outside the row are ignored; log-probs stay those of the raw logits.
         let mut p = g.clone();
         p.logprobs = Some(0);
-        let t = sample_banning(&x, &p, &[], &[], &[0, 99], 0, 0);
+        let t = sample_restricted(&x, &p, &[], &[], &ban(&[0, 99]), 0, 0);
         assert_eq!(t.token_id, 1);
         assert_eq!(t.logprobs.unwrap().logprob, token_logprob(&x, 1));
         // Sampled (not greedy) draws never pick a banned token.
         let mut p = SamplingParams::default();
         p.seed = Some(1);
         for step in 0..200 {
-            let t = sample_banning(&x, &p, &[], &[], &[0, 2], 1, step).token_id;
+            let t = sample_restricted(&x, &p, &[], &[], &ban(&[0, 2]), 1, step).token_id;
             assert!(t == 1 || t == 3, "{t}");
         }
     }

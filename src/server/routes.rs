@@ -14,7 +14,7 @@ use super::types::*;
 use super::worker::{AddError, Command, Event, EventKind, SubRequest};
 use crate::engine::{Prompt, RequestError};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
-use crate::sampling::{SamplingDefaults, SamplingParams, TokenLogprobs};
+use crate::sampling::{SamplingDefaults, SamplingParams, StructuredOutput, TokenLogprobs};
 use crate::sched::{FinishReason, RequestId};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -281,13 +281,7 @@ fn sampling_params(
 /// rather than accepted and ignored. A field set to its inert value (`null`, `false`, empty)
 /// asks for nothing and passes.
 const UNSUPPORTED: &[&str] = &[
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
     "guided_whitespace_pattern",
-    "structured_outputs",
     "prompt_logprobs",
     "allowed_token_ids",
     "truncate_prompt_tokens",
@@ -314,6 +308,128 @@ fn refuse_unsupported(body: &Value, fields: &[&str]) -> Result<(), ApiError> {
         }
     }
     Ok(())
+}
+
+/// The request's structured-output constraint, and the field that gave it (errors name it):
+/// OpenAI's `response_format`, vLLM's `structured_outputs` or its older `guided_*` fields. At
+/// most one may be given.
+fn structured_output(body: &Value) -> Result<Option<(StructuredOutput, &'static str)>, ApiError> {
+    let bad = |field: &str, what: &str| ApiError::invalid(format!("{field}: {what}"), Some(field));
+    let schema = |field: &'static str, v: &Value| -> Result<StructuredOutput, ApiError> {
+        match v {
+            // NOTE: vLLM takes a schema given as a JSON string too.
+            Value::String(s) => serde_json::from_str(s)
+                .map(StructuredOutput::Json)
+                .map_err(|e| bad(field, &format!("the schema is not valid JSON: {e}"))),
+            v => Ok(StructuredOutput::Json(v.clone())),
+        }
+    };
+    let string = |field: &'static str, v: &Value| -> Result<String, ApiError> {
+        v.as_str()
+            .map(str::to_string)
+            .ok_or_else(|| bad(field, "must be a string"))
+    };
+    let choice = |field: &'static str, v: &Value| -> Result<StructuredOutput, ApiError> {
+        serde_json::from_value(v.clone())
+            .map(StructuredOutput::Choice)
+            .map_err(|_| bad(field, "must be a list of strings"))
+    };
+    let mut found: Vec<(StructuredOutput, &'static str)> = Vec::new();
+    let given = |k: &str| body.get(k).filter(|v| !v.is_null());
+    if let Some(rf) = given("response_format") {
+        const F: &str = "response_format";
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push((StructuredOutput::JsonObject, F)),
+            Some("json_schema") => {
+                let s = rf
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .ok_or_else(|| bad(F, "json_schema.schema is missing"))?;
+                found.push((schema(F, s)?, F));
+            }
+            _ => {
+                return Err(bad(
+                    F,
+                    "type must be \"text\", \"json_object\" or \"json_schema\"",
+                ));
+            }
+        }
+    }
+    if let Some(v) = given("guided_json") {
+        found.push((schema("guided_json", v)?, "guided_json"));
+    }
+    if let Some(v) = given("guided_regex") {
+        found.push((
+            StructuredOutput::Regex(string("guided_regex", v)?),
+            "guided_regex",
+        ));
+    }
+    if let Some(v) = given("guided_choice") {
+        found.push((choice("guided_choice", v)?, "guided_choice"));
+    }
+    if let Some(v) = given("guided_grammar") {
+        found.push((
+            StructuredOutput::Grammar(string("guided_grammar", v)?),
+            "guided_grammar",
+        ));
+    }
+    if let Some(so) = given("structured_outputs") {
+        const F: &str = "structured_outputs";
+        let o = so.as_object().ok_or_else(|| bad(F, "must be an object"))?;
+        for (k, v) in o.iter().filter(|(_, v)| !v.is_null()) {
+            let c = match k.as_str() {
+                "json" => schema(F, v)?,
+                "regex" => StructuredOutput::Regex(string(F, v)?),
+                "choice" => choice(F, v)?,
+                "grammar" => StructuredOutput::Grammar(string(F, v)?),
+                "json_object" if v.as_bool() == Some(true) => StructuredOutput::JsonObject,
+                "json_object" => continue,
+                other => {
+                    return Err(bad(
+                        F,
+                        &format!(
+                            "'{}' is not supported (json, regex, choice, grammar, json_object)",
+                            crate::untrusted::text(other)
+                        ),
+                    ));
+                }
+            };
+            found.push((c, F));
+        }
+    }
+    // NOTE: the backend is llguidance whatever is asked; a request that names another one
+    // (xgrammar, outlines) is told so rather than silently served by this one.
+    if let Some(b) = given("guided_decoding_backend") {
+        let name = b.as_str().unwrap_or_default();
+        if !matches!(name, "auto" | "guidance" | "llguidance") {
+            return Err(bad(
+                "guided_decoding_backend",
+                "only \"guidance\" (llguidance) is available",
+            ));
+        }
+    }
+    if found.len() > 1 {
+        let fields: Vec<&str> = found.iter().map(|(_, f)| *f).collect();
+        return Err(ApiError::invalid(
+            format!(
+                "give one structured output constraint, not several ({})",
+                fields.join(", ")
+            ),
+            Some(fields[1]),
+        ));
+    }
+    Ok(found.pop())
+}
+
+/// Names the request's own field in an error about its structured-output constraint.
+fn name_structured_field(mut e: ApiError, field: Option<&str>) -> ApiError {
+    if let Some(f) = field
+        && e.param.as_deref() == Some("structured_outputs")
+    {
+        e.param = Some(f.to_string());
+    }
+    e
 }
 
 /// `stream_options` only means something on a stream (vLLM and OpenAI refuse it otherwise).
@@ -691,7 +807,8 @@ async fn completions_inner(
         return Err(ApiError::unsupported("suffix is not supported", "suffix"));
     }
     refuse_unsupported(&body, UNSUPPORTED)?;
-    refuse_unsupported(&body, &["response_format"])?;
+    let structured = structured_output(&body)?;
+    let field = structured.as_ref().map(|(_, f)| *f);
     let echo = req.echo.unwrap_or(false);
     if echo && req.logprobs.is_some() {
         return Err(ApiError::unsupported(
@@ -699,12 +816,13 @@ async fn completions_inner(
             "echo",
         ));
     }
-    let params = sampling_params(
+    let mut params = sampling_params(
         &sampling,
         req.max_tokens,
         req.logprobs,
         &st.sampling_defaults,
     )?;
+    params.structured = structured.map(|(c, _)| c);
     let stream = req.stream.unwrap_or(false);
     check_stream_options(stream, &req.stream_options)?;
     check_stream_best_of(&params, stream)?;
@@ -781,7 +899,8 @@ async fn completions_inner(
         "prompt",
         req.max_tokens.is_some(),
     )
-    .await?;
+    .await
+    .map_err(|e| name_structured_field(e, field))?;
     let created = unix_now();
     let echo_texts: Vec<String> = prompts
         .into_iter()
@@ -1016,14 +1135,8 @@ async fn chat_inner(
     }
     refuse_unsupported(&body, UNSUPPORTED)?;
     refuse_unsupported(&body, UNSUPPORTED_CHAT)?;
-    if let Some(rf) = &req.response_format
-        && rf.get("type").and_then(Value::as_str) != Some("text")
-    {
-        return Err(ApiError::unsupported(
-            "response_format other than {\"type\": \"text\"} is not supported yet",
-            "response_format",
-        ));
-    }
+    let structured = structured_output(&body)?;
+    let field = structured.as_ref().map(|(_, f)| *f);
     let want_logprobs = req.logprobs.unwrap_or(false);
     if req.top_logprobs.is_some() && !want_logprobs {
         return Err(ApiError::invalid(
@@ -1033,14 +1146,14 @@ async fn chat_inner(
     }
     let logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0));
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-    let params = sampling_params(&sampling, max_tokens, logprobs, &st.sampling_defaults).map_err(
-        |mut e| {
+    let mut params = sampling_params(&sampling, max_tokens, logprobs, &st.sampling_defaults)
+        .map_err(|mut e| {
             if e.param.as_deref() == Some("logprobs") {
                 e.param = Some("top_logprobs".into());
             }
             e
-        },
-    )?;
+        })?;
+    params.structured = structured.map(|(c, _)| c);
     let stream = req.stream.unwrap_or(false);
     check_stream_options(stream, &req.stream_options)?;
     check_stream_best_of(&params, stream)?;
@@ -1086,7 +1199,8 @@ async fn chat_inner(
         "messages",
         max_tokens.is_some(),
     )
-    .await?;
+    .await
+    .map_err(|e| name_structured_field(e, field))?;
     let created = unix_now();
 
     if stream {

@@ -98,7 +98,6 @@ pub struct ChatRequest {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub tools: Option<Vec<Value>>,
-    pub response_format: Option<Value>,
     pub tool_choice: Option<Value>,
     /// vLLM's extra: render the generation prompt (true by default).
     pub add_generation_prompt: Option<bool>,
