@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use pagoda::engine::KvBudget;
-use pagoda::sampling::SamplingDefaults;
+use pagoda::sampling::{SamplingDefaults, StructuredOutput};
 use pagoda::sched::{PreemptionMode, SchedulingPolicy};
 use pagoda::{BackendKind, ChatMessage, DType, EngineArgs, LLM, SamplingParams};
 use std::io::{BufRead, Write};
@@ -334,6 +334,18 @@ struct SamplingArgs {
     /// Generate this many completions per prompt and keep the `n` most likely.
     #[arg(long)]
     best_of: Option<usize>,
+    /// The output must be JSON valid against the JSON schema in this file.
+    #[arg(long, value_name = "FILE", group = "structured")]
+    json_schema: Option<PathBuf>,
+    /// The output must match this regular expression.
+    #[arg(long, group = "structured")]
+    regex: Option<String>,
+    /// The output must be one of these strings (repeatable).
+    #[arg(long, group = "structured")]
+    choice: Vec<String>,
+    /// The output must follow the Lark grammar in this file (llguidance's dialect).
+    #[arg(long, value_name = "FILE", group = "structured")]
+    grammar: Option<PathBuf>,
 }
 
 impl SamplingArgs {
@@ -348,9 +360,30 @@ impl SamplingArgs {
         }
     }
 
+    /// The structured-output constraint the flags ask for.
+    fn structured(&self) -> Result<Option<StructuredOutput>> {
+        let read = |p: &PathBuf| {
+            std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))
+        };
+        Ok(if let Some(p) = &self.json_schema {
+            let schema = serde_json::from_str(&read(p)?)
+                .with_context(|| format!("{} is not valid JSON", p.display()))?;
+            Some(StructuredOutput::Json(schema))
+        } else if let Some(r) = &self.regex {
+            Some(StructuredOutput::Regex(r.clone()))
+        } else if !self.choice.is_empty() {
+            Some(StructuredOutput::Choice(self.choice.clone()))
+        } else if let Some(p) = &self.grammar {
+            Some(StructuredOutput::Grammar(read(p)?))
+        } else {
+            None
+        })
+    }
+
     /// Parameters from the flags; what they leave out comes from `defaults`, then from `base`.
-    fn params(&self, defaults: &SamplingDefaults, base: SamplingParams) -> SamplingParams {
+    fn params(&self, defaults: &SamplingDefaults, base: SamplingParams) -> Result<SamplingParams> {
         let base = SamplingParams {
+            structured: self.structured()?,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             max_tokens: Some(self.max_tokens),
@@ -363,7 +396,7 @@ impl SamplingArgs {
             best_of: self.best_of,
             ..base
         };
-        defaults.fill(&self.explicit(), base)
+        Ok(defaults.fill(&self.explicit(), base))
     }
 }
 
@@ -440,7 +473,7 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("no prompt given: pass prompts as arguments or --file FILE");
             }
             // NOTE: `generate` is greedy unless told otherwise (reproducible runs, goldens).
-            let params = sampling.params(&SamplingDefaults::default(), SamplingParams::greedy());
+            let params = sampling.params(&SamplingDefaults::default(), SamplingParams::greedy())?;
             params.validate()?;
             let mut llm = LLM::new(model.engine_args()?)?;
             if chat_template {
@@ -591,7 +624,7 @@ fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Res
     let mut llm = LLM::new(model.engine_args()?)?;
     let engine = llm.engine();
     let defaults = chat_defaults(engine.sampling_defaults());
-    let params = sampling.params(&defaults, SamplingParams::default());
+    let params = sampling.params(&defaults, SamplingParams::default())?;
     params.validate()?;
     tracing::info!(
         "sampling: temperature {}, top-p {}, top-k {}, min-p {}, repetition penalty {}{}",

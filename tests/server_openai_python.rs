@@ -30,13 +30,14 @@ fn run(cmd: &mut Command) {
     assert!(status.success(), "{cmd:?} failed: {status}");
 }
 
-/// A virtual environment with `openai` and `pytest`.
+/// A virtual environment with `openai`, `pytest` and `jsonschema` (which validates structured
+/// output independently of the engine's grammar compiler).
 fn venv() -> PathBuf {
     let dir = cache_dir().join("venv-openai");
     let python = dir.join("bin/python");
     let ready = |p: &Path| {
         Command::new(p)
-            .args(["-c", "import openai, pytest"])
+            .args(["-c", "import openai, pytest, jsonschema"])
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
@@ -51,10 +52,11 @@ fn venv() -> PathBuf {
             "--disable-pip-version-check",
             "openai>=1.40",
             "pytest",
+            "jsonschema",
         ]));
         assert!(
             ready(&python),
-            "openai and pytest do not import after pip install"
+            "openai, pytest and jsonschema do not import after pip install"
         );
     }
     python

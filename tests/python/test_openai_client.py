@@ -4,8 +4,10 @@ Run by tests/server_openai_python.rs, which starts the server and sets PAGODA_BA
 PAGODA_API_KEY and PAGODA_MODEL.
 """
 
+import json
 import os
 
+import jsonschema
 import openai
 import pytest
 
@@ -211,3 +213,54 @@ def test_n_choices_streamed_and_not(client):
         model=MODEL, prompt=PROMPT, n=2, best_of=4, max_tokens=4, temperature=1.0, seed=5
     )
     assert [c.index for c in r.choices] == [0, 1]
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 24},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema(client):
+    args = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person as JSON: name, age and city."}],
+        max_tokens=80,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+    )
+    for temperature, seed in [(0, None), (1.0, 3), (1.0, 4)]:
+        r = client.chat.completions.create(temperature=temperature, seed=seed, **args)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+        text = ""
+        for chunk in client.chat.completions.create(
+            stream=True, temperature=temperature, seed=seed, **args
+        ):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+        assert text == r.choices[0].message.content
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Reply with a JSON object whose key 'answer' is 'yes'."}],
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"guided_regex": "(unclosed"},
+        )
+    assert e.value.body["param"] == "guided_regex"
