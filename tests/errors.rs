@@ -395,6 +395,117 @@ fn shape_that_does_not_match_the_config() {
     );
 }
 
+/// A max model length past the model's context is refused (vLLM does too), however large;
+/// so is a product of the limits that overflows.
+#[test]
+fn engine_sizes_past_the_model_or_the_arithmetic_are_refused() {
+    for len in [8193, 1 << 32, usize::MAX] {
+        let err = Engine::new(EngineArgs {
+            model: Some(model_path(SMOL_GGUF)),
+            max_model_len: Some(len),
+            ..Default::default()
+        })
+        .err()
+        .expect("a max_model_len past the context must fail");
+        let e = format!("{err:#}");
+        assert!(
+            e.contains(&format!(
+                "max_model_len {len} is greater than the model's context length 8192"
+            )),
+            "{e}"
+        );
+    }
+    let err = Engine::new(EngineArgs {
+        model: Some(model_path(SMOL_GGUF)),
+        max_num_seqs: usize::MAX / 2,
+        ..Default::default()
+    })
+    .err()
+    .expect("an overflowing product must fail");
+    let e = format!("{err:#}");
+    assert!(e.contains("overflows"), "{e}");
+    let err = Engine::new(EngineArgs {
+        model: Some(model_path(SMOL_GGUF)),
+        block_size: usize::MAX / 2,
+        max_model_len: Some(64),
+        ..Default::default()
+    })
+    .err()
+    .expect("a block too large must fail");
+    let e = format!("{err:#}");
+    assert!(e.contains("more than 2^64 bytes"), "{e}");
+}
+
+/// A model whose context is 2^24 positions gets RoPE tables for what the KV pool can hold,
+/// not for 2^24 positions (4 GiB of tables for SmolLM2, and minutes to compute them).
+#[test]
+fn a_huge_context_is_bounded_by_the_kv_pool() {
+    let dir = hf_dir(|c| c["max_position_embeddings"] = (1u64 << 24).into());
+    link_weights(dir.path());
+    let t = std::time::Instant::now();
+    let mut engine = Engine::new(EngineArgs {
+        model: Some(dir.path().to_path_buf()),
+        kv_budget: Some(pagoda::engine::KvBudget::Bytes(16 << 20)),
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(t.elapsed().as_secs() < 60, "{:?}", t.elapsed());
+    let cap = engine.kv_usage().num_blocks * 16;
+    assert_eq!(engine.max_model_len(), cap);
+    assert!(cap > 200 && cap < 400, "{cap}");
+    // a prompt that reaches the end of the pool still runs
+    let n = engine.max_model_len() - 3;
+    engine
+        .add_request(
+            Prompt::Tokens(vec![28; n]),
+            SamplingParams {
+                max_tokens: Some(2),
+                ..SamplingParams::greedy()
+            },
+        )
+        .unwrap();
+    let mut out = 0;
+    while engine.has_unfinished() {
+        out += engine
+            .step()
+            .unwrap()
+            .iter()
+            .map(|o| o.new_token_ids.len())
+            .sum::<usize>();
+    }
+    assert_eq!(out, 2);
+}
+
+/// Weights that cannot fit in the memory left are refused before anything is loaded: a
+/// safetensors file (sparse on disk) claiming a tensor of 4 TiB.
+#[test]
+fn weights_larger_than_memory_are_refused_before_loading() {
+    let dir = hf_dir(|_| {});
+    let n: u64 = 1 << 20;
+    let header = format!(
+        r#"{{"huge":{{"dtype":"F32","shape":[{n},{n}],"data_offsets":[0,{}]}}}}"#,
+        n * n * 4
+    );
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    let p = dir.path().join("model.safetensors");
+    std::fs::write(&p, &bytes).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.set_len(bytes.len() as u64 + n * n * 4).unwrap();
+    let err = Engine::new(EngineArgs {
+        model: Some(dir.path().to_path_buf()),
+        ..Default::default()
+    })
+    .err()
+    .expect("4 TiB of weights must be refused");
+    let e = format!("{err:#}");
+    assert!(
+        e.contains("the weights need 4194304 MiB as f32 but only")
+            && e.contains("of available memory (MemAvailable) are left"),
+        "{e}"
+    );
+}
+
 #[test]
 fn bad_requests_are_refused_and_nothing_is_lost() {
     let mut engine = Engine::new(EngineArgs {

@@ -283,20 +283,39 @@ impl Engine {
         };
         let model = load_model(&path)?;
         let cfg = model.config.clone();
-        let max_model_len = args.max_model_len.unwrap_or(cfg.max_position_embeddings);
+        // NOTE: as vLLM, a max model length past the model's context is refused: positions
+        // the model was never trained on (and, for GPT-2, has no embedding for).
+        let model_len = cfg.max_position_embeddings;
+        let max_model_len = match args.max_model_len {
+            None => model_len,
+            Some(l) if l > model_len => anyhow::bail!(
+                "max_model_len {l} is greater than the model's context length {model_len} \
+                 (max_position_embeddings or context_length in its config)"
+            ),
+            Some(l) => l,
+        };
         if max_model_len < 2 {
             anyhow::bail!("max_model_len must be at least 2, got {max_model_len}");
         }
         if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
             anyhow::bail!("block size, max_num_seqs and max_num_batched_tokens must be positive");
         }
+        let max_useful_blocks = args
+            .max_num_seqs
+            .checked_mul(max_model_len.div_ceil(args.block_size))
+            .with_context(|| {
+                format!(
+                    "max_num_seqs ({}) x max_model_len ({max_model_len}) / block_size ({}) overflows",
+                    args.max_num_seqs, args.block_size
+                )
+            })?;
         let runner_args = runner::RunnerArgs {
             backend: args.backend,
             dtype: args.dtype,
             block_size: args.block_size,
             kv_budget: args.kv_budget,
             max_model_len,
-            max_useful_blocks: args.max_num_seqs * max_model_len.div_ceil(args.block_size),
+            max_useful_blocks,
         };
         let bar = args.progress.then(|| {
             let b = indicatif::ProgressBar::new(cfg.num_layers as u64 + 2);

@@ -114,11 +114,67 @@ impl<B: Backend> ModelRunner for Runner<B> {
     }
 }
 
-fn system_memory_bytes() -> Option<u64> {
+/// A `/proc/meminfo` field in bytes (`MemTotal`, `MemAvailable`); `None` off Linux.
+fn meminfo_bytes(field: &str) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let line = text.lines().find(|l| l.split(':').next() == Some(field))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    kb.checked_mul(1024)
+}
+
+fn system_memory_bytes() -> Option<u64> {
+    meminfo_bytes("MemTotal")
+}
+
+/// Memory the weights may take, where the backend or the system says: free device memory on a
+/// GPU (its total where only that is known), `MemAvailable` for host memory (the CPU, software
+/// adapters).
+fn memory_for_weights<B: Backend>(backend: &B) -> Option<(u64, &'static str)> {
+    match (backend.free_device_memory(), backend.device_memory()) {
+        (Some(free), _) => Some((free, "free device memory")),
+        (None, Some(total)) => Some((total, "device memory")),
+        (None, None) => {
+            meminfo_bytes("MemAvailable").map(|a| (a, "available memory (MemAvailable)"))
+        }
+    }
+}
+
+/// Refuses to load weights of `need` bytes where less memory is available, instead of trying
+/// (an allocation that fails aborts the process, and the system may swap or kill first).
+fn check_weights_fit(need: u64, available: Option<(u64, &str)>, dtype: DType) -> Result<()> {
+    if let Some((avail, what)) = available
+        && need > avail
+    {
+        bail!(
+            "the weights need {} MiB as {} but only {} MiB of {what} are left: not loading them{}",
+            need.div_ceil(1 << 20),
+            dtype.name(),
+            avail >> 20,
+            if dtype == DType::F32 {
+                " (--dtype bf16 halves them)"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(())
+}
+
+/// The most bytes the KV pool could be given, known before the weights are loaded: the budget
+/// itself, or the fraction of the whole device or system memory it is a part of. `None` where
+/// the memory is unknown (the budget fails later with its own error).
+fn kv_budget_upper_bound<B: Backend>(backend: &B, budget: Option<KvBudget>) -> Option<u64> {
+    match budget {
+        Some(KvBudget::Bytes(b)) => Some(b),
+        Some(KvBudget::Fraction(f)) => backend
+            .device_memory()
+            .or_else(system_memory_bytes)
+            .map(|t| (t as f64 * f) as u64),
+        None => match backend.device_memory() {
+            Some(total) => Some((total as f64 * 0.9) as u64),
+            None => Some(DEFAULT_CPU_KV_BYTES),
+        },
+    }
 }
 
 pub struct RunnerArgs {
@@ -196,30 +252,75 @@ fn gpu_kv_budget<B: Backend>(backend: &B, fraction: f64) -> Result<Option<u64>> 
     Ok(Some(budget))
 }
 
+/// The positions the RoPE tables need: `max_model_len`, or the tokens a pool of at most
+/// `upper` bytes holds (less the null block) where that is fewer.
+fn rope_positions(
+    upper: Option<u64>,
+    per_block: u64,
+    block_size: usize,
+    max_model_len: usize,
+) -> Result<usize> {
+    let Some(upper) = upper else {
+        return Ok(max_model_len);
+    };
+    let usable = (upper / per_block).saturating_sub(1);
+    if usable == 0 {
+        bail!(
+            "the KV cache budget ({upper} bytes) holds no block of {block_size} tokens ({per_block} bytes each)"
+        );
+    }
+    Ok(usize::try_from(usable)
+        .ok()
+        .and_then(|u| u.checked_mul(block_size))
+        .map_or(max_model_len, |t| t.min(max_model_len)))
+}
+
 fn build<B: Backend>(
     backend: B,
     model: &LoadedModel,
     args: &RunnerArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn ModelRunner>> {
+    let cfg = &model.config;
+    let bs = args.block_size;
+    if let Some(KvBudget::Fraction(f)) = args.kv_budget
+        && !(f > 0.0 && f <= 1.0)
+    {
+        bail!("memory utilization must be in (0, 1], got {f}");
+    }
+    let need = model
+        .weights
+        .num_elements()
+        .saturating_mul(args.dtype.size_in_bytes() as u64);
+    check_weights_fit(need, memory_for_weights(&backend), args.dtype)
+        .with_context(|| format!("loading {}", model.path.display()))?;
+
+    // NOTE: the RoPE tables hold one row per position, so they are sized by what the engine
+    // can use, not by the model's context (up to 2^24 positions): max_model_len, or fewer
+    // where the KV budget holds fewer tokens. The KV spec is a function of the config, so
+    // the most tokens the budget could ever hold is known before the weights are loaded.
+    let per_block = kv_cache::bytes_per_block(&kv_cache::default_spec(cfg), bs)?;
+    let positions = rope_positions(
+        kv_budget_upper_bound(&backend, args.kv_budget),
+        per_block,
+        bs,
+        args.max_model_len,
+    )?;
     let lm = registry::load(
         &backend,
-        &model.config,
+        cfg,
         model.weights.as_ref(),
         args.dtype,
-        args.max_model_len,
+        positions,
         progress,
     )
     .with_context(|| format!("loading {}", model.path.display()))?;
     let wbytes = lm.weight_bytes();
     let spec = lm.kv_spec();
-    let per_block = kv_cache::bytes_per_block(&spec, args.block_size) as u64;
+    let per_block = kv_cache::bytes_per_block(&spec, bs)?;
     let budget = match args.kv_budget {
         Some(KvBudget::Bytes(b)) => b,
         Some(KvBudget::Fraction(f)) => {
-            if !(f > 0.0 && f <= 1.0) {
-                bail!("memory utilization must be in (0, 1], got {f}");
-            }
             if let Some(b) = gpu_kv_budget(&backend, f)? {
                 b
             } else {
@@ -247,14 +348,21 @@ fn build<B: Backend>(
             },
         },
     };
-    let num_blocks = ((budget / per_block) as usize).min(args.max_useful_blocks + 1);
+    // The pool never holds more than: the useful blocks, what u32 slot ids can address, and
+    // (where the budget limited them) the positions of the RoPE tables.
+    let mut num_blocks = usize::try_from(budget / per_block)
+        .unwrap_or(usize::MAX)
+        .min(args.max_useful_blocks.saturating_add(1))
+        .min(u32::MAX as usize / bs);
+    if positions < args.max_model_len {
+        num_blocks = num_blocks.min(positions / bs + 1);
+    }
     if num_blocks < 2 {
         bail!(
-            "the KV cache budget ({budget} bytes) holds no block of {} tokens ({per_block} bytes each)",
-            args.block_size
+            "the KV cache budget ({budget} bytes) holds no block of {bs} tokens ({per_block} bytes each)"
         );
     }
-    let kv = KvCache::new(&backend, &spec, num_blocks, args.block_size)
+    let kv = KvCache::new(&backend, &spec, num_blocks, bs)
         .with_context(|| format!("allocating a KV pool of {num_blocks} blocks"))?;
     Ok(Box::new(Runner {
         backend,
@@ -265,4 +373,64 @@ fn build<B: Backend>(
         kv,
         kv_bytes: num_blocks as u64 * per_block,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_larger_than_the_memory_left_are_refused() {
+        let gib = 1u64 << 30;
+        check_weights_fit(4 * gib, Some((5 * gib, "x")), DType::F32).unwrap();
+        check_weights_fit(4 * gib, None, DType::F32).unwrap();
+        let e = check_weights_fit(
+            6 * gib,
+            Some((5 * gib, "available memory (MemAvailable)")),
+            DType::F32,
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            "the weights need 6144 MiB as f32 but only 5120 MiB of available memory \
+             (MemAvailable) are left: not loading them (--dtype bf16 halves them)"
+        );
+        let e = check_weights_fit(u64::MAX, Some((gib, "free device memory")), DType::BF16)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.ends_with("of free device memory are left: not loading them"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn rope_tables_are_sized_by_what_the_pool_can_hold() {
+        // 10 blocks of 16 tokens at 1000 bytes each: 9 usable, 144 positions
+        assert_eq!(
+            rope_positions(Some(10_000), 1000, 16, 1 << 24).unwrap(),
+            144
+        );
+        assert_eq!(rope_positions(Some(10_999), 1000, 16, 100).unwrap(), 100);
+        assert_eq!(rope_positions(None, 1000, 16, 1 << 24).unwrap(), 1 << 24);
+        assert_eq!(
+            rope_positions(Some(u64::MAX), 1, usize::MAX, 4096).unwrap(),
+            4096
+        );
+        let e = rope_positions(Some(1999), 1000, 16, 4096).unwrap_err();
+        assert!(e.to_string().contains("holds no block of 16 tokens"), "{e}");
+    }
+
+    #[test]
+    fn meminfo_is_read_where_there_is_one() {
+        if std::path::Path::new("/proc/meminfo").exists() {
+            let (total, avail) = (
+                system_memory_bytes().unwrap(),
+                meminfo_bytes("MemAvailable").unwrap(),
+            );
+            assert!(avail > 0 && avail <= total, "{avail} of {total}");
+        }
+        assert_eq!(meminfo_bytes("NoSuchField"), None);
+    }
 }

@@ -3,9 +3,10 @@
 //! all layers) and allocates it; the block manager hands out block ids that index every
 //! layer's cache alike.
 
+use super::config::ModelConfig;
 use crate::backend::{Backend, KvLayout};
 use crate::tensor::DType;
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 
 /// What one layer keeps in the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,15 +20,42 @@ pub struct LayerKvSpec {
 }
 
 impl LayerKvSpec {
-    /// Bytes of one block of this layer, K and V together.
-    pub fn bytes_per_block(&self, block_size: usize) -> usize {
-        2 * self.num_kv_heads * self.head_dim * block_size * self.dtype.size_in_bytes()
+    /// Bytes of one block of this layer, K and V together; `None` if that overflows a u64.
+    pub fn bytes_per_block(&self, block_size: usize) -> Option<u64> {
+        [
+            self.num_kv_heads,
+            self.head_dim,
+            block_size,
+            self.dtype.size_in_bytes(),
+        ]
+        .into_iter()
+        .try_fold(2u64, |acc, x| acc.checked_mul(x as u64))
     }
 }
 
-/// Bytes one block takes over all layers.
-pub fn bytes_per_block(spec: &[LayerKvSpec], block_size: usize) -> usize {
-    spec.iter().map(|l| l.bytes_per_block(block_size)).sum()
+/// What each layer keeps by default: its KV heads in f32, with its window. The runner sizes
+/// the RoPE tables and the pool from this before the weights are loaded.
+pub fn default_spec(c: &ModelConfig) -> Vec<LayerKvSpec> {
+    (0..c.num_layers)
+        .map(|l| LayerKvSpec {
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            dtype: DType::F32,
+            sliding_window: c.layer_window(l),
+        })
+        .collect()
+}
+
+/// Bytes one block takes over all layers (checked: a block size too large is an error).
+pub fn bytes_per_block(spec: &[LayerKvSpec], block_size: usize) -> Result<u64> {
+    spec.iter()
+        .try_fold(0u64, |acc, l| {
+            l.bytes_per_block(block_size)
+                .and_then(|b| acc.checked_add(b))
+        })
+        .with_context(|| {
+            format!("a KV block of {block_size} tokens would take more than 2^64 bytes")
+        })
 }
 
 /// The paged K and V caches of every layer: `[num_blocks, Hkv, block_size, D]` each.
@@ -90,11 +118,13 @@ mod tests {
             dtype: DType::BF16,
             sliding_window: Some(512),
         };
-        assert_eq!(full.bytes_per_block(16), 2 * 2 * 64 * 16 * 4);
-        assert_eq!(local.bytes_per_block(16), 2 * 256 * 16 * 2);
+        assert_eq!(full.bytes_per_block(16), Some(2 * 2 * 64 * 16 * 4));
+        assert_eq!(local.bytes_per_block(16), Some(2 * 256 * 16 * 2));
         assert_eq!(
-            bytes_per_block(&[full, local, full], 16),
-            2 * full.bytes_per_block(16) + local.bytes_per_block(16)
+            bytes_per_block(&[full, local, full], 16).unwrap(),
+            2 * 2 * 2 * 64 * 16 * 4 + 2 * 256 * 16 * 2
         );
+        let e = bytes_per_block(&[full], usize::MAX / 4).unwrap_err();
+        assert!(e.to_string().contains("more than 2^64 bytes"), "{e}");
     }
 }

@@ -94,11 +94,22 @@ pub(crate) fn regular_file(path: &Path) -> Result<()> {
 pub trait WeightSource: Send + Sync {
     /// The tensor, as f32 in HF shape; `Ok(None)` when the model has no such tensor.
     fn get(&self, name: &str) -> Result<Option<HostTensor>>;
+
+    /// Elements of every tensor the source holds (what loading them costs, before it is
+    /// tried).
+    fn num_elements(&self) -> u64;
 }
 
 impl WeightSource for GgufFile {
     fn get(&self, name: &str) -> Result<Option<HostTensor>> {
         self.tensor(name)
+    }
+
+    fn num_elements(&self) -> u64 {
+        self.tensors()
+            .iter()
+            .map(|t| t.dims.iter().product::<u64>())
+            .fold(0, u64::saturating_add)
     }
 }
 
@@ -107,6 +118,8 @@ pub struct SafetensorsWeights {
     files: Vec<(PathBuf, Mmap)>,
     /// tensor name -> index into `files`
     index: HashMap<String, usize>,
+    /// Elements of all tensors.
+    num_elements: u64,
 }
 
 impl SafetensorsWeights {
@@ -138,6 +151,7 @@ impl SafetensorsWeights {
         };
         let mut files = Vec::new();
         let mut index = HashMap::new();
+        let mut num_elements = 0u64;
         for (i, p) in paths.into_iter().enumerate() {
             // NOTE: shard names come from the index file: shown escaped.
             let shown = text(&p.display().to_string());
@@ -153,16 +167,29 @@ impl SafetensorsWeights {
                     text(&e.to_string())
                 )
             })?;
-            for name in st.names() {
-                index.insert(name.to_string(), i);
+            for (name, view) in st.tensors() {
+                num_elements = view
+                    .shape()
+                    .iter()
+                    .fold(1u64, |n, &d| n.saturating_mul(d as u64))
+                    .saturating_add(num_elements);
+                index.insert(name, i);
             }
             files.push((p, mmap));
         }
-        Ok(SafetensorsWeights { files, index })
+        Ok(SafetensorsWeights {
+            files,
+            index,
+            num_elements,
+        })
     }
 }
 
 impl WeightSource for SafetensorsWeights {
+    fn num_elements(&self) -> u64 {
+        self.num_elements
+    }
+
     fn get(&self, name: &str) -> Result<Option<HostTensor>> {
         let Some(&i) = self.index.get(name) else {
             return Ok(None);

@@ -31,15 +31,7 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     /// What each layer keeps in the KV cache, in layer order: by default every layer's KV
     /// heads in f32, with the layer's window.
     fn kv_spec(&self) -> Vec<LayerKvSpec> {
-        let c = self.config();
-        (0..c.num_layers)
-            .map(|l| LayerKvSpec {
-                num_kv_heads: c.num_kv_heads,
-                head_dim: c.head_dim,
-                dtype: DType::F32,
-                sliding_window: c.layer_window(l),
-            })
-            .collect()
+        kv_cache::default_spec(self.config())
     }
 
     /// Runs every layer over the whole flattened batch (writing each row's K/V into `kv`) and
