@@ -232,6 +232,13 @@ struct ServeArgs {
     /// open-file limit is lower.
     #[arg(long)]
     max_connections: Option<usize>,
+    /// Serve `tool_choice: "auto"`: the model decides whether to call tools, and its output
+    /// is parsed with --tool-call-parser (as vLLM's flag of the same name).
+    #[arg(long)]
+    enable_auto_tool_choice: bool,
+    /// How the model writes tool calls: hermes (Qwen 2.5/3, Hermes), llama3_json, mistral.
+    #[arg(long)]
+    tool_call_parser: Option<String>,
     /// Accepted for vLLM compatibility; only 1 works until tensor parallelism lands.
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
@@ -260,6 +267,17 @@ impl ServeArgs {
         if self.max_connections == Some(0) {
             anyhow::bail!("--max-connections must be at least 1");
         }
+        let tool_call_parser = match (&self.tool_call_parser, self.enable_auto_tool_choice) {
+            (Some(p), true) => Some(
+                pagoda::server::tools::ToolCallParser::parse(p)
+                    .map_err(|e| anyhow::anyhow!("--tool-call-parser: {e}"))?,
+            ),
+            (None, true) => anyhow::bail!("--enable-auto-tool-choice needs --tool-call-parser"),
+            (Some(_), false) => anyhow::bail!(
+                "--tool-call-parser is used for tool_choice \"auto\": add --enable-auto-tool-choice"
+            ),
+            (None, false) => None,
+        };
         let served_model_names = if self.served_model_name.is_empty() {
             // As vLLM: the model is served under the name it was given on the command line.
             model
@@ -287,6 +305,7 @@ impl ServeArgs {
             max_connections: self
                 .max_connections
                 .unwrap_or_else(pagoda::server::default_max_connections),
+            tool_call_parser,
         })
     }
 }
@@ -480,12 +499,7 @@ fn run(cli: Cli) -> Result<()> {
                 let engine = llm.engine();
                 prompts = prompts
                     .iter()
-                    .map(|p| {
-                        engine.apply_chat_template(&[ChatMessage {
-                            role: "user".into(),
-                            content: p.clone(),
-                        }])
-                    })
+                    .map(|p| engine.apply_chat_template(&[ChatMessage::new("user", p.clone())]))
                     .collect::<Result<_>>()?;
             }
             let t0 = Instant::now();
@@ -641,10 +655,7 @@ fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Res
     );
     let mut messages = Vec::new();
     if let Some(s) = system {
-        messages.push(ChatMessage {
-            role: "system".into(),
-            content: s,
-        });
+        messages.push(ChatMessage::new("system", s));
     }
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
@@ -660,10 +671,7 @@ fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Res
         if line.is_empty() {
             continue;
         }
-        messages.push(ChatMessage {
-            role: "user".into(),
-            content: line,
-        });
+        messages.push(ChatMessage::new("user", line));
         let prompt = engine.apply_chat_template(&messages)?;
         let id = engine.add_request(prompt.into(), params.clone())?;
         let t0 = Instant::now();
@@ -686,9 +694,6 @@ fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Res
         let secs = t0.elapsed().as_secs_f64();
         println!();
         eprintln!("[{n} tokens, {:.1} tokens/s]", n as f64 / secs);
-        messages.push(ChatMessage {
-            role: "assistant".into(),
-            content: reply,
-        });
+        messages.push(ChatMessage::new("assistant", reply));
     }
 }

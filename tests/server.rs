@@ -420,7 +420,7 @@ fn invalid_requests() {
     let chat_cases = [
         (json!({"messages": []}), "messages"),
         (
-            json!({"messages": [{"role": "tool", "content": "x"}]}),
+            json!({"messages": [{"role": "robot", "content": "x"}]}),
             "messages",
         ),
         (

@@ -827,7 +827,14 @@ impl Engine {
                 .states
                 .get_mut(&ev.id)
                 .context("request state is missing")?;
-            let delta = st.detok.push(ev.token)?;
+            // NOTE: the token that ends a request (EOS, a stop token id) is not part of its
+            // text, as in vLLM, also when special tokens are kept.
+            let delta =
+                if ev.finished == Some(FinishReason::Stop) && st.stop_ids.contains(&ev.token) {
+                    String::new()
+                } else {
+                    st.detok.push(ev.token)?
+                };
             let (mut text, stopped) = if n_out <= st.params.min_tokens {
                 (st.stop.push_unchecked(&delta), false)
             } else {

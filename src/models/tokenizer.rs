@@ -14,6 +14,13 @@ use serde_json::Value as Json;
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant message's tool calls: `{"id", "type": "function", "function": {"name",
+    /// "arguments"}}` with the arguments as a JSON object, as transformers' templates read them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Json>>,
+    /// A `tool` message's answer to this call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -21,6 +28,8 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 }
@@ -370,6 +379,17 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> anyhow::Result<String> {
+        self.apply_chat_template_with_tools(messages, add_generation_prompt, None)
+    }
+
+    /// [`Self::apply_chat_template`] with the functions the model may call, which the template
+    /// sees as `tools` (the OpenAI `tools` list, as transformers passes it).
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&[Json]>,
+    ) -> anyhow::Result<String> {
         let Some(source) = self.chat_template.as_deref() else {
             bail!(
                 "this model's tokenizer has no chat template (no chat_template in \
@@ -391,11 +411,12 @@ impl Tokenizer {
             .map_err(|e| anyhow!("the chat template does not compile: {}", jinja_error(&e)))?;
         let messages: Vec<Value> = messages
             .iter()
-            .map(|m| context! { role => m.role.as_str(), content => m.content.as_str() })
+            .map(|m| Value::from(minijinja::value::Serde(m)))
             .collect();
         template
             .render(context! {
                 messages => messages,
+                tools => tools.map(|t| Value::from(minijinja::value::Serde(t))),
                 bos_token => self.bos_token.as_deref().unwrap_or(""),
                 eos_token => self.eos_token.as_deref().unwrap_or(""),
                 add_generation_prompt => add_generation_prompt,
@@ -419,6 +440,59 @@ fn jinja_error(e: &JinjaError) -> String {
         source = s.source();
     }
     crate::untrusted::text(&out)
+}
+
+/// JSON as transformers' `tojson` writes it (Python's `json.dumps` with `ensure_ascii=False`):
+/// `", "` and `": "` separators, keys in their order, non-ASCII text as it is.
+fn python_json(v: &Json) -> String {
+    fn string(s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+    fn value(v: &Json, out: &mut String) {
+        match v {
+            Json::Array(a) => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    value(x, out);
+                }
+                out.push(']');
+            }
+            Json::Object(o) => {
+                out.push('{');
+                for (i, (k, x)) in o.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    string(k, out);
+                    out.push_str(": ");
+                    value(x, out);
+                }
+                out.push('}');
+            }
+            Json::String(s) => string(s, out),
+            other => out.push_str(&other.to_string()),
+        }
+    }
+    let mut out = String::new();
+    value(v, &mut out);
+    out
 }
 
 /// The byte of a SentencePiece byte-fallback piece such as `<0xE6>`.
@@ -470,6 +544,29 @@ fn chat_environment(source: &str) -> Result<Environment<'static>, String> {
     env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    // NOTE: transformers' `tojson` is Python's json.dumps (keys in the given order, nothing
+    // escaped for HTML, `indent` optional); minijinja's own escapes `<`, `>`, `&` and `'`,
+    // which would change the prompts of templates that render tools with it.
+    env.add_filter(
+        "tojson",
+        |v: Value, indent: Option<usize>| -> Result<String, JinjaError> {
+            let json: Json = serde_json::to_value(&v)
+                .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+            let out = match indent {
+                Some(n) => {
+                    let pad = vec![b' '; n];
+                    let fmt = serde_json::ser::PrettyFormatter::with_indent(&pad);
+                    let mut buf = Vec::new();
+                    let mut ser = serde_json::Serializer::with_formatter(&mut buf, fmt);
+                    serde::Serialize::serialize(&json, &mut ser)
+                        .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+                    String::from_utf8_lossy(&buf).into_owned()
+                }
+                None => python_json(&json),
+            };
+            Ok(out)
+        },
+    );
     env.add_function(
         "raise_exception",
         |msg: String| -> Result<Value, JinjaError> {

@@ -16,6 +16,7 @@ mod http;
 mod metrics;
 mod routes;
 mod streaming;
+pub mod tools;
 mod types;
 mod worker;
 
@@ -56,6 +57,9 @@ pub struct ServerArgs {
     pub idle_timeout: Duration,
     /// Most connections open at once; more wait to be accepted.
     pub max_connections: usize,
+    /// How the model writes tool calls: set, `tool_choice: "auto"` is served (vLLM's
+    /// `--enable-auto-tool-choice --tool-call-parser`).
+    pub tool_call_parser: Option<tools::ToolCallParser>,
 }
 
 impl Default for ServerArgs {
@@ -71,6 +75,7 @@ impl Default for ServerArgs {
             header_read_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(5),
             max_connections: http::default_max_connections(),
+            tool_call_parser: None,
         }
     }
 }
@@ -100,6 +105,7 @@ pub(crate) struct AppState {
     /// Tokenizer and chat template work running at once (each may take a core and memory in
     /// proportion to its text).
     tokenizer_slots: tokio::sync::Semaphore,
+    tool_call_parser: Option<tools::ToolCallParser>,
 }
 
 impl AppState {
@@ -259,6 +265,7 @@ async fn run(
         max_prompt_bytes: engine
             .max_model_len()
             .saturating_mul(engine.tokenizer().max_token_bytes()),
+        tool_call_parser: args.tool_call_parser,
         tokenizer_slots: tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(2, |n| n.get()),
         ),

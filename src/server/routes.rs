@@ -422,6 +422,13 @@ fn structured_output(body: &Value) -> Result<Option<(StructuredOutput, &'static 
     Ok(found.pop())
 }
 
+/// The id of call `k` of choice `index` of response `response_id`: unique, in OpenAI's
+/// `call_…` form.
+pub fn call_id(response_id: &str, index: usize, k: usize) -> String {
+    let tail = response_id.rsplit('-').next().unwrap_or(response_id);
+    format!("call_{tail}{index:02x}{k:02x}")
+}
+
 /// Names the request's own field in an error about its structured-output constraint.
 fn name_structured_field(mut e: ApiError, field: Option<&str>) -> ApiError {
     if let Some(f) = field
@@ -987,10 +994,12 @@ fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiErro
                 "system" | "developer" => "system",
                 "user" => "user",
                 "assistant" => "assistant",
+                "tool" => "tool",
                 other => {
                     return Err(ApiError::unsupported(
                         format!(
-                            "messages[{i}].role '{other}' is not supported: use system, user or assistant"
+                            "messages[{i}].role '{}' is not supported: use system, user, assistant or tool",
+                            crate::untrusted::text(other)
                         ),
                         "messages",
                     ));
@@ -1028,6 +1037,7 @@ fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiErro
                     }
                     text
                 }
+                None if role == "assistant" && m.tool_calls.is_some() => String::new(),
                 None if role == "assistant" => String::new(),
                 None => {
                     return Err(ApiError::invalid(
@@ -1036,7 +1046,22 @@ fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiErro
                     ));
                 }
             };
-            Ok(ChatMessage::new(role, content))
+            let mut msg = ChatMessage::new(role, content);
+            if let Some(calls) = &m.tool_calls {
+                if role != "assistant" {
+                    return Err(ApiError::invalid(
+                        format!("messages[{i}]: only assistant messages have tool_calls"),
+                        Some("messages"),
+                    ));
+                }
+                msg.tool_calls = Some(super::tools::history_calls(calls).map_err(|e| {
+                    ApiError::invalid(format!("messages[{i}].{e}"), Some("messages"))
+                })?);
+            }
+            if role == "tool" {
+                msg.tool_call_id = m.tool_call_id.clone();
+            }
+            Ok(msg)
         })
         .collect()
 }
@@ -1079,9 +1104,14 @@ impl ChatRender {
     /// conversation and the text is cut right after that message's content (what
     /// transformers' `continue_final_message` does), dropping the end-of-turn the template
     /// put after it.
-    fn apply(&self, tok: &Tokenizer, messages: &[ChatMessage]) -> Result<String, ApiError> {
+    fn apply(
+        &self,
+        tok: &Tokenizer,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+    ) -> Result<String, ApiError> {
         let mut text = tok
-            .apply_chat_template(messages, self.add_generation_prompt)
+            .apply_chat_template_with_tools(messages, self.add_generation_prompt, tools)
             .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("messages")))?;
         if self.continue_final_message {
             let last = messages.last().map_or("", |m| m.content.trim_end());
@@ -1116,26 +1146,26 @@ async fn chat_inner(
     let sampling: SamplingFields = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
     check_accepting(&st)?;
-    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::unsupported(
-            "tools (function calling) are not supported yet",
-            "tools",
-        ));
-    }
-    // NOTE: without tools, only "none" (or nothing) is a choice that can be honoured.
-    match &req.tool_choice {
-        None | Some(Value::Null) => {}
-        Some(Value::String(c)) if c == "none" => {}
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "tool_choice needs tools, and tools are not supported yet",
-                Some("tool_choice"),
-            ));
-        }
-    }
     refuse_unsupported(&body, UNSUPPORTED)?;
     refuse_unsupported(&body, UNSUPPORTED_CHAT)?;
-    let structured = structured_output(&body)?;
+    let raw_tools: Vec<Value> = req.tools.clone().unwrap_or_default();
+    let tools = super::tools::parse_tools(&raw_tools)?;
+    let mode = super::tools::tool_mode(&tools, req.tool_choice.as_ref(), st.tool_call_parser)?;
+    let mut structured = structured_output(&body)?;
+    // NOTE: a required or named tool choice is enforced as structured output (the JSON of
+    // the call), so it cannot be combined with another constraint.
+    if let Some(c) = mode
+        .as_ref()
+        .and_then(|m| super::tools::constraint(m, &tools, req.parallel_tool_calls.unwrap_or(true)))
+    {
+        if let Some((_, f)) = structured {
+            return Err(ApiError::invalid(
+                format!("{f} cannot be combined with a required or named tool_choice"),
+                Some(f),
+            ));
+        }
+        structured = Some((c, "tool_choice"));
+    }
     let field = structured.as_ref().map(|(_, f)| *f);
     let want_logprobs = req.logprobs.unwrap_or(false);
     if req.top_logprobs.is_some() && !want_logprobs {
@@ -1154,6 +1184,11 @@ async fn chat_inner(
             e
         })?;
     params.structured = structured.map(|(c, _)| c);
+    // NOTE: models mark their calls with special tokens (Qwen's <tool_call>), which the
+    // parser must see (vLLM's Hermes parser turns skip_special_tokens off too).
+    if matches!(mode, Some(super::tools::ToolMode::Auto(_))) {
+        params.skip_special_tokens = false;
+    }
     let stream = req.stream.unwrap_or(false);
     check_stream_options(stream, &req.stream_options)?;
     check_stream_best_of(&params, stream)?;
@@ -1172,8 +1207,9 @@ async fn chat_inner(
     let tok = st.tokenizer.clone();
     let max_bytes = st.max_prompt_bytes;
     let max_len = st.max_model_len;
+    let rendered_tools = (!raw_tools.is_empty()).then_some(raw_tools);
     let ids = blocking(&st, move || {
-        let text = render.apply(&tok, &messages)?;
+        let text = render.apply(&tok, &messages, rendered_tools.as_deref())?;
         if text.len() > max_bytes {
             return Err(ApiError::invalid(
                 format!(
@@ -1215,6 +1251,7 @@ async fn chat_inner(
             st.tokenizer.clone(),
             want_logprobs,
             samples,
+            mode,
         );
         return Ok(streaming::response(
             rx,
@@ -1235,14 +1272,36 @@ async fn chat_inner(
     let choices = results
         .into_iter()
         .enumerate()
-        .map(|(index, c)| ChatChoice {
-            index,
-            logprobs: want_logprobs.then(|| chat_logprobs(&st.tokenizer, &c.logprobs)),
-            message: ChatMessageOut {
-                role: "assistant",
-                content: c.text,
-            },
-            finish_reason: finish_str(c.finish),
+        .map(|(index, c)| {
+            let (content, calls) = match &mode {
+                Some(m) => super::tools::extract(m, &c.text),
+                None => (Some(c.text.clone()), Vec::new()),
+            };
+            let finish = match c.finish {
+                Some(FinishReason::Stop) if !calls.is_empty() => Some("tool_calls"),
+                f => finish_str(f),
+            };
+            ChatChoice {
+                index,
+                logprobs: want_logprobs.then(|| chat_logprobs(&st.tokenizer, &c.logprobs)),
+                message: ChatMessageOut {
+                    role: "assistant",
+                    content,
+                    tool_calls: calls
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, call)| ToolCallOut {
+                            id: call_id(&id, index, k),
+                            kind: "function",
+                            function: FunctionCallOut {
+                                name: call.name,
+                                arguments: call.arguments,
+                            },
+                        })
+                        .collect(),
+                },
+                finish_reason: finish,
+            }
         })
         .collect();
     Ok(Json(ChatResponse {
@@ -1277,7 +1336,7 @@ async fn tokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Respons
                     "messages",
                 )?;
                 let tok = tok.clone();
-                blocking(&st, move || render.apply(&tok, &messages)).await?
+                blocking(&st, move || render.apply(&tok, &messages, None)).await?
             }
             _ => {
                 return Err(ApiError::invalid(
@@ -1445,9 +1504,25 @@ mod tests {
         let out = chat_messages(&m).unwrap();
         assert_eq!(out[1].content, "a\nb");
         assert_eq!(out[2].content, "");
-        let m: Vec<ChatMessageIn> =
-            serde_json::from_value(serde_json::json!([{"role": "tool", "content": "x"}])).unwrap();
-        assert!(chat_messages(&m).is_err());
+        let m: Vec<ChatMessageIn> = serde_json::from_value(serde_json::json!([
+            {"role": "tool", "tool_call_id": "call_1", "content": "x"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}
+            ]},
+        ]))
+        .unwrap();
+        let out = chat_messages(&m).unwrap();
+        assert_eq!(out[0].tool_call_id.as_deref(), Some("call_1"));
+        let calls = out[1].tool_calls.as_ref().unwrap();
+        assert_eq!(calls[0]["function"]["arguments"]["a"], 1);
+        for bad in [
+            serde_json::json!([{"role": "robot", "content": "x"}]),
+            serde_json::json!([{"role": "user", "content": "x", "tool_calls": []}]),
+            serde_json::json!([{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
+        ] {
+            let m: Vec<ChatMessageIn> = serde_json::from_value(bad.clone()).unwrap();
+            assert!(chat_messages(&m).is_err(), "{bad}");
+        }
         let m: Vec<ChatMessageIn> = serde_json::from_value(serde_json::json!([
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
         ]))

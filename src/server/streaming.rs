@@ -3,11 +3,13 @@
 //! `stream_options.include_usage` asks for it, then `data: [DONE]`.
 
 use super::error::ApiError;
-use super::routes::{AbortGuard, TextOffsets, chat_logprobs, completion_logprobs};
+use super::routes::{AbortGuard, TextOffsets, call_id, chat_logprobs, completion_logprobs};
+use super::tools::{self, ToolMode};
 use super::types::*;
 use super::worker::{Event, EventKind};
 use crate::engine::StepOutput;
 use crate::models::tokenizer::Tokenizer;
+use crate::sched::FinishReason;
 use axum::body::{Body, Bytes};
 use axum::http::header;
 use axum::response::Response;
@@ -21,10 +23,18 @@ use tokio::sync::mpsc as tmpsc;
 pub trait ChunkFormat: Send + 'static {
     /// Chunks sent before any token (the chat role; echoed prompts).
     fn start(&mut self, usage_null: bool) -> Vec<String>;
-    /// The chunk for one output of sub-request `index`, if it carries anything.
-    fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Option<String>;
+    /// The chunks for one output of sub-request `index` (none when it carries nothing).
+    fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Vec<String>;
     /// The last chunk, with the usage of all sub-requests and no choices.
     fn usage(&mut self, usage: Usage) -> String;
+}
+
+/// A delta carrying tool calls only.
+fn tool_delta(calls: Vec<ToolCallDelta>) -> ChatDelta {
+    ChatDelta {
+        tool_calls: calls,
+        ..Default::default()
+    }
 }
 
 fn json<T: Serialize>(v: &T) -> String {
@@ -106,10 +116,10 @@ impl ChunkFormat for CompletionStream {
             .collect()
     }
 
-    fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Option<String> {
+    fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Vec<String> {
         let has_lp = self.logprobs && !out.new_logprobs.is_empty();
         if out.new_text.is_empty() && !has_lp && out.finish_reason.is_none() {
-            return None;
+            return Vec::new();
         }
         let logprobs = match self.offsets.get_mut(index) {
             Some(offsets) if self.logprobs => Some(completion_logprobs(
@@ -119,7 +129,7 @@ impl ChunkFormat for CompletionStream {
             )),
             _ => None,
         };
-        Some(self.chunk(
+        vec![self.chunk(
             CompletionChoice {
                 index,
                 text: out.new_text.clone(),
@@ -127,7 +137,7 @@ impl ChunkFormat for CompletionStream {
                 finish_reason: out.finish_reason.map(|f| f.as_str()),
             },
             usage_null,
-        ))
+        )]
     }
 
     fn usage(&mut self, usage: Usage) -> String {
@@ -150,6 +160,10 @@ pub struct ChatStream {
     logprobs: bool,
     /// Choices (`n`): each gets its role delta first.
     choices: usize,
+    /// How the output is read for tool calls, and each choice's text so far (held back until
+    /// the end, where the calls are parsed, except for a named call, whose arguments stream).
+    tools: Option<ToolMode>,
+    held: Vec<String>,
 }
 
 impl ChatStream {
@@ -160,6 +174,7 @@ impl ChatStream {
         tokenizer: Arc<Tokenizer>,
         logprobs: bool,
         choices: usize,
+        tools: Option<ToolMode>,
     ) -> Self {
         ChatStream {
             id,
@@ -168,7 +183,118 @@ impl ChatStream {
             tokenizer,
             logprobs,
             choices,
+            tools,
+            held: vec![String::new(); choices],
         }
+    }
+
+    fn one(
+        &self,
+        index: usize,
+        delta: ChatDelta,
+        logprobs: Option<ChatLogprobs>,
+        finish: Option<&'static str>,
+        usage_null: bool,
+    ) -> String {
+        self.chunk(
+            vec![ChatChunkChoice {
+                index,
+                delta,
+                logprobs,
+                finish_reason: finish,
+            }],
+            usage_field(usage_null),
+        )
+    }
+
+    /// An output chunk of a request with tools: a named call streams its arguments (the first
+    /// chunk names the call); otherwise the text is held until the end, then sent as calls,
+    /// or as content when it holds none.
+    fn tool_output(
+        &mut self,
+        mode: &ToolMode,
+        index: usize,
+        out: &StepOutput,
+        usage_null: bool,
+    ) -> Vec<String> {
+        let Some(held) = self.held.get_mut(index) else {
+            return Vec::new();
+        };
+        let first = held.is_empty();
+        held.push_str(&out.new_text);
+        let done = out.finish_reason.is_some();
+        let finish = |calls: bool| match out.finish_reason {
+            Some(FinishReason::Stop) if calls => Some("tool_calls"),
+            f => f.map(|f| f.as_str()),
+        };
+        if let ToolMode::Named(name) = mode {
+            let mut chunks = Vec::new();
+            if first && !out.new_text.is_empty() || first && done {
+                let call = ToolCallDelta {
+                    index: 0,
+                    id: Some(call_id(&self.id, index, 0)),
+                    kind: Some("function"),
+                    function: FunctionDelta {
+                        name: Some(name.clone()),
+                        arguments: String::new(),
+                    },
+                };
+                chunks.push(self.one(index, tool_delta(vec![call]), None, None, usage_null));
+            }
+            if !out.new_text.is_empty() || done {
+                let piece = ToolCallDelta {
+                    index: 0,
+                    id: None,
+                    kind: None,
+                    function: FunctionDelta {
+                        name: None,
+                        arguments: out.new_text.clone(),
+                    },
+                };
+                chunks.push(self.one(
+                    index,
+                    tool_delta(vec![piece]),
+                    None,
+                    finish(true),
+                    usage_null,
+                ));
+            }
+            return chunks;
+        }
+        if !done {
+            return Vec::new();
+        }
+        let text = std::mem::take(held);
+        let (content, calls) = tools::extract(mode, &text);
+        let mut chunks = Vec::new();
+        if let Some(c) = content.filter(|c| !c.is_empty()) {
+            let delta = ChatDelta {
+                content: Some(c),
+                ..Default::default()
+            };
+            chunks.push(self.one(index, delta, None, None, usage_null));
+        }
+        let has_calls = !calls.is_empty();
+        let deltas: Vec<ToolCallDelta> = calls
+            .into_iter()
+            .enumerate()
+            .map(|(k, c)| ToolCallDelta {
+                index: k,
+                id: Some(call_id(&self.id, index, k)),
+                kind: Some("function"),
+                function: FunctionDelta {
+                    name: Some(c.name),
+                    arguments: c.arguments,
+                },
+            })
+            .collect();
+        let last = if deltas.is_empty() {
+            ChatDelta::default()
+        } else {
+            tool_delta(deltas)
+        };
+        chunks.push(self.one(index, last, None, finish(has_calls), usage_null));
+        chunks
     }
 
     fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: UsageField) -> String {
@@ -193,6 +319,7 @@ impl ChunkFormat for ChatStream {
                         delta: ChatDelta {
                             role: Some("assistant"),
                             content: Some(String::new()),
+                            tool_calls: Vec::new(),
                         },
                         logprobs: None,
                         finish_reason: None,
@@ -203,24 +330,22 @@ impl ChunkFormat for ChatStream {
             .collect()
     }
 
-    fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Option<String> {
+    fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Vec<String> {
+        if let Some(mode) = self.tools.clone() {
+            return self.tool_output(&mode, index, out, usage_null);
+        }
         let has_lp = self.logprobs && !out.new_logprobs.is_empty();
         if out.new_text.is_empty() && !has_lp && out.finish_reason.is_none() {
-            return None;
+            return Vec::new();
         }
         let content = (!out.new_text.is_empty() || has_lp).then(|| out.new_text.clone());
-        Some(self.chunk(
-            vec![ChatChunkChoice {
-                index,
-                delta: ChatDelta {
-                    role: None,
-                    content,
-                },
-                logprobs: has_lp.then(|| chat_logprobs(&self.tokenizer, &out.new_logprobs)),
-                finish_reason: out.finish_reason.map(|f| f.as_str()),
-            }],
-            usage_field(usage_null),
-        ))
+        let delta = ChatDelta {
+            content,
+            ..Default::default()
+        };
+        let logprobs = has_lp.then(|| chat_logprobs(&self.tokenizer, &out.new_logprobs));
+        let finish = out.finish_reason.map(|f| f.as_str());
+        vec![self.one(index, delta, logprobs, finish, usage_null)]
     }
 
     fn usage(&mut self, usage: Usage) -> String {
@@ -259,7 +384,7 @@ impl<F: ChunkFormat> StreamState<F> {
                     p.2 = true;
                     self.left -= 1;
                 }
-                if let Some(c) = self.fmt.output(ev.index, &out, self.include_usage) {
+                for c in self.fmt.output(ev.index, &out, self.include_usage) {
                     self.pending.push_back(sse(&c));
                 }
                 if self.left == 0 {

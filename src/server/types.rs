@@ -85,6 +85,10 @@ pub struct ContentPart {
 pub struct ChatMessageIn {
     pub role: String,
     pub content: Option<MessageContent>,
+    /// An assistant message's calls (`{"id", "type", "function": {"name", "arguments"}}`).
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -99,6 +103,7 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     /// vLLM's extra: render the generation prompt (true by default).
     pub add_generation_prompt: Option<bool>,
     /// vLLM's extra: leave the final (assistant) message open for the model to continue.
@@ -244,7 +249,45 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatMessageOut {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the message is tool calls only.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+/// A call the model made, as OpenAI returns it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallOut {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCallOut,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionCallOut {
+    pub name: String,
+    /// A JSON text.
+    pub arguments: String,
+}
+
+/// A piece of a streamed call: the first carries its id, type and name, later ones more of
+/// its arguments.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -271,6 +314,8 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallDelta>,
 }
 
 #[derive(Debug, Clone, Serialize)]

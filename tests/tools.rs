@@ -1,0 +1,221 @@
+//! Tool calling on Qwen2.5-Coder-0.5B (whose chat template renders tools): the template's
+//! rendering of tools, calls and tool answers against transformers' (the golden file made by
+//! scripts/make-tool-template-golden.py), and `/v1/chat/completions` with `tool_choice`
+//! required, named and auto (the Hermes parser), streamed and not, and a conversation that
+//! carries the calls and their answers back.
+
+mod common;
+mod server_util;
+
+use common::{QWEN_GGUF, model_path};
+use pagoda::models::tokenizer::ChatMessage;
+use pagoda::server::tools::ToolCallParser;
+use pagoda::server::{ServerArgs, ServerHandle};
+use serde_json::{Value, json};
+use server_util::*;
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+
+#[test]
+fn qwen_template_renders_tools_as_transformers_does() {
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/golden/qwen_tools.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let model = pagoda::models::load_model(&model_path(QWEN_GGUF)).unwrap();
+    let messages: Vec<ChatMessage> = serde_json::from_value(golden["messages"].clone()).unwrap();
+    let tools = golden["tools"].as_array().unwrap();
+    let prompt = model
+        .tokenizer
+        .apply_chat_template_with_tools(&messages, true, Some(tools))
+        .unwrap();
+    assert_eq!(prompt, golden["prompt"].as_str().unwrap());
+}
+
+fn server() -> SocketAddr {
+    static SERVER: OnceLock<ServerHandle> = OnceLock::new();
+    SERVER
+        .get_or_init(|| {
+            start(
+                model_path(QWEN_GGUF),
+                64,
+                ServerArgs {
+                    tool_call_parser: Some(ToolCallParser::Hermes),
+                    ..ServerArgs::default()
+                },
+            )
+        })
+        .addr()
+}
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+                "additionalProperties": false
+            }
+        }},
+        {"type": "function", "function": {"name": "get_time", "description": "The current time"}}
+    ])
+}
+
+fn ask(tool_choice: Value, stream: bool) -> Value {
+    json!({
+        "messages": [{"role": "user", "content": "What is the weather like in Paris right now?"}],
+        "tools": weather_tools(),
+        "tool_choice": tool_choice,
+        "max_tokens": 60,
+        "temperature": 0,
+        "stream": stream,
+    })
+}
+
+fn post(body: &Value) -> Value {
+    let r = post_json(server(), "/v1/chat/completions", None, body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+/// The calls of a streamed response, assembled as a client does: by index, the first piece
+/// with the id and name, then the arguments in order.
+fn streamed_calls(body: &Value) -> (Vec<Value>, String, Option<String>) {
+    let events = Sse::open(server(), "/v1/chat/completions", &[], body).all();
+    let mut calls: Vec<Value> = Vec::new();
+    let mut content = String::new();
+    let mut finish = None;
+    for e in events.iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            if let Some(t) = c["delta"]["content"].as_str() {
+                content.push_str(t);
+            }
+            for d in c["delta"]["tool_calls"].as_array().into_iter().flatten() {
+                let i = d["index"].as_u64().unwrap() as usize;
+                if i == calls.len() {
+                    assert!(d["id"].as_str().unwrap().starts_with("call_"), "{d}");
+                    assert_eq!(d["type"], "function");
+                    calls.push(
+                        json!({"id": d["id"], "name": d["function"]["name"], "arguments": ""}),
+                    );
+                }
+                let args = format!(
+                    "{}{}",
+                    calls[i]["arguments"].as_str().unwrap(),
+                    d["function"]["arguments"].as_str().unwrap_or("")
+                );
+                calls[i]["arguments"] = Value::from(args);
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+    }
+    (calls, content, finish)
+}
+
+fn city_of(arguments: &str) -> String {
+    let v: Value = serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{e}: {arguments}"));
+    v["city"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"))
+        .to_string()
+}
+
+#[test]
+fn required_and_named_tool_choices_always_parse() {
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+    ] {
+        let v = post(&ask(choice.clone(), false));
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+        assert!(c["message"]["content"].is_null(), "{v}");
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert!(!calls.is_empty());
+        assert_eq!(calls[0]["type"], "function");
+        assert_eq!(calls[0]["function"]["name"], "get_weather", "{v}");
+        let city = city_of(calls[0]["function"]["arguments"].as_str().unwrap());
+        assert!(city.contains("Paris"), "{city}");
+        // Streamed: the same calls.
+        let (streamed, content, finish) = streamed_calls(&ask(choice, true));
+        assert_eq!(finish.as_deref(), Some("tool_calls"));
+        assert!(content.is_empty(), "{content:?}");
+        assert_eq!(streamed.len(), calls.len());
+        for (s, c) in streamed.iter().zip(calls) {
+            assert_eq!(s["name"], c["function"]["name"]);
+            assert_eq!(s["arguments"], c["function"]["arguments"]);
+        }
+    }
+}
+
+#[test]
+fn auto_parses_what_the_model_writes_and_the_answers_go_back() {
+    let v = post(&ask(json!("auto"), false));
+    let c = &v["choices"][0];
+    // NOTE: greedy Qwen2.5-Coder calls the weather tool here, in its own <tool_call> format.
+    assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+    let call = &c["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather", "{v}");
+    let args = call["function"]["arguments"].as_str().unwrap().to_string();
+    assert!(city_of(&args).contains("Paris"));
+    let (streamed, _, finish) = streamed_calls(&ask(json!("auto"), true));
+    assert_eq!(finish.as_deref(), Some("tool_calls"));
+    assert_eq!(streamed[0]["arguments"].as_str().unwrap(), args);
+    // The call and the tool's answer, sent back: the model answers in text.
+    let body = json!({
+        "messages": [
+            {"role": "user", "content": "What is the weather like in Paris right now?"},
+            {"role": "assistant", "content": null, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "{\"temperature_c\": 21, \"sky\": \"sunny\"}"}
+        ],
+        "tools": weather_tools(),
+        "max_tokens": 40,
+        "temperature": 0,
+    });
+    let v = post(&body);
+    let c = &v["choices"][0];
+    assert!(c["message"]["tool_calls"].is_null(), "{v}");
+    let text = c["message"]["content"].as_str().unwrap();
+    assert!(
+        text.contains("21") || text.to_lowercase().contains("sunny"),
+        "{text:?}"
+    );
+    // tool_choice none: no parsing, plain content.
+    let v = post(&ask(json!("none"), false));
+    assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+    assert!(v["choices"][0]["message"]["content"].is_string());
+}
+
+#[test]
+fn bad_tools_and_choices_are_400s() {
+    let base = ask(json!("required"), false);
+    for (field, value) in [
+        ("tools", json!([{"type": "function", "function": {}}])),
+        ("tools", json!([{"type": "code_interpreter"}])),
+        (
+            "tool_choice",
+            json!({"type": "function", "function": {"name": "missing"}}),
+        ),
+        ("tool_choice", json!("sometimes")),
+    ] {
+        let mut body = base.clone();
+        body[field] = value;
+        let r = post_json(server(), "/v1/chat/completions", None, &body);
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert_eq!(r.json()["error"]["param"], field);
+    }
+    let mut body = base.clone();
+    body["response_format"] = json!({"type": "json_object"});
+    let r = post_json(server(), "/v1/chat/completions", None, &body);
+    assert_eq!(r.status, 400, "{}", r.text());
+}
