@@ -1,11 +1,12 @@
-//! The official `openai` Python package against `pagoda serve` (the real binary) on SmolLM2:
-//! tests/python/test_openai_client.py, run with pytest from a virtual environment under
+//! The official `openai` Python package against `pagoda serve` (the real binary) on SmolLM2
+//! (tests/python/test_openai_client.py) and on Qwen2.5-Coder for tool calling
+//! (tests/python/test_openai_tools.py), run with pytest from a virtual environment under
 //! `$PAGODA_CACHE` (created, and `openai` and `pytest` installed into it, on first use). Then
 //! SIGTERM must stop the server cleanly.
 
 mod common;
 
-use common::{SMOL_GGUF, model_path};
+use common::{QWEN_GGUF, SMOL_GGUF, model_path};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -72,13 +73,16 @@ impl Drop for Server {
     }
 }
 
-#[test]
-fn openai_python_client() {
+/// Runs `pagoda serve` on `model` with `extra` flags and the pytest file `test` against it,
+/// then stops the server with SIGTERM, which must end it cleanly; returns the server's log.
+fn serve_and_pytest(model: &Path, served_name: &str, extra: &[&str], test: &str) -> Vec<String> {
     let python = venv();
     let mut child = Command::new(env!("CARGO_BIN_EXE_pagoda"))
         .args(["serve", "--port", "0", "--kv-cache-memory", "256MiB"])
-        .args(["--served-model-name", MODEL, "--api-key", KEY, "--model"])
-        .arg(model_path(SMOL_GGUF))
+        .args(["--served-model-name", served_name, "--api-key", KEY])
+        .args(extra)
+        .arg("--model")
+        .arg(model)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -107,13 +111,14 @@ fn openai_python_client() {
 
     let out = Command::new(&python)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/python/test_openai_client.py"
-        ))
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/python")
+                .join(test),
+        )
         .env("PAGODA_BASE_URL", format!("http://{addr}/v1"))
         .env("PAGODA_API_KEY", KEY)
-        .env("PAGODA_MODEL", MODEL)
+        .env("PAGODA_MODEL", served_name)
         .output()
         .expect("run pytest");
     let report = String::from_utf8_lossy(&out.stdout);
@@ -138,6 +143,12 @@ fn openai_python_client() {
     assert!(status.success(), "pagoda serve exited with {status}");
     let lines = log.join().unwrap();
     assert!(lines.iter().any(|l| l.contains("server stopped")));
+    lines
+}
+
+#[test]
+fn openai_python_client() {
+    let lines = serve_and_pytest(&model_path(SMOL_GGUF), MODEL, &[], "test_openai_client.py");
     // One log line per request.
     assert!(
         lines
@@ -145,5 +156,16 @@ fn openai_python_client() {
             .filter(|l| l.contains("request cmpl-") && l.contains("time to first token"))
             .count()
             >= 5
+    );
+}
+
+/// Tool calling with the official client on Qwen2.5-Coder (its template renders tools).
+#[test]
+fn openai_python_client_tools() {
+    serve_and_pytest(
+        &model_path(QWEN_GGUF),
+        "Qwen2.5-Coder-0.5B-Instruct",
+        &["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        "test_openai_tools.py",
     );
 }
