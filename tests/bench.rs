@@ -33,6 +33,7 @@ fn run(policy: SchedulingPolicy, reqs: &[RequestLens], stop: &AtomicBool) -> Thr
         prefixes: None,
         n: 1,
         separate_n: false,
+        structured: None,
         stop,
         progress: false,
     };
@@ -156,6 +157,7 @@ fn run_with(
         prefixes,
         n,
         separate_n,
+        structured: None,
         stop: &stop,
         progress: false,
     };
@@ -204,4 +206,43 @@ fn n_samples_as_one_request_use_fewer_blocks_than_as_separate_requests() {
     assert_eq!(separate.kv_peak_blocks, 2 * 4 * 7);
     assert_eq!(group.n_mode, "group");
     assert_eq!(separate.n_mode, "separate");
+}
+
+/// `--structured json`: every output is JSON of the schema (ended where the JSON ends, so at
+/// most the requested length), and the time per output token is measured.
+#[test]
+fn throughput_with_json_schema_output() {
+    let mut e = engine(SchedulingPolicy::Continuous, 4);
+    let stop = AtomicBool::new(false);
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": false,
+        // NOTE: compact JSON (llguidance's option), so that the length is known: {"n":D}.
+        "x-guidance": {"whitespace_flexible": false}
+    });
+    let opts = ThroughputOptions {
+        backend: "cpu".into(),
+        scheduling: "continuous".into(),
+        block_size: 16,
+        seed: 3,
+        prefixes: None,
+        n: 1,
+        separate_n: false,
+        structured: Some((
+            "json".into(),
+            pagoda::sampling::StructuredOutput::Json(schema),
+        )),
+        stop: &stop,
+        progress: false,
+    };
+    let reqs = lens(&[(20, 30), (12, 30), (40, 30)]);
+    let r = throughput::run(&mut e, &reqs, &opts).unwrap();
+    assert_eq!((r.structured.as_str(), r.completed), ("json", 3));
+    for q in &r.requests {
+        // {"n":D}: a handful of tokens, never the 30 asked for.
+        assert!(q.produced >= 3 && q.produced < 12, "{q:?}");
+    }
+    assert!(r.tpot_ms.p50 > 0.0, "{:?}", r.tpot_ms);
 }

@@ -10,6 +10,7 @@ use super::workload::{SharedPrefixes, Workload, WorkloadKind};
 use super::{Machine, interrupt_flag};
 use crate::backend::BackendKind;
 use crate::engine::{Engine, EngineArgs};
+use crate::sampling::StructuredOutput;
 use crate::sched::{PreemptionMode, SchedulingPolicy};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
@@ -132,6 +133,33 @@ fn parse_rate(s: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_structured(s: &str) -> Result<bool, String> {
+    match s {
+        "none" => Ok(false),
+        "json" => Ok(true),
+        _ => Err(format!("'{s}' is not none or json")),
+    }
+}
+
+/// The JSON schema `--structured json` uses without `--json-schema`: at least 8 records of a
+/// name, an age and a city (about 120 tokens: the output cannot end after a few).
+fn default_bench_schema() -> Value {
+    serde_json::json!({
+        "type": "array",
+        "minItems": 8,
+        "items": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 24},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                "city": {"type": "string", "maxLength": 24}
+            },
+            "required": ["name", "age", "city"],
+            "additionalProperties": false
+        }
+    })
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct ThroughputArgs {
     #[command(flatten)]
@@ -154,6 +182,13 @@ pub struct ThroughputArgs {
     /// `separate` (n requests of one sample, the same seeds), or `group,separate`.
     #[arg(long, value_delimiter = ',', default_value = "group", value_parser = parse_n_mode)]
     pub n_mode: Vec<bool>,
+    /// Structured output: `none`, `json` (every output must match a JSON schema: --json-schema,
+    /// or a list of records), or `none,json` back to back. Outputs end where the JSON does.
+    #[arg(long, value_delimiter = ',', default_value = "none", value_parser = parse_structured)]
+    pub structured: Vec<bool>,
+    /// The JSON schema of `--structured json` (default: a list of {name, age, city} records).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
     /// Where to write the JSON results (default: bench-throughput-<UTC time>.json).
     #[arg(long)]
     pub output_json: Option<PathBuf>,
@@ -331,6 +366,15 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
     }
     let mut n_modes = args.n_mode.clone();
     n_modes.dedup();
+    let mut structured_modes = args.structured.clone();
+    structured_modes.dedup();
+    let schema = match &args.json_schema {
+        Some(p) => serde_json::from_str(
+            &std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?,
+        )
+        .with_context(|| format!("{} is not JSON", p.display()))?,
+        None => default_bench_schema(),
+    };
     // Every combination of policy, prefix caching, preemption mode and n mode, in the order
     // given.
     let listed = |v: &[bool]| -> Vec<Option<bool>> {
@@ -350,7 +394,9 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
         for caching in listed(&args.prefix_caching) {
             for &preemption in &preemptions {
                 for &separate in &n_modes {
-                    variants.push((policy, caching, preemption, separate));
+                    for &structured in &structured_modes {
+                        variants.push((policy, caching, preemption, separate, structured));
+                    }
                 }
             }
         }
@@ -358,7 +404,7 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
     let (mut rows, mut skips, mut results) = (vec![], vec![], vec![]);
     let (mut model, mut engine_cfg) = (String::new(), Value::Null);
     'outer: for (kind, base) in engines {
-        for &(policy, caching, preemption, separate_n) in &variants {
+        for &(policy, caching, preemption, separate_n, structured) in &variants {
             if stop.load(std::sync::atomic::Ordering::Relaxed) {
                 break 'outer;
             }
@@ -379,7 +425,7 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
             model = engine.model_name().to_string();
             engine_cfg = engine_json(&ea, engine.max_model_len());
             eprintln!(
-                "throughput: {} requests ({}), backend {}, {} batching, prefix caching {}, preemption by {}, n {}{}",
+                "throughput: {} requests ({}), backend {}, {} batching, prefix caching {}, preemption by {}, n {}{}{}",
                 reqs.len(),
                 workload.kind.name(),
                 kind.name(),
@@ -395,6 +441,11 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
                     " (separate requests)"
                 } else {
                     ""
+                },
+                if structured {
+                    ", JSON-schema output"
+                } else {
+                    ""
                 }
             );
             let opts = ThroughputOptions {
@@ -405,6 +456,8 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
                 prefixes: workload.shared_prefixes,
                 n: args.n,
                 separate_n,
+                structured: structured
+                    .then(|| ("json".to_string(), StructuredOutput::Json(schema.clone()))),
                 stop,
                 progress: true,
             };
@@ -472,14 +525,16 @@ fn print_throughput(results: &[ThroughputResult]) {
         println!("{b}: continuous / static batching = {x:.2}× output tokens/s");
     }
     println!(
-        "\n{:<8} {:<10} {:>7} {:>10} {:>12} {:>11} {:>13} {:>9} {:>11} {:>8} {:>11}",
+        "\n{:<8} {:<10} {:>7} {:>10} {:>12} {:>6} {:>11} {:>13} {:>13} {:>9} {:>11} {:>8} {:>11}",
         "backend",
         "scheduling",
         "prefix",
         "preempt",
         "n",
+        "output",
         "out tok/s",
         "TTFT p50 ms",
+        "TPOT p50 ms",
         "hit rate",
         "peak blocks",
         "preempt",
@@ -487,14 +542,16 @@ fn print_throughput(results: &[ThroughputResult]) {
     );
     for r in results {
         println!(
-            "{:<8} {:<10} {:>7} {:>10} {:>12} {:>11.1} {:>13.0} {:>8.1}% {:>11} {:>8} {:>11.1}",
+            "{:<8} {:<10} {:>7} {:>10} {:>12} {:>6} {:>11.1} {:>13.0} {:>13.1} {:>8.1}% {:>11} {:>8} {:>11.1}",
             r.backend,
             r.scheduling,
             if r.prefix_caching { "on" } else { "off" },
             r.preemption_mode,
             format!("{} {}", r.n, r.n_mode),
+            r.structured,
             r.output_tokens_per_s,
             r.ttft_ms.p50,
+            r.tpot_ms.p50,
             r.prefix_cache_hit_rate * 100.0,
             r.kv_peak_blocks,
             r.preemptions,
@@ -505,7 +562,10 @@ fn print_throughput(results: &[ThroughputResult]) {
     for a in results {
         for b in results {
             let same = a.backend == b.backend && a.scheduling == b.scheduling;
+            // NOTE: the ratio of two runs that differ in one setting only.
+            let same_output = a.structured == b.structured;
             if same
+                && same_output
                 && a.n == b.n
                 && a.n_mode == b.n_mode
                 && a.preemption_mode == b.preemption_mode
@@ -522,6 +582,7 @@ fn print_throughput(results: &[ThroughputResult]) {
                 );
             }
             if same
+                && same_output
                 && a.prefix_caching == b.prefix_caching
                 && a.n == b.n
                 && a.n_mode == b.n_mode
@@ -539,6 +600,25 @@ fn print_throughput(results: &[ThroughputResult]) {
                 );
             }
             if same
+                && a.prefix_caching == b.prefix_caching
+                && a.preemption_mode == b.preemption_mode
+                && a.n == b.n
+                && a.n_mode == b.n_mode
+                && a.structured == "json"
+                && b.structured == "none"
+            {
+                println!(
+                    "{} / {}: JSON-schema output / unconstrained: time per output token {:.3}× (p50 {:.1} / {:.1} ms), output tokens/s {:.2}×",
+                    a.backend,
+                    a.scheduling,
+                    a.tpot_ms.p50 / b.tpot_ms.p50.max(1e-9),
+                    a.tpot_ms.p50,
+                    b.tpot_ms.p50,
+                    a.output_tokens_per_s / b.output_tokens_per_s.max(1e-9)
+                );
+            }
+            if same
+                && same_output
                 && a.prefix_caching == b.prefix_caching
                 && a.preemption_mode == b.preemption_mode
                 && a.n_mode == "group"

@@ -567,6 +567,8 @@ mod tests {
             prefix_cache_hit_rate: 0.0,
             ttft_ms: Summary::of(&[100.0]),
             kv_peak_blocks: 20,
+            structured: "none".into(),
+            tpot_ms: Summary::of(&[10.0]),
             interrupted: false,
             kv_timeline: timeline,
             requests: vec![],

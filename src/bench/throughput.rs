@@ -14,7 +14,7 @@
 use super::stats::{Summary, mean};
 use super::workload::{RequestLens, SharedPrefixes, request_tokens, word_token_ids};
 use crate::engine::{Engine, Prompt, sample_seed};
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, StructuredOutput};
 use crate::sched::RequestId;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
@@ -120,6 +120,12 @@ pub struct ThroughputResult {
     /// Most KV blocks in use at once.
     #[serde(default)]
     pub kv_peak_blocks: usize,
+    /// The structured-output constraint every request had (`none`, `json`).
+    #[serde(default)]
+    pub structured: String,
+    /// Time per output token over requests (first token to last, per later token), in ms.
+    #[serde(default)]
+    pub tpot_ms: Summary,
     pub interrupted: bool,
     pub kv_timeline: Vec<KvSample>,
     pub requests: Vec<RequestRecord>,
@@ -141,6 +147,8 @@ pub struct ThroughputOptions<'a> {
     pub n: usize,
     /// Submit the `n` samples as `n` requests of one sample each, with the same seeds.
     pub separate_n: bool,
+    /// A constraint every request's output must match (its name and itself).
+    pub structured: Option<(String, StructuredOutput)>,
     /// Set (by Ctrl-C) to end the run early; what was measured is still returned.
     pub stop: &'a AtomicBool,
     pub progress: bool,
@@ -177,6 +185,7 @@ pub fn run(
         let base = SamplingParams {
             max_tokens: Some(r.output_len),
             ignore_eos: true,
+            structured: opts.structured.as_ref().map(|(_, c)| c.clone()),
             ..SamplingParams::greedy()
         };
         let seed = opts.seed.wrapping_add(i as u64);
@@ -362,6 +371,20 @@ pub fn run(
         )
         .scaled(1e3),
         kv_peak_blocks: peak_blocks,
+        structured: opts
+            .structured
+            .as_ref()
+            .map_or("none".to_string(), |(name, _)| name.clone()),
+        tpot_ms: Summary::of(
+            &records
+                .iter()
+                .filter_map(|r| match (r.first_token_s, r.finish_s) {
+                    (Some(a), Some(b)) if r.produced > 1 => Some((b - a) / (r.produced - 1) as f64),
+                    _ => None,
+                })
+                .collect::<Vec<_>>(),
+        )
+        .scaled(1e3),
         interrupted,
         kv_timeline: thin(timeline, MAX_TIMELINE_POINTS),
         requests: records,

@@ -954,8 +954,10 @@ mod tests {
         assert_eq!(t.token_id, 1);
         assert_eq!(t.logprobs.unwrap().logprob, token_logprob(&x, 1));
         // Sampled (not greedy) draws never pick a banned token.
-        let mut p = SamplingParams::default();
-        p.seed = Some(1);
+        let p = SamplingParams {
+            seed: Some(1),
+            ..Default::default()
+        };
         for step in 0..200 {
             let t = sample_restricted(&x, &p, &[], &[], &ban(&[0, 2]), 1, step).token_id;
             assert!(t == 1 || t == 3, "{t}");

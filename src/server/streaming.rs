@@ -229,7 +229,7 @@ impl ChatStream {
         };
         if let ToolMode::Named(name) = mode {
             let mut chunks = Vec::new();
-            if first && !out.new_text.is_empty() || first && done {
+            if first && (!out.new_text.is_empty() || done) {
                 let call = ToolCallDelta {
                     index: 0,
                     id: Some(call_id(&self.id, index, 0)),
