@@ -312,7 +312,8 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
             tokenizer,
             weights: Box::new(weights),
             eos_token_ids: eos,
-            sampling_defaults: SamplingDefaults::from_generation_config(&generation_defaults),
+            sampling_defaults: SamplingDefaults::from_generation_config(&generation_defaults)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
         })
     } else if meta.is_file() {
         let g = GgufFile::open(path)?;
@@ -329,7 +330,7 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
             g.add_bos_token(),
         );
         let eos = end_of_generation_ids(config.eos_token_ids.clone(), &tokenizer);
-        let sampling_defaults = g.sampling_defaults();
+        let sampling_defaults = g.sampling_defaults()?;
         Ok(LoadedModel {
             name,
             path: path.to_path_buf(),

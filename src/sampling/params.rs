@@ -497,18 +497,48 @@ pub struct SamplingDefaults {
 }
 
 impl SamplingDefaults {
-    /// From a `generation_config.json` value (`Null` when the model has none).
-    pub fn from_generation_config(v: &serde_json::Value) -> Self {
-        let f = |k: &str| v[k].as_f64().map(|x| x as f32);
-        SamplingDefaults {
-            temperature: f("temperature"),
-            top_p: f("top_p"),
-            top_k: v["top_k"]
-                .as_i64()
-                .map(|x| x.clamp(-1, i32::MAX as i64) as i32),
-            min_p: f("min_p"),
-            repetition_penalty: f("repetition_penalty"),
-        }
+    /// From a `generation_config.json` value (`Null` when the model has none). A field of
+    /// the wrong type, or a value no request could use, is an error naming it.
+    pub fn from_generation_config(v: &serde_json::Value) -> Result<Self, String> {
+        let get = |k: &str| v.get(k).filter(|x| !x.is_null());
+        let bad = |k: &str, what: &str, x: &serde_json::Value| {
+            format!(
+                "generation_config.json: '{k}' must be {what}, found {}",
+                crate::untrusted::json(x)
+            )
+        };
+        let f = |k: &str| match get(k) {
+            None => Ok(None),
+            Some(x) => x
+                .as_f64()
+                .map(|x| Some(x as f32))
+                .ok_or_else(|| bad(k, "a number", x)),
+        };
+        let top_k = match get("top_k") {
+            None => None,
+            Some(x) => Some(
+                x.as_i64()
+                    .ok_or_else(|| bad("top_k", "an integer", x))?
+                    .clamp(-1, i32::MAX as i64) as i32,
+            ),
+        };
+        let d = SamplingDefaults {
+            temperature: f("temperature")?,
+            top_p: f("top_p")?,
+            top_k,
+            min_p: f("min_p")?,
+            repetition_penalty: f("repetition_penalty")?,
+        };
+        d.check()
+            .map_err(|e| format!("generation_config.json: {e}"))?;
+        Ok(d)
+    }
+
+    /// Whether a request that leaves every field out can use these defaults.
+    pub fn check(&self) -> Result<(), String> {
+        self.fill(&SamplingDefaults::default(), SamplingParams::default())
+            .validate()
+            .map_err(|e| format!("the model's default {}: {}", e.param, e.message))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -539,7 +569,8 @@ mod defaults_tests {
     fn model_defaults_fill_what_the_user_left_out() {
         let m = SamplingDefaults::from_generation_config(&serde_json::json!({
             "temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": true, "eos_token_id": 2
-        }));
+        }))
+        .unwrap();
         assert_eq!(
             m,
             SamplingDefaults {
@@ -557,6 +588,20 @@ mod defaults_tests {
         let p = m.fill(&user, SamplingParams::default());
         assert_eq!((p.temperature, p.top_p, p.top_k), (0.6, 0.5, 20));
         assert_eq!(p.min_p, SamplingParams::default().min_p);
-        assert!(SamplingDefaults::from_generation_config(&serde_json::Value::Null).is_empty());
+        assert!(
+            SamplingDefaults::from_generation_config(&serde_json::Value::Null)
+                .unwrap()
+                .is_empty()
+        );
+        for bad in [
+            serde_json::json!({"temperature": "hot"}),
+            serde_json::json!({"top_k": 2.5}),
+            serde_json::json!({"temperature": -1}),
+            serde_json::json!({"top_p": 0}),
+            serde_json::json!({"repetition_penalty": 0}),
+        ] {
+            let e = SamplingDefaults::from_generation_config(&bad).unwrap_err();
+            assert!(e.contains("generation_config.json"), "{e}");
+        }
     }
 }

@@ -2,27 +2,31 @@
 //! `rope_freqs.weight` tensor), sampling defaults; the family's own keys through its registry
 //! hook.
 
-use super::{GgufFile, GgufValue, in_file};
+use super::{GgufFile, in_file};
 use crate::models::config::{Llama3RopeScaling, ModelConfig};
 use crate::untrusted::text;
 use anyhow::{Result, anyhow, bail};
 
 impl GgufFile {
-    /// The model's default sampling parameters, from llama.cpp's `general.sampling.*` keys.
-    pub fn sampling_defaults(&self) -> crate::sampling::SamplingDefaults {
-        let f = |k: &str| {
-            self.metadata
-                .get(&format!("general.sampling.{k}"))
-                .and_then(GgufValue::as_f64)
-                .map(|x| x as f32)
+    /// The model's default sampling parameters, from llama.cpp's `general.sampling.*` keys;
+    /// one of the wrong type, or that no request could use, is an error naming it.
+    pub fn sampling_defaults(&self) -> Result<crate::sampling::SamplingDefaults> {
+        let f = |k: &str| -> Result<Option<f32>> {
+            let key = format!("general.sampling.{k}");
+            Ok(self
+                .meta_f64(&key)
+                .map_err(|e| in_file(&self.path, e))?
+                .map(|x| x as f32))
         };
-        crate::sampling::SamplingDefaults {
-            temperature: f("temp"),
-            top_p: f("top_p"),
-            top_k: f("top_k").map(|x| x as i32),
-            min_p: f("min_p"),
-            repetition_penalty: f("penalty_repeat"),
-        }
+        let d = crate::sampling::SamplingDefaults {
+            temperature: f("temp")?,
+            top_p: f("top_p")?,
+            top_k: f("top_k")?.map(|x| x as i32),
+            min_p: f("min_p")?,
+            repetition_penalty: f("penalty_repeat")?,
+        };
+        d.check().map_err(|e| in_file(&self.path, anyhow!("{e}")))?;
+        Ok(d)
     }
 
     /// Metadata `key` as a non-negative integer: `None` when absent, an error naming the key
