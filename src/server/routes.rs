@@ -315,25 +315,40 @@ fn refuse_unsupported(body: &Value, fields: &[&str]) -> Result<(), ApiError> {
 /// most one may be given.
 fn structured_output(body: &Value) -> Result<Option<(StructuredOutput, &'static str)>, ApiError> {
     let bad = |field: &str, what: &str| ApiError::invalid(format!("{field}: {what}"), Some(field));
-    let schema = |field: &'static str, v: &Value| -> Result<StructuredOutput, ApiError> {
-        match v {
-            // NOTE: vLLM takes a schema given as a JSON string too.
-            Value::String(s) => serde_json::from_str(s)
-                .map(StructuredOutput::Json)
-                .map_err(|e| bad(field, &format!("the schema is not valid JSON: {e}"))),
-            v => Ok(StructuredOutput::Json(v.clone())),
-        }
-    };
-    let string = |field: &'static str, v: &Value| -> Result<String, ApiError> {
-        v.as_str()
-            .map(str::to_string)
-            .ok_or_else(|| bad(field, "must be a string"))
-    };
-    let choice = |field: &'static str, v: &Value| -> Result<StructuredOutput, ApiError> {
-        serde_json::from_value(v.clone())
-            .map(StructuredOutput::Choice)
-            .map_err(|_| bad(field, "must be a list of strings"))
-    };
+    // One constraint of a kind (json, regex, choice, grammar), as `field` gave it.
+    let of_kind =
+        |field: &'static str, kind: &str, v: &Value| -> Result<StructuredOutput, ApiError> {
+            let string = || {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| bad(field, &format!("{kind} must be a string")))
+            };
+            match kind {
+                // NOTE: vLLM takes a schema given as a JSON string too.
+                "json" => match v {
+                    Value::String(s) => serde_json::from_str(s)
+                        .map(StructuredOutput::Json)
+                        .map_err(|e| bad(field, &format!("the schema is not valid JSON: {e}"))),
+                    v => Ok(StructuredOutput::Json(v.clone())),
+                },
+                "regex" => string().map(StructuredOutput::Regex),
+                "grammar" => string().map(StructuredOutput::Grammar),
+                "choice" => serde_json::from_value(v.clone())
+                    .map(StructuredOutput::Choice)
+                    .map_err(|_| bad(field, "choice must be a list of strings")),
+                "json_object" => match v.as_bool() {
+                    Some(true) => Ok(StructuredOutput::JsonObject),
+                    _ => Err(bad(field, "json_object must be true")),
+                },
+                other => Err(bad(
+                    field,
+                    &format!(
+                        "'{}' is not supported (json, regex, choice, grammar, json_object)",
+                        crate::untrusted::text(other)
+                    ),
+                )),
+            }
+        };
     let mut found: Vec<(StructuredOutput, &'static str)> = Vec::new();
     let given = |k: &str| body.get(k).filter(|v| !v.is_null());
     if let Some(rf) = given("response_format") {
@@ -346,7 +361,7 @@ fn structured_output(body: &Value) -> Result<Option<(StructuredOutput, &'static 
                     .get("json_schema")
                     .and_then(|j| j.get("schema"))
                     .ok_or_else(|| bad(F, "json_schema.schema is missing"))?;
-                found.push((schema(F, s)?, F));
+                found.push((of_kind(F, "json", s)?, F));
             }
             _ => {
                 return Err(bad(
@@ -356,46 +371,24 @@ fn structured_output(body: &Value) -> Result<Option<(StructuredOutput, &'static 
             }
         }
     }
-    if let Some(v) = given("guided_json") {
-        found.push((schema("guided_json", v)?, "guided_json"));
-    }
-    if let Some(v) = given("guided_regex") {
-        found.push((
-            StructuredOutput::Regex(string("guided_regex", v)?),
-            "guided_regex",
-        ));
-    }
-    if let Some(v) = given("guided_choice") {
-        found.push((choice("guided_choice", v)?, "guided_choice"));
-    }
-    if let Some(v) = given("guided_grammar") {
-        found.push((
-            StructuredOutput::Grammar(string("guided_grammar", v)?),
-            "guided_grammar",
-        ));
+    for (field, kind) in [
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ] {
+        if let Some(v) = given(field) {
+            found.push((of_kind(field, kind, v)?, field));
+        }
     }
     if let Some(so) = given("structured_outputs") {
         const F: &str = "structured_outputs";
         let o = so.as_object().ok_or_else(|| bad(F, "must be an object"))?;
-        for (k, v) in o.iter().filter(|(_, v)| !v.is_null()) {
-            let c = match k.as_str() {
-                "json" => schema(F, v)?,
-                "regex" => StructuredOutput::Regex(string(F, v)?),
-                "choice" => choice(F, v)?,
-                "grammar" => StructuredOutput::Grammar(string(F, v)?),
-                "json_object" if v.as_bool() == Some(true) => StructuredOutput::JsonObject,
-                "json_object" => continue,
-                other => {
-                    return Err(bad(
-                        F,
-                        &format!(
-                            "'{}' is not supported (json, regex, choice, grammar, json_object)",
-                            crate::untrusted::text(other)
-                        ),
-                    ));
-                }
-            };
-            found.push((c, F));
+        for (k, v) in o
+            .iter()
+            .filter(|(_, v)| !v.is_null() && **v != Value::Bool(false))
+        {
+            found.push((of_kind(F, k, v)?, F));
         }
     }
     // NOTE: the backend is llguidance whatever is asked; a request that names another one
