@@ -647,10 +647,7 @@ fn graceful_shutdown_finishes_running_requests() {
 #[test]
 fn unsupported_fields_are_refused_by_name() {
     let user = json!([{"role": "user", "content": "Hi"}]);
-    for (field, value) in [
-        ("prompt_logprobs", json!(1)),
-        ("guided_whitespace_pattern", json!("[ ]?")),
-    ] {
+    for (field, value) in [("guided_whitespace_pattern", json!("[ ]?"))] {
         let mut body = json!({"prompt": PROMPT, "max_tokens": 2});
         body[field] = value.clone();
         assert_error(&post("/v1/completions", body), 400, Some(field));
@@ -1117,4 +1114,84 @@ fn structured_output_fields() {
         json!({"prompt": PROMPT, "guided_regex": "a", "guided_choice": ["a"]}),
     );
     assert_error(&r, 400, None);
+}
+
+/// Prompt log-probabilities: `echo` with `logprobs` (OpenAI's legacy form) and vLLM's
+/// `prompt_logprobs`, checked against the decode path: a greedy continuation sent back as part
+/// of the prompt is scored as it was generated.
+#[test]
+fn echo_logprobs_and_prompt_logprobs() {
+    let t = post("/tokenize", json!({"prompt": PROMPT})).json();
+    let prompt: Vec<u64> = t["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    let g = completion(json!({
+        "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2, "ignore_eos": true
+    }));
+    let glp = &g["choices"][0]["logprobs"];
+    let gen_lps: Vec<f64> = glp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let gen_ids = post(
+        "/tokenize",
+        json!({"prompt": g["choices"][0]["text"], "add_special_tokens": false}),
+    )
+    .json()["tokens"]
+        .clone();
+    let mut full = prompt.clone();
+    full.extend(
+        gen_ids
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap()),
+    );
+    let v = completion(json!({
+        "prompt": full, "max_tokens": 1, "temperature": 0, "logprobs": 2, "echo": true
+    }));
+    let lp = &v["choices"][0]["logprobs"];
+    let toks = lp["tokens"].as_array().unwrap();
+    assert_eq!(toks.len(), full.len() + 1, "{lp}");
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+    assert_eq!(lp["text_offset"][0], 0);
+    // The echoed continuation is scored as it was generated (when it tokenizes back the same).
+    if full.len() - prompt.len() == gen_lps.len() {
+        for (j, want) in gen_lps.iter().enumerate() {
+            let got = lp["token_logprobs"][prompt.len() + j].as_f64().unwrap();
+            assert!((got - want).abs() < 1e-3, "{j}: {got} against {want}");
+        }
+    }
+    // vLLM's prompt_logprobs, on both routes.
+    let v = completion(json!({"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1}));
+    let pl = v["choices"][0]["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(pl.len(), prompt.len());
+    assert!(pl[0].is_null());
+    let second = prompt[1].to_string();
+    let e = &pl[1][&second];
+    assert!(
+        e["logprob"].as_f64().unwrap() <= 0.0 && e["rank"].as_u64().unwrap() >= 1,
+        "{e}"
+    );
+    assert!(e["decoded_token"].is_string());
+    let v = chat(json!({
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0
+    }));
+    assert!(v["prompt_logprobs"].as_array().unwrap().len() > 3, "{v}");
+    // Not streamed.
+    let r = post(
+        "/v1/completions",
+        json!({"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1, "stream": true}),
+    );
+    assert_error(&r, 400, Some("prompt_logprobs"));
+    let r = post(
+        "/v1/completions",
+        json!({"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 21}),
+    );
+    assert_error(&r, 400, Some("prompt_logprobs"));
 }

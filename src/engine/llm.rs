@@ -26,6 +26,8 @@ pub struct RequestOutput {
     pub prompt_token_ids: Vec<u32>,
     /// One per completion (`n`), in index order.
     pub outputs: Vec<CompletionOutput>,
+    /// With `prompt_logprobs`: the score of each prompt token after the first.
+    pub prompt_logprobs: Option<Vec<super::PromptLogprob>>,
     pub finished: bool,
 }
 
@@ -102,6 +104,7 @@ impl LLM {
                             ..Default::default()
                         })
                         .collect(),
+                    prompt_logprobs: None,
                     finished: false,
                 },
             );
@@ -117,6 +120,12 @@ impl LLM {
                 }
             };
             for o in step {
+                if let Some(r) = results.get_mut(&o.request_id)
+                    && o.index == 0
+                    && let Some(p) = o.prompt_logprobs.clone()
+                {
+                    r.prompt_logprobs = Some(p);
+                }
                 if let Some(r) = results.get_mut(&o.request_id)
                     && let Some(c) = r.outputs.get_mut(o.index)
                 {

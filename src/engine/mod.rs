@@ -96,6 +96,7 @@ fn argmax_suffices(p: &SamplingParams) -> bool {
         && p.min_tokens == 0
         && p.bad_words.is_empty()
         && p.structured.is_none()
+        && p.prompt_logprobs.is_none()
 }
 
 /// The token sequences of `bad_words` (vLLM's way): each word as written and with a leading
@@ -196,9 +197,31 @@ pub struct StepOutput {
     pub new_text: String,
     /// One entry per new token when `logprobs` was asked for.
     pub new_logprobs: Vec<TokenLogprobs>,
+    /// With `prompt_logprobs`, in the request's first output: the score of each prompt token
+    /// after the first (which nothing predicts).
+    pub prompt_logprobs: Option<Vec<PromptLogprob>>,
     pub finish_reason: Option<FinishReason>,
     pub num_prompt_tokens: usize,
     pub num_output_tokens: usize,
+}
+
+/// How likely the model found one prompt token, given the tokens before it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprob {
+    pub logprobs: TokenLogprobs,
+    /// Its rank among all tokens (1 = the most likely).
+    pub rank: usize,
+}
+
+fn prompt_logprob(row: &[f32], token: u32, k: usize) -> PromptLogprob {
+    let x = row
+        .get(token as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    PromptLogprob {
+        logprobs: crate::sampling::sampler::logprobs_of(row, token, k),
+        rank: 1 + row.iter().filter(|&&v| v > x).count(),
+    }
 }
 
 impl StepOutput {
@@ -218,6 +241,9 @@ struct RequestState {
     bad_words: Vec<Vec<u32>>,
     /// The structured-output constraint's state: what the output may continue with.
     matcher: Option<llguidance::Matcher>,
+    /// `prompt_logprobs`: the scores of prompt tokens 1.. so far, sent with the first output.
+    prompt_logprobs: Vec<PromptLogprob>,
+    prompt_logprobs_sent: bool,
     detok: IncrementalDetokenizer,
     stop: StopChecker,
     /// The request (the id its caller knows) and this sample's place in it.
@@ -560,7 +586,11 @@ impl Engine {
         let seed = params.seed.unwrap_or_else(|| self.seed_rng.next_u64());
         // NOTE: with prefix caching every request shares one root; without it, the samples of
         // one request still share their prompt's blocks under a root of their own.
-        let root = if self.scheduler.kv().prefix_caching() {
+        // NOTE: prompt log-probs need the logits of every prompt position, so such a request
+        // computes its whole prompt (as vLLM skips the prefix cache for it).
+        let root = if params.prompt_logprobs.is_some() {
+            None
+        } else if self.scheduler.kv().prefix_caching() {
             Some(0)
         } else {
             (best_of > 1).then_some(group + 1)
@@ -592,6 +622,8 @@ impl Engine {
                     stop_ids: stop_ids.clone(),
                     bad_words: bad_words.clone(),
                     matcher: matcher.as_ref().map(|m| m.deep_clone()),
+                    prompt_logprobs: Vec::new(),
+                    prompt_logprobs_sent: false,
                     group,
                     index,
                     cum_logprob: 0.0,
@@ -673,12 +705,30 @@ impl Engine {
         };
         input.query_start.push(0);
         let mut sampling = Vec::new();
+        // The logits row of each sampled request, and the prompt rows asked for by
+        // `prompt_logprobs`: (request, position whose next token they score, row).
+        let mut sample_rows = Vec::new();
+        let mut prompt_rows: Vec<(RequestId, usize, usize)> = Vec::new();
         for s in &sched.scheduled {
             let req = self
                 .scheduler
                 .request(s.id)
                 .context("scheduled request is unknown")?;
             let range = s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens;
+            // NOTE: positions whose scores were taken before (a preempted request recomputes
+            // its prompt) are not taken again.
+            if let Some(st) = self.states.get(&s.id)
+                && st.params.prompt_logprobs.is_some()
+                && !st.prompt_logprobs_sent
+            {
+                let first = range.start.max(st.prompt_logprobs.len());
+                let last = range.end.min(req.prompt_len.saturating_sub(1));
+                for pos in first..last {
+                    let row = input.token_ids.len() + (pos - range.start);
+                    input.logits_rows.push(row as u32);
+                    prompt_rows.push((s.id, pos, input.logits_rows.len() - 1));
+                }
+            }
             input
                 .token_ids
                 .extend_from_slice(&req.tokens[range.clone()]);
@@ -700,12 +750,14 @@ impl Engine {
             if s.sample {
                 input.logits_rows.push(input.token_ids.len() as u32 - 1);
                 sampling.push(s.id);
+                sample_rows.push(input.logits_rows.len() - 1);
             }
         }
         self.stats.batched_tokens += input.token_ids.len() as u64;
         // NOTE: when every sampled row is plain greedy, the backend reduces the logits to token
         // ids itself (on a GPU, only those come back).
         let greedy_only = !sampling.is_empty()
+            && prompt_rows.is_empty()
             && sampling.iter().all(|id| {
                 self.states
                     .get(id)
@@ -756,6 +808,17 @@ impl Engine {
         let (logits, greedy_ids) = executed.inspect_err(|_| self.scheduler.reset_prefix_cache())?;
         let vocab = self.config.vocab_size;
 
+        for &(id, pos, row) in &prompt_rows {
+            let req = self.scheduler.request(id).context("request is unknown")?;
+            let st = self
+                .states
+                .get_mut(&id)
+                .context("request state is missing")?;
+            let row = &logits[row * vocab..(row + 1) * vocab];
+            let next = req.tokens[pos + 1];
+            let k = st.params.prompt_logprobs.unwrap_or(0);
+            st.prompt_logprobs.push(prompt_logprob(row, next, k));
+        }
         let mut sampled = HashMap::new();
         let mut logprobs = HashMap::new();
         for (i, id) in sampling.iter().enumerate() {
@@ -763,6 +826,7 @@ impl Engine {
                 sampled.insert(*id, g[i]);
                 continue;
             }
+            let i = sample_rows[i];
             let req = self
                 .scheduler
                 .request(*id)
@@ -864,7 +928,15 @@ impl Engine {
                 .scheduler
                 .request(ev.id)
                 .context("request is unknown")?;
+            let prompt_logprobs = if st.params.prompt_logprobs.is_some() && !st.prompt_logprobs_sent
+            {
+                st.prompt_logprobs_sent = true;
+                Some(std::mem::take(&mut st.prompt_logprobs))
+            } else {
+                None
+            };
             let out = StepOutput {
+                prompt_logprobs,
                 request_id: st.group,
                 index: st.index,
                 new_token_ids: vec![ev.token],

@@ -66,6 +66,9 @@ pub struct SamplingParams {
     pub bad_words: Vec<String>,
     /// What the output must match (a JSON schema, a regex, a choice, a grammar).
     pub structured: Option<super::StructuredOutput>,
+    /// Score every prompt token after the first: its log-probability and the `k` most likely
+    /// tokens' at that position (vLLM's `prompt_logprobs`; `Some(0)`: the token's own only).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -91,6 +94,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             bad_words: Vec::new(),
             structured: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -271,6 +275,14 @@ impl SamplingParams {
         if let Some(s) = &self.structured {
             s.validate()
                 .map_err(|m| InvalidParam::new("structured_outputs", m))?;
+        }
+        if let Some(k) = self.prompt_logprobs
+            && k > MAX_LOGPROBS
+        {
+            return Err(InvalidParam::new(
+                "prompt_logprobs",
+                format!("prompt_logprobs must be at most {MAX_LOGPROBS}, got {k}"),
+            ));
         }
         if let Some(k) = self.logprobs
             && k > MAX_LOGPROBS

@@ -540,6 +540,12 @@ pub fn token_logprob(logits: &[f32], id: u32) -> f32 {
     raw_logprobs(logits, id, 0).logprob
 }
 
+/// The log-probability of `token` under `logits` and the `k` most likely tokens' (ties: lowest
+/// id first), of the raw distribution.
+pub fn logprobs_of(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
+    raw_logprobs(logits, token, k)
+}
+
 fn raw_logprobs(logits: &[f32], chosen: u32, k: usize) -> TokenLogprobs {
     // NaN counts as -inf; +inf as the largest finite value (so no inf - inf below).
     let clean = |v: f32| nan_to_neg_inf(v).min(f32::MAX);

@@ -282,7 +282,6 @@ fn sampling_params(
 /// asks for nothing and passes.
 const UNSUPPORTED: &[&str] = &[
     "guided_whitespace_pattern",
-    "prompt_logprobs",
     "allowed_token_ids",
     "truncate_prompt_tokens",
     "use_beam_search",
@@ -441,6 +440,75 @@ fn check_stream_options(stream: bool, options: &Option<StreamOptions>) -> Result
         ));
     }
     Ok(())
+}
+
+/// Prompt log-probabilities come with the first output; they are not streamed (as in vLLM).
+fn check_stream_prompt_logprobs(p: &SamplingParams, stream: bool) -> Result<(), ApiError> {
+    if stream && p.prompt_logprobs.is_some() {
+        return Err(ApiError::unsupported(
+            "prompt log-probabilities (prompt_logprobs, or echo with logprobs) are not available when streaming",
+            "prompt_logprobs",
+        ));
+    }
+    Ok(())
+}
+
+/// vLLM's `prompt_logprobs` entries: `null` for the first token, then for each position the
+/// prompt token and the top tokens, by id: `{logprob, rank, decoded_token}`.
+fn prompt_logprobs_json(tok: &Tokenizer, lps: &[crate::engine::PromptLogprob]) -> Value {
+    let entry = |id: u32, logprob: f32, rank: usize| {
+        serde_json::json!({
+            "logprob": logprob,
+            "rank": rank,
+            "decoded_token": token_repr(&tok.token_bytes(id)),
+        })
+    };
+    let mut out = vec![Value::Null];
+    for p in lps {
+        let mut m = serde_json::Map::new();
+        m.insert(
+            p.logprobs.token_id.to_string(),
+            entry(p.logprobs.token_id, p.logprobs.logprob, p.rank),
+        );
+        for (r, &(id, l)) in p.logprobs.top.iter().enumerate() {
+            m.entry(id.to_string())
+                .or_insert_with(|| entry(id, l, r + 1));
+        }
+        out.push(Value::Object(m));
+    }
+    Value::Array(out)
+}
+
+/// The echoed prompt's part of legacy completion log-probs: every prompt token, the first
+/// unscored (`null`), as OpenAI returns them with `echo` and `logprobs`.
+fn echo_logprobs_of(
+    tok: &Tokenizer,
+    prompt: &[u32],
+    lps: &[crate::engine::PromptLogprob],
+) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    let mut offsets = TextOffsets::new(0);
+    for (i, &id) in prompt.iter().enumerate() {
+        let bytes = tok.token_bytes(id);
+        out.text_offset.push(offsets.advance(&bytes));
+        out.tokens.push(token_repr(&bytes));
+        match i.checked_sub(1).and_then(|j| lps.get(j)) {
+            Some(p) => {
+                out.token_logprobs.push(Some(p.logprobs.logprob));
+                let mut top = serde_json::Map::new();
+                for &(t, l) in &p.logprobs.top {
+                    top.entry(token_repr(&tok.token_bytes(t)))
+                        .or_insert(Value::from(l));
+                }
+                out.top_logprobs.push(Some(top));
+            }
+            None => {
+                out.token_logprobs.push(None);
+                out.top_logprobs.push(None);
+            }
+        }
+    }
+    out
 }
 
 /// `best_of > n` returns the best completions once all have ended: nothing to stream before.
@@ -624,6 +692,7 @@ async fn submit(
 struct Collected {
     text: String,
     logprobs: Vec<TokenLogprobs>,
+    prompt_logprobs: Option<Vec<crate::engine::PromptLogprob>>,
     finish: Option<FinishReason>,
     prompt_tokens: usize,
     output_tokens: usize,
@@ -646,6 +715,9 @@ async fn collect(
             EventKind::Output(o) => {
                 c.text.push_str(&o.new_text);
                 c.logprobs.extend(o.new_logprobs);
+                if o.prompt_logprobs.is_some() {
+                    c.prompt_logprobs = o.prompt_logprobs;
+                }
                 c.prompt_tokens = o.num_prompt_tokens;
                 c.output_tokens = o.num_output_tokens;
                 if o.finish_reason.is_some() && c.finish.is_none() {
@@ -744,7 +816,7 @@ pub fn completion_logprobs(
                 .or_insert(Value::from(l));
         }
         top.entry(s.clone()).or_insert(Value::from(lp.logprob));
-        out.top_logprobs.push(top);
+        out.top_logprobs.push(Some(top));
         out.tokens.push(s);
     }
     out
@@ -810,12 +882,7 @@ async fn completions_inner(
     let structured = structured_output(&body)?;
     let field = structured.as_ref().map(|(_, f)| *f);
     let echo = req.echo.unwrap_or(false);
-    if echo && req.logprobs.is_some() {
-        return Err(ApiError::unsupported(
-            "echo together with logprobs (prompt log-probs) is not supported yet",
-            "echo",
-        ));
-    }
+    let echo_logprobs = echo && req.logprobs.is_some();
     let mut params = sampling_params(
         &sampling,
         req.max_tokens,
@@ -823,9 +890,21 @@ async fn completions_inner(
         &st.sampling_defaults,
     )?;
     params.structured = structured.map(|(c, _)| c);
+    // NOTE: echo with logprobs scores the prompt too (OpenAI's legacy completions), as many
+    // top tokens per prompt position as per generated one.
+    params.prompt_logprobs = match (sampling.prompt_logprobs, echo_logprobs) {
+        (Some(k), _) => Some(k),
+        (None, true) => req.logprobs,
+        (None, false) => None,
+    };
+    params
+        .validate()
+        .map_err(|e| name_structured_field(ApiError::invalid(e.message, Some(e.param)), field))?;
     let stream = req.stream.unwrap_or(false);
     check_stream_options(stream, &req.stream_options)?;
     check_stream_best_of(&params, stream)?;
+    check_stream_prompt_logprobs(&params, stream)?;
+    let params_prompt_logprobs = params.prompt_logprobs.is_some();
     let samples = params.n;
     let prompts = parse_prompts(&req.prompt)?;
     // NOTE: a request with more prompts than may ever wait could only be refused as "busy",
@@ -902,6 +981,14 @@ async fn completions_inner(
     .await
     .map_err(|e| name_structured_field(e, field))?;
     let created = unix_now();
+    let prompt_ids: Vec<Vec<u32>> = if params_prompt_logprobs {
+        prompts
+            .iter()
+            .flat_map(|(ids, _)| std::iter::repeat_n(ids.clone(), samples))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let echo_texts: Vec<String> = prompts
         .into_iter()
         .flat_map(|(_, t)| std::iter::repeat_n(if echo { t } else { String::new() }, samples))
@@ -948,15 +1035,27 @@ async fn completions_inner(
                 usage.prompt_tokens + prompt_tokens,
                 usage.completion_tokens + c.output_tokens,
             );
+            let scored = c.prompt_logprobs.as_deref().unwrap_or_default();
             let logprobs = req.logprobs.is_some().then(|| {
                 let mut offsets = TextOffsets::new(echo_text.chars().count());
-                completion_logprobs(&st.tokenizer, &c.logprobs, &mut offsets)
+                let tail = completion_logprobs(&st.tokenizer, &c.logprobs, &mut offsets);
+                match prompt_ids.get(index) {
+                    Some(ids) if echo_logprobs => {
+                        let mut head = echo_logprobs_of(&st.tokenizer, ids, scored);
+                        head.append(tail);
+                        head
+                    }
+                    _ => tail,
+                }
             });
             CompletionChoice {
                 index,
                 text: echo_text + &c.text,
                 logprobs,
                 finish_reason: finish_str(c.finish),
+                prompt_logprobs: sampling
+                    .prompt_logprobs
+                    .map(|_| prompt_logprobs_json(&st.tokenizer, scored)),
             }
         })
         .collect();
@@ -1177,6 +1276,10 @@ async fn chat_inner(
             e
         })?;
     params.structured = structured.map(|(c, _)| c);
+    params.prompt_logprobs = sampling.prompt_logprobs;
+    params
+        .validate()
+        .map_err(|e| name_structured_field(ApiError::invalid(e.message, Some(e.param)), field))?;
     // NOTE: models mark their calls with special tokens (Qwen's <tool_call>), which the
     // parser must see (vLLM's Hermes parser turns skip_special_tokens off too).
     if matches!(mode, Some(super::tools::ToolMode::Auto(_))) {
@@ -1185,6 +1288,7 @@ async fn chat_inner(
     let stream = req.stream.unwrap_or(false);
     check_stream_options(stream, &req.stream_options)?;
     check_stream_best_of(&params, stream)?;
+    check_stream_prompt_logprobs(&params, stream)?;
     let samples = params.n;
     let messages = chat_messages(&req.messages)?;
     let render = ChatRender::new(
@@ -1262,6 +1366,10 @@ async fn chat_inner(
         results.first().map_or(0, |c| c.prompt_tokens),
         results.iter().map(|c| c.output_tokens).sum(),
     );
+    let prompt_logprobs = sampling.prompt_logprobs.map(|_| {
+        let scored = results.first().and_then(|c| c.prompt_logprobs.as_deref());
+        prompt_logprobs_json(&st.tokenizer, scored.unwrap_or_default())
+    });
     let choices = results
         .into_iter()
         .enumerate()
@@ -1304,6 +1412,7 @@ async fn chat_inner(
         model,
         choices,
         usage,
+        prompt_logprobs,
     })
     .into_response())
 }

@@ -109,6 +109,7 @@ impl ChunkFormat for CompletionStream {
                         text,
                         logprobs: None,
                         finish_reason: None,
+                        prompt_logprobs: None,
                     },
                     usage_null,
                 )
@@ -135,6 +136,7 @@ impl ChunkFormat for CompletionStream {
                 text: out.new_text.clone(),
                 logprobs,
                 finish_reason: out.finish_reason.map(|f| f.as_str()),
+                prompt_logprobs: None,
             },
             usage_null,
         )]

@@ -51,6 +51,7 @@ pub struct SamplingFields {
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     pub min_tokens: Option<usize>,
     pub bad_words: Option<Vec<String>>,
+    pub prompt_logprobs: Option<usize>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -179,7 +180,8 @@ pub struct CompletionLogprobs {
     pub text_offset: Vec<usize>,
     pub token_logprobs: Vec<Option<f32>>,
     pub tokens: Vec<String>,
-    pub top_logprobs: Vec<serde_json::Map<String, Value>>,
+    /// `null` for an echoed prompt's first token, which nothing predicts.
+    pub top_logprobs: Vec<Option<serde_json::Map<String, Value>>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -188,6 +190,19 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's `prompt_logprobs`, when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Value>,
+}
+
+impl CompletionLogprobs {
+    /// `self` followed by `tail` (the echoed prompt's, then the completion's).
+    pub fn append(&mut self, tail: CompletionLogprobs) {
+        self.text_offset.extend(tail.text_offset);
+        self.token_logprobs.extend(tail.token_logprobs);
+        self.tokens.extend(tail.tokens);
+        self.top_logprobs.extend(tail.top_logprobs);
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -306,6 +321,9 @@ pub struct ChatResponse {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
+    /// vLLM's `prompt_logprobs`, when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Value>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
