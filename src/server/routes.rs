@@ -1158,6 +1158,23 @@ fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiErro
         .collect()
 }
 
+/// A request's conversation, how to render it, and its length checked before rendering.
+fn chat_input(
+    st: &AppState,
+    messages: &[ChatMessageIn],
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+) -> Result<(Vec<ChatMessage>, ChatRender), ApiError> {
+    let messages = chat_messages(messages)?;
+    let render = ChatRender::new(&messages, add_generation_prompt, continue_final_message)?;
+    check_text_len(
+        st,
+        messages.iter().map(|m| m.content.len()).sum(),
+        "messages",
+    )?;
+    Ok((messages, render))
+}
+
 /// How a conversation is rendered: with the assistant's turn opened after it
 /// (`add_generation_prompt`, the default), or with its final assistant message left open for
 /// the model to continue (vLLM's `continue_final_message`).
@@ -1290,16 +1307,11 @@ async fn chat_inner(
     check_stream_best_of(&params, stream)?;
     check_stream_prompt_logprobs(&params, stream)?;
     let samples = params.n;
-    let messages = chat_messages(&req.messages)?;
-    let render = ChatRender::new(
-        &messages,
+    let (messages, render) = chat_input(
+        &st,
+        &req.messages,
         req.add_generation_prompt,
         req.continue_final_message,
-    )?;
-    check_text_len(
-        &st,
-        messages.iter().map(|m| m.content.len()).sum(),
-        "messages",
     )?;
     let tok = st.tokenizer.clone();
     let max_bytes = st.max_prompt_bytes;
@@ -1426,16 +1438,11 @@ async fn tokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Respons
         let text = match (req.prompt, req.messages) {
             (Some(p), None) => p,
             (None, Some(m)) => {
-                let messages = chat_messages(&m)?;
-                let render = ChatRender::new(
-                    &messages,
+                let (messages, render) = chat_input(
+                    &st,
+                    &m,
                     req.add_generation_prompt,
                     req.continue_final_message,
-                )?;
-                check_text_len(
-                    &st,
-                    messages.iter().map(|m| m.content.len()).sum(),
-                    "messages",
                 )?;
                 let tok = tok.clone();
                 blocking(&st, move || render.apply(&tok, &messages, None)).await?
