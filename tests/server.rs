@@ -658,7 +658,6 @@ fn unsupported_fields_are_refused_by_name() {
     for (field, value) in [
         ("functions", json!([{"name": "f", "parameters": {}}])),
         ("function_call", json!("auto")),
-        ("echo", json!(true)),
         ("tool_choice", json!("required")),
         ("tool_choice", json!("auto")),
         (
@@ -774,6 +773,18 @@ fn continue_final_message() {
     }));
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(text.contains("Paris"), "{text:?}");
+    // vLLM's chat echo: the reply starts with the message it continues, streamed or not.
+    let body = json!({
+        "messages": messages, "continue_final_message": true, "add_generation_prompt": false,
+        "max_tokens": 4, "temperature": 0, "echo": true
+    });
+    let v = chat(body.clone());
+    let echoed = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(echoed, format!("The capital of France is{text}"));
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let (texts, _, _) = check_stream(&stream("/v1/chat/completions", streamed), true);
+    assert_eq!(texts[0], echoed);
     // Both at once, or a last message that is not the assistant's: 400.
     for body in [
         json!({"messages": messages, "continue_final_message": true, "add_generation_prompt": true}),

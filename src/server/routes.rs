@@ -288,7 +288,7 @@ const UNSUPPORTED: &[&str] = &[
 ];
 
 /// The fields only chat completions refuse (on top of [`UNSUPPORTED`]).
-const UNSUPPORTED_CHAT: &[&str] = &["functions", "function_call", "echo", "documents"];
+const UNSUPPORTED_CHAT: &[&str] = &["functions", "function_call", "documents"];
 
 fn refuse_unsupported(body: &Value, fields: &[&str]) -> Result<(), ApiError> {
     let inert = |v: &Value| match v {
@@ -1313,6 +1313,18 @@ async fn chat_inner(
         req.add_generation_prompt,
         req.continue_final_message,
     )?;
+    // NOTE: vLLM's chat `echo`: the reply starts with the last message when it is the
+    // assistant's (the message being continued).
+    let echo = match messages.last() {
+        Some(m) if req.echo == Some(true) && m.role == "assistant" => m.content.clone(),
+        _ => String::new(),
+    };
+    if req.echo == Some(true) && mode.is_some() {
+        return Err(ApiError::invalid(
+            "echo cannot be combined with tool calls",
+            Some("echo"),
+        ));
+    }
     let tok = st.tokenizer.clone();
     let max_bytes = st.max_prompt_bytes;
     let max_len = st.max_model_len;
@@ -1361,7 +1373,8 @@ async fn chat_inner(
             want_logprobs,
             samples,
             mode,
-        );
+        )
+        .with_echo(echo);
         return Ok(streaming::response(
             rx,
             guard,
@@ -1388,7 +1401,7 @@ async fn chat_inner(
         .map(|(index, c)| {
             let (content, calls) = match &mode {
                 Some(m) => super::tools::extract(m, &c.text),
-                None => (Some(c.text.clone()), Vec::new()),
+                None => (Some(format!("{echo}{}", c.text)), Vec::new()),
             };
             let finish = match c.finish {
                 Some(FinishReason::Stop) if !calls.is_empty() => Some("tool_calls"),

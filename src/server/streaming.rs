@@ -166,9 +166,17 @@ pub struct ChatStream {
     /// the end, where the calls are parsed, except for a named call, whose arguments stream).
     tools: Option<ToolMode>,
     held: Vec<String>,
+    /// vLLM's chat `echo`: the last message's text, sent first.
+    echo: String,
 }
 
 impl ChatStream {
+    /// Sends `text` (the echoed last message) at the start of each choice's content.
+    pub fn with_echo(mut self, text: String) -> Self {
+        self.echo = text;
+        self
+    }
+
     pub fn new(
         id: String,
         created: u64,
@@ -187,6 +195,7 @@ impl ChatStream {
             choices,
             tools,
             held: vec![String::new(); choices],
+            echo: String::new(),
         }
     }
 
@@ -320,7 +329,7 @@ impl ChunkFormat for ChatStream {
                         index,
                         delta: ChatDelta {
                             role: Some("assistant"),
-                            content: Some(String::new()),
+                            content: Some(self.echo.clone()),
                             tool_calls: Vec::new(),
                         },
                         logprobs: None,

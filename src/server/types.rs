@@ -109,6 +109,8 @@ pub struct ChatRequest {
     pub add_generation_prompt: Option<bool>,
     /// vLLM's extra: leave the final (assistant) message open for the model to continue.
     pub continue_final_message: Option<bool>,
+    /// vLLM's extra: the reply starts with the last message when it is the assistant's.
+    pub echo: Option<bool>,
 }
 
 /// vLLM's `/tokenize`: a `prompt`, or chat `messages` rendered with the template.
