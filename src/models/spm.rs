@@ -6,7 +6,7 @@
 
 use crate::untrusted::text;
 use anyhow::{Result, anyhow, bail};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use tokenizers::decoders::DecoderWrapper;
 use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::fuse::Fuse;
@@ -22,8 +22,13 @@ const USER_DEFINED: i64 = 4;
 
 /// The merges: for every normal piece of two or more characters, from the highest score down,
 /// each split of it into two pieces of the vocabulary (splits ordered by the halves' ids).
+///
+/// NOTE: a split is looked up only where both halves have the length of some piece: looking up
+/// every split hashes O(n²) bytes for a piece of n bytes, and a corrupt file with one piece of a
+/// few MB would take hours to load.
 fn merges(tokens: &[&str], scores: &[f32], types: &[i64]) -> Vec<(String, String)> {
     let ids: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (*t, i)).collect();
+    let lengths: HashSet<usize> = tokens.iter().map(|t| t.len()).collect();
     let mut pieces: Vec<usize> = (0..tokens.len())
         .filter(|&i| types[i] == NORMAL && tokens[i].chars().nth(1).is_some())
         .collect();
@@ -34,6 +39,7 @@ fn merges(tokens: &[&str], scores: &[f32], types: &[i64]) -> Vec<(String, String
         let mut splits: Vec<(usize, usize, &str, &str)> = piece
             .char_indices()
             .skip(1)
+            .filter(|&(k, _)| lengths.contains(&k) && lengths.contains(&(piece.len() - k)))
             .filter_map(|(k, _)| {
                 let (l, r) = piece.split_at(k);
                 Some((*ids.get(l)?, *ids.get(r)?, l, r))
@@ -137,5 +143,18 @@ mod tests {
             tk.encode("<bos>ab", false).unwrap().get_ids(),
             &[1, id("ab") as u32]
         );
+    }
+
+    /// A piece of 2 MB (a corrupt file) builds in milliseconds: only the splits whose halves
+    /// have the length of some piece are looked up (looking up all of them took minutes).
+    #[test]
+    fn a_huge_piece_is_not_quadratic() {
+        let long = "a".repeat(2 << 20);
+        let tokens = vec!["<unk>", "a", "aa", "aaa", long.as_str()];
+        let t = std::time::Instant::now();
+        let tk = tokenizer(&tokens, &[0.0, 0.0, -1.0, -2.0, -3.0], &[2, 1, 1, 1, 1], 0).unwrap();
+        assert!(t.elapsed().as_secs() < 5, "{:?}", t.elapsed());
+        // the merges that exist are kept: "aaa" is "a" + "aa" or "aa" + "a"
+        assert_eq!(tk.encode("aaa", false).unwrap().get_ids(), &[3]);
     }
 }
