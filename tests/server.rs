@@ -647,7 +647,11 @@ fn graceful_shutdown_finishes_running_requests() {
 #[test]
 fn unsupported_fields_are_refused_by_name() {
     let user = json!([{"role": "user", "content": "Hi"}]);
-    for (field, value) in [("guided_whitespace_pattern", json!("[ ]?"))] {
+    for (field, value) in [
+        ("guided_whitespace_pattern", json!("[ ]?")),
+        ("use_beam_search", json!(true)),
+        ("truncate_prompt_tokens", json!(8)),
+    ] {
         let mut body = json!({"prompt": PROMPT, "max_tokens": 2});
         body[field] = value.clone();
         assert_error(&post("/v1/completions", body), 400, Some(field));
