@@ -7,25 +7,13 @@
 
 mod common;
 
-use common::{ids, single_sequence_step};
+use common::{TINY_FAMILIES, ids, single_sequence_step};
 use pagoda::backend::{CpuBackend, DeviceBatch};
 use pagoda::engine::KvBudget;
 use pagoda::models::{KvCache, load_model, registry};
 use pagoda::tensor::DType;
 use pagoda::{BackendKind, EngineArgs, LLM, Prompt, SamplingParams};
 use std::path::PathBuf;
-
-/// The families whose tiny models run today (one directory each in tests/data/tiny).
-const FAMILIES: &[&str] = &[
-    "mistral",
-    "qwen3",
-    "gemma3",
-    "phi3",
-    "phi3-longrope",
-    "gpt2",
-    "falcon",
-    "falcon-new",
-];
 
 fn tiny(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -68,7 +56,7 @@ fn engine(model: &str, backend: BackendKind, kv_bytes: Option<u64>) -> LLM {
 
 #[test]
 fn prompts_tokenize_as_transformers_does() {
-    for &m in FAMILIES {
+    for &m in TINY_FAMILIES {
         let model = load_model(&tiny(m)).unwrap();
         for e in entries(m) {
             let got = model
@@ -92,7 +80,7 @@ fn greedy_tokens_on_wgpu() {
 }
 
 fn greedy_tokens(backend: BackendKind) {
-    for &m in FAMILIES {
+    for &m in TINY_FAMILIES {
         let entries = entries(m);
         let mut alone = engine(m, backend, Some(1 << 20));
         assert!(alone.engine().backend_name().starts_with(backend.name()));
@@ -146,7 +134,7 @@ fn greedy_tokens(backend: BackendKind) {
 /// metadata give the same tokens as the HF directories.
 #[test]
 fn gguf_copies_give_the_same_tokens() {
-    for &m in FAMILIES {
+    for &m in TINY_FAMILIES {
         let path = common::model_path(&format!("tiny-gguf/{m}.gguf"));
         let model = load_model(&path).unwrap();
         let entries = entries(m);
@@ -208,7 +196,7 @@ fn gguf_family(m: &str) -> &str {
 /// The model forward alone: logits at the first generated positions against transformers'.
 #[test]
 fn first_logits_match_transformers() {
-    for &m in FAMILIES {
+    for &m in TINY_FAMILIES {
         let model = load_model(&tiny(m)).unwrap();
         let be = CpuBackend::new();
         let lm = registry::load(

@@ -815,21 +815,11 @@ fn mutate_gguf(seed: &Gguf, muts: &[GgufMut]) -> (Vec<u8>, Vec<String>) {
     (b, notes)
 }
 
-const TINY: &[&str] = &[
-    "mistral",
-    "qwen3",
-    "gemma3",
-    "phi3",
-    "phi3-longrope",
-    "gpt2",
-    "falcon",
-    "falcon-new",
-];
-
 fn gguf_seeds() -> &'static Vec<(String, Gguf)> {
     static SEEDS: OnceLock<Vec<(String, Gguf)>> = OnceLock::new();
     SEEDS.get_or_init(|| {
-        TINY.iter()
+        common::TINY_FAMILIES
+            .iter()
             .map(|m| {
                 let p = common::model_path(&format!("tiny-gguf/{m}.gguf"));
                 let g = Gguf::parse(&std::fs::read(&p).unwrap());
@@ -875,7 +865,7 @@ fn seeds_load() {
         std::fs::write(&p, g.write().0).unwrap();
         load_and_upload(&p).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
-    for name in TINY {
+    for name in common::TINY_FAMILIES {
         load_and_upload(&tiny_dir(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
@@ -1098,7 +1088,8 @@ fn hf_seeds() -> &'static Vec<HfSeed> {
     static SEEDS: OnceLock<Vec<HfSeed>> = OnceLock::new();
     SEEDS.get_or_init(|| {
         let json = |p: PathBuf| serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
-        TINY.iter()
+        common::TINY_FAMILIES
+            .iter()
             .map(|m| {
                 let d = tiny_dir(m);
                 let st = std::fs::read(d.join("model.safetensors")).unwrap();

@@ -496,18 +496,17 @@ impl Engine {
         &mut self,
         c: &crate::sampling::StructuredOutput,
     ) -> Result<llguidance::Matcher, RequestError> {
-        if self.structured.is_none() {
-            let compiler = StructuredCompiler::new(
-                self.tokenizer.clone(),
-                self.config.vocab_size,
-                &self.eos_token_ids,
-            )
-            .map_err(RequestError::Internal)?;
-            self.structured = Some(compiler);
-        }
-        let compiler = self.structured.as_ref().ok_or_else(|| {
-            RequestError::Internal(anyhow::anyhow!("the structured-output compiler is missing"))
-        })?;
+        let compiler = match &mut self.structured {
+            Some(compiler) => compiler,
+            slot => slot.insert(
+                StructuredCompiler::new(
+                    self.tokenizer.clone(),
+                    self.config.vocab_size,
+                    &self.eos_token_ids,
+                )
+                .map_err(RequestError::Internal)?,
+            ),
+        };
         compiler.compile(c).map_err(|message| {
             RequestError::InvalidParam(InvalidParam {
                 param: "structured_outputs",
@@ -773,13 +772,19 @@ impl Engine {
         };
         // NOTE: the structured-output masks are computed while the model runs (as vLLM
         // overlaps them): they depend only on each request's output so far.
-        let constrained: Vec<(RequestId, &mut llguidance::Matcher)> = {
+        // NOTE: nothing is collected in a step without a constrained row (the common case).
+        let any_constrained = sampling
+            .iter()
+            .any(|id| self.states.get(id).is_some_and(|st| st.matcher.is_some()));
+        let constrained: Vec<(RequestId, &mut llguidance::Matcher)> = if any_constrained {
             let wanted: std::collections::HashSet<RequestId> = sampling.iter().copied().collect();
             self.states
                 .iter_mut()
                 .filter(|(id, _)| wanted.contains(id))
                 .filter_map(|(id, st)| st.matcher.as_mut().map(|m| (*id, m)))
                 .collect()
+        } else {
+            Vec::new()
         };
         let (executed, mut masks) = if constrained.is_empty() {
             (execute(), HashMap::new())

@@ -7,6 +7,19 @@ pub const SMOL_GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const SMOL_HF: &str = "smollm2-135m-instruct-f32";
 pub const QWEN_GGUF: &str = "Qwen2.5-Coder-0.5B-Instruct.gguf";
 
+/// The families whose tiny random-weight models run today: one HF directory each in
+/// tests/data/tiny, and its GGUF copy in `$PAGODA_CACHE/models/tiny-gguf`.
+pub const TINY_FAMILIES: &[&str] = &[
+    "mistral",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "phi3-longrope",
+    "gpt2",
+    "falcon",
+    "falcon-new",
+];
+
 /// A model under `$PAGODA_CACHE/models`; fails (never skips) when it is missing.
 pub fn model_path(name: &str) -> PathBuf {
     let cache = std::env::var_os("PAGODA_CACHE")
