@@ -3,6 +3,7 @@
 //! reads K and V through the block tables in place, never gathering them into a contiguous copy.
 
 mod matmul;
+pub mod qmatmul;
 
 use matmul::Weights;
 

@@ -1,7 +1,7 @@
 //! GGUF model files. This file is the container reader: header, metadata, tensor directory,
 //! tensors loaded by HF name; `config.rs` turns the metadata into a model config, `names.rs`
 //! maps HF tensor names to GGUF ones, `tokenizer.rs` builds the tokenizer from the metadata and
-//! `quant.rs` dequantizes.
+//! `crate::quant` dequantizes.
 //!
 //! Format (little-endian, versions 2 and 3): magic `GGUF`, `u32` version, `u64` tensor count,
 //! `u64` metadata count, the metadata key/value pairs, the tensor infos (name, `u32` n_dims,
@@ -14,12 +14,11 @@
 
 mod config;
 mod names;
-mod quant;
 mod tokenizer;
 
 use names::unpermute_rows;
 pub use names::{GgufFix, GgufTensorName, llama_tensor_name, map_name};
-pub use quant::dequantize;
+pub use crate::quant::{GgmlType, dequantize};
 
 use crate::tensor::HostTensor;
 use crate::untrusted::text;
@@ -158,150 +157,6 @@ impl GgufValue {
             GgufValue::String(_) => "string",
             GgufValue::Array(_) => "array",
         }
-    }
-}
-
-/// GGML tensor element types, with their GGUF type ids.
-#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GgmlType {
-    F32,
-    F16,
-    Q4_0,
-    Q4_1,
-    Q5_0,
-    Q5_1,
-    Q8_0,
-    Q8_1,
-    Q2_K,
-    Q3_K,
-    Q4_K,
-    Q5_K,
-    Q6_K,
-    Q8_K,
-    IQ2_XXS,
-    IQ2_XS,
-    IQ3_XXS,
-    IQ1_S,
-    IQ4_NL,
-    IQ3_S,
-    IQ2_S,
-    IQ4_XS,
-    I8,
-    I16,
-    I32,
-    I64,
-    F64,
-    IQ1_M,
-    BF16,
-    TQ1_0,
-    TQ2_0,
-    MXFP4,
-}
-
-impl GgmlType {
-    /// The type with GGUF/GGML type id `id`, if it is one this reader knows.
-    pub fn from_id(id: u32) -> Option<Self> {
-        use GgmlType::*;
-        Some(match id {
-            0 => F32,
-            1 => F16,
-            2 => Q4_0,
-            3 => Q4_1,
-            6 => Q5_0,
-            7 => Q5_1,
-            8 => Q8_0,
-            9 => Q8_1,
-            10 => Q2_K,
-            11 => Q3_K,
-            12 => Q4_K,
-            13 => Q5_K,
-            14 => Q6_K,
-            15 => Q8_K,
-            16 => IQ2_XXS,
-            17 => IQ2_XS,
-            18 => IQ3_XXS,
-            19 => IQ1_S,
-            20 => IQ4_NL,
-            21 => IQ3_S,
-            22 => IQ2_S,
-            23 => IQ4_XS,
-            24 => I8,
-            25 => I16,
-            26 => I32,
-            27 => I64,
-            28 => F64,
-            29 => IQ1_M,
-            30 => BF16,
-            34 => TQ1_0,
-            35 => TQ2_0,
-            39 => MXFP4,
-            _ => return None,
-        })
-    }
-
-    /// (elements per block, bytes per block), as in ggml's type traits.
-    pub fn block_layout(self) -> (usize, usize) {
-        use GgmlType::*;
-        const QK_K: usize = 256;
-        match self {
-            F32 | I32 => (1, 4),
-            F16 | BF16 | I16 => (1, 2),
-            I8 => (1, 1),
-            I64 | F64 => (1, 8),
-            Q4_0 => (32, 2 + 16),
-            Q4_1 => (32, 2 + 2 + 16),
-            Q5_0 => (32, 2 + 4 + 16),
-            Q5_1 => (32, 2 + 2 + 4 + 16),
-            Q8_0 => (32, 2 + 32),
-            Q8_1 => (32, 2 + 2 + 32),
-            Q2_K => (QK_K, 2 + 2 + QK_K / 16 + QK_K / 4),
-            Q3_K => (QK_K, 2 + QK_K / 4 + QK_K / 8 + 12),
-            Q4_K => (QK_K, 2 + 2 + QK_K / 2 + 12),
-            Q5_K => (QK_K, 2 + 2 + QK_K / 2 + QK_K / 8 + 12),
-            Q6_K => (QK_K, 2 + QK_K / 2 + QK_K / 4 + QK_K / 16),
-            Q8_K => (QK_K, 4 + QK_K + QK_K / 8),
-            IQ2_XXS => (QK_K, 2 + QK_K / 4),
-            IQ2_XS => (QK_K, 2 + QK_K / 4 + QK_K / 32),
-            IQ3_XXS => (QK_K, 2 + QK_K / 4 + QK_K / 8),
-            IQ1_S => (QK_K, 2 + QK_K / 8 + QK_K / 16),
-            IQ4_NL => (32, 2 + 16),
-            IQ3_S => (QK_K, 2 + QK_K / 4 + QK_K / 8 + QK_K / 32 + 4),
-            IQ2_S => (QK_K, 2 + QK_K / 4 + QK_K / 16),
-            IQ4_XS => (QK_K, 2 + 2 + QK_K / 2 + QK_K / 64),
-            IQ1_M => (QK_K, QK_K / 8 + QK_K / 16 + QK_K / 32),
-            TQ1_0 => (QK_K, 2 + 4 * 13),
-            TQ2_0 => (QK_K, 2 + 64),
-            MXFP4 => (32, 1 + 16),
-        }
-    }
-
-    /// Whether [`dequantize`] handles this type.
-    pub fn is_supported(self) -> bool {
-        use GgmlType::*;
-        matches!(
-            self,
-            F32 | F16
-                | BF16
-                | Q4_0
-                | Q4_1
-                | Q5_0
-                | Q5_1
-                | Q8_0
-                | Q2_K
-                | Q3_K
-                | Q4_K
-                | Q5_K
-                | Q6_K
-                | IQ4_NL
-                | IQ4_XS
-        )
-    }
-}
-
-impl fmt::Display for GgmlType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(self, f)
     }
 }
 

@@ -224,6 +224,15 @@ fn run_blocks<const BS: usize, const TS: usize>(
 /// Dequantizes `n_elements` values of type `ty` stored in `data` (exactly the bytes of
 /// `n_elements / block_size` blocks) to f32.
 pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f32>> {
+    let mut out = vec![0f32; n_elements];
+    dequantize_into(ty, data, &mut out)?;
+    Ok(out)
+}
+
+/// Dequantizes `out.len()` values of type `ty` stored in `data` (exactly the bytes of
+/// `out.len() / block_size` blocks) into `out`.
+pub fn dequantize_into(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
+    let n_elements = out.len();
     if !ty.is_supported() {
         bail!("tensor type {ty} is not supported (cannot dequantize it)");
     }
@@ -240,25 +249,24 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f3
             data.len()
         );
     }
-    let mut out = vec![0f32; n_elements];
     use GgmlType::*;
     match ty {
-        F32 => run_blocks(data, &mut out, elem_f32),
-        F16 => run_blocks(data, &mut out, elem_f16),
-        BF16 => run_blocks(data, &mut out, elem_bf16),
-        Q4_0 => run_blocks(data, &mut out, block_q4_0),
-        Q4_1 => run_blocks(data, &mut out, block_q4_1),
-        Q5_0 => run_blocks(data, &mut out, block_q5_0),
-        Q5_1 => run_blocks(data, &mut out, block_q5_1),
-        Q8_0 => run_blocks(data, &mut out, block_q8_0),
-        Q2_K => run_blocks(data, &mut out, block_q2_k),
-        Q3_K => run_blocks(data, &mut out, block_q3_k),
-        Q4_K => run_blocks(data, &mut out, block_q4_k),
-        Q5_K => run_blocks(data, &mut out, block_q5_k),
-        Q6_K => run_blocks(data, &mut out, block_q6_k),
-        IQ4_NL => run_blocks(data, &mut out, block_iq4_nl),
-        IQ4_XS => run_blocks(data, &mut out, block_iq4_xs),
+        F32 => run_blocks(data, out, elem_f32),
+        F16 => run_blocks(data, out, elem_f16),
+        BF16 => run_blocks(data, out, elem_bf16),
+        Q4_0 => run_blocks(data, out, block_q4_0),
+        Q4_1 => run_blocks(data, out, block_q4_1),
+        Q5_0 => run_blocks(data, out, block_q5_0),
+        Q5_1 => run_blocks(data, out, block_q5_1),
+        Q8_0 => run_blocks(data, out, block_q8_0),
+        Q2_K => run_blocks(data, out, block_q2_k),
+        Q3_K => run_blocks(data, out, block_q3_k),
+        Q4_K => run_blocks(data, out, block_q4_k),
+        Q5_K => run_blocks(data, out, block_q5_k),
+        Q6_K => run_blocks(data, out, block_q6_k),
+        IQ4_NL => run_blocks(data, out, block_iq4_nl),
+        IQ4_XS => run_blocks(data, out, block_iq4_xs),
         _ => bail!("tensor type {ty} is not supported (cannot dequantize it)"),
     }
-    Ok(out)
+    Ok(())
 }

@@ -1,0 +1,207 @@
+//! Every type on every path against dequantize-then-f64, on random blocks.
+
+use super::*;
+use crate::quant::dequantize;
+
+const TYPES: [GgmlType; 8] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// `rows` rows of `k` values of `ty`: random bytes, with the f16 scales and minimums set to
+/// random finite values of a realistic size.
+fn random_weight(ty: GgmlType, rows: usize, k: usize, rng: &mut Rng) -> QuantTensor {
+    let (block, bytes) = ty.block_layout();
+    let nblocks = rows * k / block;
+    let mut data: Vec<u8> = (0..nblocks * bytes).map(|_| rng.next() as u8).collect();
+    let halves: &[usize] = match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q6_K => &[208],
+        _ => &[0, 2],
+    };
+    for b in data.chunks_exact_mut(bytes) {
+        for &at in halves {
+            let v = f16::from_f32(rng.f32() * 0.05);
+            b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    QuantTensor::new(ty, rows, k, data).unwrap()
+}
+
+fn random_x(m: usize, k: usize, rng: &mut Rng) -> Vec<f32> {
+    (0..m * k).map(|_| rng.f32() * 2.0).collect()
+}
+
+fn available_paths() -> Vec<Path> {
+    [Path::Portable, Path::Avx2, Path::Vnni]
+        .into_iter()
+        .filter(|p| p.available())
+        .collect()
+}
+
+fn run_on(p: Path, x: &[f32], m: usize, w: &QuantTensor) -> Vec<f32> {
+    let n = w.rows();
+    let mut out = vec![f32::NAN; m * n];
+    qmatmul_on(p, x, m, w.k, n, &mut out, w);
+    out
+}
+
+/// x as the kernel sees it: quantized per block of 32 and dequantized.
+fn x_as_quantized(x: &[f32], m: usize, k: usize) -> Vec<f64> {
+    let q = quantize_rows(x, m, k);
+    (0..m * k)
+        .map(|i| q.q[i] as f64 * q.d[i / 32] as f64)
+        .collect()
+}
+
+/// The kernel against the f64 product of the dequantized weight with x quantized as the
+/// kernel quantizes it (only f32 rounding left: tight), and with x itself (the activation
+/// quantization's error: loose).
+fn check(ty: GgmlType, p: Path, m: usize, k: usize, n: usize, seed: u64) {
+    let mut rng = Rng(seed);
+    let w = random_weight(ty, n, k, &mut rng);
+    let x = random_x(m, k, &mut rng);
+    let got = run_on(p, &x, m, &w);
+    let wd = w.dequantize().unwrap();
+    let xq = x_as_quantized(&x, m, k);
+    for i in 0..m {
+        for j in 0..n {
+            let (mut exact, mut of_q, mut mag) = (0f64, 0f64, 0f64);
+            for t in 0..k {
+                let wv = wd[j * k + t] as f64;
+                exact += wv * x[i * k + t] as f64;
+                of_q += wv * xq[i * k + t];
+                mag += (wv * x[i * k + t] as f64).abs();
+            }
+            let g = got[i * n + j] as f64;
+            assert!(
+                (g - of_q).abs() <= 1e-5 * mag + 1e-6,
+                "{ty} {} m={m} k={k} ({i},{j}): got {g}, f64 of the quantized x {of_q} (Σ|wx| {mag})",
+                p.name()
+            );
+            assert!(
+                (g - exact).abs() <= 2e-2 * mag + 1e-6,
+                "{ty} {} ({i},{j}): got {g}, exact {exact} (Σ|wx| {mag})",
+                p.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn every_type_on_every_path_matches_dequantize_then_f64() {
+    for p in available_paths() {
+        for (s, ty) in TYPES.into_iter().enumerate() {
+            let k = if ty.block_layout().0 == 256 { 512 } else { 96 };
+            check(ty, p, 7, k, 37, 1 + s as u64);
+            check(ty, p, 1, k, 5, 100 + s as u64);
+        }
+    }
+}
+
+/// The dequantized values are what ggml's reference dequantizer gives (the decode in the
+/// kernels follows the block layouts, which this pins against the independent one).
+#[test]
+fn dequantize_reference_agrees_with_a_tensor_of_one_block_type() {
+    let mut rng = Rng(7);
+    for ty in TYPES {
+        let k = ty.block_layout().0;
+        let w = random_weight(ty, 3, k, &mut rng);
+        let d = dequantize(ty, &w.parts[0].data, 3 * k).unwrap();
+        assert_eq!(d, w.dequantize().unwrap());
+    }
+}
+
+#[test]
+fn paths_agree_to_the_bit() {
+    let paths = available_paths();
+    for (s, ty) in TYPES.into_iter().enumerate() {
+        let k = if ty.block_layout().0 == 256 { 768 } else { 160 };
+        let mut rng = Rng(40 + s as u64);
+        let w = random_weight(ty, 45, k, &mut rng);
+        let x = random_x(9, k, &mut rng);
+        let first = run_on(paths[0], &x, 9, &w);
+        for &p in &paths[1..] {
+            assert_eq!(run_on(p, &x, 9, &w), first, "{ty} on {}", p.name());
+        }
+    }
+}
+
+#[test]
+fn rows_are_batch_invariant() {
+    for p in available_paths() {
+        for (s, ty) in TYPES.into_iter().enumerate() {
+            let k = if ty.block_layout().0 == 256 { 256 } else { 64 };
+            let mut rng = Rng(70 + s as u64);
+            let w = random_weight(ty, 33, k, &mut rng);
+            let x = random_x(11, k, &mut rng);
+            let all = run_on(p, &x, 11, &w);
+            for i in [0, 3, 4, 10] {
+                let one = run_on(p, &x[i * k..(i + 1) * k], 1, &w);
+                assert_eq!(one, all[i * 33..(i + 1) * 33], "{ty} {} row {i}", p.name());
+            }
+            let some = run_on(p, &x[5 * k..8 * k], 3, &w);
+            assert_eq!(some, all[5 * 33..8 * 33], "{ty} {} rows 5..8", p.name());
+        }
+    }
+}
+
+/// A fused weight with parts of three types gives each part's rows their own products.
+#[test]
+fn stacked_parts_of_several_types() {
+    let mut rng = Rng(99);
+    let k = 256;
+    let parts = [GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q6_K];
+    let ws: Vec<QuantTensor> = parts
+        .iter()
+        .map(|&t| random_weight(t, 9, k, &mut rng))
+        .collect();
+    let stacked = QuantTensor::stack(ws.clone()).unwrap();
+    assert_eq!(stacked.parts.len(), 3, "the two Q5_0 parts merge");
+    assert_eq!(stacked.rows(), 36);
+    let x = random_x(5, k, &mut rng);
+    for p in available_paths() {
+        let all = run_on(p, &x, 5, &stacked);
+        for (pi, w) in ws.iter().enumerate() {
+            let one = run_on(p, &x, 5, w);
+            for i in 0..5 {
+                assert_eq!(one[i * 9..(i + 1) * 9], all[i * 36 + pi * 9..i * 36 + pi * 9 + 9]);
+            }
+        }
+    }
+}
+
+#[test]
+fn activation_quantization_round_trips_within_half_a_step() {
+    let mut rng = Rng(5);
+    let x = random_x(3, 64, &mut rng);
+    let q = quantize_rows(&x, 3, 64);
+    for (i, &v) in x.iter().enumerate() {
+        let d = q.d[i / 32];
+        assert!((q.q[i] as f32 * d - v).abs() <= 0.5 * d * 1.0001);
+    }
+    for b in 0..6 {
+        let sum: i32 = q.q[b * 32..b * 32 + 32].iter().map(|&v| v as i32).sum();
+        assert_eq!(q.s[b], q.d[b] * sum as f32);
+    }
+}
