@@ -30,4 +30,4 @@ pub use backend::BackendKind;
 pub use engine::{CompletionOutput, Engine, EngineArgs, LLM, Prompt, RequestOutput, StepOutput};
 pub use models::tokenizer::ChatMessage;
 pub use sampling::SamplingParams;
-pub use tensor::DType;
+pub use tensor::{DType, WeightDtype};

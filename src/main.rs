@@ -5,7 +5,7 @@ use clap::{Args, Parser, Subcommand};
 use pagoda::engine::KvBudget;
 use pagoda::sampling::{SamplingDefaults, StructuredOutput};
 use pagoda::sched::{PreemptionMode, SchedulingPolicy};
-use pagoda::{BackendKind, ChatMessage, DType, EngineArgs, LLM, SamplingParams};
+use pagoda::{BackendKind, ChatMessage, EngineArgs, LLM, SamplingParams, WeightDtype};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -112,9 +112,11 @@ struct ModelArgs {
     /// cpu, wgpu, cuda, hip or auto. `bench` takes a list (cpu,wgpu,cuda): one run each.
     #[arg(long, default_value = "cpu", value_delimiter = ',')]
     backend: Vec<BackendKind>,
-    /// Weight dtype in memory: f32, f16 or bf16.
-    #[arg(long, default_value = "f32")]
-    dtype: DType,
+    /// Weights in memory: auto (as the file stores them: a GGUF's Q4_0..Q6_K blocks stay
+    /// quantized on the CPU backend), or every weight as f32, f16 or bf16 (f32 reproduces the
+    /// reference outputs exactly).
+    #[arg(long, default_value = "auto")]
+    dtype: WeightDtype,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -603,9 +605,10 @@ fn run(cli: Cli) -> Result<()> {
                 e.max_model_len()
             );
             println!(
-                "weights:          {} ({} MiB)",
+                "weights:          --dtype {}: {} MiB ({})",
                 model.dtype.name(),
-                e.weight_bytes() >> 20
+                e.weight_bytes() >> 20,
+                e.weight_stats().describe()
             );
             println!("backend:          {}", e.backend_name());
             println!(

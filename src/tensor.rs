@@ -54,3 +54,42 @@ impl HostTensor {
         self.data.len()
     }
 }
+
+/// `--dtype`: how linear weights are kept in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum WeightDtype {
+    /// As the file stores them: a GGUF's block formats stay quantized where the backend has
+    /// kernels for them (the CPU), f16/bf16/f32 tensors stay in their type; a block format
+    /// without kernels becomes f32.
+    #[default]
+    Auto,
+    /// Every weight converted to this type (f32 reproduces the reference exactly).
+    Fixed(DType),
+}
+
+impl WeightDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDtype::Auto => "auto",
+            WeightDtype::Fixed(d) => d.name(),
+        }
+    }
+}
+
+impl From<DType> for WeightDtype {
+    fn from(d: DType) -> Self {
+        WeightDtype::Fixed(d)
+    }
+}
+
+impl std::str::FromStr for WeightDtype {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(WeightDtype::Auto);
+        }
+        s.parse::<DType>()
+            .map(WeightDtype::Fixed)
+            .map_err(|_| anyhow::anyhow!("unknown dtype '{s}' (expected auto, f32, f16 or bf16)"))
+    }
+}

@@ -5,7 +5,8 @@
 //!
 //! Conventions for every op:
 //! - activations are f32, row-major; a "row" is one token of the flattened batch;
-//! - weights are uploaded once in the `--dtype` chosen (f32, f16 or bf16), math accumulates in f32;
+//! - weights are uploaded once in the `--dtype` chosen (f32, f16 or bf16, or a GGML block format
+//!   where the backend `supports_quant`), math accumulates in f32;
 //! - a linear weight is `[out_features, in_features]` (PyTorch order), so `matmul` computes
 //!   `y = x · Wᵀ (+ b)`;
 //! - index buffers (token ids, positions, slots, block tables) are u32.
@@ -21,6 +22,7 @@ mod stubs;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
+use crate::quant::QuantTensor;
 use crate::tensor::{DType, HostTensor};
 use anyhow::Result;
 
@@ -311,6 +313,19 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Uploads a weight, converting to `dtype`.
     fn upload_weight(&self, t: &HostTensor, dtype: DType) -> Result<Self::Buf>;
+    /// Whether `matmul` and `embedding` take weights in GGML block formats as they are
+    /// ([`Backend::upload_quant`]); where not, the loader dequantizes them.
+    fn supports_quant(&self) -> bool {
+        false
+    }
+    /// Uploads a linear weight (or embedding table) kept in its block formats.
+    fn upload_quant(&self, t: QuantTensor) -> Result<Self::Buf> {
+        let _ = t;
+        anyhow::bail!(
+            "the {} backend has no kernels for quantized weights",
+            self.name()
+        )
+    }
     fn upload_f32(&self, data: &[f32]) -> Result<Self::Buf>;
     fn upload_u32(&self, data: &[u32]) -> Result<Self::Buf>;
     /// Uploads a step's batch arrays. GPU backends override it to copy them in one transfer.

@@ -20,7 +20,7 @@ use crate::sampling::{
 use crate::sched::{
     FinishReason, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
 };
-use crate::tensor::DType;
+use crate::tensor::WeightDtype;
 use anyhow::{Context, Result};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
@@ -35,7 +35,9 @@ pub struct EngineArgs {
     /// A GGUF file or an HF-layout directory; `None`: the default model, fetched if needed.
     pub model: Option<PathBuf>,
     pub backend: BackendKind,
-    pub dtype: DType,
+    /// How weights are kept in memory (`--dtype`): `auto` (the default) keeps a GGUF's block
+    /// formats on the CPU; `f32` reproduces the reference exactly.
+    pub dtype: WeightDtype,
     /// Tokens per KV block.
     pub block_size: usize,
     /// KV pool size; `None`: the backend's default.
@@ -66,7 +68,7 @@ impl Default for EngineArgs {
         EngineArgs {
             model: None,
             backend: BackendKind::Cpu,
-            dtype: DType::F32,
+            dtype: WeightDtype::Auto,
             block_size: 16,
             kv_budget: None,
             max_num_batched_tokens: 2048,
@@ -387,11 +389,12 @@ impl Engine {
         let scheduler = Scheduler::new(sched_cfg, kv);
         let eff_len = scheduler.config().max_model_len;
         tracing::info!(
-            "model {} ({}, {:.0}M params, {}) on {}; KV pool: {} blocks of {} tokens = {} tokens, {} MiB; max model len {}",
+            "model {} ({}, {:.0}M params, --dtype {}: {}) on {}; KV pool: {} blocks of {} tokens = {} tokens, {} MiB; max model len {}",
             model.name,
             cfg.arch.name(),
-            runner.num_params() as f64 / 1e6,
+            runner.weight_stats().params as f64 / 1e6,
             args.dtype.name(),
+            runner.weight_stats().describe(),
             runner.backend_name(),
             runner.num_blocks() - 1,
             args.block_size,
@@ -441,7 +444,11 @@ impl Engine {
         &self.eos_token_ids
     }
     pub fn weight_bytes(&self) -> u64 {
-        self.runner.weight_bytes()
+        self.runner.weight_stats().bytes
+    }
+    /// What the weights take: bytes, parameters, bytes by storage type (`f32`, `Q4_1`, ...).
+    pub fn weight_stats(&self) -> &crate::models::WeightStats {
+        self.runner.weight_stats()
     }
     /// The model's own default sampling parameters (generation_config.json or GGUF keys).
     pub fn sampling_defaults(&self) -> &SamplingDefaults {
@@ -449,7 +456,7 @@ impl Engine {
     }
     /// Parameters of the loaded model, as counted while uploading them.
     pub fn num_params(&self) -> u64 {
-        self.runner.num_params()
+        self.runner.weight_stats().params
     }
     pub fn kv_bytes(&self) -> u64 {
         self.runner.kv_bytes()

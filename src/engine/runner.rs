@@ -5,9 +5,10 @@
 use crate::backend::{
     Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, HipBackend, WgpuBackend,
 };
+use crate::models::WeightStats;
 use crate::models::kv_cache::{self, KvCache};
 use crate::models::{CausalLm, LoadedModel, registry};
-use crate::tensor::DType;
+use crate::tensor::{DType, WeightDtype};
 use anyhow::{Context, Result, bail};
 
 /// How much memory the KV pool may take.
@@ -26,9 +27,8 @@ pub const DEFAULT_CPU_KV_BYTES: u64 = 4 << 30;
 pub trait ModelRunner: Send {
     fn backend_name(&self) -> String;
     fn num_blocks(&self) -> usize;
-    fn weight_bytes(&self) -> u64;
-    /// Parameters uploaded, as counted while loading.
-    fn num_params(&self) -> u64;
+    /// What the weights take, as counted while loading.
+    fn weight_stats(&self) -> &WeightStats;
     fn kv_bytes(&self) -> u64;
     /// Runs the batch: writes its K/V into the pool and returns the logits `[R, vocab]` of the
     /// rows in `logits_rows`, on the host.
@@ -58,11 +58,8 @@ impl<B: Backend> ModelRunner for Runner<B> {
     fn num_blocks(&self) -> usize {
         self.kv.num_blocks()
     }
-    fn weight_bytes(&self) -> u64 {
-        self.model.weight_bytes()
-    }
-    fn num_params(&self) -> u64 {
-        self.model.num_params()
+    fn weight_stats(&self) -> &WeightStats {
+        self.model.weight_stats()
     }
     fn kv_bytes(&self) -> u64 {
         self.kv_bytes
@@ -141,16 +138,21 @@ fn memory_for_weights<B: Backend>(backend: &B) -> Option<(u64, &'static str)> {
 
 /// Refuses to load weights of `need` bytes where less memory is available, instead of trying
 /// (an allocation that fails aborts the process, and the system may swap or kill first).
-fn check_weights_fit(need: u64, available: Option<(u64, &str)>, dtype: DType) -> Result<()> {
+/// `as_f32`: the weights would be f32 (where `--dtype bf16` halves them).
+fn check_weights_fit(
+    need: u64,
+    available: Option<(u64, &str)>,
+    dtype: &str,
+    as_f32: bool,
+) -> Result<()> {
     if let Some((avail, what)) = available
         && need > avail
     {
         bail!(
-            "the weights need {} MiB as {} but only {} MiB of {what} are left: not loading them{}",
+            "the weights need {} MiB as {dtype} but only {} MiB of {what} are left: not loading them{}",
             need.div_ceil(1 << 20),
-            dtype.name(),
             avail >> 20,
-            if dtype == DType::F32 {
+            if as_f32 {
                 " (--dtype bf16 halves them)"
             } else {
                 ""
@@ -179,7 +181,7 @@ fn kv_budget_upper_bound<B: Backend>(backend: &B, budget: Option<KvBudget>) -> O
 
 pub struct RunnerArgs {
     pub backend: BackendKind,
-    pub dtype: DType,
+    pub dtype: WeightDtype,
     pub block_size: usize,
     pub kv_budget: Option<KvBudget>,
     pub max_model_len: usize,
@@ -288,12 +290,24 @@ fn build<B: Backend>(
     {
         bail!("memory utilization must be in (0, 1], got {f}");
     }
-    let need = model
-        .weights
-        .num_elements()
-        .saturating_mul(args.dtype.size_in_bytes() as u64);
-    check_weights_fit(need, memory_for_weights(&backend), args.dtype)
-        .with_context(|| format!("loading {}", model.path.display()))?;
+    // NOTE: `auto` keeps block formats only where the backend has kernels for them; elsewhere
+    // they become f32, so the bound is 4 bytes per element there.
+    let elements = model.weights.num_elements();
+    let (need, as_f32) = match args.dtype {
+        WeightDtype::Fixed(dt) => (
+            elements.saturating_mul(dt.size_in_bytes() as u64),
+            dt == DType::F32,
+        ),
+        WeightDtype::Auto if backend.supports_quant() => (model.weights.stored_bytes(), false),
+        WeightDtype::Auto => (elements.saturating_mul(4), true),
+    };
+    check_weights_fit(
+        need,
+        memory_for_weights(&backend),
+        args.dtype.name(),
+        as_f32,
+    )
+    .with_context(|| format!("loading {}", model.path.display()))?;
 
     // NOTE: the RoPE tables hold one row per position, so they are sized by what the engine
     // can use, not by the model's context (up to 2^24 positions): max_model_len, or fewer
@@ -315,7 +329,7 @@ fn build<B: Backend>(
         progress,
     )
     .with_context(|| format!("loading {}", model.path.display()))?;
-    let wbytes = lm.weight_bytes();
+    let wbytes = lm.weight_stats().bytes;
     let spec = lm.kv_spec();
     let per_block = kv_cache::bytes_per_block(&spec, bs)?;
     let budget = match args.kv_budget {
@@ -382,12 +396,13 @@ mod tests {
     #[test]
     fn weights_larger_than_the_memory_left_are_refused() {
         let gib = 1u64 << 30;
-        check_weights_fit(4 * gib, Some((5 * gib, "x")), DType::F32).unwrap();
-        check_weights_fit(4 * gib, None, DType::F32).unwrap();
+        check_weights_fit(4 * gib, Some((5 * gib, "x")), "f32", true).unwrap();
+        check_weights_fit(4 * gib, None, "f32", true).unwrap();
         let e = check_weights_fit(
             6 * gib,
             Some((5 * gib, "available memory (MemAvailable)")),
-            DType::F32,
+            "f32",
+            true,
         )
         .unwrap_err()
         .to_string();
@@ -396,7 +411,7 @@ mod tests {
             "the weights need 6144 MiB as f32 but only 5120 MiB of available memory \
              (MemAvailable) are left: not loading them (--dtype bf16 halves them)"
         );
-        let e = check_weights_fit(u64::MAX, Some((gib, "free device memory")), DType::BF16)
+        let e = check_weights_fit(u64::MAX, Some((gib, "free device memory")), "bf16", false)
             .unwrap_err()
             .to_string();
         assert!(

@@ -9,9 +9,9 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
 use super::loader::WeightSource;
-use super::{CausalLm, Norm, Uploader, attend, check_positions, final_logits};
+use super::{CausalLm, Norm, Uploader, WeightStats, attend, check_positions, final_logits};
 use crate::backend::{Backend, DeviceBatch};
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
@@ -182,8 +182,7 @@ pub struct Falcon<B: Backend> {
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     max_positions: usize,
-    weight_bytes: u64,
-    num_params: u64,
+    weights: WeightStats,
 }
 
 impl<B: Backend> Falcon<B> {
@@ -191,7 +190,7 @@ impl<B: Backend> Falcon<B> {
         backend: &B,
         cfg: &ModelConfig,
         src: &dyn WeightSource,
-        dtype: DType,
+        dtype: WeightDtype,
         max_positions: usize,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
@@ -208,12 +207,8 @@ impl<B: Backend> Falcon<B> {
         }
         let bias = flag(c, "bias");
         let total = c.num_layers + 2;
-        let mut up = Uploader::new(backend, src);
-        let embed = up.weight(
-            "transformer.word_embeddings.weight",
-            &[c.vocab_size, hid],
-            dtype,
-        )?;
+        let mut up = Uploader::new(backend, src, dtype);
+        let embed = up.linear("transformer.word_embeddings.weight", &[c.vocab_size, hid])?;
         progress(1, total);
         let ln = |up: &mut Uploader<B>, name: &str| -> Result<Norm<B>> {
             Ok(Norm::Layer(
@@ -245,10 +240,9 @@ impl<B: Backend> Falcon<B> {
                     Some(ln(&mut up, &n("post_attention_layernorm"))?),
                 )
             };
-            let wqkv = reorder_qkv(
-                up.fetch(&n("self_attention.query_key_value.weight"), &[rows, hid])?,
-                c,
-            );
+            let wqkv = up
+                .fetch_linear(&n("self_attention.query_key_value.weight"), &[rows, hid])?
+                .map_dense(|t| reorder_qkv(t, c))?;
             let b_qkv = if bias {
                 let b = reorder_qkv(
                     up.fetch(&n("self_attention.query_key_value.bias"), &[rows])?,
@@ -261,13 +255,13 @@ impl<B: Backend> Falcon<B> {
             layers.push(Layer {
                 ln_attn,
                 ln_mlp,
-                w_qkv: up.upload(&wqkv, dtype)?,
+                w_qkv: up.upload_linear(wqkv)?,
                 b_qkv,
-                w_o: up.weight(&n("self_attention.dense.weight"), &[hid, h * d], dtype)?,
+                w_o: up.linear(&n("self_attention.dense.weight"), &[hid, h * d])?,
                 b_o: opt_bias(&mut up, &n("self_attention.dense.bias"), hid)?,
-                w_up: up.weight(&n("mlp.dense_h_to_4h.weight"), &[f, hid], dtype)?,
+                w_up: up.linear(&n("mlp.dense_h_to_4h.weight"), &[f, hid])?,
                 b_up: opt_bias(&mut up, &n("mlp.dense_h_to_4h.bias"), f)?,
-                w_down: up.weight(&n("mlp.dense_4h_to_h.weight"), &[hid, f], dtype)?,
+                w_down: up.linear(&n("mlp.dense_4h_to_h.weight"), &[hid, f])?,
                 b_down: opt_bias(&mut up, &n("mlp.dense_4h_to_h.bias"), hid)?,
             });
             progress(l + 2, total);
@@ -283,8 +277,7 @@ impl<B: Backend> Falcon<B> {
             rope_cos: backend.upload_f32(&cos)?,
             rope_sin: backend.upload_f32(&sin)?,
             max_positions,
-            weight_bytes: up.bytes,
-            num_params: up.params,
+            weights: up.stats,
         })
     }
 }
@@ -294,12 +287,8 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
         &self.cfg
     }
 
-    fn weight_bytes(&self) -> u64 {
-        self.weight_bytes
-    }
-
-    fn num_params(&self) -> u64 {
-        self.num_params
+    fn weight_stats(&self) -> &WeightStats {
+        &self.weights
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {

@@ -11,9 +11,11 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
 use super::loader::WeightSource;
-use super::{CausalLm, Norm, Uploader, attend, check_positions, final_logits, stack};
+use super::{
+    CausalLm, Norm, Uploader, WeightStats, attend, check_positions, final_logits, stack_linear,
+};
 use crate::backend::{Backend, DeviceBatch};
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
@@ -207,8 +209,7 @@ pub struct Gemma3<B: Backend> {
     rope_global: (B::Buf, B::Buf),
     rope_local: (B::Buf, B::Buf),
     max_positions: usize,
-    weight_bytes: u64,
-    num_params: u64,
+    weights: WeightStats,
 }
 
 /// Gemma's RMSNorm scales by `1 + w`: the weight is uploaded with the 1 added.
@@ -222,7 +223,7 @@ impl<B: Backend> Gemma3<B> {
         backend: &B,
         cfg: &ModelConfig,
         src: &dyn WeightSource,
-        dtype: DType,
+        dtype: WeightDtype,
         max_positions: usize,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
@@ -235,35 +236,35 @@ impl<B: Backend> Gemma3<B> {
             c.intermediate_size,
         );
         let total = c.num_layers + 2;
-        let mut up = Uploader::new(backend, src);
+        let mut up = Uploader::new(backend, src, dtype);
         let norm = |up: &mut Uploader<B>, name: &str, dim: usize| -> Result<B::Buf> {
             let t = plus_one(up.fetch(name, &[dim])?);
             up.upload(&t, DType::F32)
         };
-        let embed = up.weight("model.embed_tokens.weight", &[c.vocab_size, hid], dtype)?;
+        let embed = up.linear("model.embed_tokens.weight", &[c.vocab_size, hid])?;
         progress(1, total);
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let n = |s: &str| format!("model.layers.{i}.{s}");
-            let wqkv = stack(vec![
-                up.fetch(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
-                up.fetch(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
-                up.fetch(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
-            ]);
-            let gate_up = stack(vec![
-                up.fetch(&n("mlp.gate_proj.weight"), &[f, hid])?,
-                up.fetch(&n("mlp.up_proj.weight"), &[f, hid])?,
-            ]);
+            let wqkv = stack_linear(vec![
+                up.fetch_linear(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
+                up.fetch_linear(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
+                up.fetch_linear(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
+            ])?;
+            let gate_up = stack_linear(vec![
+                up.fetch_linear(&n("mlp.gate_proj.weight"), &[f, hid])?,
+                up.fetch_linear(&n("mlp.up_proj.weight"), &[f, hid])?,
+            ])?;
             layers.push(Layer {
                 in_norm: norm(&mut up, &n("input_layernorm.weight"), hid)?,
-                wqkv: up.upload(&wqkv, dtype)?,
+                wqkv: up.upload_linear(wqkv)?,
                 q_norm: norm(&mut up, &n("self_attn.q_norm.weight"), d)?,
                 k_norm: norm(&mut up, &n("self_attn.k_norm.weight"), d)?,
-                wo: up.weight(&n("self_attn.o_proj.weight"), &[hid, h * d], dtype)?,
+                wo: up.linear(&n("self_attn.o_proj.weight"), &[hid, h * d])?,
                 post_attn_norm: norm(&mut up, &n("post_attention_layernorm.weight"), hid)?,
                 pre_ffn_norm: norm(&mut up, &n("pre_feedforward_layernorm.weight"), hid)?,
-                w_gate_up: up.upload(&gate_up, dtype)?,
-                w_down: up.weight(&n("mlp.down_proj.weight"), &[hid, f], dtype)?,
+                w_gate_up: up.upload_linear(gate_up)?,
+                w_down: up.linear(&n("mlp.down_proj.weight"), &[hid, f])?,
                 post_ffn_norm: norm(&mut up, &n("post_feedforward_layernorm.weight"), hid)?,
             });
             progress(i + 2, total);
@@ -272,7 +273,7 @@ impl<B: Backend> Gemma3<B> {
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(up.weight("lm_head.weight", &[c.vocab_size, hid], dtype)?)
+            Some(up.linear("lm_head.weight", &[c.vocab_size, hid])?)
         };
         progress(total, total);
         let tables = |theta: f64| -> Result<(B::Buf, B::Buf)> {
@@ -290,8 +291,7 @@ impl<B: Backend> Gemma3<B> {
             rope_global,
             rope_local,
             max_positions,
-            weight_bytes: up.bytes,
-            num_params: up.params,
+            weights: up.stats,
         })
     }
 }
@@ -301,12 +301,8 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
         &self.cfg
     }
 
-    fn weight_bytes(&self) -> u64 {
-        self.weight_bytes
-    }
-
-    fn num_params(&self) -> u64 {
-        self.num_params
+    fn weight_stats(&self) -> &WeightStats {
+        &self.weights
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {

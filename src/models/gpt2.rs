@@ -9,9 +9,9 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
 use super::loader::WeightSource;
-use super::{CausalLm, Norm, Uploader, attend, check_positions, final_logits};
+use super::{CausalLm, Norm, Uploader, WeightStats, attend, check_positions, final_logits};
 use crate::backend::{Backend, DeviceBatch};
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
@@ -126,8 +126,7 @@ pub struct Gpt2<B: Backend> {
     wpe: B::Buf, // [n_positions, hidden]
     layers: Vec<Layer<B>>,
     ln_f: Norm<B>,
-    weight_bytes: u64,
-    num_params: u64,
+    weights: WeightStats,
 }
 
 impl<B: Backend> Gpt2<B> {
@@ -135,7 +134,7 @@ impl<B: Backend> Gpt2<B> {
         backend: &B,
         cfg: &ModelConfig,
         src: &dyn WeightSource,
-        dtype: DType,
+        dtype: WeightDtype,
         max_positions: usize,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
@@ -152,13 +151,9 @@ impl<B: Backend> Gpt2<B> {
             );
         }
         let total = c.num_layers + 2;
-        let mut up = Uploader::new(backend, src);
-        let wte = up.weight("transformer.wte.weight", &[c.vocab_size, hid], dtype)?;
-        let wpe = up.weight(
-            "transformer.wpe.weight",
-            &[c.max_position_embeddings, hid],
-            dtype,
-        )?;
+        let mut up = Uploader::new(backend, src, dtype);
+        let wte = up.linear("transformer.wte.weight", &[c.vocab_size, hid])?;
+        let wpe = up.linear("transformer.wpe.weight", &[c.max_position_embeddings, hid])?;
         progress(1, total);
         let ln = |up: &mut Uploader<B>, name: &str| -> Result<Norm<B>> {
             Ok(Norm::Layer(
@@ -168,8 +163,8 @@ impl<B: Backend> Gpt2<B> {
         };
         // a Conv1D weight `[in, out]`, uploaded as `[out, in]`
         let conv = |up: &mut Uploader<B>, name: &str, i: usize, o: usize| -> Result<B::Buf> {
-            let t = transpose(up.fetch(name, &[i, o])?);
-            up.upload(&t, dtype)
+            let w = up.fetch_linear(name, &[i, o])?.map_dense(transpose)?;
+            up.upload_linear(w)
         };
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
@@ -199,8 +194,7 @@ impl<B: Backend> Gpt2<B> {
             wpe,
             layers,
             ln_f,
-            weight_bytes: up.bytes,
-            num_params: up.params,
+            weights: up.stats,
         })
     }
 }
@@ -210,12 +204,8 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
         &self.cfg
     }
 
-    fn weight_bytes(&self) -> u64 {
-        self.weight_bytes
-    }
-
-    fn num_params(&self) -> u64 {
-        self.num_params
+    fn weight_stats(&self) -> &WeightStats {
+        &self.weights
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {

@@ -9,9 +9,12 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::GgufFile;
 use super::kv_cache::KvCache;
 use super::loader::WeightSource;
-use super::{CausalLm, Norm, Uploader, attend, check_positions, final_logits, stack};
+use super::{
+    CausalLm, Norm, Uploader, WeightStats, attend, check_positions, final_logits, stack,
+    stack_linear,
+};
 use crate::backend::{Backend, DeviceBatch};
-use crate::tensor::DType;
+use crate::tensor::{DType, WeightDtype};
 use anyhow::{Result, bail};
 use serde_json::Value;
 
@@ -36,8 +39,7 @@ pub struct Llama<B: Backend> {
     rope_cos: B::Buf,        // [max_positions, D / 2]
     rope_sin: B::Buf,        // [max_positions, D / 2]
     max_positions: usize,
-    weight_bytes: u64,
-    num_params: u64,
+    weights: WeightStats,
 }
 
 // ---- configuration: the family-specific parts (registry hooks) ------------------------------
@@ -108,7 +110,7 @@ impl<B: Backend> Llama<B> {
         backend: &B,
         cfg: &ModelConfig,
         src: &dyn WeightSource,
-        dtype: DType,
+        dtype: WeightDtype,
         max_positions: usize,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
@@ -121,8 +123,8 @@ impl<B: Backend> Llama<B> {
             c.intermediate_size,
         );
         let total = c.num_layers + 2;
-        let mut up = Uploader::new(backend, src);
-        let embed = up.weight("model.embed_tokens.weight", &[c.vocab_size, hid], dtype)?;
+        let mut up = Uploader::new(backend, src, dtype);
+        let embed = up.linear("model.embed_tokens.weight", &[c.vocab_size, hid])?;
         progress(1, total);
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
@@ -130,14 +132,15 @@ impl<B: Backend> Llama<B> {
             let n = |s: &str| format!("{p}{s}");
             // NOTE: Phi-3 stores the projections fused, in the order we stack them.
             let qkv_rows = (h + 2 * hkv) * d;
-            let wqkv = match up.fetch_opt(&n("self_attn.qkv_proj.weight"), &[qkv_rows, hid])? {
-                Some(t) => t,
-                None => stack(vec![
-                    up.fetch(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
-                    up.fetch(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
-                    up.fetch(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
-                ]),
-            };
+            let wqkv =
+                match up.fetch_linear_opt(&n("self_attn.qkv_proj.weight"), &[qkv_rows, hid])? {
+                    Some(w) => w,
+                    None => stack_linear(vec![
+                        up.fetch_linear(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
+                        up.fetch_linear(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
+                        up.fetch_linear(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
+                    ])?,
+                };
             let bqkv = if c.attention_bias {
                 let b = stack(vec![
                     up.fetch(&n("self_attn.q_proj.bias"), &[h * d])?,
@@ -156,23 +159,23 @@ impl<B: Backend> Llama<B> {
             } else {
                 (None, None)
             };
-            let gate_up = match up.fetch_opt(&n("mlp.gate_up_proj.weight"), &[2 * f, hid])? {
-                Some(t) => t,
-                None => stack(vec![
-                    up.fetch(&n("mlp.gate_proj.weight"), &[f, hid])?,
-                    up.fetch(&n("mlp.up_proj.weight"), &[f, hid])?,
-                ]),
+            let gate_up = match up.fetch_linear_opt(&n("mlp.gate_up_proj.weight"), &[2 * f, hid])? {
+                Some(w) => w,
+                None => stack_linear(vec![
+                    up.fetch_linear(&n("mlp.gate_proj.weight"), &[f, hid])?,
+                    up.fetch_linear(&n("mlp.up_proj.weight"), &[f, hid])?,
+                ])?,
             };
             layers.push(Layer {
                 attn_norm: up.weight(&n("input_layernorm.weight"), &[hid], DType::F32)?,
-                wqkv: up.upload(&wqkv, dtype)?,
+                wqkv: up.upload_linear(wqkv)?,
                 bqkv,
                 q_norm,
                 k_norm,
-                wo: up.weight(&n("self_attn.o_proj.weight"), &[hid, h * d], dtype)?,
+                wo: up.linear(&n("self_attn.o_proj.weight"), &[hid, h * d])?,
                 mlp_norm: up.weight(&n("post_attention_layernorm.weight"), &[hid], DType::F32)?,
-                w_gate_up: up.upload(&gate_up, dtype)?,
-                w_down: up.weight(&n("mlp.down_proj.weight"), &[hid, f], dtype)?,
+                w_gate_up: up.upload_linear(gate_up)?,
+                w_down: up.linear(&n("mlp.down_proj.weight"), &[hid, f])?,
             });
             progress(i + 2, total);
         }
@@ -181,8 +184,8 @@ impl<B: Backend> Llama<B> {
             None
         } else {
             // NOTE: some checkpoints omit lm_head although the config says untied.
-            match up.fetch_opt("lm_head.weight", &[c.vocab_size, hid])? {
-                Some(t) => Some(up.upload(&t, dtype)?),
+            match up.fetch_linear_opt("lm_head.weight", &[c.vocab_size, hid])? {
+                Some(w) => Some(up.upload_linear(w)?),
                 None => None,
             }
         };
@@ -197,8 +200,7 @@ impl<B: Backend> Llama<B> {
             rope_cos: backend.upload_f32(&cos)?,
             rope_sin: backend.upload_f32(&sin)?,
             max_positions,
-            weight_bytes: up.bytes,
-            num_params: up.params,
+            weights: up.stats,
         })
     }
 }
@@ -208,12 +210,8 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
         &self.cfg
     }
 
-    fn weight_bytes(&self) -> u64 {
-        self.weight_bytes
-    }
-
-    fn num_params(&self) -> u64 {
-        self.num_params
+    fn weight_stats(&self) -> &WeightStats {
+        &self.weights
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {

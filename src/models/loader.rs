@@ -2,11 +2,12 @@
 //! (config.json, model.safetensors or sharded safetensors with an index, tokenizer.json,
 //! tokenizer_config.json, generation_config.json) or a GGUF file.
 
+use super::Weight;
 use super::config::ModelConfig;
-use super::gguf::GgufFile;
+use super::gguf::{GgmlType, GgufFile};
 use super::tokenizer::Tokenizer;
 use crate::sampling::SamplingDefaults;
-use crate::tensor::HostTensor;
+use crate::tensor::{DType, HostTensor};
 use crate::untrusted::text;
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
@@ -98,11 +99,38 @@ pub trait WeightSource: Send + Sync {
     /// Elements of every tensor the source holds (what loading them costs, before it is
     /// tried).
     fn num_elements(&self) -> u64;
+
+    /// A linear weight as the source stores it (a GGUF's block formats kept as they are); by
+    /// default the dense tensor of [`WeightSource::get`], stored in f32.
+    fn get_weight(&self, name: &str) -> Result<Option<Weight>> {
+        Ok(self.get(name)?.map(|t| Weight::dense(t, DType::F32)))
+    }
+
+    /// Bytes every tensor takes as stored (what `--dtype auto` costs at most where block
+    /// formats stay quantized); by default 4 per element.
+    fn stored_bytes(&self) -> u64 {
+        self.num_elements().saturating_mul(4)
+    }
 }
 
 impl WeightSource for GgufFile {
     fn get(&self, name: &str) -> Result<Option<HostTensor>> {
         self.tensor(name)
+    }
+
+    fn get_weight(&self, name: &str) -> Result<Option<Weight>> {
+        self.weight(name)
+    }
+
+    fn stored_bytes(&self) -> u64 {
+        self.tensors()
+            .iter()
+            .map(|t| match t.ty {
+                ty if ty.has_kernel() => t.n_bytes,
+                GgmlType::F16 | GgmlType::BF16 => t.n_bytes,
+                _ => t.dims.iter().product::<u64>().saturating_mul(4),
+            })
+            .fold(0, u64::saturating_add)
     }
 
     fn num_elements(&self) -> u64 {
@@ -120,6 +148,8 @@ pub struct SafetensorsWeights {
     index: HashMap<String, usize>,
     /// Elements of all tensors.
     num_elements: u64,
+    /// Bytes of all tensors as stored.
+    stored_bytes: u64,
 }
 
 impl SafetensorsWeights {
@@ -151,7 +181,7 @@ impl SafetensorsWeights {
         };
         let mut files = Vec::new();
         let mut index = HashMap::new();
-        let mut num_elements = 0u64;
+        let (mut num_elements, mut stored_bytes) = (0u64, 0u64);
         for (i, p) in paths.into_iter().enumerate() {
             // NOTE: shard names come from the index file: shown escaped.
             let shown = text(&p.display().to_string());
@@ -173,6 +203,7 @@ impl SafetensorsWeights {
                     .iter()
                     .fold(1u64, |n, &d| n.saturating_mul(d as u64))
                     .saturating_add(num_elements);
+                stored_bytes = stored_bytes.saturating_add(view.data().len() as u64);
                 index.insert(name, i);
             }
             files.push((p, mmap));
@@ -181,6 +212,7 @@ impl SafetensorsWeights {
             files,
             index,
             num_elements,
+            stored_bytes,
         })
     }
 }
@@ -191,6 +223,21 @@ impl WeightSource for SafetensorsWeights {
     }
 
     fn get(&self, name: &str) -> Result<Option<HostTensor>> {
+        Ok(self.read(name)?.map(|(t, _)| t))
+    }
+
+    fn get_weight(&self, name: &str) -> Result<Option<Weight>> {
+        Ok(self.read(name)?.map(|(t, stored)| Weight::dense(t, stored)))
+    }
+
+    fn stored_bytes(&self) -> u64 {
+        self.stored_bytes
+    }
+}
+
+impl SafetensorsWeights {
+    /// The tensor `name` in f32 and the type the file stores it in.
+    fn read(&self, name: &str) -> Result<Option<(HostTensor, DType)>> {
         let Some(&i) = self.index.get(name) else {
             return Ok(None);
         };
@@ -202,6 +249,11 @@ impl WeightSource for SafetensorsWeights {
             .tensor(name)
             .map_err(|e| anyhow::anyhow!("{}: {name}: {}", shown(), text(&e.to_string())))?;
         let b = t.data();
+        let stored = match t.dtype() {
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            _ => DType::F32,
+        };
         let data: Vec<f32> = match t.dtype() {
             Dtype::F32 => b
                 .chunks_exact(4)
@@ -220,7 +272,7 @@ impl WeightSource for SafetensorsWeights {
                 shown()
             ),
         };
-        Ok(Some(HostTensor::new(t.shape().to_vec(), data)))
+        Ok(Some((HostTensor::new(t.shape().to_vec(), data), stored)))
     }
 }
 

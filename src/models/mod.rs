@@ -21,8 +21,10 @@ pub use loader::{LoadedModel, WeightSource, load_model};
 pub use registry::Arch;
 
 use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
-use crate::tensor::{DType, HostTensor};
+use crate::quant::QuantTensor;
+use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
+use std::collections::BTreeMap;
 
 /// A causal language model on a backend: what the runner needs of every family.
 pub trait CausalLm<B: Backend>: Send + Sync {
@@ -38,30 +40,136 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     /// returns the logits of the rows in `batch.logits_rows`, as a device buffer `[R, vocab]`.
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf>;
 
-    /// Bytes of weights uploaded, as measured while loading.
-    fn weight_bytes(&self) -> u64;
+    /// What was uploaded: bytes, parameters, bytes by storage type.
+    fn weight_stats(&self) -> &WeightStats;
+}
 
-    /// Parameters uploaded (elements of every weight, norm and bias).
-    fn num_params(&self) -> u64;
+/// What a model's weights take once uploaded, as counted while loading.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WeightStats {
+    /// Bytes of every weight, norm and bias.
+    pub bytes: u64,
+    /// Elements of every weight, norm and bias.
+    pub params: u64,
+    /// Bytes by storage type (`f32`, `bf16`, `Q4_1`, ...).
+    pub by_type: BTreeMap<String, u64>,
+}
+
+impl WeightStats {
+    fn add(&mut self, ty: String, bytes: u64, params: u64) {
+        self.bytes += bytes;
+        self.params += params;
+        *self.by_type.entry(ty).or_default() += bytes;
+    }
+
+    /// `Q4_1 84.2 MiB, f32 28.1 MiB` (largest first).
+    pub fn describe(&self) -> String {
+        let mut v: Vec<(&String, &u64)> = self.by_type.iter().collect();
+        v.sort_by(|a, b| b.1.cmp(a.1));
+        v.iter()
+            .map(|(t, b)| format!("{t} {:.1} MiB", **b as f64 / (1u64 << 20) as f64))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// A linear weight as the source holds it: dense values with the type they are stored in, or
+/// rows in a GGML block format.
+#[derive(Debug, Clone)]
+pub enum Weight {
+    Dense { t: HostTensor, stored: DType },
+    Quant(QuantTensor),
+}
+
+impl Weight {
+    /// Dense f32 values read from a file of this storage type.
+    pub fn dense(t: HostTensor, stored: DType) -> Self {
+        Weight::Dense { t, stored }
+    }
+
+    /// `[rows, cols]`.
+    pub fn shape(&self) -> Vec<usize> {
+        match self {
+            Weight::Dense { t, .. } => t.shape.clone(),
+            Weight::Quant(q) => vec![q.rows(), q.k],
+        }
+    }
+
+    /// The values in f32 and the type they were stored in (f32 for a block format, whose
+    /// values f32 holds exactly).
+    pub fn into_dense(self) -> Result<(HostTensor, DType)> {
+        Ok(match self {
+            Weight::Dense { t, stored } => (t, stored),
+            Weight::Quant(q) => {
+                let shape = vec![q.rows(), q.k];
+                (HostTensor::new(shape, q.dequantize()?), DType::F32)
+            }
+        })
+    }
+
+    /// The weight with its dense values transformed (a block format is dequantized first).
+    pub fn map_dense(self, f: impl FnOnce(HostTensor) -> HostTensor) -> Result<Weight> {
+        let (t, stored) = self.into_dense()?;
+        Ok(Weight::Dense { t: f(t), stored })
+    }
+}
+
+/// Concatenates linear weights along their rows (fused projections): block formats stay in
+/// their formats when all parts have one; otherwise every part becomes dense.
+pub fn stack_linear(parts: Vec<Weight>) -> Result<Weight> {
+    if parts.iter().all(|w| matches!(w, Weight::Quant(_))) {
+        let qs = parts
+            .into_iter()
+            .map(|w| match w {
+                Weight::Quant(q) => q,
+                Weight::Dense { .. } => unreachable!(),
+            })
+            .collect();
+        return Ok(Weight::Quant(QuantTensor::stack(qs)?));
+    }
+    let mut stored = None;
+    let mut dense = Vec::with_capacity(parts.len());
+    for w in parts {
+        let (t, s) = w.into_dense()?;
+        // NOTE: parts stored in different types are uploaded in the widest, f32.
+        stored = match stored {
+            None => Some(s),
+            Some(prev) if prev == s => Some(s),
+            Some(_) => Some(DType::F32),
+        };
+        dense.push(t);
+    }
+    Ok(Weight::Dense {
+        t: stack(dense),
+        stored: stored.unwrap_or(DType::F32),
+    })
 }
 
 /// Fetches tensors by HF name, checks their shapes and uploads them, counting what it uploads.
+/// Linear weights follow the `--dtype` policy; norms and biases are uploaded in the type the
+/// model asks for (f32).
 pub struct Uploader<'a, B: Backend> {
     pub backend: &'a B,
     src: &'a dyn WeightSource,
-    /// Bytes uploaded so far.
-    pub bytes: u64,
-    /// Elements uploaded so far.
-    pub params: u64,
+    dtype: WeightDtype,
+    /// What was uploaded so far.
+    pub stats: WeightStats,
+}
+
+fn check_shape(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
+    if got != want {
+        bail!("tensor '{name}' has shape {got:?} but the config implies {want:?}");
+    }
+    Ok(())
 }
 
 impl<'a, B: Backend> Uploader<'a, B> {
-    pub fn new(backend: &'a B, src: &'a dyn WeightSource) -> Self {
+    pub fn new(backend: &'a B, src: &'a dyn WeightSource, dtype: WeightDtype) -> Self {
         Uploader {
             backend,
             src,
-            bytes: 0,
-            params: 0,
+            dtype,
+            stats: WeightStats::default(),
         }
     }
 
@@ -71,13 +179,7 @@ impl<'a, B: Backend> Uploader<'a, B> {
             .src
             .get(name)?
             .with_context(|| format!("the model has no tensor '{name}'"))?;
-        if t.shape != shape {
-            bail!(
-                "tensor '{name}' has shape {:?} but the config implies {:?}",
-                t.shape,
-                shape
-            );
-        }
+        check_shape(name, &t.shape, shape)?;
         Ok(t)
     }
 
@@ -85,20 +187,30 @@ impl<'a, B: Backend> Uploader<'a, B> {
     pub fn fetch_opt(&self, name: &str, shape: &[usize]) -> Result<Option<HostTensor>> {
         match self.src.get(name)? {
             None => Ok(None),
-            Some(t) if t.shape == shape => Ok(Some(t)),
-            Some(t) => bail!(
-                "tensor '{name}' has shape {:?} but the config implies {:?}",
-                t.shape,
-                shape
-            ),
+            Some(t) => check_shape(name, &t.shape, shape).map(|_| Some(t)),
+        }
+    }
+
+    /// The linear weight `name` as the source stores it, which must exist and have this shape.
+    pub fn fetch_linear(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        self.fetch_linear_opt(name, shape)?
+            .with_context(|| format!("the model has no tensor '{name}'"))
+    }
+
+    /// The linear weight `name` if the model has it, with this shape.
+    pub fn fetch_linear_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Weight>> {
+        match self.src.get_weight(name)? {
+            None => Ok(None),
+            Some(w) => check_shape(name, &w.shape(), shape).map(|_| Some(w)),
         }
     }
 
     /// Uploads a tensor in `dtype`.
     pub fn upload(&mut self, t: &HostTensor, dtype: DType) -> Result<B::Buf> {
         let buf = self.backend.upload_weight(t, dtype)?;
-        self.bytes += (t.numel() * dtype.size_in_bytes()) as u64;
-        self.params += t.numel() as u64;
+        let n = t.numel() as u64;
+        self.stats
+            .add(dtype.name().into(), n * dtype.size_in_bytes() as u64, n);
         Ok(buf)
     }
 
@@ -106,6 +218,43 @@ impl<'a, B: Backend> Uploader<'a, B> {
     pub fn weight(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<B::Buf> {
         let t = self.fetch(name, shape)?;
         self.upload(&t, dtype)
+    }
+
+    /// Uploads a linear weight (or embedding table) as `--dtype` says: `auto` keeps a block
+    /// format where the backend multiplies it as it is, and a dense weight in the type it was
+    /// stored in; a block format the backend cannot use becomes f32 (exact). A fixed dtype
+    /// converts everything to it.
+    pub fn upload_linear(&mut self, w: Weight) -> Result<B::Buf> {
+        match (self.dtype, w) {
+            (WeightDtype::Auto, Weight::Quant(q)) if self.backend.supports_quant() => {
+                let params = (q.rows() * q.k) as u64;
+                let parts: Vec<(String, u64)> = q
+                    .parts
+                    .iter()
+                    .map(|p| (p.ty.to_string(), p.data.len() as u64))
+                    .collect();
+                let buf = self.backend.upload_quant(q)?;
+                for (i, (ty, bytes)) in parts.into_iter().enumerate() {
+                    // NOTE: the parameters are counted once, with the first part.
+                    self.stats.add(ty, bytes, if i == 0 { params } else { 0 });
+                }
+                Ok(buf)
+            }
+            (WeightDtype::Auto, w) => {
+                let (t, stored) = w.into_dense()?;
+                self.upload(&t, stored)
+            }
+            (WeightDtype::Fixed(dt), w) => {
+                let (t, _) = w.into_dense()?;
+                self.upload(&t, dt)
+            }
+        }
+    }
+
+    /// Fetches and uploads a linear weight in one go.
+    pub fn linear(&mut self, name: &str, shape: &[usize]) -> Result<B::Buf> {
+        let w = self.fetch_linear(name, shape)?;
+        self.upload_linear(w)
     }
 }
 

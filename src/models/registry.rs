@@ -15,7 +15,7 @@ use super::gpt2::Gpt2;
 use super::llama::Llama;
 use super::loader::WeightSource;
 use crate::backend::Backend;
-use crate::tensor::DType;
+use crate::tensor::WeightDtype;
 use anyhow::{Result, bail};
 use serde_json::Value;
 
@@ -204,7 +204,7 @@ pub fn load<B: Backend>(
     backend: &B,
     cfg: &ModelConfig,
     src: &dyn WeightSource,
-    dtype: DType,
+    dtype: WeightDtype,
     max_positions: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn CausalLm<B>>> {

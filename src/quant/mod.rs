@@ -154,7 +154,6 @@ impl fmt::Display for GgmlType {
     }
 }
 
-
 impl GgmlType {
     /// Whether a weight of this type can stay in its block format: the types the CPU's
     /// quantized matmul multiplies as they are (the others are dequantized at load).

@@ -13,6 +13,7 @@
 //! Tiles are MR rows of `x` by NR rows of `W` (3 × 4 with AVX2: 12 accumulators, 3 x vectors
 //! and 1 w vector fill the 16 ymm registers).
 
+use crate::quant::QuantTensor;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -30,11 +31,16 @@ pub enum Weights<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
     BF16(&'a [bf16]),
+    /// Rows in GGML block formats: `qmatmul`.
+    Quant(&'a QuantTensor),
 }
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ`.
 pub fn matmul(x: &[f32], m: usize, k: usize, n: usize, out: &mut [f32], w: Weights<'_>) {
     assert!(x.len() >= m * k && out.len() >= m * n);
+    if let Weights::Quant(q) = w {
+        return super::qmatmul::qmatmul(x, m, k, n, out, q);
+    }
     let avx2 = has_avx2_fma();
     let out_ptr = SendPtr(out.as_mut_ptr());
     (0..n.div_ceil(SLAB))
@@ -56,6 +62,7 @@ pub fn matmul(x: &[f32], m: usize, k: usize, n: usize, out: &mut [f32], w: Weigh
                     buf.extend(w[rows].iter().map(|v| v.to_f32()));
                     buf
                 }
+                Weights::Quant(_) => unreachable!("handled above"),
             };
             let o = out_ptr;
             // SAFETY: this task alone writes columns j0 .. j0 + nj of `out` (m rows of stride n).

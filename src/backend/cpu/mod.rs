@@ -8,6 +8,7 @@ pub mod qmatmul;
 use matmul::Weights;
 
 use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
+use crate::quant::QuantTensor;
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
@@ -19,6 +20,8 @@ pub enum CpuBuf {
     F16(Vec<f16>),
     BF16(Vec<bf16>),
     U32(Vec<u32>),
+    /// A linear weight kept in GGML block formats (see qmatmul.rs).
+    Quant(QuantTensor),
 }
 
 impl CpuBuf {
@@ -46,6 +49,7 @@ impl CpuBuf {
             CpuBuf::F16(v) => v.len(),
             CpuBuf::BF16(v) => v.len(),
             CpuBuf::U32(v) => v.len(),
+            CpuBuf::Quant(q) => q.rows() * q.k,
         }
     }
 }
@@ -102,6 +106,14 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn supports_quant(&self) -> bool {
+        true
+    }
+
+    fn upload_quant(&self, t: QuantTensor) -> Result<CpuBuf> {
+        Ok(CpuBuf::Quant(t))
+    }
+
     fn upload_f32(&self, data: &[f32]) -> Result<CpuBuf> {
         Ok(CpuBuf::F32(data.to_vec()))
     }
@@ -124,6 +136,7 @@ impl Backend for CpuBackend {
             CpuBuf::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
             CpuBuf::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
             CpuBuf::U32(v) => v.iter().map(|&x| x as f32).collect(),
+            CpuBuf::Quant(q) => q.dequantize()?,
         })
     }
 
@@ -188,6 +201,12 @@ impl Backend for CpuBackend {
                     .iter_mut()
                     .zip(&v[src])
                     .for_each(|(d, s)| *d = s.to_f32()),
+                CpuBuf::Quant(q) => {
+                    let (ty, row) = q
+                        .row(id as usize)
+                        .context("embedding: row outside the table")?;
+                    crate::quant::dequantize_into(ty, row, dst)?;
+                }
                 CpuBuf::U32(_) => bail!("embedding: table must be a float buffer"),
             }
         }
@@ -221,6 +240,7 @@ impl Backend for CpuBackend {
             CpuBuf::F32(w) => Weights::F32(w),
             CpuBuf::F16(w) => Weights::F16(w),
             CpuBuf::BF16(w) => Weights::BF16(w),
+            CpuBuf::Quant(q) => Weights::Quant(q),
             CpuBuf::U32(_) => bail!("matmul: weight must be a float buffer"),
         };
         matmul::matmul(x, m, k, n, out, w);

@@ -507,7 +507,11 @@ mod x86 {
                     let v = _mm256_sub_epi8(nibbles(b.add(2)), _mm256_set1_epi8(8));
                     (v, _mm256_set1_ps(f16_at(b, 0)), 0.0)
                 }
-                Q4_1 => (nibbles(b.add(4)), _mm256_set1_ps(f16_at(b, 0)), f16_at(b, 2)),
+                Q4_1 => (
+                    nibbles(b.add(4)),
+                    _mm256_set1_ps(f16_at(b, 0)),
+                    f16_at(b, 2),
+                ),
                 Q5_0 => {
                     let u = _mm256_or_si256(nibbles(b.add(6)), bit16(u32_at(b.add(2))));
                     let v = _mm256_sub_epi8(u, _mm256_set1_epi8(16));
@@ -604,7 +608,11 @@ macro_rules! row_kernel {
                         let u = if unsigned(T) { v } else { _mm256_abs_epi8(v) };
                         for a in 0..R {
                             let q = _mm256_loadu_si256(qp.add(a * x.k + 32 * j) as *const __m256i);
-                            let q = if unsigned(T) { q } else { _mm256_sign_epi8(q, v) };
+                            let q = if unsigned(T) {
+                                q
+                            } else {
+                                _mm256_sign_epi8(q, v)
+                            };
                             let isum = x86::$dot(u, q);
                             let f = _mm256_mul_ps(scale, _mm256_set1_ps(*dp.add(a * nb + j)));
                             acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[a]);

@@ -16,11 +16,13 @@ mod config;
 mod names;
 mod tokenizer;
 
-use names::unpermute_rows;
-pub use names::{GgufFix, GgufTensorName, llama_tensor_name, map_name};
 pub use crate::quant::{GgmlType, dequantize};
+pub use names::{GgufFix, GgufTensorName, llama_tensor_name, map_name};
+use names::{unpermute_order, unpermute_rows};
 
-use crate::tensor::HostTensor;
+use super::Weight;
+use crate::quant::QuantTensor;
+use crate::tensor::{DType, HostTensor};
 use crate::untrusted::text;
 use anyhow::{Context, Result, anyhow, bail};
 use memmap2::Mmap;
@@ -452,30 +454,82 @@ impl GgufFile {
             }
             _ => {}
         }
-        if let Some(which @ (GgufFix::UnpermuteQ | GgufFix::UnpermuteK)) = fix
-            && self.arch_str().ok() == Some("llama")
-        {
-            let a = "llama";
-            let heads_key = match which {
-                GgufFix::UnpermuteQ => format!("{a}.attention.head_count"),
-                _ => format!("{a}.attention.head_count_kv"),
-            };
-            let n_head = match self.metadata.get(&heads_key).and_then(GgufValue::as_u64) {
-                Some(n) => n,
-                None if which == GgufFix::UnpermuteK => self
-                    .metadata
-                    .get(&format!("{a}.attention.head_count"))
-                    .and_then(GgufValue::as_u64)
-                    .ok_or_else(|| anyhow!("metadata lacks {a}.attention.head_count"))?,
-                None => bail!("metadata lacks {heads_key}"),
-            };
-            let n_head =
-                usize::try_from(n_head).map_err(|_| anyhow!("{heads_key} is too large"))?;
+        if let Some(n_head) = self.unpermute_heads(fix)? {
             let rows = shape.first().copied().unwrap_or(0);
             let cols = shape.iter().skip(1).product::<usize>();
             data = unpermute_rows(&data, rows, cols, n_head)?;
         }
         Ok(HostTensor::new(shape, data))
+    }
+
+    /// The heads whose rows llama.cpp permuted, where `fix` asks to undo it in this file.
+    fn unpermute_heads(&self, fix: Option<GgufFix>) -> Result<Option<usize>> {
+        let Some(which @ (GgufFix::UnpermuteQ | GgufFix::UnpermuteK)) = fix else {
+            return Ok(None);
+        };
+        if self.arch_str().ok() != Some("llama") {
+            return Ok(None);
+        }
+        let a = "llama";
+        let heads_key = match which {
+            GgufFix::UnpermuteQ => format!("{a}.attention.head_count"),
+            _ => format!("{a}.attention.head_count_kv"),
+        };
+        let n_head = match self.metadata.get(&heads_key).and_then(GgufValue::as_u64) {
+            Some(n) => n,
+            None if which == GgufFix::UnpermuteK => self
+                .metadata
+                .get(&format!("{a}.attention.head_count"))
+                .and_then(GgufValue::as_u64)
+                .ok_or_else(|| anyhow!("metadata lacks {a}.attention.head_count"))?,
+            None => bail!("metadata lacks {heads_key}"),
+        };
+        usize::try_from(n_head)
+            .map(Some)
+            .map_err(|_| anyhow!("{heads_key} is too large"))
+    }
+
+    /// A linear weight by its HF name, as stored: a 2-D tensor in a block format with a kernel
+    /// stays in it (llama's Q/K rows put back in HF order), anything else is dequantized and
+    /// says which type it was stored in. `Ok(None)` if the model has no such tensor.
+    pub fn weight(&self, hf_name: &str) -> Result<Option<Weight>> {
+        let family = super::registry::by_gguf_architecture(self.arch_str()?)?;
+        let Some((gguf_name, fix)) = (family.gguf_tensor_name)(hf_name) else {
+            return Ok(None);
+        };
+        let Some(info) = self.tensor_info(&gguf_name) else {
+            return Ok(None);
+        };
+        let keep = info.ty.has_kernel()
+            && info.dims.len() == 2
+            && matches!(fix, None | Some(GgufFix::UnpermuteQ | GgufFix::UnpermuteK));
+        let w = if keep {
+            self.load_quant(info, fix)
+        } else {
+            let stored = match info.ty {
+                GgmlType::F16 => DType::F16,
+                GgmlType::BF16 => DType::BF16,
+                _ => DType::F32,
+            };
+            self.load_hf(info, fix).map(|t| Weight::dense(t, stored))
+        };
+        w.map(Some).map_err(|e| {
+            anyhow!(
+                "{}: tensor '{}' ({hf_name}): {e:#}",
+                self.path.display(),
+                text(&info.name)
+            )
+        })
+    }
+
+    fn load_quant(&self, info: &TensorInfo, fix: Option<GgufFix>) -> Result<Weight> {
+        let k = usize::try_from(info.dims[0]).map_err(|_| anyhow!("dimension too large"))?;
+        let rows = usize::try_from(info.dims[1]).map_err(|_| anyhow!("dimension too large"))?;
+        let q = QuantTensor::new(info.ty, rows, k, self.raw_bytes(info)?.to_vec())?;
+        Ok(Weight::Quant(match self.unpermute_heads(fix)? {
+            Some(n_head) => q.select_rows(&unpermute_order(rows, n_head)?)?,
+            None => q,
+        }))
     }
 
     /// The raw data of a tensor, dequantized to f32, in file (GGUF) order.
@@ -489,17 +543,20 @@ impl GgufFile {
     }
 
     fn load_gguf_tensor(&self, info: &TensorInfo) -> Result<Vec<f32>> {
+        let n = usize::try_from(info.n_elements())?;
+        dequantize(info.ty, self.raw_bytes(info)?, n)
+    }
+
+    /// The bytes of a tensor in the file.
+    fn raw_bytes(&self, info: &TensorInfo) -> Result<&[u8]> {
         // Both were checked against the file size at open.
         let start = usize::try_from(info.offset)?;
         let end = start
             .checked_add(usize::try_from(info.n_bytes)?)
             .context("tensor range overflows")?;
-        let bytes = self
-            .mmap
+        self.mmap
             .get(start..end)
-            .context("tensor data outside the file")?;
-        let n = usize::try_from(info.n_elements())?;
-        dequantize(info.ty, bytes, n)
+            .context("tensor data outside the file")
     }
 }
 

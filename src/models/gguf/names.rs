@@ -87,22 +87,31 @@ pub(super) fn unpermute_rows(
     cols: usize,
     n_head: usize,
 ) -> Result<Vec<f32>> {
+    if rows.checked_mul(cols) != Some(data.len()) {
+        bail!("internal: {} values for a {rows}x{cols} tensor", data.len());
+    }
+    let order = unpermute_order(rows, n_head)?;
+    let mut out = vec![0f32; data.len()];
+    for (dst, &src_row) in out.chunks_exact_mut(cols.max(1)).zip(&order) {
+        dst.copy_from_slice(&data[src_row * cols..(src_row + 1) * cols]);
+    }
+    Ok(out)
+}
+
+/// For each HF row, the GGUF row it comes from (see [`unpermute_rows`]).
+pub(super) fn unpermute_order(rows: usize, n_head: usize) -> Result<Vec<usize>> {
     if n_head == 0 || !rows.is_multiple_of(n_head) || !(rows / n_head).is_multiple_of(2) {
         bail!(
             "cannot undo the Q/K permutation: {rows} rows do not split into {n_head} heads of even size"
         );
     }
-    if rows.checked_mul(cols) != Some(data.len()) {
-        bail!("internal: {} values for a {rows}x{cols} tensor", data.len());
-    }
     let head = rows / n_head;
     let half = head / 2;
-    let mut out = vec![0f32; data.len()];
-    for (hf_row, dst) in out.chunks_exact_mut(cols.max(1)).enumerate().take(rows) {
-        let (h, i) = (hf_row / head, hf_row % head);
-        let (t, j) = (i / half, i % half);
-        let src_row = h * head + 2 * j + t;
-        dst.copy_from_slice(&data[src_row * cols..(src_row + 1) * cols]);
-    }
-    Ok(out)
+    Ok((0..rows)
+        .map(|hf_row| {
+            let (h, i) = (hf_row / head, hf_row % head);
+            let (t, j) = (i / half, i % half);
+            h * head + 2 * j + t
+        })
+        .collect())
 }

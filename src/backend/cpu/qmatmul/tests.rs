@@ -171,7 +171,12 @@ fn rows_are_batch_invariant() {
 fn stacked_parts_of_several_types() {
     let mut rng = Rng(99);
     let k = 256;
-    let parts = [GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q6_K];
+    let parts = [
+        GgmlType::Q5_0,
+        GgmlType::Q5_0,
+        GgmlType::Q8_0,
+        GgmlType::Q6_K,
+    ];
     let ws: Vec<QuantTensor> = parts
         .iter()
         .map(|&t| random_weight(t, 9, k, &mut rng))
@@ -185,7 +190,10 @@ fn stacked_parts_of_several_types() {
         for (pi, w) in ws.iter().enumerate() {
             let one = run_on(p, &x, 5, w);
             for i in 0..5 {
-                assert_eq!(one[i * 9..(i + 1) * 9], all[i * 36 + pi * 9..i * 36 + pi * 9 + 9]);
+                assert_eq!(
+                    one[i * 9..(i + 1) * 9],
+                    all[i * 36 + pi * 9..i * 36 + pi * 9 + 9]
+                );
             }
         }
     }
