@@ -4,19 +4,19 @@
 //!
 //!     cargo bench --bench decode                       # all
 //!     cargo bench --bench decode -- 1 16 --tokens 64   # some batch sizes, shorter runs
-//!     PAGODA_BENCH_MODEL=path/to/model.gguf --dtype bf16 ...
+//!     PAGODA_BENCH_MODEL=path/to/model.gguf --dtype f32 ...   (default auto: as stored)
 //!     cargo bench --features wgpu --bench decode -- --backend wgpu 1 8 --tokens 32
 //!
 //! Prints one line per batch size and a JSON summary last.
 
-use pagoda::{DType, Engine, EngineArgs, SamplingParams};
+use pagoda::{Engine, EngineArgs, SamplingParams, WeightDtype};
 use std::path::PathBuf;
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {
     let mut batches = vec![];
     let mut tokens = 128usize;
-    let mut dtype = DType::F32;
+    let mut dtype = WeightDtype::Auto;
     let mut backend = pagoda::BackendKind::Cpu;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {

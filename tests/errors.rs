@@ -500,7 +500,7 @@ fn weights_larger_than_memory_are_refused_before_loading() {
     .expect("4 TiB of weights must be refused");
     let e = format!("{err:#}");
     assert!(
-        e.contains("the weights need 4194304 MiB as f32 but only")
+        e.contains("the weights need 4194304 MiB as stored (--dtype auto) but only")
             && e.contains("of available memory (MemAvailable) are left"),
         "{e}"
     );

@@ -203,7 +203,7 @@ fn first_logits_match_transformers() {
             &be,
             &model.config,
             model.weights.as_ref(),
-            DType::F32,
+            DType::F32.into(),
             256,
             &mut |_, _| {},
         )

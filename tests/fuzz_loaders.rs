@@ -31,7 +31,7 @@
 
 mod common;
 
-use pagoda::DType;
+use pagoda::WeightDtype;
 use pagoda::backend::cpu::CpuBackend;
 use pagoda::models::{load_model, registry};
 use proptest::prelude::*;
@@ -257,7 +257,7 @@ fn load_and_upload(path: &Path) -> Result<(), String> {
         &backend,
         &m.config,
         m.weights.as_ref(),
-        DType::F32,
+        WeightDtype::Auto,
         positions,
         &mut |_, _| {},
     )

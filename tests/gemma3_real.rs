@@ -9,7 +9,7 @@ mod common;
 
 use common::{ids, model_path};
 use pagoda::models::load_model;
-use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
+use pagoda::{DType, EngineArgs, LLM, Prompt, SamplingParams};
 
 const GEMMA_GGUF: &str = "gemma-3-270m-Q4_K_M.gguf";
 
@@ -39,6 +39,7 @@ fn gemma3_270m_gguf_matches_transformers() {
     let mut llm = LLM::new(EngineArgs {
         model: Some(path),
         max_model_len: Some(256),
+        dtype: DType::F32.into(),
         ..Default::default()
     })
     .unwrap();

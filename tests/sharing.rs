@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use pagoda::{Engine, EngineArgs, LLM, Prompt, SamplingParams};
+use pagoda::{DType, Engine, EngineArgs, LLM, Prompt, SamplingParams};
 
 fn args(prefix_caching: bool) -> EngineArgs {
     EngineArgs {
@@ -14,6 +14,8 @@ fn args(prefix_caching: bool) -> EngineArgs {
         max_num_batched_tokens: 512,
         max_model_len: Some(1024),
         enable_prefix_caching: prefix_caching,
+        // NOTE: compared with the f32 goldens.
+        dtype: DType::F32.into(),
         ..Default::default()
     }
 }

@@ -301,13 +301,12 @@ fn build<B: Backend>(
         WeightDtype::Auto if backend.supports_quant() => (model.weights.stored_bytes(), false),
         WeightDtype::Auto => (elements.saturating_mul(4), true),
     };
-    check_weights_fit(
-        need,
-        memory_for_weights(&backend),
-        args.dtype.name(),
-        as_f32,
-    )
-    .with_context(|| format!("loading {}", model.path.display()))?;
+    let label = match args.dtype {
+        WeightDtype::Auto => "stored (--dtype auto)",
+        WeightDtype::Fixed(dt) => dt.name(),
+    };
+    check_weights_fit(need, memory_for_weights(&backend), label, as_f32)
+        .with_context(|| format!("loading {}", model.path.display()))?;
 
     // NOTE: the RoPE tables hold one row per position, so they are sized by what the engine
     // can use, not by the model's context (up to 2^24 positions): max_model_len, or fewer
