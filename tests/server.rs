@@ -573,6 +573,8 @@ fn chat_equals_generate() {
             "24",
             "--kv-cache-memory",
             "64MiB",
+            "--dtype",
+            "f32",
             "--model",
         ])
         .arg(model_path(SMOL_GGUF))

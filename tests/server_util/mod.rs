@@ -5,7 +5,7 @@
 
 use pagoda::engine::KvBudget;
 use pagoda::server::{ServerArgs, ServerHandle};
-use pagoda::{Engine, EngineArgs};
+use pagoda::{DType, Engine, EngineArgs};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -19,6 +19,9 @@ pub fn engine_args(model: PathBuf, kv_mib: u64) -> EngineArgs {
     EngineArgs {
         model: Some(model),
         kv_budget: Some(KvBudget::Bytes(kv_mib << 20)),
+        // NOTE: some tests expect what the f32 model says (a short answer that stops, Paris);
+        // the quantized weights are tested in tests/quantized.rs and tests/batching.rs.
+        dtype: DType::F32.into(),
         ..EngineArgs::default()
     }
 }

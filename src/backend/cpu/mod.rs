@@ -2,7 +2,7 @@
 //! no GPU exists. Multi-threaded with rayon; batch-invariant matmuls of our own (see matmul.rs); paged attention
 //! reads K and V through the block tables in place, never gathering them into a contiguous copy.
 
-mod matmul;
+pub mod matmul;
 pub mod qmatmul;
 
 use matmul::Weights;
