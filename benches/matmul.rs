@@ -32,7 +32,9 @@ impl Rng {
 
 fn quant(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> QuantTensor {
     let (block, bytes) = ty.block_layout();
-    let mut data: Vec<u8> = (0..n * k / block * bytes).map(|_| rng.next() as u8).collect();
+    let mut data: Vec<u8> = (0..n * k / block * bytes)
+        .map(|_| rng.next() as u8)
+        .collect();
     let at: &[usize] = match ty {
         GgmlType::Q6_K => &[208],
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
@@ -69,7 +71,10 @@ fn peak_gflops() -> f64 {
     let threads = rayon::current_num_threads();
     let iters = 20_000_000usize;
     let t = Instant::now();
-    let s: f32 = (0..threads).into_par_iter().map(|i| fma_loop(iters, i as f32)).sum();
+    let s: f32 = (0..threads)
+        .into_par_iter()
+        .map(|i| fma_loop(iters, i as f32))
+        .sum();
     let secs = t.elapsed().as_secs_f64();
     std::hint::black_box(s);
     (threads * iters * 12 * lanes() * 2) as f64 / secs / 1e9
@@ -154,7 +159,15 @@ fn main() {
     let types = [
         "f32", "f16", "bf16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
     ];
-    for &(n, k) in &[(3072usize, 576usize), (576, 1536)] {
+    let shapes: Vec<(usize, usize)> = match std::env::var("PAGODA_MATMUL_SHAPES") {
+        Ok(s) => s
+            .split(',')
+            .filter_map(|p| p.split_once('x'))
+            .filter_map(|(n, k)| Some((n.parse().ok()?, k.parse().ok()?)))
+            .collect(),
+        Err(_) => vec![(3072, 576), (576, 1536)],
+    };
+    for &(n, k) in &shapes {
         let wf: Vec<f32> = (0..n * k).map(|_| rng.f32() * 0.05).collect();
         let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
         let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -184,15 +197,13 @@ fn main() {
                 let budget = Duration::from_millis(400);
                 let secs = match (&q, name) {
                     (Some(q), _) => time(budget, || qmatmul_on(path, &x, m, k, n, &mut out, q)),
-                    (None, "f32") => time(budget, || {
-                        matmul(&x, m, k, n, &mut out, Weights::F32(&wf))
-                    }),
-                    (None, "f16") => time(budget, || {
-                        matmul(&x, m, k, n, &mut out, Weights::F16(&wh))
-                    }),
-                    (None, _) => time(budget, || {
-                        matmul(&x, m, k, n, &mut out, Weights::BF16(&wb))
-                    }),
+                    (None, "f32") => {
+                        time(budget, || matmul(&x, m, k, n, &mut out, Weights::F32(&wf)))
+                    }
+                    (None, "f16") => {
+                        time(budget, || matmul(&x, m, k, n, &mut out, Weights::F16(&wh)))
+                    }
+                    (None, _) => time(budget, || matmul(&x, m, k, n, &mut out, Weights::BF16(&wb))),
                 };
                 let gflops = 2.0 * (m * n * k) as f64 / secs / 1e9;
                 println!(

@@ -311,6 +311,13 @@ pub trait Backend: Send + Sync + 'static {
 
     // ---- memory -------------------------------------------------------------------------
 
+    /// Runs one step's forward pass. The CPU backend runs it on a thread of its pool, so that
+    /// the parallel ops inside fork and join among the pool's threads instead of waking a
+    /// sleeping caller after each one.
+    fn run_step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
     /// Uploads a weight, converting to `dtype`.
     fn upload_weight(&self, t: &HostTensor, dtype: DType) -> Result<Self::Buf>;
     /// Whether `matmul` and `embedding` take weights in GGML block formats as they are

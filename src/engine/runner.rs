@@ -66,13 +66,15 @@ impl<B: Backend> ModelRunner for Runner<B> {
     }
     fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>> {
         let batch = DeviceBatch::upload(&self.backend, input)?;
-        let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
+        let (model, backend, kv) = (&self.model, &self.backend, &mut self.kv);
+        let logits = backend.run_step(|| model.forward(backend, &batch, kv))?;
         self.backend.download_f32(&logits)
     }
     fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>> {
         let rows = input.logits_rows.len();
         let batch = DeviceBatch::upload(&self.backend, input)?;
-        let logits = self.model.forward(&self.backend, &batch, &mut self.kv)?;
+        let (model, backend, kv) = (&self.model, &self.backend, &mut self.kv);
+        let logits = backend.run_step(|| model.forward(backend, &batch, kv))?;
         self.backend
             .argmax_rows(&logits, rows, self.model.config().vocab_size)
     }

@@ -14,6 +14,7 @@
 //! and 1 w vector fill the 16 ymm registers).
 
 use crate::quant::QuantTensor;
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -52,14 +53,16 @@ pub fn matmul(x: &[f32], m: usize, k: usize, n: usize, out: &mut [f32], w: Weigh
             // NOTE: half weights stay half in memory; each slab is widened where it is used.
             let w: &[f32] = match w {
                 Weights::F32(w) => &w[rows],
+                // NOTE: `half` converts slices with F16C where the CPU has it (one instruction
+                // per 8 values); value by value it would be a software conversion each.
                 Weights::F16(w) => {
-                    buf.clear();
-                    buf.extend(w[rows].iter().map(|v| v.to_f32()));
+                    buf.resize(rows.len(), 0.0);
+                    w[rows].convert_to_f32_slice(buf);
                     buf
                 }
                 Weights::BF16(w) => {
-                    buf.clear();
-                    buf.extend(w[rows].iter().map(|v| v.to_f32()));
+                    buf.resize(rows.len(), 0.0);
+                    w[rows].convert_to_f32_slice(buf);
                     buf
                 }
                 Weights::Quant(_) => unreachable!("handled above"),

@@ -106,6 +106,12 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn run_step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        // NOTE: from outside the pool, every parallel op would be injected into it and the
+        // caller put to sleep until it ends: two futex round trips per op, hundreds a step.
+        rayon::scope(|_| f())
+    }
+
     fn supports_quant(&self) -> bool {
         true
     }

@@ -3,27 +3,31 @@
 //!
 //! The scheme is llama.cpp's; the code is ours. Each row of `x` is quantized to 8 bits per
 //! block of 32 values (a scale `d = max|x| / 127`, 32 i8 `q`, and `d·Σq`). A weight row is
-//! walked 32 values at a time; each 32-value sub-block is decoded in registers into 32 small
-//! integers `v`, a scale per 16 values and a minimum, so that `w = scale·v + min` exactly as
-//! the reference dequantizer computes it; then
+//! walked 32 values at a time; each 32-value sub-block `j` is decoded in registers into 32
+//! small integers `v`, a scale per 16 values and a minimum, so that `w = scale·v + min` exactly
+//! as the reference dequantizer computes it. For one output element:
 //!
 //! ```text
-//!   y += (scale · d) · Σ v·q        8 lanes of 4 products each, f32 FMA per lane
-//!      + min · (d·Σq)                 one scalar FMA, types with a minimum only
+//!   acc[16], sub-block j adds to lanes 8·(j mod 2) .. +8, lane l of those summing 4 values:
+//!     acc[8·(j mod 2) + l] = fma(Σ v·q over its 4 values, scale·d, acc[..])
+//!   (an odd count of sub-blocks ends with one fma(0, 0, ·) on the odd lanes)
+//!   mins (types with one): macc[j mod 8] = fma(min_j, d·Σq_j, macc[..]), padded to 8 likewise
+//!   y = reduce8(acc[0..8] + acc[8..16]) + reduce8(macc)
 //! ```
 //!
-//! The integer dot `Σ v·q` is exact: AVX2 `maddubs` (|v| ≤ 128 and |q| ≤ 127 never saturate
-//! its i16 pairs) or VNNI `dpbusd`; signed `v` go through the sign trick (`|v|` times `q` with
-//! `v`'s sign).
+//! The integer dot `Σ v·q` is exact on every path: AVX2 `maddubs` with the sign trick (|v| ≤ 128
+//! and |q| ≤ 127 never saturate its i16 pairs), AVX-512 VNNI `dpbusd` on `q + 128` (unsigned)
+//! minus `128·Σv`.
 //!
-//! NOTE: every path computes every output element with the same f32 operations in the same
-//! order — the lanes' FMAs block after block, one fixed reduction of the 8 lanes, then the
-//! minimum's sum — and the integer sums are exact. So the paths agree to the bit, and a row's
-//! result does not depend on the other rows of the batch (batch invariance, as in matmul.rs).
+//! NOTE: every path computes every output element with exactly the operations above, in that
+//! order: the AVX-512 path with two sub-blocks per 16-lane register, AVX2 with an even and an
+//! odd 8-lane accumulator, the portable path lane by lane. So the paths agree to the bit, and a
+//! row's result does not depend on the other rows of the batch (batch invariance, as in
+//! matmul.rs).
 //!
-//! Tiles: one weight row against MR rows of `x`: the row is decoded once per tile, the MR
-//! accumulators stay in registers. Weight rows are split into slabs of SLAB rows for the
-//! threads; a slab stays in L2 while every tile of `x` passes over it.
+//! Tiles: one weight row against up to MR rows of `x` (8 with AVX-512, 4 otherwise): the row is
+//! decoded once per tile, the accumulators stay in registers. Weight rows are split into slabs
+//! of SLAB rows for the threads; a slab stays in L2 while every tile of `x` passes over it.
 
 use crate::quant::{GgmlType, QuantTensor};
 use half::f16;
@@ -31,8 +35,8 @@ use rayon::prelude::*;
 
 /// Weight rows per parallel task.
 const SLAB: usize = 32;
-/// Rows of `x` per tile.
-const MR: usize = 4;
+/// The most rows of `x` in a tile (the AVX-512 path's; the others take 4).
+const MR: usize = 8;
 
 /// A kernel implementation; [`Path::detect`] picks the best the CPU has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,24 +45,17 @@ pub enum Path {
     Portable,
     /// AVX2 + FMA + F16C (`maddubs` integer dots).
     Avx2,
-    /// AVX-512 VNNI on 256-bit vectors (`dpbusd` integer dots).
-    Vnni,
+    /// AVX-512 with VNNI (`dpbusd` integer dots on 512-bit vectors).
+    Avx512,
 }
 
 impl Path {
     /// The fastest path this CPU runs.
     pub fn detect() -> Path {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if Path::Avx2.available() && has!("avx512vnni") && has!("avx512vl") {
-                return Path::Vnni;
-            }
-            if Path::Avx2.available() {
-                return Path::Avx2;
-            }
-        }
-        Path::Portable
+        [Path::Avx512, Path::Avx2]
+            .into_iter()
+            .find(|p| p.available())
+            .unwrap_or(Path::Portable)
     }
 
     /// Whether this CPU can run the path.
@@ -71,9 +68,14 @@ impl Path {
                 has!("avx2") && has!("fma") && has!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
-            Path::Vnni => {
+            Path::Avx512 => {
                 use std::arch::is_x86_feature_detected as has;
-                Path::Avx2.available() && has!("avx512vnni") && has!("avx512vl")
+                Path::Avx2.available()
+                    && has!("avx512f")
+                    && has!("avx512bw")
+                    && has!("avx512dq")
+                    && has!("avx512vl")
+                    && has!("avx512vnni")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
@@ -84,7 +86,7 @@ impl Path {
         match self {
             Path::Portable => "portable",
             Path::Avx2 => "avx2",
-            Path::Vnni => "avx512-vnni",
+            Path::Avx512 => "avx512-vnni",
         }
     }
 }
@@ -138,59 +140,96 @@ const fn subs(t: u8) -> usize {
     if t >= Q4_K { 8 } else { 1 }
 }
 
-/// Whether the decoded values are never negative (and the type has a minimum): they go to
-/// the integer dot as they are, without the sign trick.
-const fn unsigned(t: u8) -> bool {
+/// Whether the type has a minimum (`w = scale·v + min`); its decoded values are never
+/// negative.
+const fn has_min(t: u8) -> bool {
     matches!(t, Q4_1 | Q5_1 | Q4_K | Q5_K)
 }
 
-/// Rows of `x` quantized per block of 32: `q` `[m, k]`, `d` and `s = d·Σq` `[m, k/32]`.
+/// Rows of `x` quantized per block of 32, padded (with zeros) to an even count of blocks:
+/// `q` and `u = q + 128` `[m, kp]`, the scales `d` `[m, nbp]` and the same repeated over 8
+/// lanes `d8` `[m, 8·nbp]`, and `s = d·Σq` `[m, nm]` (padded to a multiple of 8).
 pub struct QuantizedRows {
     q: Vec<i8>,
+    u: Vec<u8>,
     d: Vec<f32>,
+    d8: Vec<f32>,
     s: Vec<f32>,
+    /// Sub-blocks, padded counts, values per padded row.
+    nb: usize,
+    nbp: usize,
+    nm: usize,
+    kp: usize,
 }
 
 /// Quantizes `m` rows of `k` values (`k` a multiple of 32), each row on its own.
 pub fn quantize_rows(x: &[f32], m: usize, k: usize) -> QuantizedRows {
     debug_assert!(k.is_multiple_of(32) && x.len() >= m * k);
     let nb = k / 32;
+    let nbp = nb.next_multiple_of(2);
+    let nm = nb.next_multiple_of(8);
+    let kp = 32 * nbp;
     let mut r = QuantizedRows {
-        q: vec![0; m * k],
-        d: vec![0.0; m * nb],
-        s: vec![0.0; m * nb],
+        q: vec![0; m * kp],
+        u: vec![128; m * kp],
+        d: vec![0.0; m * nbp],
+        d8: vec![0.0; m * nbp * 8],
+        s: vec![0.0; m * nm],
+        nb,
+        nbp,
+        nm,
+        kp,
     };
-    let row = |(((x, q), d), s): (((&[f32], &mut [i8]), &mut [f32]), &mut [f32])| {
+    if m == 0 || nb == 0 {
+        return r;
+    }
+    type Row<'a> = (
+        (
+            (((&'a [f32], &'a mut [i8]), &'a mut [u8]), &'a mut [f32]),
+            &'a mut [f32],
+        ),
+        &'a mut [f32],
+    );
+    let row = |(((((x, q), u), d), d8), s): Row<'_>| {
         for b in 0..nb {
             let xs = &x[32 * b..32 * b + 32];
             let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
             let scale = amax / 127.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
             let mut sum = 0i32;
-            for (o, &v) in q[32 * b..32 * b + 32].iter_mut().zip(xs) {
+            for ((o, ou), &v) in q[32 * b..32 * b + 32]
+                .iter_mut()
+                .zip(&mut u[32 * b..32 * b + 32])
+                .zip(xs)
+            {
                 let qv = (v * inv).round().clamp(-127.0, 127.0) as i32;
                 *o = qv as i8;
+                *ou = (qv + 128) as u8;
                 sum += qv;
             }
             d[b] = scale;
+            d8[8 * b..8 * b + 8].fill(scale);
             s[b] = scale * sum as f32;
         }
     };
-    let k1 = k.max(1);
-    let nb1 = nb.max(1);
+    let parts = x[..m * k]
+        .par_chunks(k)
+        .zip(r.q.par_chunks_mut(kp))
+        .zip(r.u.par_chunks_mut(kp))
+        .zip(r.d.par_chunks_mut(nbp))
+        .zip(r.d8.par_chunks_mut(8 * nbp))
+        .zip(r.s.par_chunks_mut(nm));
     if m >= 8 {
-        x[..m * k]
-            .par_chunks(k1)
-            .zip(r.q.par_chunks_mut(k1))
-            .zip(r.d.par_chunks_mut(nb1))
-            .zip(r.s.par_chunks_mut(nb1))
-            .for_each(row);
+        parts.for_each(row);
     } else {
+        // NOTE: a handful of rows is quicker on this thread than handed to the pool.
         x[..m * k]
-            .chunks(k1)
-            .zip(r.q.chunks_mut(k1))
-            .zip(r.d.chunks_mut(nb1))
-            .zip(r.s.chunks_mut(nb1))
+            .chunks(k)
+            .zip(r.q.chunks_mut(kp))
+            .zip(r.u.chunks_mut(kp))
+            .zip(r.d.chunks_mut(nbp))
+            .zip(r.d8.chunks_mut(8 * nbp))
+            .zip(r.s.chunks_mut(nm))
             .for_each(row);
     }
     r
@@ -221,72 +260,78 @@ pub fn qmatmul_on(
     assert!(w.k == k && w.rows() == n && k.is_multiple_of(32));
     let p = if p.available() { p } else { Path::Portable };
     let xq = quantize_rows(x, m, k);
+    let tile_rows = if p == Path::Avx512 { MR } else { 4 };
+    // NOTE: where x is one tile, each weight row is read once: a few large tasks per thread
+    // (fewer hand-offs); otherwise slabs small enough to stay in L2 while the tiles pass.
+    let slab = if m <= tile_rows {
+        n.div_ceil(4 * rayon::current_num_threads()).max(SLAB)
+    } else {
+        SLAB
+    };
     // (part, first output column, first row in the part, rows)
     let mut tasks = Vec::new();
     let mut col = 0;
     for (pi, part) in w.parts.iter().enumerate() {
-        for r in (0..part.rows).step_by(SLAB) {
-            tasks.push((pi, col + r, r, SLAB.min(part.rows - r)));
+        for r in (0..part.rows).step_by(slab) {
+            tasks.push((pi, col + r, r, slab.min(part.rows - r)));
         }
         col += part.rows;
     }
     let out_ptr = SendPtr(out.as_mut_ptr());
-    tasks.into_par_iter().for_each(|(pi, j0, r0, nj)| {
-        let part = &w.parts[pi];
-        let t = code(part.ty).expect("QuantTensor holds kernel types only");
-        let rb = part.data.len() / part.rows;
-        let nb = k / 32;
-        let o = out_ptr;
-        let mut i = 0;
-        while i < m {
-            let mr = MR.min(m - i);
-            let tile = Tile {
-                q: &xq.q[i * k..(i + mr) * k],
-                d: &xq.d[i * nb..(i + mr) * nb],
-                s: &xq.s[i * nb..(i + mr) * nb],
-                k,
-            };
-            for jj in 0..nj {
-                let row = &part.data[(r0 + jj) * rb..(r0 + jj + 1) * rb];
-                let mut r = [0f32; MR];
-                run(p, t, mr, row, tile, &mut r);
-                for (a, v) in r[..mr].iter().enumerate() {
-                    // SAFETY: this task alone writes columns j0 .. j0 + nj of `out` (m rows of
-                    // stride n), and i + a < m.
-                    unsafe { *o.0.add((i + a) * n + j0 + jj) = *v };
+    let xq = &xq;
+    tasks.into_par_iter().for_each_init(
+        // A weight row's minimums, padded with zeros to a multiple of 8.
+        || vec![0f32; xq.nm],
+        |mins, (pi, j0, r0, nj)| {
+            let part = &w.parts[pi];
+            let t = code(part.ty).expect("QuantTensor holds kernel types only");
+            let rb = part.data.len() / part.rows;
+            let o = out_ptr;
+            let mut i = 0;
+            while i < m {
+                let mr = tile_rows.min(m - i);
+                let tile = Tile { x: xq, i };
+                for jj in 0..nj {
+                    let row = &part.data[(r0 + jj) * rb..(r0 + jj + 1) * rb];
+                    let mut r = [0f32; MR];
+                    run(p, t, mr, row, tile, mins, &mut r);
+                    for (a, v) in r[..mr].iter().enumerate() {
+                        // SAFETY: this task alone writes columns j0 .. j0 + nj of `out` (m
+                        // rows of stride n), and i + a < m.
+                        unsafe { *o.0.add((i + a) * n + j0 + jj) = *v };
+                    }
                 }
+                i += mr;
             }
-            i += mr;
-        }
-    });
+        },
+    );
 }
 
-/// MR (or fewer) quantized rows of `x`.
+/// Rows `i ..` of the quantized `x`.
 #[derive(Clone, Copy)]
 struct Tile<'a> {
-    q: &'a [i8],
-    d: &'a [f32],
-    s: &'a [f32],
-    k: usize,
+    x: &'a QuantizedRows,
+    i: usize,
 }
 
-/// One weight row against the tile's `mr` rows, into `r[..mr]`.
-fn run(p: Path, t: u8, mr: usize, row: &[u8], x: Tile<'_>, r: &mut [f32; MR]) {
+/// One weight row against the tile's `mr` rows, into `r[..mr]`; `mins` is scratch for the
+/// row's minimums.
+fn run(p: Path, t: u8, mr: usize, row: &[u8], x: Tile<'_>, mins: &mut [f32], r: &mut [f32; MR]) {
     macro_rules! by_type {
         ($f:ident, $mr:literal) => {
             match t {
-                Q4_0 => $f::<Q4_0, $mr>(row, x, r),
-                Q4_1 => $f::<Q4_1, $mr>(row, x, r),
-                Q5_0 => $f::<Q5_0, $mr>(row, x, r),
-                Q5_1 => $f::<Q5_1, $mr>(row, x, r),
-                Q8_0 => $f::<Q8_0, $mr>(row, x, r),
-                Q4_K => $f::<Q4_K, $mr>(row, x, r),
-                Q5_K => $f::<Q5_K, $mr>(row, x, r),
-                _ => $f::<Q6_K, $mr>(row, x, r),
+                Q4_0 => $f::<Q4_0, $mr>(row, x, mins, r),
+                Q4_1 => $f::<Q4_1, $mr>(row, x, mins, r),
+                Q5_0 => $f::<Q5_0, $mr>(row, x, mins, r),
+                Q5_1 => $f::<Q5_1, $mr>(row, x, mins, r),
+                Q8_0 => $f::<Q8_0, $mr>(row, x, mins, r),
+                Q4_K => $f::<Q4_K, $mr>(row, x, mins, r),
+                Q5_K => $f::<Q5_K, $mr>(row, x, mins, r),
+                _ => $f::<Q6_K, $mr>(row, x, mins, r),
             }
         };
     }
-    macro_rules! by_rows {
+    macro_rules! rows4 {
         ($f:ident) => {
             match mr {
                 4 => by_type!($f, 4),
@@ -297,15 +342,23 @@ fn run(p: Path, t: u8, mr: usize, row: &[u8], x: Tile<'_>, r: &mut [f32; MR]) {
         };
     }
     match p {
-        Path::Portable => by_rows!(row_portable),
+        Path::Portable => rows4!(row_portable),
         // SAFETY: the path is available (checked by the caller), so the CPU has the features
         // the kernels are compiled for.
         #[cfg(target_arch = "x86_64")]
-        Path::Avx2 => unsafe { by_rows!(row_avx2) },
+        Path::Avx2 => unsafe { rows4!(row_avx2) },
         #[cfg(target_arch = "x86_64")]
-        Path::Vnni => unsafe { by_rows!(row_vnni) },
+        Path::Avx512 => unsafe {
+            match mr {
+                8 => by_type!(row_avx512, 8),
+                7 => by_type!(row_avx512, 7),
+                6 => by_type!(row_avx512, 6),
+                5 => by_type!(row_avx512, 5),
+                _ => rows4!(row_avx512),
+            }
+        },
         #[cfg(not(target_arch = "x86_64"))]
-        _ => by_rows!(row_portable),
+        _ => rows4!(row_portable),
     }
 }
 
@@ -419,30 +472,48 @@ fn reduce8(l: &[f32; 8]) -> f32 {
 }
 
 #[allow(clippy::needless_range_loop)]
-fn row_portable<const T: u8, const R: usize>(row: &[u8], x: Tile<'_>, r: &mut [f32; MR]) {
-    let nb = x.k / 32;
-    let mut acc = [[0f32; 8]; R];
-    let mut macc = [0f32; R];
-    for (blk, b) in row.chunks_exact(block_bytes(T)).enumerate() {
-        for s in 0..subs(T) {
-            let j = blk * subs(T) + s;
-            let (v, scale, min) = decode(T, b, s);
+fn row_portable<const T: u8, const R: usize>(
+    row: &[u8],
+    x: Tile<'_>,
+    mins: &mut [f32],
+    r: &mut [f32; MR],
+) {
+    let xs = x.x;
+    let mut acc = [[0f32; 16]; R];
+    for j in 0..xs.nbp {
+        let half = 8 * (j % 2);
+        if j < xs.nb {
+            let b = &row[(j / subs(T)) * block_bytes(T)..][..block_bytes(T)];
+            let (v, scale, min) = decode(T, b, j % subs(T));
+            mins[j] = min;
             for a in 0..R {
-                let q = &x.q[a * x.k + 32 * j..a * x.k + 32 * j + 32];
-                let dx = x.d[a * nb + j];
+                let q = &xs.q[(x.i + a) * xs.kp + 32 * j..][..32];
+                let dx = xs.d[(x.i + a) * xs.nbp + j];
                 for l in 0..8 {
                     let isum: i32 = (4 * l..4 * l + 4).map(|e| v[e] as i32 * q[e] as i32).sum();
                     let f = scale[l / 4] * dx;
-                    acc[a][l] = (isum as f32).mul_add(f, acc[a][l]);
+                    acc[a][half + l] = (isum as f32).mul_add(f, acc[a][half + l]);
                 }
-                if unsigned(T) {
-                    macc[a] = min.mul_add(x.s[a * nb + j], macc[a]);
+            }
+        } else {
+            for a in 0..R {
+                for l in 0..8 {
+                    acc[a][half + l] = 0f32.mul_add(0.0, acc[a][half + l]);
                 }
             }
         }
     }
     for a in 0..R {
-        r[a] = reduce8(&acc[a]) + macc[a];
+        let folded: [f32; 8] = std::array::from_fn(|l| acc[a][l] + acc[a][8 + l]);
+        let mut y = reduce8(&folded);
+        if has_min(T) {
+            let mut macc = [0f32; 8];
+            for j in 0..xs.nm {
+                macc[j % 8] = mins[j].mul_add(xs.s[(x.i + a) * xs.nm + j], macc[j % 8]);
+            }
+            y += reduce8(&macc);
+        }
+        r[a] = y;
     }
 }
 
@@ -457,8 +528,8 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn f16_at(b: *const u8, i: usize) -> f32 {
-        // SAFETY: the caller's block holds bytes i and i + 1.
-        let bits = unsafe { u16::from_le_bytes([*b.add(i), *b.add(i + 1)]) };
+        // SAFETY: the caller's block holds bytes i and i + 1 (x86 is little-endian).
+        let bits = unsafe { (b.add(i) as *const u16).read_unaligned() };
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
@@ -579,59 +650,145 @@ mod x86 {
     pub(super) fn dot_avx2(u: __m256i, q: __m256i) -> __m256i {
         _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1))
     }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    pub(super) fn dot_vnni(u: __m256i, q: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q)
-    }
 }
 
-/// The kernel, compiled once per path with its integer dot.
-macro_rules! row_kernel {
-    ($name:ident, $features:literal, $dot:ident) => {
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $features)]
-        unsafe fn $name<const T: u8, const R: usize>(row: &[u8], x: Tile<'_>, r: &mut [f32; MR]) {
-            use std::arch::x86_64::*;
-            let nb = x.k / 32;
-            let mut acc = [_mm256_setzero_ps(); R];
-            let mut macc = [0f32; R];
-            let (qp, dp, sp) = (x.q.as_ptr(), x.d.as_ptr(), x.s.as_ptr());
-            for (blk, b) in row.chunks_exact(block_bytes(T)).enumerate() {
-                for s in 0..subs(T) {
-                    let j = blk * subs(T) + s;
-                    // SAFETY: `b` is one block of type T; the tile holds R rows of k values
-                    // and nb scales, and j < nb.
-                    unsafe {
-                        let (v, scale, min) = x86::decode::<T>(b.as_ptr(), s);
-                        let u = if unsigned(T) { v } else { _mm256_abs_epi8(v) };
-                        for a in 0..R {
-                            let q = _mm256_loadu_si256(qp.add(a * x.k + 32 * j) as *const __m256i);
-                            let q = if unsigned(T) {
-                                q
-                            } else {
-                                _mm256_sign_epi8(q, v)
-                            };
-                            let isum = x86::$dot(u, q);
-                            let f = _mm256_mul_ps(scale, _mm256_set1_ps(*dp.add(a * nb + j)));
-                            acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[a]);
-                            if unsigned(T) {
-                                macc[a] = min.mul_add(*sp.add(a * nb + j), macc[a]);
-                            }
-                        }
-                    }
-                }
-            }
-            for a in 0..R {
-                r[a] = x86::hsum(acc[a]) + macc[a];
+/// The minimums' share of rows `x.i + a`: `reduce8` of 8 lanes of FMAs.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mins_dot(mins: &[f32], x: Tile<'_>, a: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let xs = x.x;
+    let s = &xs.s[(x.i + a) * xs.nm..][..xs.nm];
+    let mut macc = _mm256_setzero_ps();
+    for g in (0..xs.nm).step_by(8) {
+        // SAFETY: both hold nm (a multiple of 8) values.
+        unsafe {
+            let m = _mm256_loadu_ps(mins.as_ptr().add(g));
+            macc = _mm256_fmadd_ps(m, _mm256_loadu_ps(s.as_ptr().add(g)), macc);
+        }
+    }
+    x86::hsum(macc)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn row_avx2<const T: u8, const R: usize>(
+    row: &[u8],
+    x: Tile<'_>,
+    mins: &mut [f32],
+    r: &mut [f32; MR],
+) {
+    use std::arch::x86_64::*;
+    let xs = x.x;
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    // Sub-block j into the even (h = 0) or odd (h = 1) accumulators.
+    let mut step = |j: usize, h: usize| {
+        // SAFETY: j < nb, so its block lies in the row; the tile's rows hold kp values and
+        // nbp scales, and 32 j + 32 <= kp.
+        unsafe {
+            let b = row.as_ptr().add((j / subs(T)) * block_bytes(T));
+            let (v, scale, min) = x86::decode::<T>(b, j % subs(T));
+            mins[j] = min;
+            // NOTE: values of the types with a minimum are never negative; the others go
+            // through the sign trick (|v| against q with v's sign).
+            let u = if has_min(T) { v } else { _mm256_abs_epi8(v) };
+            for (a, acc) in acc.iter_mut().enumerate() {
+                let row_q = xs.q.as_ptr().add((x.i + a) * xs.kp + 32 * j);
+                let q = _mm256_loadu_si256(row_q as *const __m256i);
+                let q = if has_min(T) {
+                    q
+                } else {
+                    _mm256_sign_epi8(q, v)
+                };
+                let isum = x86::dot_avx2(u, q);
+                let dx = *xs.d.as_ptr().add((x.i + a) * xs.nbp + j);
+                let f = _mm256_mul_ps(scale, _mm256_set1_ps(dx));
+                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[h]);
             }
         }
     };
+    let mut j = 0;
+    while j + 1 < xs.nb {
+        step(j, 0);
+        step(j + 1, 1);
+        j += 2;
+    }
+    if j < xs.nb {
+        step(j, 0);
+        let z = _mm256_setzero_ps();
+        for acc in acc.iter_mut() {
+            acc[1] = _mm256_fmadd_ps(z, z, acc[1]);
+        }
+    }
+    for (a, acc) in acc.iter().enumerate() {
+        let mut y = x86::hsum(_mm256_add_ps(acc[0], acc[1]));
+        if has_min(T) {
+            // SAFETY: the same features.
+            y += unsafe { mins_dot(mins, x, a) };
+        }
+        r[a] = y;
+    }
 }
 
-row_kernel!(row_avx2, "avx2,fma,f16c", dot_avx2);
-row_kernel!(row_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", dot_vnni);
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+unsafe fn row_avx512<const T: u8, const R: usize>(
+    row: &[u8],
+    x: Tile<'_>,
+    mins: &mut [f32],
+    r: &mut [f32; MR],
+) {
+    use std::arch::x86_64::*;
+    let xs = x.x;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let zero = _mm512_setzero_si512();
+    // Bytes of 128, the unsigned offset of q.
+    let bias = _mm512_set1_epi8(-128);
+    let mut jp = 0;
+    while jp < xs.nb {
+        // SAFETY: sub-blocks jp (and jp + 1 where < nb) lie in the row; the tile's rows hold
+        // kp = 32 nbp values and 8 nbp lane scales, and 32 jp + 64 <= kp.
+        unsafe {
+            let sub = |j: usize| {
+                let b = row.as_ptr().add((j / subs(T)) * block_bytes(T));
+                x86::decode::<T>(b, j % subs(T))
+            };
+            let (v0, s0, m0) = sub(jp);
+            mins[jp] = m0;
+            let (v1, s1) = if jp + 1 < xs.nb {
+                let (v1, s1, m1) = sub(jp + 1);
+                mins[jp + 1] = m1;
+                (v1, s1)
+            } else {
+                (_mm256_setzero_si256(), _mm256_setzero_ps())
+            };
+            let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v0), v1);
+            let scale = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(s0), s1);
+            // NOTE: dpbusd multiplies unsigned by signed bytes: (q + 128)·v, less 128·Σv.
+            let corr = _mm512_dpbusd_epi32(zero, bias, v);
+            for (a, acc) in acc.iter_mut().enumerate() {
+                let u = xs.u.as_ptr().add((x.i + a) * xs.kp + 32 * jp);
+                let u = _mm512_loadu_si512(u as *const __m512i);
+                let isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, u, v), corr);
+                let d8 = xs.d8.as_ptr().add((x.i + a) * 8 * xs.nbp + 8 * jp);
+                let f = _mm512_mul_ps(scale, _mm512_loadu_ps(d8));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), f, *acc);
+            }
+        }
+        jp += 2;
+    }
+    for (a, acc) in acc.iter().enumerate() {
+        let lo = _mm512_castps512_ps256(*acc);
+        let hi = _mm512_extractf32x8_ps::<1>(*acc);
+        let mut y = x86::hsum(_mm256_add_ps(lo, hi));
+        if has_min(T) {
+            // SAFETY: the same features.
+            y += unsafe { mins_dot(mins, x, a) };
+        }
+        r[a] = y;
+    }
+}
 
 #[cfg(test)]
 mod tests;

@@ -53,7 +53,7 @@ fn random_x(m: usize, k: usize, rng: &mut Rng) -> Vec<f32> {
 }
 
 fn available_paths() -> Vec<Path> {
-    [Path::Portable, Path::Avx2, Path::Vnni]
+    [Path::Portable, Path::Avx2, Path::Avx512]
         .into_iter()
         .filter(|p| p.available())
         .collect()
@@ -70,7 +70,10 @@ fn run_on(p: Path, x: &[f32], m: usize, w: &QuantTensor) -> Vec<f32> {
 fn x_as_quantized(x: &[f32], m: usize, k: usize) -> Vec<f64> {
     let q = quantize_rows(x, m, k);
     (0..m * k)
-        .map(|i| q.q[i] as f64 * q.d[i / 32] as f64)
+        .map(|i| {
+            let (r, c) = (i / k, i % k);
+            q.q[r * q.kp + c] as f64 * q.d[r * q.nbp + c / 32] as f64
+        })
         .collect()
 }
 
@@ -202,14 +205,30 @@ fn stacked_parts_of_several_types() {
 #[test]
 fn activation_quantization_round_trips_within_half_a_step() {
     let mut rng = Rng(5);
-    let x = random_x(3, 64, &mut rng);
-    let q = quantize_rows(&x, 3, 64);
+    let (m, k) = (3, 96);
+    let x = random_x(m, k, &mut rng);
+    let q = quantize_rows(&x, m, k);
+    assert_eq!((q.nb, q.nbp, q.nm, q.kp), (3, 4, 8, 128));
     for (i, &v) in x.iter().enumerate() {
-        let d = q.d[i / 32];
-        assert!((q.q[i] as f32 * d - v).abs() <= 0.5 * d * 1.0001);
+        let (r, c) = (i / k, i % k);
+        let d = q.d[r * q.nbp + c / 32];
+        let qv = q.q[r * q.kp + c];
+        assert!((qv as f32 * d - v).abs() <= 0.5 * d * 1.0001);
+        assert_eq!(q.u[r * q.kp + c] as i32, qv as i32 + 128);
+        assert_eq!(q.d8[r * 8 * q.nbp + 8 * (c / 32) + c % 8], d);
     }
-    for b in 0..6 {
-        let sum: i32 = q.q[b * 32..b * 32 + 32].iter().map(|&v| v as i32).sum();
-        assert_eq!(q.s[b], q.d[b] * sum as f32);
+    for r in 0..m {
+        for b in 0..q.nm {
+            let want = if b < q.nb {
+                let row = &q.q[r * q.kp + 32 * b..r * q.kp + 32 * b + 32];
+                q.d[r * q.nbp + b] * row.iter().map(|&v| v as i32).sum::<i32>() as f32
+            } else {
+                0.0
+            };
+            assert_eq!(q.s[r * q.nm + b], want);
+        }
+        // The padding: a zero scale, q = 0 (u = 128).
+        assert_eq!(q.d[r * q.nbp + 3], 0.0);
+        assert!(q.u[r * q.kp + 96..(r + 1) * q.kp].iter().all(|&u| u == 128));
     }
 }
