@@ -104,10 +104,20 @@ fn main() -> anyhow::Result<()> {
             secs * 1e3 / steps as f64
         ));
     }
+    // Resident memory now, after the runs (the peak during loading is higher: the file's
+    // mapped pages and the weights being read).
+    let rss_mib = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let l = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+            l.split_whitespace().nth(1)?.parse::<f64>().ok()
+        })
+        .map_or(-1.0, |kb| kb / 1024.0);
     println!(
-        "{{\"backend\": \"{}\", \"dtype\": \"{}\", \"results\": [{}]}}",
+        "{{\"backend\": \"{}\", \"dtype\": \"{}\", \"weights_mib\": {:.1}, \"rss_mib\": {rss_mib:.1}, \"results\": [{}]}}",
         engine.backend_name(),
         dtype.name(),
+        engine.weight_bytes() as f64 / (1u64 << 20) as f64,
         results.join(", ")
     );
     Ok(())

@@ -50,7 +50,22 @@ pub fn matmul(x: &[f32], m: usize, k: usize, n: usize, out: &mut [f32], w: Weigh
             let j0 = slab * SLAB;
             let nj = SLAB.min(n - j0);
             let rows = j0 * k..(j0 + nj) * k;
-            // NOTE: half weights stay half in memory; each slab is widened where it is used.
+            let o = out_ptr;
+            // NOTE: half weights stay half in memory. A few rows of x widen them in the
+            // kernel's loads (each weight is used once or twice); more rows widen each slab
+            // once into a buffer. Both give the same bits: the widening is exact.
+            if m <= 4 {
+                // SAFETY: this task alone writes columns j0 .. j0 + nj of `out`.
+                match w {
+                    Weights::F16(w) => {
+                        return unsafe { slab_kernel(avx2, x, m, k, &w[rows], nj, o.0.add(j0), n) };
+                    }
+                    Weights::BF16(w) => {
+                        return unsafe { slab_kernel(avx2, x, m, k, &w[rows], nj, o.0.add(j0), n) };
+                    }
+                    _ => {}
+                }
+            }
             let w: &[f32] = match w {
                 Weights::F32(w) => &w[rows],
                 // NOTE: `half` converts slices with F16C where the CPU has it (one instruction
@@ -67,7 +82,6 @@ pub fn matmul(x: &[f32], m: usize, k: usize, n: usize, out: &mut [f32], w: Weigh
                 }
                 Weights::Quant(_) => unreachable!("handled above"),
             };
-            let o = out_ptr;
             // SAFETY: this task alone writes columns j0 .. j0 + nj of `out` (m rows of stride n).
             unsafe { slab_kernel(avx2, x, m, k, w, nj, o.0.add(j0), n) };
         });
@@ -76,7 +90,8 @@ pub fn matmul(x: &[f32], m: usize, k: usize, n: usize, out: &mut [f32], w: Weigh
 fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        use std::arch::is_x86_feature_detected as has;
+        has!("avx2") && has!("fma") && has!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -84,13 +99,69 @@ fn has_avx2_fma() -> bool {
     }
 }
 
+/// A weight element the kernels load: f32, or f16/bf16 widened (exactly) as they are loaded.
+trait Elem: Copy + Sync {
+    fn f32(self) -> f32;
+    /// 8 values from `p`, widened.
+    ///
+    /// # Safety
+    /// `p` points at 8 values; the CPU has AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: as the caller promises.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl Elem for f16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: as the caller promises.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+}
+
+impl Elem for bf16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: as the caller promises. A bf16 is the top half of an f32.
+        unsafe {
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        }
+    }
+}
+
 /// All m rows of x against `nj` rows of w; writes `out[i * ldo + j]`.
-unsafe fn slab_kernel(
+#[allow(clippy::too_many_arguments)]
+unsafe fn slab_kernel<T: Elem>(
     avx2: bool,
     x: &[f32],
     m: usize,
     k: usize,
-    w: &[f32],
+    w: &[T],
     nj: usize,
     out: *mut f32,
     ldo: usize,
@@ -107,12 +178,12 @@ unsafe fn slab_kernel(
             unsafe {
                 let o = out.add(i * ldo + j);
                 match (mr, nr) {
-                    (3, 4) => tile::<3, 4>(avx2, xs, ws, k, o, ldo),
-                    (2, 4) => tile::<2, 4>(avx2, xs, ws, k, o, ldo),
-                    (1, 4) => tile::<1, 4>(avx2, xs, ws, k, o, ldo),
-                    (3, _) => tile::<3, 1>(avx2, xs, ws, k, o, ldo),
-                    (2, _) => tile::<2, 1>(avx2, xs, ws, k, o, ldo),
-                    _ => tile::<1, 1>(avx2, xs, ws, k, o, ldo),
+                    (3, 4) => tile::<T, 3, 4>(avx2, xs, ws, k, o, ldo),
+                    (2, 4) => tile::<T, 2, 4>(avx2, xs, ws, k, o, ldo),
+                    (1, 4) => tile::<T, 1, 4>(avx2, xs, ws, k, o, ldo),
+                    (3, _) => tile::<T, 3, 1>(avx2, xs, ws, k, o, ldo),
+                    (2, _) => tile::<T, 2, 1>(avx2, xs, ws, k, o, ldo),
+                    _ => tile::<T, 1, 1>(avx2, xs, ws, k, o, ldo),
                 }
             }
             j += nr;
@@ -122,10 +193,10 @@ unsafe fn slab_kernel(
 }
 
 #[inline(always)]
-unsafe fn tile<const MR: usize, const NR: usize>(
+unsafe fn tile<T: Elem, const MR: usize, const NR: usize>(
     avx2: bool,
     x: &[f32],
-    w: &[f32],
+    w: &[T],
     k: usize,
     out: *mut f32,
     ldo: usize,
@@ -134,14 +205,14 @@ unsafe fn tile<const MR: usize, const NR: usize>(
     #[cfg(target_arch = "x86_64")]
     if avx2 {
         // SAFETY: AVX2 and FMA were detected at run time.
-        unsafe { tile_avx2::<MR, NR>(x, w, k, &mut r) };
+        unsafe { tile_avx2::<T, MR, NR>(x, w, k, &mut r) };
     } else {
-        tile_portable::<MR, NR>(x, w, k, &mut r);
+        tile_portable::<T, MR, NR>(x, w, k, &mut r);
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = avx2;
-        tile_portable::<MR, NR>(x, w, k, &mut r);
+        tile_portable::<T, MR, NR>(x, w, k, &mut r);
     }
     for (a, row) in r.iter().enumerate() {
         for (b, v) in row.iter().enumerate() {
@@ -152,11 +223,11 @@ unsafe fn tile<const MR: usize, const NR: usize>(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile_avx2<const MR: usize, const NR: usize>(
+unsafe fn tile_avx2<T: Elem, const MR: usize, const NR: usize>(
     x: &[f32],
-    w: &[f32],
+    w: &[T],
     k: usize,
     r: &mut [[f32; NR]; MR],
 ) {
@@ -173,7 +244,7 @@ unsafe fn tile_avx2<const MR: usize, const NR: usize>(
                 *v = _mm256_loadu_ps(xp.add(a * k + kk));
             }
             for b in 0..NR {
-                let wv = _mm256_loadu_ps(wp.add(b * k + kk));
+                let wv = T::load8(wp.add(b * k + kk));
                 for a in 0..MR {
                     acc[a][b] = _mm256_fmadd_ps(xv[a], wv, acc[a][b]);
                 }
@@ -189,7 +260,7 @@ unsafe fn tile_avx2<const MR: usize, const NR: usize>(
             let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             let mut s = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
             for t in k8..k {
-                s += x[a * k + t] * w[b * k + t];
+                s += x[a * k + t] * w[b * k + t].f32();
             }
             r[a][b] = s;
         }
@@ -197,9 +268,9 @@ unsafe fn tile_avx2<const MR: usize, const NR: usize>(
 }
 
 #[allow(clippy::needless_range_loop)]
-fn tile_portable<const MR: usize, const NR: usize>(
+fn tile_portable<T: Elem, const MR: usize, const NR: usize>(
     x: &[f32],
-    w: &[f32],
+    w: &[T],
     k: usize,
     r: &mut [[f32; NR]; MR],
 ) {
@@ -211,7 +282,7 @@ fn tile_portable<const MR: usize, const NR: usize>(
             for b in 0..NR {
                 let wv = &w[b * k + kk..b * k + kk + 8];
                 for l in 0..8 {
-                    acc[a][b][l] += xv[l] * wv[l];
+                    acc[a][b][l] += xv[l] * wv[l].f32();
                 }
             }
         }
@@ -220,7 +291,7 @@ fn tile_portable<const MR: usize, const NR: usize>(
         for b in 0..NR {
             let mut s = reduce8(&acc[a][b]);
             for t in k8..k {
-                s += x[a * k + t] * w[b * k + t];
+                s += x[a * k + t] * w[b * k + t].f32();
             }
             r[a][b] = s;
         }
@@ -268,6 +339,32 @@ mod tests {
         }
         let two = mm(&x[4 * k..6 * k], &w, 2, k, n);
         assert_eq!(two, all[4 * n..6 * n]);
+    }
+
+    /// Half weights: a few rows widen them in the loads, more rows through a buffer; a row
+    /// gives the same bits either way, and the products are those of the widened values.
+    #[test]
+    fn half_weights_are_batch_invariant_across_both_widenings() {
+        let (k, n) = (203, 131);
+        let wf = rand(n * k, 5);
+        let x = rand(9 * k, 6);
+        let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
+        let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
+        let widened_h: Vec<f32> = wh.iter().map(|v| v.to_f32()).collect();
+        let widened_b: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        for (w, widened) in [
+            (Weights::F16(&wh), &widened_h),
+            (Weights::BF16(&wb), &widened_b),
+        ] {
+            let mut all = vec![0.0; 9 * n];
+            matmul(&x, 9, k, n, &mut all, w);
+            assert_eq!(all, mm(&x, widened, 9, k, n));
+            for i in [0, 4, 8] {
+                let mut one = vec![0.0; n];
+                matmul(&x[i * k..(i + 1) * k], 1, k, n, &mut one, w);
+                assert_eq!(one, all[i * n..(i + 1) * n], "row {i}");
+            }
+        }
     }
 
     #[test]
