@@ -602,7 +602,7 @@ mod x86 {
                     let (sc, mn) = k_scale_min(s, q);
                     let qs = if T == Q4_K { b.add(16) } else { b.add(48) };
                     let bytes = _mm256_loadu_si256(qs.add(32 * (s / 2)) as *const __m256i);
-                    let bytes = if s % 2 == 0 {
+                    let bytes = if s.is_multiple_of(2) {
                         bytes
                     } else {
                         _mm256_srli_epi16::<4>(bytes)
