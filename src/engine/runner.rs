@@ -295,17 +295,17 @@ fn build<B: Backend>(
     // NOTE: `auto` keeps block formats only where the backend has kernels for them; elsewhere
     // they become f32, so the bound is 4 bytes per element there.
     let elements = model.weights.num_elements();
-    let (need, as_f32) = match args.dtype {
+    let auto = "stored (--dtype auto)";
+    let (need, label, as_f32) = match args.dtype {
         WeightDtype::Fixed(dt) => (
             elements.saturating_mul(dt.size_in_bytes() as u64),
+            dt.name(),
             dt == DType::F32,
         ),
-        WeightDtype::Auto if backend.supports_quant() => (model.weights.stored_bytes(), false),
-        WeightDtype::Auto => (elements.saturating_mul(4), true),
-    };
-    let label = match args.dtype {
-        WeightDtype::Auto => "stored (--dtype auto)",
-        WeightDtype::Fixed(dt) => dt.name(),
+        WeightDtype::Auto if backend.supports_quant() => {
+            (model.weights.stored_bytes(), auto, false)
+        }
+        WeightDtype::Auto => (elements.saturating_mul(4), auto, true),
     };
     check_weights_fit(need, memory_for_weights(&backend), label, as_f32)
         .with_context(|| format!("loading {}", model.path.display()))?;

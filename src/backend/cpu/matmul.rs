@@ -381,7 +381,7 @@ unsafe fn tile_avx2<T: Elem, const MR: usize, const NR: usize>(
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum8(v: std::arch::x86_64::__m256) -> f32 {
+pub(super) fn hsum8(v: std::arch::x86_64::__m256) -> f32 {
     use std::arch::x86_64::*;
     let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -417,9 +417,10 @@ fn tile_portable<T: Elem, const MR: usize, const NR: usize>(
     }
 }
 
-/// One fixed pairwise order for the 8 lanes.
+/// One fixed pairwise order for the 8 lanes (the SIMD reductions, here and in qmatmul.rs,
+/// follow it).
 #[inline(always)]
-fn reduce8(l: &[f32; 8]) -> f32 {
+pub(super) fn reduce8(l: &[f32; 8]) -> f32 {
     ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
 }
 

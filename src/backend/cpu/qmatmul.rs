@@ -29,6 +29,7 @@
 //! decoded once per tile, the accumulators stay in registers. Weight rows are split into slabs
 //! of SLAB rows for the threads; a slab stays in L2 while every tile of `x` passes over it.
 
+use super::matmul::reduce8;
 use crate::quant::{GgmlType, QuantTensor};
 use half::f16;
 use rayon::prelude::*;
@@ -465,12 +466,6 @@ fn decode(t: u8, b: &[u8], s: usize) -> ([i8; 32], [f32; 2], f32) {
     }
 }
 
-/// One fixed pairwise order for the 8 lanes (the SIMD reductions follow it).
-#[inline(always)]
-fn reduce8(l: &[f32; 8]) -> f32 {
-    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
-}
-
 #[allow(clippy::needless_range_loop)]
 fn row_portable<const T: u8, const R: usize>(
     row: &[u8],
@@ -636,14 +631,7 @@ mod x86 {
         }
     }
 
-    /// The 8 lanes summed in [`super::reduce8`]'s order.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn hsum(v: __m256) -> f32 {
-        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps::<1>(h, h)))
-    }
+    pub(super) use super::super::matmul::hsum8 as hsum;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]

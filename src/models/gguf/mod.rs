@@ -416,14 +416,24 @@ impl GgufFile {
     /// for linear weights; the GGUF dims reversed). `Ok(None)` if the model has no such tensor.
     /// For `llama`, llama.cpp's row permutation of the Q and K projections is undone.
     pub fn tensor(&self, hf_name: &str) -> Result<Option<HostTensor>> {
+        self.by_hf_name(hf_name, |info, fix| self.load_hf(info, fix))
+    }
+
+    /// `load(info, fix)` of the tensor with this HF name, its errors naming the file and the
+    /// tensor; `Ok(None)` if the model has no such tensor.
+    fn by_hf_name<T>(
+        &self,
+        hf_name: &str,
+        load: impl FnOnce(&TensorInfo, Option<GgufFix>) -> Result<T>,
+    ) -> Result<Option<T>> {
         let family = super::registry::by_gguf_architecture(self.arch_str()?)?;
-        let Some((gguf_name, permute)) = (family.gguf_tensor_name)(hf_name) else {
+        let Some((gguf_name, fix)) = (family.gguf_tensor_name)(hf_name) else {
             return Ok(None);
         };
         let Some(info) = self.tensor_info(&gguf_name) else {
             return Ok(None);
         };
-        self.load_hf(info, permute).map(Some).map_err(|e| {
+        load(info, fix).map(Some).map_err(|e| {
             anyhow!(
                 "{}: tensor '{}' ({hf_name}): {e:#}",
                 self.path.display(),
@@ -493,32 +503,19 @@ impl GgufFile {
     /// stays in it (llama's Q/K rows put back in HF order), anything else is dequantized and
     /// says which type it was stored in. `Ok(None)` if the model has no such tensor.
     pub fn weight(&self, hf_name: &str) -> Result<Option<Weight>> {
-        let family = super::registry::by_gguf_architecture(self.arch_str()?)?;
-        let Some((gguf_name, fix)) = (family.gguf_tensor_name)(hf_name) else {
-            return Ok(None);
-        };
-        let Some(info) = self.tensor_info(&gguf_name) else {
-            return Ok(None);
-        };
-        let keep = info.ty.has_kernel()
-            && info.dims.len() == 2
-            && matches!(fix, None | Some(GgufFix::UnpermuteQ | GgufFix::UnpermuteK));
-        let w = if keep {
-            self.load_quant(info, fix)
-        } else {
+        self.by_hf_name(hf_name, |info, fix| {
+            let keep = info.ty.has_kernel()
+                && info.dims.len() == 2
+                && matches!(fix, None | Some(GgufFix::UnpermuteQ | GgufFix::UnpermuteK));
+            if keep {
+                return self.load_quant(info, fix);
+            }
             let stored = match info.ty {
                 GgmlType::F16 => DType::F16,
                 GgmlType::BF16 => DType::BF16,
                 _ => DType::F32,
             };
             self.load_hf(info, fix).map(|t| Weight::dense(t, stored))
-        };
-        w.map(Some).map_err(|e| {
-            anyhow!(
-                "{}: tensor '{}' ({hf_name}): {e:#}",
-                self.path.display(),
-                text(&info.name)
-            )
         })
     }
 
