@@ -11,7 +11,7 @@
 //! summary last.
 
 use half::{bf16, f16};
-use pagoda::backend::cpu::matmul::{Weights, matmul};
+use pagoda::backend::cpu::matmul::{Packed, Weights, matmul};
 use pagoda::backend::cpu::qmatmul::{Path, qmatmul_on};
 use pagoda::quant::{GgmlType, QuantTensor};
 use rayon::prelude::*;
@@ -171,6 +171,11 @@ fn main() {
         let wf: Vec<f32> = (0..n * k).map(|_| rng.f32() * 0.05).collect();
         let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
         let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (wf, wh, wb) = (
+            Packed::pack(&wf, n, k),
+            Packed::pack(&wh, n, k),
+            Packed::pack(&wb, n, k),
+        );
         for name in types {
             let q = match name {
                 "f32" | "f16" | "bf16" => None,

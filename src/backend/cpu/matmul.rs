@@ -1,39 +1,111 @@
-//! `y = x · Wᵀ` for the CPU backend.
+//! `y = x · Wᵀ` for the CPU backend, with dense weights (f32, f16, bf16) packed in panels.
 //!
 //! NOTE: why not a GEMM crate. Two properties matter more here than peak FLOPs:
 //! 1. Batch invariance: a row's result must not depend on how many other rows are in the batch,
 //!    or on where the row sits in it. Every output element is computed by exactly the same
-//!    sequence of operations — 16 lane-wise FMA accumulators over `k` in order (lane `l` takes
-//!    `k ≡ l mod 16`), one fixed reduction (lanes `l` and `l + 8` added, then the 8 pairwise),
-//!    then the scalar tail — whatever the tile it falls in, and on every path (AVX-512 holds the
-//!    16 lanes in one register, AVX2 in two, the portable path in an array). So a prompt decodes
-//!    to the same tokens alone and inside any batch, and after preemption.
-//! 2. Skinny shapes: decode batches have 1–64 rows while weights have thousands. A GEMM that packs
-//!    its operands re-packs the whole weight matrix every step; here the weights stream from
-//!    memory once per step, in slabs that stay in cache while every row of `x` passes over them.
+//!    sequence of operations whatever the tile it falls in and on every path (portable, AVX2,
+//!    AVX-512): `k` is cut in blocks of `KC`; within a block the products are accumulated one
+//!    after another with fused multiply-adds from 0, and the blocks' sums are added in order
+//!    (`y = ((s₀ + s₁) + s₂) …`). So a prompt decodes to the same tokens alone and inside any
+//!    batch, and after preemption.
+//! 2. Skinny shapes: decode batches have 1–64 rows while weights have thousands, and the weights
+//!    stream from memory once per step. They are packed once, at upload, so no step re-packs
+//!    them.
 //!
-//! Tiles are MR rows of `x` by NR rows of `W`: 4 × 4 with AVX-512 (16 accumulators of the 32
-//! zmm registers), 3 × 2 with AVX2 (12 ymm accumulators of 16).
+//! The layout: `W [n, k]` is cut in panels of 16 output columns, each stored k-major
+//! (`panel[kk][c] = W[16p + c][kk]`, the last panel padded with zeros):
+//!
+//! ```text
+//!   W rows 0..16 ─▶ panel 0: [k0: w0 w1 … w15][k1: w0 … w15] …      x row i: x[i][k0] x[i][k1] …
+//!   W rows 16..32 ▶ panel 1: …                                        broadcast, one FMA per panel half
+//! ```
+//!
+//! So the 16 columns of a panel sit in the lanes of one AVX-512 register (two AVX2 ones) and a
+//! tile of MR rows × NP panels keeps MR·NP·16 accumulators in registers while `x[i][kk]` is
+//! broadcast: 12 FMAs for 8 loads with AVX2's 6 × 1 tile (the old lane-split dot products
+//! needed 10 loads for 12 FMAs and a reduction per element). Within a task the block of the
+//! panel (KC × 16 values, 16 KiB in f32) stays in L1 while every row tile passes over it.
 
 use crate::quant::QuantTensor;
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-/// Weight rows per parallel task: 64 rows × k floats stay in L2 while every x row passes.
-const SLAB: usize = 64;
+/// Output columns per panel.
+pub const PANEL: usize = 16;
+/// Values of `k` per block: one panel block (16 KiB in f32) stays in L1 with the x rows of a
+/// tile (6 × 1 KiB).
+const KC: usize = 256;
+/// Rows of `x` per task when there are many: their block of x (128 KiB) stays in L2 while
+/// the task's panels pass over it.
+const MC: usize = 128;
 
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+/// A weight matrix `[n, k]` in panels (see the module's note), in its storage type.
+#[derive(Debug, Clone)]
+pub struct Packed<T> {
+    pub n: usize,
+    pub k: usize,
+    /// `[n.div_ceil(16), k, 16]`.
+    data: Vec<T>,
+}
+
+impl<T: Elem> Packed<T> {
+    /// Packs row-major `w [n, k]`.
+    pub fn pack(w: &[T], n: usize, k: usize) -> Self {
+        assert_eq!(w.len(), n * k, "packing a {n}x{k} matrix");
+        let panels = n.div_ceil(PANEL);
+        let mut data = vec![T::ZERO; panels * k * PANEL];
+        data.par_chunks_mut(k * PANEL)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                for c in 0..PANEL.min(n - p * PANEL) {
+                    let row = &w[(p * PANEL + c) * k..(p * PANEL + c + 1) * k];
+                    for (kk, &v) in row.iter().enumerate() {
+                        panel[kk * PANEL + c] = v;
+                    }
+                }
+            });
+        Packed { n, k, data }
+    }
+
+    /// Row `j` of `W`, widened to f32.
+    pub fn row_into(&self, j: usize, out: &mut [f32]) {
+        let (p, c) = (j / PANEL, j % PANEL);
+        let panel = &self.data[p * self.k * PANEL..(p + 1) * self.k * PANEL];
+        for (kk, o) in out[..self.k].iter_mut().enumerate() {
+            *o = panel[kk * PANEL + c].f32();
+        }
+    }
+
+    /// `W` row-major, widened to f32.
+    pub fn unpack(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.n * self.k];
+        for (j, row) in out.chunks_mut(self.k.max(1)).enumerate().take(self.n) {
+            self.row_into(j, row);
+        }
+        out
+    }
+
+    pub fn numel(&self) -> usize {
+        self.n * self.k
+    }
+
+    fn panel_block(&self, p: usize, k0: usize, kc: usize) -> &[T] {
+        let start = (p * self.k + k0) * PANEL;
+        &self.data[start..start + kc * PANEL]
+    }
+}
+
 /// The weight matrix `[n, k]`, in its storage type.
 #[derive(Clone, Copy)]
 pub enum Weights<'a> {
-    F32(&'a [f32]),
-    F16(&'a [f16]),
-    BF16(&'a [bf16]),
+    F32(&'a Packed<f32>),
+    F16(&'a Packed<f16>),
+    BF16(&'a Packed<bf16>),
     /// Rows in GGML block formats: `qmatmul`.
     Quant(&'a QuantTensor),
 }
@@ -55,56 +127,186 @@ pub fn matmul_on(
     w: Weights<'_>,
 ) {
     assert!(x.len() >= m * k && out.len() >= m * n);
-    if let Weights::Quant(q) = w {
-        return super::qmatmul::qmatmul(x, m, k, n, out, q);
-    }
     let path = if path.available() {
         path
     } else {
         Path::Portable
     };
+    match w {
+        Weights::Quant(q) => super::qmatmul::qmatmul(x, m, k, n, out, q),
+        Weights::F32(w) => packed_matmul(path, x, m, k, n, out, w),
+        Weights::F16(w) => packed_matmul(path, x, m, k, n, out, w),
+        Weights::BF16(w) => packed_matmul(path, x, m, k, n, out, w),
+    }
+}
+
+fn packed_matmul<T: Elem>(
+    path: Path,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+    w: &Packed<T>,
+) {
+    assert!(
+        w.n == n && w.k == k,
+        "matmul: weight is {}x{}, expected {n}x{k}",
+        w.n,
+        w.k
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        out[..m * n].iter_mut().for_each(|o| *o = 0.0);
+        return;
+    }
+    // NOTE: how the work is cut changes no result (see the module's note): a few rows are
+    // cut by panel pairs only, so that the hidden size's 36 panels split evenly over 2 or 3
+    // threads; many rows also by blocks of MC rows, with 8 panels a task to reuse each block.
+    let panels = n.div_ceil(PANEL);
+    let (row_block, group) = if m <= MC { (m, 2) } else { (MC, 8) };
+    let groups = panels.div_ceil(group);
+    let tasks = m.div_ceil(row_block) * groups;
     let out_ptr = SendPtr(out.as_mut_ptr());
-    (0..n.div_ceil(SLAB))
-        .into_par_iter()
-        .for_each_init(Vec::new, |buf: &mut Vec<f32>, slab| {
-            let j0 = slab * SLAB;
-            let nj = SLAB.min(n - j0);
-            let rows = j0 * k..(j0 + nj) * k;
-            let o = out_ptr;
-            // NOTE: half weights stay half in memory. Up to 16 rows of x widen them in the
-            // kernel's loads (each weight is used once or twice); more rows widen each slab
-            // once into a buffer. Both give the same bits: the widening is exact.
-            if m <= 16 {
-                // SAFETY: this task alone writes columns j0 .. j0 + nj of `out`.
-                match w {
-                    Weights::F16(w) => {
-                        return unsafe { slab_kernel(path, x, m, k, &w[rows], nj, o.0.add(j0), n) };
-                    }
-                    Weights::BF16(w) => {
-                        return unsafe { slab_kernel(path, x, m, k, &w[rows], nj, o.0.add(j0), n) };
-                    }
-                    _ => {}
+    (0..tasks).into_par_iter().for_each(|t| {
+        let (rb, g) = (t / groups, t % groups);
+        let rows = rb * row_block..(m).min((rb + 1) * row_block);
+        let ps = g * group..panels.min((g + 1) * group);
+        let o = out_ptr;
+        // SAFETY: this task alone writes rows `rows`, columns of panels `ps` of `out`.
+        unsafe { task(path, x, k, n, rows, ps, w, o.0) };
+    });
+}
+
+/// Rows `rows` of x against panels `ps`; writes their part of `out [m, n]`.
+///
+/// # Safety
+/// `out` holds `m × n` values and no other thread writes this part of it.
+#[allow(clippy::too_many_arguments)]
+unsafe fn task<T: Elem>(
+    path: Path,
+    x: &[f32],
+    k: usize,
+    n: usize,
+    rows: std::ops::Range<usize>,
+    ps: std::ops::Range<usize>,
+    w: &Packed<T>,
+    out: *mut f32,
+) {
+    let m = rows.len();
+    // (MR, NP): rows of x by panels per tile.
+    let (mr_max, np_max) = match (path, m) {
+        (_, 1) | (_, 2) => (m, 2),
+        (Path::Avx512, _) => (6, 2),
+        _ => (6, 1),
+    };
+    let mut scratch = [0f32; 6 * 2 * PANEL];
+    for k0 in (0..k).step_by(KC) {
+        let kc = KC.min(k - k0);
+        let first = k0 == 0;
+        let mut p = ps.start;
+        while p < ps.end {
+            let np = np_max.min(ps.end - p);
+            let blocks = [w.panel_block(p, k0, kc), w.panel_block(p + np - 1, k0, kc)];
+            // NOTE: a group with the padded last panel writes through `scratch`, and only
+            // its real columns reach `out`.
+            let full = (p + np) * PANEL <= n;
+            let mut i = rows.start;
+            while i < rows.end {
+                let mr = mr_max.min(rows.end - i);
+                let xs = &x[i * k + k0..];
+                let (dst, ldd, into_out) = if full {
+                    // SAFETY: row i, column p·16 is inside `out`.
+                    (unsafe { out.add(i * n + p * PANEL) }, n, first)
+                } else {
+                    (scratch.as_mut_ptr(), 2 * PANEL, true)
+                };
+                macro_rules! go {
+                    ($mr:literal, $np:literal) => {
+                        // SAFETY: dst holds mr rows of stride ldd with np panels each.
+                        unsafe { tile::<T, $mr, $np>(path, xs, k, kc, &blocks, dst, ldd, into_out) }
+                    };
                 }
+                match (mr, np) {
+                    (1, 1) => go!(1, 1),
+                    (1, _) => go!(1, 2),
+                    (2, 1) => go!(2, 1),
+                    (2, _) => go!(2, 2),
+                    (3, 1) => go!(3, 1),
+                    (3, _) => go!(3, 2),
+                    (4, 1) => go!(4, 1),
+                    (4, _) => go!(4, 2),
+                    (5, 1) => go!(5, 1),
+                    (5, _) => go!(5, 2),
+                    (_, 1) => go!(6, 1),
+                    _ => go!(6, 2),
+                }
+                if !full {
+                    let (j0, cols) = (p * PANEL, n - p * PANEL);
+                    for a in 0..mr {
+                        let src = &scratch[a * 2 * PANEL..a * 2 * PANEL + cols];
+                        // SAFETY: row i + a, columns j0 .. n are this task's.
+                        let o = unsafe {
+                            std::slice::from_raw_parts_mut(out.add((i + a) * n + j0), cols)
+                        };
+                        if first {
+                            o.copy_from_slice(src);
+                        } else {
+                            o.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+                        }
+                    }
+                }
+                i += mr;
             }
-            let w: &[f32] = match w {
-                Weights::F32(w) => &w[rows],
-                // NOTE: `half` converts slices with F16C where the CPU has it (one instruction
-                // per 8 values); value by value it would be a software conversion each.
-                Weights::F16(w) => {
-                    buf.resize(rows.len(), 0.0);
-                    w[rows].convert_to_f32_slice(buf);
-                    buf
-                }
-                Weights::BF16(w) => {
-                    buf.resize(rows.len(), 0.0);
-                    w[rows].convert_to_f32_slice(buf);
-                    buf
-                }
-                Weights::Quant(_) => unreachable!("handled above"),
-            };
-            // SAFETY: this task alone writes columns j0 .. j0 + nj of `out` (m rows of stride n).
-            unsafe { slab_kernel(path, x, m, k, w, nj, o.0.add(j0), n) };
-        });
+            p += np;
+        }
+    }
+}
+
+/// One tile: `s[a][16b + c] = Σ_{kk < kc} x[a][kk] · panel_b[kk][c]`, one FMA after another,
+/// stored at `dst[a · ldd + 16b + c]` (`store`) or added to it. `x` holds MR rows of stride
+/// `ldx`; `blocks` the first and the last of the NP panel blocks (NP ≤ 2).
+///
+/// # Safety
+/// `dst` holds MR rows of stride `ldd` with NP · 16 values each.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<T: Elem, const MR: usize, const NP: usize>(
+    path: Path,
+    x: &[f32],
+    ldx: usize,
+    kc: usize,
+    blocks: &[&[T]; 2],
+    dst: *mut f32,
+    ldd: usize,
+    store: bool,
+) {
+    assert!(MR <= 6 && NP <= 2 && x.len() >= (MR - 1) * ldx + kc);
+    assert!(blocks.iter().all(|b| b.len() == kc * PANEL));
+    let d = Dst {
+        p: dst,
+        ld: ldd,
+        store,
+    };
+    match path {
+        // SAFETY: the path was detected on this CPU; the sizes were checked above, dst's by
+        // the caller.
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 => unsafe { tile_avx512::<T, MR, NP>(x, ldx, kc, blocks, d) },
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx2 => unsafe { tile_avx2::<T, MR, NP>(x, ldx, kc, blocks, d) },
+        _ => unsafe { tile_portable::<T, MR, NP>(x, ldx, kc, blocks, d) },
+    }
+}
+
+/// Where a tile's sums go: stored (the first block of k) or added to what is there.
+#[derive(Clone, Copy)]
+struct Dst {
+    p: *mut f32,
+    ld: usize,
+    store: bool,
 }
 
 /// The f32 kernels' implementations.
@@ -145,19 +347,11 @@ impl Path {
             self == Path::Portable
         }
     }
-
-    /// (MR, NR): rows of x and of w per tile.
-    fn tile(self) -> (usize, usize) {
-        match self {
-            Path::Avx512 => (4, 4),
-            Path::Avx2 => (3, 2),
-            Path::Portable => (3, 4),
-        }
-    }
 }
 
 /// A weight element the kernels load: f32, or f16/bf16 widened (exactly) as they are loaded.
-trait Elem: Copy + Sync {
+pub trait Elem: Copy + Send + Sync {
+    const ZERO: Self;
     fn f32(self) -> f32;
     /// 8 values from `p`, widened.
     ///
@@ -168,6 +362,7 @@ trait Elem: Copy + Sync {
 }
 
 impl Elem for f32 {
+    const ZERO: f32 = 0.0;
     #[inline(always)]
     fn f32(self) -> f32 {
         self
@@ -181,6 +376,7 @@ impl Elem for f32 {
 }
 
 impl Elem for f16 {
+    const ZERO: f16 = f16::ZERO;
     #[inline(always)]
     fn f32(self) -> f32 {
         self.to_f32()
@@ -195,6 +391,7 @@ impl Elem for f16 {
 }
 
 impl Elem for bf16 {
+    const ZERO: bf16 = bf16::ZERO;
     #[inline(always)]
     fn f32(self) -> f32 {
         self.to_f32()
@@ -211,168 +408,134 @@ impl Elem for bf16 {
     }
 }
 
-/// All m rows of x against `nj` rows of w; writes `out[i * ldo + j]`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn slab_kernel<T: Elem>(
-    path: Path,
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile_avx2<T: Elem, const MR: usize, const NP: usize>(
     x: &[f32],
-    m: usize,
-    k: usize,
-    w: &[T],
-    nj: usize,
-    out: *mut f32,
-    ldo: usize,
+    ldx: usize,
+    kc: usize,
+    blocks: &[&[T]; 2],
+    d: Dst,
 ) {
-    let (mr_max, nr_max) = path.tile();
-    let mut i = 0;
-    while i < m {
-        let mr = (m - i).min(mr_max);
-        let mut j = 0;
-        while j < nj {
-            let nr = if nj - j >= nr_max { nr_max } else { 1 };
-            let xs = &x[i * k..(i + mr) * k];
-            let ws = &w[j * k..(j + nr) * k];
-            // SAFETY: out rows i .. i + mr, columns j .. j + nr are inside the caller's range.
-            unsafe {
-                let o = out.add(i * ldo + j);
-                macro_rules! by_nr {
-                    ($mr:literal) => {
-                        match nr {
-                            4 => tile::<T, $mr, 4>(path, xs, ws, k, o, ldo),
-                            2 => tile::<T, $mr, 2>(path, xs, ws, k, o, ldo),
-                            _ => tile::<T, $mr, 1>(path, xs, ws, k, o, ldo),
-                        }
-                    };
-                }
-                match mr {
-                    4 => by_nr!(4),
-                    3 => by_nr!(3),
-                    2 => by_nr!(2),
-                    _ => by_nr!(1),
+    use std::arch::x86_64::*;
+    // Columns 0..8 and 8..16 of each panel.
+    let mut lo = [[_mm256_setzero_ps(); NP]; MR];
+    let mut hi = [[_mm256_setzero_ps(); NP]; MR];
+    let xp = x.as_ptr();
+    let wp = [blocks[0].as_ptr(), blocks[1].as_ptr()];
+    for kk in 0..kc {
+        // SAFETY: kk < kc; x holds MR rows of stride ldx with kc values, each block kc × 16.
+        unsafe {
+            let mut wl = [_mm256_setzero_ps(); NP];
+            let mut wh = [_mm256_setzero_ps(); NP];
+            for b in 0..NP {
+                wl[b] = T::load8(wp[b].add(kk * PANEL));
+                wh[b] = T::load8(wp[b].add(kk * PANEL + 8));
+            }
+            for a in 0..MR {
+                let xv = _mm256_broadcast_ss(&*xp.add(a * ldx + kk));
+                for b in 0..NP {
+                    lo[a][b] = _mm256_fmadd_ps(xv, wl[b], lo[a][b]);
+                    hi[a][b] = _mm256_fmadd_ps(xv, wh[b], hi[a][b]);
                 }
             }
-            j += nr;
-        }
-        i += mr;
-    }
-}
-
-#[inline(always)]
-unsafe fn tile<T: Elem, const MR: usize, const NR: usize>(
-    path: Path,
-    x: &[f32],
-    w: &[T],
-    k: usize,
-    out: *mut f32,
-    ldo: usize,
-) {
-    let mut r = [[0f32; NR]; MR];
-    match path {
-        // SAFETY: the path was detected on this CPU.
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx512 => unsafe { tile_avx512::<T, MR, NR>(x, w, k, &mut r) },
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx2 => unsafe { tile_avx2::<T, MR, NR>(x, w, k, &mut r) },
-        _ => tile_portable::<T, MR, NR>(x, w, k, &mut r),
-    }
-    for (a, row) in r.iter().enumerate() {
-        for (b, v) in row.iter().enumerate() {
-            // SAFETY: within the tile, as promised by the caller.
-            unsafe { *out.add(a * ldo + b) = *v };
         }
     }
-}
-
-/// The scalar tail after the 16-lane part: `k16 .. k`, in order.
-#[inline(always)]
-fn tail<T: Elem>(x: &[f32], w: &[T], k16: usize, k: usize, mut s: f32) -> f32 {
-    for t in k16..k {
-        s += x[t] * w[t].f32();
+    for a in 0..MR {
+        for b in 0..NP {
+            // SAFETY: the caller promises dst's extent.
+            unsafe {
+                let p = d.p.add(a * d.ld + b * PANEL);
+                for (q, v) in [(p, lo[a][b]), (p.add(8), hi[a][b])] {
+                    let v = if d.store {
+                        v
+                    } else {
+                        _mm256_add_ps(_mm256_loadu_ps(q), v)
+                    };
+                    _mm256_storeu_ps(q, v);
+                }
+            }
+        }
     }
-    s
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile_avx512<T: Elem, const MR: usize, const NR: usize>(
+unsafe fn tile_avx512<T: Elem, const MR: usize, const NP: usize>(
     x: &[f32],
-    w: &[T],
-    k: usize,
-    r: &mut [[f32; NR]; MR],
+    ldx: usize,
+    kc: usize,
+    blocks: &[&[T]; 2],
+    d: Dst,
 ) {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); NR]; MR];
-    let k16 = k / 16 * 16;
-    let (xp, wp) = (x.as_ptr(), w.as_ptr());
-    let mut kk = 0;
-    while kk < k16 {
-        // SAFETY: kk + 16 <= k, and x / w hold MR / NR rows of k values.
+    // One register holds a panel's 16 columns.
+    let mut r = [[_mm512_setzero_ps(); NP]; MR];
+    let xp = x.as_ptr();
+    let wp = [blocks[0].as_ptr(), blocks[1].as_ptr()];
+    for kk in 0..kc {
+        // SAFETY: as in tile_avx2.
         unsafe {
-            let mut xv = [_mm512_setzero_ps(); MR];
-            for (a, v) in xv.iter_mut().enumerate() {
-                *v = _mm512_loadu_ps(xp.add(a * k + kk));
+            let mut wv = [_mm512_setzero_ps(); NP];
+            for b in 0..NP {
+                let p = wp[b].add(kk * PANEL);
+                wv[b] = _mm512_insertf32x8::<1>(
+                    _mm512_castps256_ps512(T::load8(p)),
+                    T::load8(p.add(8)),
+                );
             }
-            for b in 0..NR {
-                let p = wp.add(b * k + kk);
-                let lo = T::load8(p);
-                let hi = T::load8(p.add(8));
-                let wv = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(lo), hi);
-                for a in 0..MR {
-                    acc[a][b] = _mm512_fmadd_ps(xv[a], wv, acc[a][b]);
+            for a in 0..MR {
+                let xv = _mm512_set1_ps(*xp.add(a * ldx + kk));
+                for b in 0..NP {
+                    r[a][b] = _mm512_fmadd_ps(xv, wv[b], r[a][b]);
                 }
             }
         }
-        kk += 16;
     }
     for a in 0..MR {
-        for b in 0..NR {
-            let v = acc[a][b];
-            let v8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
-            let s = hsum8(v8);
-            r[a][b] = tail(&x[a * k..(a + 1) * k], &w[b * k..(b + 1) * k], k16, k, s);
+        for b in 0..NP {
+            // SAFETY: the caller promises dst's extent.
+            unsafe {
+                let q = d.p.add(a * d.ld + b * PANEL);
+                let v = if d.store {
+                    r[a][b]
+                } else {
+                    _mm512_add_ps(_mm512_loadu_ps(q), r[a][b])
+                };
+                _mm512_storeu_ps(q, v);
+            }
         }
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
+/// The same sequence, one value at a time (`mul_add` is the fused operation).
+///
+/// # Safety
+/// As [`tile`].
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile_avx2<T: Elem, const MR: usize, const NR: usize>(
+unsafe fn tile_portable<T: Elem, const MR: usize, const NP: usize>(
     x: &[f32],
-    w: &[T],
-    k: usize,
-    r: &mut [[f32; NR]; MR],
+    ldx: usize,
+    kc: usize,
+    blocks: &[&[T]; 2],
+    d: Dst,
 ) {
-    use std::arch::x86_64::*;
-    // Lanes 0..8 and 8..16 of the canonical 16.
-    let mut lo = [[_mm256_setzero_ps(); NR]; MR];
-    let mut hi = [[_mm256_setzero_ps(); NR]; MR];
-    let k16 = k / 16 * 16;
-    let (xp, wp) = (x.as_ptr(), w.as_ptr());
-    let mut kk = 0;
-    while kk < k16 {
-        // SAFETY: kk + 16 <= k, and x / w hold MR / NR rows of k values.
-        unsafe {
-            for (acc, off) in [(&mut lo, 0), (&mut hi, 8)] {
-                let mut xv = [_mm256_setzero_ps(); MR];
-                for (a, v) in xv.iter_mut().enumerate() {
-                    *v = _mm256_loadu_ps(xp.add(a * k + kk + off));
+    for a in 0..MR {
+        let xr = &x[a * ldx..a * ldx + kc];
+        for b in 0..NP {
+            for c in 0..PANEL {
+                let mut s = 0f32;
+                for (kk, &xv) in xr.iter().enumerate() {
+                    s = xv.mul_add(blocks[b][kk * PANEL + c].f32(), s);
                 }
-                for b in 0..NR {
-                    let wv = T::load8(wp.add(b * k + kk + off));
-                    for a in 0..MR {
-                        acc[a][b] = _mm256_fmadd_ps(xv[a], wv, acc[a][b]);
-                    }
+                // SAFETY: the caller promises dst's extent.
+                unsafe {
+                    let q = d.p.add(a * d.ld + b * PANEL + c);
+                    *q = if d.store { s } else { *q + s };
                 }
             }
-        }
-        kk += 16;
-    }
-    for a in 0..MR {
-        for b in 0..NR {
-            let s = hsum8(_mm256_add_ps(lo[a][b], hi[a][b]));
-            r[a][b] = tail(&x[a * k..(a + 1) * k], &w[b * k..(b + 1) * k], k16, k, s);
         }
     }
 }
@@ -388,37 +551,7 @@ pub(super) fn hsum8(v: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps::<1>(h, h)))
 }
 
-#[allow(clippy::needless_range_loop)]
-fn tile_portable<T: Elem, const MR: usize, const NR: usize>(
-    x: &[f32],
-    w: &[T],
-    k: usize,
-    r: &mut [[f32; NR]; MR],
-) {
-    let mut acc = [[[0f32; 16]; NR]; MR];
-    let k16 = k / 16 * 16;
-    for kk in (0..k16).step_by(16) {
-        for a in 0..MR {
-            let xv = &x[a * k + kk..a * k + kk + 16];
-            for b in 0..NR {
-                let wv = &w[b * k + kk..b * k + kk + 16];
-                for l in 0..16 {
-                    acc[a][b][l] = xv[l].mul_add(wv[l].f32(), acc[a][b][l]);
-                }
-            }
-        }
-    }
-    for a in 0..MR {
-        for b in 0..NR {
-            let folded: [f32; 8] = std::array::from_fn(|l| acc[a][b][l] + acc[a][b][8 + l]);
-            let s = reduce8(&folded);
-            r[a][b] = tail(&x[a * k..(a + 1) * k], &w[b * k..(b + 1) * k], k16, k, s);
-        }
-    }
-}
-
-/// One fixed pairwise order for the 8 lanes (the SIMD reductions, here and in qmatmul.rs,
-/// follow it).
+/// One fixed pairwise order for 8 lanes (qmatmul.rs's SIMD reductions follow it).
 #[inline(always)]
 pub(super) fn reduce8(l: &[f32; 8]) -> f32 {
     ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
@@ -440,61 +573,6 @@ mod tests {
             .collect()
     }
 
-    fn mm(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-        let mut out = vec![0.0; m * n];
-        matmul(x, m, k, n, &mut out, Weights::F32(w));
-        out
-    }
-
-    /// A row gives bit-identical results whatever the number of rows around it and its place,
-    /// on every path.
-    #[test]
-    fn rows_are_batch_invariant() {
-        let (k, n) = (203, 131);
-        let w = rand(n * k, 1);
-        let x = rand(17 * k, 2);
-        for p in paths() {
-            let mm = |x: &[f32], m: usize| {
-                let mut out = vec![0.0; m * n];
-                matmul_on(p, x, m, k, n, &mut out, Weights::F32(&w));
-                out
-            };
-            let all = mm(&x, 17);
-            for i in [0, 1, 5, 16] {
-                let one = mm(&x[i * k..(i + 1) * k], 1);
-                assert_eq!(one, all[i * n..(i + 1) * n], "{p:?} row {i}");
-            }
-            let two = mm(&x[4 * k..6 * k], 2);
-            assert_eq!(two, all[4 * n..6 * n], "{p:?}");
-        }
-    }
-
-    /// Half weights: a few rows widen them in the loads, more rows through a buffer; a row
-    /// gives the same bits either way, and the products are those of the widened values.
-    #[test]
-    fn half_weights_are_batch_invariant_across_both_widenings() {
-        let (k, n) = (203, 131);
-        let wf = rand(n * k, 5);
-        let x = rand(9 * k, 6);
-        let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
-        let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
-        let widened_h: Vec<f32> = wh.iter().map(|v| v.to_f32()).collect();
-        let widened_b: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
-        for (w, widened) in [
-            (Weights::F16(&wh), &widened_h),
-            (Weights::BF16(&wb), &widened_b),
-        ] {
-            let mut all = vec![0.0; 9 * n];
-            matmul(&x, 9, k, n, &mut all, w);
-            assert_eq!(all, mm(&x, widened, 9, k, n));
-            for i in [0, 4, 8] {
-                let mut one = vec![0.0; n];
-                matmul(&x[i * k..(i + 1) * k], 1, k, n, &mut one, w);
-                assert_eq!(one, all[i * n..(i + 1) * n], "row {i}");
-            }
-        }
-    }
-
     fn paths() -> Vec<Path> {
         [Path::Portable, Path::Avx2, Path::Avx512]
             .into_iter()
@@ -502,41 +580,130 @@ mod tests {
             .collect()
     }
 
-    /// Every path computes the same canonical sequence: the same bits, for every weight type,
-    /// with and without a tail past the last 16 values, in every tile shape.
+    fn run(p: Path, x: &[f32], m: usize, k: usize, n: usize, w: Weights<'_>) -> Vec<f32> {
+        let mut out = vec![f32::NAN; m * n];
+        matmul_on(p, x, m, k, n, &mut out, w);
+        out
+    }
+
     #[test]
-    fn paths_agree_to_the_bit() {
-        for (m, k, n) in [(7, 203, 37), (5, 64, 9), (1, 15, 6)] {
-            let x = rand(m * k, 11);
-            let wf = rand(n * k, 12);
-            let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
-            let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
-            for w in [Weights::F32(&wf), Weights::F16(&wh), Weights::BF16(&wb)] {
-                let run = |p| {
-                    let mut out = vec![f32::NAN; m * n];
-                    matmul_on(p, &x, m, k, n, &mut out, w);
-                    out
-                };
-                let first = run(Path::Portable);
-                for p in paths() {
-                    assert_eq!(run(p), first, "{p:?} m={m} k={k} n={n}");
+    fn packing_keeps_every_value() {
+        for (n, k) in [(37, 5), (16, 1), (1, 300), (33, 17)] {
+            let w = rand(n * k, 9);
+            let p = Packed::pack(&w, n, k);
+            assert_eq!(p.unpack(), w, "{n}x{k}");
+            let mut row = vec![0.0; k];
+            p.row_into(n - 1, &mut row);
+            assert_eq!(row, w[(n - 1) * k..]);
+        }
+    }
+
+    /// Against an f64 reference: every shape class (k within one block and across several,
+    /// a last panel that is not full, rows past MC).
+    #[test]
+    fn products_match_the_f64_reference() {
+        for (m, k, n) in [
+            (5, 77, 9),
+            (1, 600, 40),
+            (2, 513, 33),
+            (131, 300, 50),
+            (7, 1, 3),
+        ] {
+            let x = rand(m * k, 3);
+            let w = rand(n * k, 4);
+            let pw = Packed::pack(&w, n, k);
+            for p in paths() {
+                let got = run(p, &x, m, k, n, Weights::F32(&pw));
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                            .sum();
+                        let g = got[i * n + j] as f64;
+                        assert!(
+                            (g - want).abs() < 2e-6 * (k as f64).sqrt() * (1.0 + want.abs()),
+                            "{p:?} {m}x{k}x{n} [{i},{j}]: {g} vs {want}"
+                        );
+                    }
                 }
             }
         }
     }
 
+    /// A row gives bit-identical results whatever the number of rows around it and its place,
+    /// on every path, also past MC rows where the rows are cut in blocks.
     #[test]
-    fn portable_and_simd_agree_closely() {
-        let (m, k, n) = (5, 77, 9);
-        let x = rand(m * k, 3);
-        let w = rand(n * k, 4);
-        let got = mm(&x, &w, m, k, n);
-        for i in 0..m {
-            for j in 0..n {
-                let want: f64 = (0..k)
-                    .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
-                    .sum();
-                assert!((got[i * n + j] as f64 - want).abs() < 1e-5 * (1.0 + want.abs()));
+    fn rows_are_batch_invariant() {
+        let (k, n) = (603, 131);
+        let w = Packed::pack(&rand(n * k, 1), n, k);
+        let m = MC + 9;
+        let x = rand(m * k, 2);
+        for p in paths() {
+            let all = run(p, &x, m, k, n, Weights::F32(&w));
+            for i in [0, 1, 5, 16, MC - 1, MC, m - 1] {
+                let one = run(p, &x[i * k..(i + 1) * k], 1, k, n, Weights::F32(&w));
+                assert_eq!(one, all[i * n..(i + 1) * n], "{p:?} row {i}");
+            }
+            for (i, r) in [(4, 2), (3, 7), (10, 17)] {
+                let some = run(p, &x[i * k..(i + r) * k], r, k, n, Weights::F32(&w));
+                assert_eq!(some, all[i * n..(i + r) * n], "{p:?} rows {i}..{}", i + r);
+            }
+        }
+    }
+
+    /// Half weights: the products are exactly those of the widened values.
+    #[test]
+    fn half_weights_are_their_widened_values() {
+        let (m, k, n) = (9, 300, 35);
+        let wf = rand(n * k, 5);
+        let x = rand(m * k, 6);
+        let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
+        let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
+        let widened_h = Packed::pack(&wh.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), n, k);
+        let widened_b = Packed::pack(&wb.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), n, k);
+        let (ph, pb) = (Packed::pack(&wh, n, k), Packed::pack(&wb, n, k));
+        for p in paths() {
+            for mm in [1, 2, m] {
+                let xs = &x[..mm * k];
+                assert_eq!(
+                    run(p, xs, mm, k, n, Weights::F16(&ph)),
+                    run(p, xs, mm, k, n, Weights::F32(&widened_h)),
+                    "{p:?} f16 m={mm}"
+                );
+                assert_eq!(
+                    run(p, xs, mm, k, n, Weights::BF16(&pb)),
+                    run(p, xs, mm, k, n, Weights::F32(&widened_b)),
+                    "{p:?} bf16 m={mm}"
+                );
+            }
+        }
+    }
+
+    /// Every path computes the same canonical sequence: the same bits, for every weight type
+    /// and every tile shape.
+    #[test]
+    fn paths_agree_to_the_bit() {
+        for (m, k, n) in [
+            (7, 203, 37),
+            (5, 64, 9),
+            (1, 15, 6),
+            (2, 700, 20),
+            (13, 257, 64),
+        ] {
+            let x = rand(m * k, 11);
+            let wf = rand(n * k, 12);
+            let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
+            let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
+            let (pf, ph, pb) = (
+                Packed::pack(&wf, n, k),
+                Packed::pack(&wh, n, k),
+                Packed::pack(&wb, n, k),
+            );
+            for w in [Weights::F32(&pf), Weights::F16(&ph), Weights::BF16(&pb)] {
+                let first = run(Path::Portable, &x, m, k, n, w);
+                for p in paths() {
+                    assert_eq!(run(p, &x, m, k, n, w), first, "{p:?} m={m} k={k} n={n}");
+                }
             }
         }
     }

@@ -5,7 +5,7 @@
 pub mod matmul;
 pub mod qmatmul;
 
-use matmul::Weights;
+use matmul::{Packed, Weights};
 
 use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
 use crate::quant::QuantTensor;
@@ -14,12 +14,14 @@ use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-/// CPU device memory: a host vector of one element type.
+/// CPU device memory: a host vector of one element type, or a weight matrix.
 pub enum CpuBuf {
     F32(Vec<f32>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
     U32(Vec<u32>),
+    /// A dense weight matrix in panels (see matmul.rs), in its storage type.
+    PackedF32(Packed<f32>),
+    PackedF16(Packed<f16>),
+    PackedBF16(Packed<bf16>),
     /// A linear weight kept in GGML block formats (see qmatmul.rs).
     Quant(QuantTensor),
 }
@@ -43,12 +45,22 @@ impl CpuBuf {
             _ => bail!("cpu backend: expected a u32 buffer"),
         }
     }
+    /// The row length of a packed matrix.
+    fn packed_k(&self) -> Option<usize> {
+        match self {
+            CpuBuf::PackedF32(p) => Some(p.k),
+            CpuBuf::PackedF16(p) => Some(p.k),
+            CpuBuf::PackedBF16(p) => Some(p.k),
+            _ => None,
+        }
+    }
     fn len(&self) -> usize {
         match self {
             CpuBuf::F32(v) => v.len(),
-            CpuBuf::F16(v) => v.len(),
-            CpuBuf::BF16(v) => v.len(),
             CpuBuf::U32(v) => v.len(),
+            CpuBuf::PackedF32(p) => p.numel(),
+            CpuBuf::PackedF16(p) => p.numel(),
+            CpuBuf::PackedBF16(p) => p.numel(),
             CpuBuf::Quant(q) => q.rows() * q.k,
         }
     }
@@ -99,10 +111,27 @@ impl Backend for CpuBackend {
     }
 
     fn upload_weight(&self, t: &HostTensor, dtype: DType) -> Result<CpuBuf> {
+        // NOTE: matrices (linear weights, embedding tables) are packed once here for the
+        // matmul; vectors (norms, biases) stay plain f32.
+        let &[n, k] = t.shape.as_slice() else {
+            ensure!(
+                dtype == DType::F32,
+                "cpu backend: a {} weight of shape {:?} (only matrices are kept in half precision)",
+                dtype.name(),
+                t.shape
+            );
+            return Ok(CpuBuf::F32(t.data.clone()));
+        };
         Ok(match dtype {
-            DType::F32 => CpuBuf::F32(t.data.clone()),
-            DType::F16 => CpuBuf::F16(t.data.iter().map(|&v| f16::from_f32(v)).collect()),
-            DType::BF16 => CpuBuf::BF16(t.data.iter().map(|&v| bf16::from_f32(v)).collect()),
+            DType::F32 => CpuBuf::PackedF32(Packed::pack(&t.data, n, k)),
+            DType::F16 => {
+                let h: Vec<f16> = t.data.iter().map(|&v| f16::from_f32(v)).collect();
+                CpuBuf::PackedF16(Packed::pack(&h, n, k))
+            }
+            DType::BF16 => {
+                let h: Vec<bf16> = t.data.iter().map(|&v| bf16::from_f32(v)).collect();
+                CpuBuf::PackedBF16(Packed::pack(&h, n, k))
+            }
         })
     }
 
@@ -139,8 +168,9 @@ impl Backend for CpuBackend {
     fn download_f32(&self, buf: &CpuBuf) -> Result<Vec<f32>> {
         Ok(match buf {
             CpuBuf::F32(v) => v.clone(),
-            CpuBuf::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            CpuBuf::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            CpuBuf::PackedF32(p) => p.unpack(),
+            CpuBuf::PackedF16(p) => p.unpack(),
+            CpuBuf::PackedBF16(p) => p.unpack(),
             CpuBuf::U32(v) => v.iter().map(|&x| x as f32).collect(),
             CpuBuf::Quant(q) => q.dequantize()?,
         })
@@ -190,6 +220,12 @@ impl Backend for CpuBackend {
         let out = out.f32_mut()?;
         ensure!(out.len() >= ids.len() * dim, "embedding: output too small");
         let vocab = table.len() / dim;
+        if let Some(k) = table.packed_k() {
+            ensure!(
+                k == dim,
+                "embedding: the table's rows have {k} values, not {dim}"
+            );
+        }
         for (t, &id) in ids.iter().enumerate() {
             ensure!(
                 (id as usize) < vocab,
@@ -199,14 +235,9 @@ impl Backend for CpuBackend {
             let dst = &mut out[t * dim..(t + 1) * dim];
             match table {
                 CpuBuf::F32(v) => dst.copy_from_slice(&v[src]),
-                CpuBuf::F16(v) => dst
-                    .iter_mut()
-                    .zip(&v[src])
-                    .for_each(|(d, s)| *d = s.to_f32()),
-                CpuBuf::BF16(v) => dst
-                    .iter_mut()
-                    .zip(&v[src])
-                    .for_each(|(d, s)| *d = s.to_f32()),
+                CpuBuf::PackedF32(p) => p.row_into(id as usize, dst),
+                CpuBuf::PackedF16(p) => p.row_into(id as usize, dst),
+                CpuBuf::PackedBF16(p) => p.row_into(id as usize, dst),
                 CpuBuf::Quant(q) => {
                     let (ty, row) = q
                         .row(id as usize)
@@ -243,11 +274,13 @@ impl Backend for CpuBackend {
         let out = &mut out[..m * n];
         let x = &x[..m * k];
         let w = match w {
-            CpuBuf::F32(w) => Weights::F32(w),
-            CpuBuf::F16(w) => Weights::F16(w),
-            CpuBuf::BF16(w) => Weights::BF16(w),
+            CpuBuf::PackedF32(w) => Weights::F32(w),
+            CpuBuf::PackedF16(w) => Weights::F16(w),
+            CpuBuf::PackedBF16(w) => Weights::BF16(w),
             CpuBuf::Quant(q) => Weights::Quant(q),
-            CpuBuf::U32(_) => bail!("matmul: weight must be a float buffer"),
+            CpuBuf::F32(_) | CpuBuf::U32(_) => {
+                bail!("matmul: the weight must be a matrix uploaded with upload_weight")
+            }
         };
         matmul::matmul(x, m, k, n, out, w);
         if let Some(b) = bias {
@@ -555,65 +588,138 @@ impl Backend for CpuBackend {
             );
             row_seq[q0..q1].iter_mut().for_each(|x| *x = s);
         }
+        let args = AttnTask {
+            row_seq: &row_seq,
+            b,
+            opts,
+            qkv,
+            kc,
+            vc,
+            scale,
+            softcap,
+            d,
+            hkv,
+            rep,
+            bs,
+            stride,
+        };
+        let avx2 = matmul::Path::Avx2.available();
         // NOTE: one task per (row, kv head): decode of a single sequence still uses every thread
         // when there are several kv heads, and each task reads its K/V block by block.
         out[..t_rows * h * d]
             .par_chunks_mut(rep * d)
             .enumerate()
             .for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, o)| {
-                let (t, g) = (task / hkv, task % hkv);
-                let s = row_seq[t];
-                let q_end = b.query_start[s + 1] as usize;
-                let ctx = b.seq_lens[s] as usize;
-                // the last row of the sequence sits at position ctx - 1; with a sliding window
-                // the row sees keys k0 .. k0 + n_keys only
-                let end = ctx - (q_end - 1 - t);
-                let k0 = opts.first_key(end);
-                let n_keys = end - k0;
-                let table = &b.block_tables[s * b.max_blocks..(s + 1) * b.max_blocks];
-                let key = |j: usize| -> std::ops::Range<usize> {
-                    let blk = table[j / bs] as usize;
-                    let start = ((blk * hkv + g) * bs + j % bs) * d;
-                    start..start + d
-                };
-                // NOTE: the `rep` query heads of one kv head share a pass over its keys and
-                // values, so K and V are read once per group.
-                let q0 = t * stride + g * rep * d;
-                scores.clear();
-                scores.resize(rep * n_keys, 0.0);
-                for j in 0..n_keys {
-                    let k = &kc[key(k0 + j)];
-                    for r in 0..rep {
-                        let mut sc = dot(&qkv[q0 + r * d..q0 + (r + 1) * d], k) * scale;
-                        if softcap > 0.0 {
-                            sc = softcap * (sc / softcap).tanh();
-                        }
-                        scores[r * n_keys + j] = sc;
-                    }
-                }
-                for row in scores.chunks_mut(n_keys) {
-                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                    let mut sum = 0.0f32;
-                    for sc in row.iter_mut() {
-                        *sc = (*sc - max).exp();
-                        sum += *sc;
-                    }
-                    let inv = 1.0 / sum;
-                    row.iter_mut().for_each(|p| *p *= inv);
-                }
-                o.iter_mut().for_each(|a| *a = 0.0);
-                for j in 0..n_keys {
-                    let v = &vc[key(k0 + j)];
-                    for r in 0..rep {
-                        let p = scores[r * n_keys + j];
-                        o[r * d..(r + 1) * d]
-                            .iter_mut()
-                            .zip(v)
-                            .for_each(|(a, v)| *a += p * v);
-                    }
+                if avx2 {
+                    // SAFETY: AVX2 and FMA were detected on this CPU.
+                    unsafe { args.run_avx2(scores, task, o) }
+                } else {
+                    args.run(scores, task, o)
                 }
             });
         Ok(())
+    }
+}
+
+/// One attention task: the `rep` query heads of one kv head for one row.
+struct AttnTask<'a> {
+    row_seq: &'a [usize],
+    b: &'a super::BatchInput,
+    opts: AttentionOptions,
+    qkv: &'a [f32],
+    kc: &'a [f32],
+    vc: &'a [f32],
+    scale: f32,
+    softcap: f32,
+    d: usize,
+    hkv: usize,
+    rep: usize,
+    bs: usize,
+    stride: usize,
+}
+
+impl AttnTask<'_> {
+    /// NOTE: the same code compiled for AVX2: wider vectors, the same operations in the same
+    /// order (Rust never fuses a multiply and an add by itself), so the same bits.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2(&self, scores: &mut Vec<f32>, task: usize, o: &mut [f32]) {
+        self.run(scores, task, o)
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    unsafe fn run_avx2(&self, scores: &mut Vec<f32>, task: usize, o: &mut [f32]) {
+        self.run(scores, task, o)
+    }
+
+    #[inline(always)]
+    fn run(&self, scores: &mut Vec<f32>, task: usize, o: &mut [f32]) {
+        let AttnTask {
+            row_seq,
+            b,
+            opts,
+            qkv,
+            kc,
+            vc,
+            scale,
+            softcap,
+            d,
+            hkv,
+            rep,
+            bs,
+            stride,
+        } = *self;
+        let (t, g) = (task / hkv, task % hkv);
+        let s = row_seq[t];
+        let q_end = b.query_start[s + 1] as usize;
+        let ctx = b.seq_lens[s] as usize;
+        // the last row of the sequence sits at position ctx - 1; with a sliding window
+        // the row sees keys k0 .. k0 + n_keys only
+        let end = ctx - (q_end - 1 - t);
+        let k0 = opts.first_key(end);
+        let n_keys = end - k0;
+        let table = &b.block_tables[s * b.max_blocks..(s + 1) * b.max_blocks];
+        let key = |j: usize| -> std::ops::Range<usize> {
+            let blk = table[j / bs] as usize;
+            let start = ((blk * hkv + g) * bs + j % bs) * d;
+            start..start + d
+        };
+        // NOTE: the `rep` query heads of one kv head share a pass over its keys and
+        // values, so K and V are read once per group.
+        let q0 = t * stride + g * rep * d;
+        scores.clear();
+        scores.resize(rep * n_keys, 0.0);
+        for j in 0..n_keys {
+            let k = &kc[key(k0 + j)];
+            for r in 0..rep {
+                let mut sc = dot(&qkv[q0 + r * d..q0 + (r + 1) * d], k) * scale;
+                if softcap > 0.0 {
+                    sc = softcap * (sc / softcap).tanh();
+                }
+                scores[r * n_keys + j] = sc;
+            }
+        }
+        for row in scores.chunks_mut(n_keys) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let mut sum = 0.0f32;
+            for sc in row.iter_mut() {
+                *sc = (*sc - max).exp();
+                sum += *sc;
+            }
+            let inv = 1.0 / sum;
+            row.iter_mut().for_each(|p| *p *= inv);
+        }
+        o.iter_mut().for_each(|a| *a = 0.0);
+        for j in 0..n_keys {
+            let v = &vc[key(k0 + j)];
+            for r in 0..rep {
+                let p = scores[r * n_keys + j];
+                o[r * d..(r + 1) * d]
+                    .iter_mut()
+                    .zip(v)
+                    .for_each(|(a, v)| *a += p * v);
+            }
+        }
     }
 }
 
@@ -631,7 +737,7 @@ fn activation(act: Activation, x: f32) -> f32 {
 
 /// A dot product with 8 independent lanes, so the compiler can vectorise it (a plain `sum` of
 /// products is a serial chain under IEEE rules), reduced in one fixed order.
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
