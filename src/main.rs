@@ -127,8 +127,9 @@ struct ModelArgs {
     /// --gpu-memory-utilization (also accepted). Ignored when --kv-cache-memory is given.
     #[arg(long, alias = "gpu-memory-utilization")]
     memory_utilization: Option<f64>,
-    #[arg(long, default_value_t = 2048)]
-    max_num_batched_tokens: usize,
+    /// Token budget per step (default: 512 on the CPU backend, 2048 on GPUs).
+    #[arg(long)]
+    max_num_batched_tokens: Option<usize>,
     #[arg(long, default_value_t = 256)]
     max_num_seqs: usize,
     /// Context length limit (default: the model's).

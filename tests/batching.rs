@@ -42,7 +42,7 @@ fn engine_args(kv_bytes: Option<u64>, prefix_caching: bool) -> EngineArgs {
     EngineArgs {
         model: Some(model_path(SMOL_GGUF)),
         kv_budget: kv_bytes.map(KvBudget::Bytes),
-        max_num_batched_tokens: 512,
+        max_num_batched_tokens: Some(512),
         max_model_len: Some(1024),
         enable_prefix_caching: prefix_caching,
         ..Default::default()

@@ -47,7 +47,7 @@ fn engine(model: &str, backend: BackendKind, kv_bytes: Option<u64>) -> LLM {
         model: Some(tiny(model)),
         backend,
         kv_budget: kv_bytes.map(KvBudget::Bytes),
-        max_num_batched_tokens: 64,
+        max_num_batched_tokens: Some(64),
         block_size: 4,
         ..Default::default()
     })

@@ -14,7 +14,7 @@ fn prompt_scores_match_the_generated_tokens_scores() {
         let mut llm = LLM::new(EngineArgs {
             model: Some(model_path(SMOL_GGUF)),
             max_model_len: Some(512),
-            max_num_batched_tokens: chunk,
+            max_num_batched_tokens: Some(chunk),
             enable_prefix_caching: caching,
             ..Default::default()
         })

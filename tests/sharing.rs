@@ -11,7 +11,7 @@ use pagoda::{DType, Engine, EngineArgs, LLM, Prompt, SamplingParams};
 fn args(prefix_caching: bool) -> EngineArgs {
     EngineArgs {
         model: Some(model_path(SMOL_GGUF)),
-        max_num_batched_tokens: 512,
+        max_num_batched_tokens: Some(512),
         max_model_len: Some(1024),
         enable_prefix_caching: prefix_caching,
         // NOTE: compared with the f32 goldens.

@@ -320,6 +320,10 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Uploads a weight, converting to `dtype`.
     fn upload_weight(&self, t: &HostTensor, dtype: DType) -> Result<Self::Buf>;
+    /// The token budget per step when `--max-num-batched-tokens` is not given (vLLM's 2048).
+    fn default_token_budget(&self) -> usize {
+        2048
+    }
     /// Whether `matmul` and `embedding` take weights in GGML block formats as they are
     /// ([`Backend::upload_quant`]); where not, the loader dequantizes them.
     fn supports_quant(&self) -> bool {

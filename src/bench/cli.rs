@@ -344,13 +344,13 @@ fn skipped(backend: BackendKind, e: &anyhow::Error) -> Value {
     json!({"backend": backend.name(), "reason": format!("{e:#}")})
 }
 
-fn engine_json(a: &EngineArgs, max_model_len: usize) -> Value {
+fn engine_json(a: &EngineArgs, engine: &Engine) -> Value {
     json!({
         "dtype": a.dtype.name(),
         "block_size": a.block_size,
-        "max_num_batched_tokens": a.max_num_batched_tokens,
+        "max_num_batched_tokens": engine.max_num_batched_tokens(),
         "max_num_seqs": a.max_num_seqs,
-        "max_model_len": max_model_len,
+        "max_model_len": engine.max_model_len(),
     })
 }
 
@@ -423,7 +423,7 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
                 }
             };
             model = engine.model_name().to_string();
-            engine_cfg = engine_json(&ea, engine.max_model_len());
+            engine_cfg = engine_json(&ea, &engine);
             eprintln!(
                 "throughput: {} requests ({}), backend {}, {} batching, prefix caching {}, preemption by {}, n {}{}{}",
                 reqs.len(),
@@ -673,7 +673,7 @@ pub fn latency_cmd(engines: &[(BackendKind, EngineArgs)], args: &LatencyArgs) ->
             }
         };
         model = engine.model_name().to_string();
-        engine_cfg = engine_json(&ea, engine.max_model_len());
+        engine_cfg = engine_json(&ea, &engine);
         for &b in &args.batch_size {
             if stop.load(std::sync::atomic::Ordering::Relaxed) {
                 break 'outer;

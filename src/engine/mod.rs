@@ -42,7 +42,9 @@ pub struct EngineArgs {
     pub block_size: usize,
     /// KV pool size; `None`: the backend's default.
     pub kv_budget: Option<KvBudget>,
-    pub max_num_batched_tokens: usize,
+    /// Token budget per step; `None`: the backend's default
+    /// ([`crate::backend::Backend::default_token_budget`]).
+    pub max_num_batched_tokens: Option<usize>,
     pub max_num_seqs: usize,
     /// Context length limit; `None`: the model's.
     pub max_model_len: Option<usize>,
@@ -71,7 +73,7 @@ impl Default for EngineArgs {
             dtype: WeightDtype::Auto,
             block_size: 16,
             kv_budget: None,
-            max_num_batched_tokens: 2048,
+            max_num_batched_tokens: None,
             max_num_seqs: 256,
             max_model_len: None,
             scheduling: SchedulingPolicy::Continuous,
@@ -325,7 +327,8 @@ impl Engine {
         if max_model_len < 2 {
             anyhow::bail!("max_model_len must be at least 2, got {max_model_len}");
         }
-        if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
+        if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == Some(0)
+        {
             anyhow::bail!("block size, max_num_seqs and max_num_batched_tokens must be positive");
         }
         let max_useful_blocks = args
@@ -380,7 +383,9 @@ impl Engine {
             );
         }
         let sched_cfg = SchedulerConfig {
-            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_num_batched_tokens: args
+                .max_num_batched_tokens
+                .unwrap_or_else(|| runner.default_token_budget()),
             max_num_seqs: args.max_num_seqs,
             max_model_len,
             policy: args.scheduling,
@@ -439,6 +444,10 @@ impl Engine {
     }
     pub fn max_model_len(&self) -> usize {
         self.scheduler.config().max_model_len
+    }
+    /// The token budget of a step (`--max-num-batched-tokens` or the backend's default).
+    pub fn max_num_batched_tokens(&self) -> usize {
+        self.scheduler.config().max_num_batched_tokens
     }
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.eos_token_ids

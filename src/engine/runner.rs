@@ -26,6 +26,8 @@ pub const DEFAULT_CPU_KV_BYTES: u64 = 4 << 30;
 
 pub trait ModelRunner: Send {
     fn backend_name(&self) -> String;
+    /// The backend's default token budget per step.
+    fn default_token_budget(&self) -> usize;
     fn num_blocks(&self) -> usize;
     /// What the weights take, as counted while loading.
     fn weight_stats(&self) -> &WeightStats;
@@ -54,6 +56,9 @@ struct Runner<B: Backend> {
 impl<B: Backend> ModelRunner for Runner<B> {
     fn backend_name(&self) -> String {
         self.backend.name()
+    }
+    fn default_token_budget(&self) -> usize {
+        self.backend.default_token_budget()
     }
     fn num_blocks(&self) -> usize {
         self.kv.num_blocks()
