@@ -19,6 +19,7 @@ pub mod engine;
 pub mod fetch;
 pub mod kv;
 pub mod models;
+pub mod parallel;
 pub mod quant;
 pub mod sampling;
 pub mod sched;

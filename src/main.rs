@@ -151,6 +151,14 @@ struct ModelArgs {
     /// Host memory for swapped-out KV blocks, in GiB (with --preemption-mode swap).
     #[arg(long, default_value_t = 4.0)]
     swap_space: f64,
+    /// Split every layer's heads and MLP over this many workers (Megatron-style tensor
+    /// parallelism). CPU backend only for now, where the workers share the cores.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: usize,
+    /// Split the layers into this many pipeline stages, one worker each (times
+    /// --tensor-parallel-size). CPU backend only for now.
+    #[arg(long, default_value_t = 1)]
+    pipeline_parallel_size: usize,
 }
 
 impl ModelArgs {
@@ -182,6 +190,10 @@ impl ModelArgs {
             max_n: self.max_n,
             preemption_mode: self.preemption_mode,
             swap_space: (self.swap_space * (1u64 << 30) as f64) as u64,
+            parallel: pagoda::parallel::ParallelConfig {
+                tensor: self.tensor_parallel_size,
+                pipeline: self.pipeline_parallel_size,
+            },
         })
     }
 
@@ -242,19 +254,10 @@ struct ServeArgs {
     /// How the model writes tool calls: hermes (Qwen 2.5/3, Hermes), llama3_json, mistral.
     #[arg(long)]
     tool_call_parser: Option<String>,
-    /// Accepted for vLLM compatibility; only 1 works until tensor parallelism lands.
-    #[arg(long, default_value_t = 1)]
-    tensor_parallel_size: usize,
 }
 
 impl ServeArgs {
     fn server_args(&self, model: &ModelArgs) -> Result<pagoda::server::ServerArgs> {
-        if self.tensor_parallel_size != 1 {
-            anyhow::bail!(
-                "--tensor-parallel-size {} is not supported: Pagoda runs a model on one device until tensor parallelism lands; use --tensor-parallel-size 1",
-                self.tensor_parallel_size
-            );
-        }
         if !(self.shutdown_timeout.is_finite() && self.shutdown_timeout >= 0.0) {
             anyhow::bail!("--shutdown-timeout must be a number of seconds >= 0");
         }

@@ -53,6 +53,40 @@ impl HostTensor {
     pub fn numel(&self) -> usize {
         self.data.len()
     }
+
+    /// The rows (first-dimension indices) in `ranges`, one run after the other.
+    pub fn select_rows(&self, ranges: &[std::ops::Range<usize>]) -> anyhow::Result<HostTensor> {
+        let rows = self.shape.first().copied().unwrap_or(0);
+        let row_len: usize = self.shape.iter().skip(1).product();
+        let mut data = Vec::new();
+        let mut n = 0;
+        for r in ranges {
+            if r.start > r.end || r.end > rows {
+                anyhow::bail!("rows {}..{} of a tensor with {rows}", r.start, r.end);
+            }
+            data.extend_from_slice(&self.data[r.start * row_len..r.end * row_len]);
+            n += r.len();
+        }
+        let mut shape = self.shape.clone();
+        shape[0] = n;
+        Ok(HostTensor::new(shape, data))
+    }
+
+    /// Columns `c` of every row of a matrix.
+    pub fn slice_cols(&self, c: std::ops::Range<usize>) -> anyhow::Result<HostTensor> {
+        let &[rows, cols] = self.shape.as_slice() else {
+            anyhow::bail!("slicing the columns of a tensor of shape {:?}", self.shape);
+        };
+        if c.start > c.end || c.end > cols {
+            anyhow::bail!("columns {}..{} of a matrix with {cols}", c.start, c.end);
+        }
+        let data = self
+            .data
+            .chunks_exact(cols.max(1))
+            .flat_map(|row| row[c.clone()].iter().copied())
+            .collect();
+        Ok(HostTensor::new(vec![rows, c.len()], data))
+    }
 }
 
 /// `--dtype`: how linear weights are kept in memory.

@@ -8,6 +8,7 @@ mod common;
 
 use common::*;
 use pagoda::engine::KvBudget;
+use pagoda::parallel::ParallelConfig;
 use pagoda::sched::PreemptionMode;
 use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
 
@@ -85,12 +86,19 @@ fn batch_with_preemption_equals_each_alone() {
     );
     drop(alone);
 
-    // NOTE: two runs cover prefix caching on and off and both preemption modes.
-    for (caching, mode) in [
-        (true, PreemptionMode::Recompute),
-        (false, PreemptionMode::Swap),
+    // NOTE: two runs cover prefix caching on and off and both preemption modes; a third
+    // splits the model over 3 tensor-parallel workers (SmolLM2's 9 heads, 3 KV heads), whose
+    // greedy tokens are the single device's.
+    for (caching, mode, tensor) in [
+        (true, PreemptionMode::Recompute, 1),
+        (false, PreemptionMode::Swap, 1),
+        (true, PreemptionMode::Recompute, 3),
     ] {
-        together(&prompts, &want, &lens, max_tokens, caching, mode);
+        let parallel = ParallelConfig {
+            tensor,
+            pipeline: 1,
+        };
+        together(&prompts, &want, &lens, max_tokens, caching, mode, parallel);
     }
 }
 
@@ -102,9 +110,11 @@ fn together(
     max_tokens: impl Fn(usize) -> usize,
     caching: bool,
     mode: PreemptionMode,
+    parallel: ParallelConfig,
 ) {
     let mut llm = LLM::new(EngineArgs {
         preemption_mode: mode,
+        parallel,
         ..engine_args(Some(2048 * 46080), caching)
     })
     .unwrap();
@@ -124,7 +134,7 @@ fn together(
     for (i, o) in outs.iter().enumerate() {
         assert_eq!(
             o.outputs[0].token_ids, want[i],
-            "prompt {i} ({} tokens), prefix caching {caching}, {mode:?}",
+            "prompt {i} ({} tokens), prefix caching {caching}, {mode:?}, {parallel:?}",
             lens[i]
         );
     }

@@ -4,6 +4,7 @@
 
 mod llm;
 pub mod runner;
+mod workers;
 
 pub use llm::{CompletionOutput, LLM, RequestOutput};
 pub use runner::{KvBudget, ModelRunner};
@@ -12,6 +13,7 @@ use crate::backend::{BackendKind, BatchInput};
 use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK, PrefixCacheStats};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{ModelConfig, load_model};
+use crate::parallel::ParallelConfig;
 use crate::sampling::{
     IncrementalDetokenizer, InvalidParam, Restrict, SamplingDefaults, SamplingParams, StopChecker,
     StructuredCompiler, TokenLogprobs, sampler::sample_restricted, structured::allowed_tokens,
@@ -63,6 +65,9 @@ pub struct EngineArgs {
     pub preemption_mode: PreemptionMode,
     /// Host memory for swapped-out blocks, in bytes (vLLM's `--swap-space`).
     pub swap_space: u64,
+    /// Tensor and pipeline parallel sizes (`--tensor-parallel-size`,
+    /// `--pipeline-parallel-size`).
+    pub parallel: ParallelConfig,
 }
 
 impl Default for EngineArgs {
@@ -83,6 +88,7 @@ impl Default for EngineArgs {
             max_n: 16,
             preemption_mode: PreemptionMode::Recompute,
             swap_space: 4 << 30,
+            parallel: ParallelConfig::default(),
         }
     }
 }
@@ -347,6 +353,7 @@ impl Engine {
             kv_budget: args.kv_budget,
             max_model_len,
             max_useful_blocks,
+            parallel: args.parallel,
         };
         let bar = args.progress.then(|| {
             let b = indicatif::ProgressBar::new(cfg.num_layers as u64 + 2);

@@ -8,6 +8,7 @@ use crate::backend::{
 use crate::models::WeightStats;
 use crate::models::kv_cache::{self, KvCache};
 use crate::models::{CausalLm, LoadedModel, registry};
+use crate::parallel::ParallelConfig;
 use crate::tensor::{DType, WeightDtype};
 use anyhow::{Context, Result, bail};
 
@@ -23,6 +24,10 @@ pub enum KvBudget {
 
 /// Default KV budget on the CPU backend, as vLLM's CPU backend does (`VLLM_CPU_KVCACHE_SPACE`).
 pub const DEFAULT_CPU_KV_BYTES: u64 = 4 << 30;
+
+/// A worker's part of the logits: on the last pipeline stage `[R, row_len]` covering `range`
+/// of the vocabulary, `(range, row_len, values)`; before it nothing.
+pub type LogitsPart = Option<(std::ops::Range<usize>, usize, Vec<f32>)>;
 
 pub trait ModelRunner: Send {
     fn backend_name(&self) -> String;
@@ -41,9 +46,13 @@ pub trait ModelRunner: Send {
     /// Copies KV blocks of every layer to host blocks (`out`: device, host), then host blocks
     /// to device blocks (`inn`: host, device): swap preemption's transfers for one step.
     fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()>;
+    /// How the model is split over workers (1 and 1: one device).
+    fn parallel(&self) -> ParallelConfig {
+        ParallelConfig::default()
+    }
 }
 
-struct Runner<B: Backend> {
+pub(super) struct Runner<B: Backend> {
     backend: B,
     model: Box<dyn CausalLm<B>>,
     kv: KvCache<B>,
@@ -194,6 +203,8 @@ pub struct RunnerArgs {
     pub max_model_len: usize,
     /// Upper bound on useful KV blocks (max_num_seqs sequences of max_model_len tokens).
     pub max_useful_blocks: usize,
+    /// Tensor and pipeline parallel sizes.
+    pub parallel: ParallelConfig,
 }
 
 pub fn create_runner(
@@ -201,6 +212,9 @@ pub fn create_runner(
     args: &RunnerArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn ModelRunner>> {
+    if !args.parallel.is_single() {
+        return create_parallel(model, args, progress);
+    }
     match args.backend {
         BackendKind::Cpu => build(CpuBackend::new(), model, args, progress),
         BackendKind::Auto => {
@@ -228,6 +242,41 @@ pub fn create_runner(
         BackendKind::Hip => build(HipBackend::new()?, model, args, progress),
         BackendKind::Wgpu => build(WgpuBackend::new()?, model, args, progress),
     }
+}
+
+/// Workers for tensor and pipeline parallelism: on the CPU backend only, for now.
+fn create_parallel(
+    model: &LoadedModel,
+    args: &RunnerArgs,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Box<dyn ModelRunner>> {
+    let gpu = match args.backend {
+        BackendKind::Cpu => None,
+        BackendKind::Auto => {
+            // NOTE: `auto` would pick a GPU where there is one; running on the CPU there
+            // instead would be a silent surprise.
+            if CudaBackend::new().is_ok() {
+                Some("cuda")
+            } else if HipBackend::new().is_ok() {
+                Some("hip")
+            } else if WgpuBackend::new_hardware().is_ok() {
+                Some("wgpu")
+            } else {
+                None
+            }
+        }
+        k => Some(k.name()),
+    };
+    if let Some(gpu) = gpu {
+        bail!(
+            "--tensor-parallel-size {} --pipeline-parallel-size {} runs on the CPU backend only \
+             for now ({gpu} would need a device communicator: NCCL is not implemented yet); \
+             pass --backend cpu",
+            args.parallel.tensor,
+            args.parallel.pipeline
+        );
+    }
+    super::workers::build_parallel(|| Ok(CpuBackend::new()), model, args, progress)
 }
 
 /// The KV budget on a device with its own memory, measured after the weights are loaded, as
@@ -284,12 +333,13 @@ fn rope_positions(
         .map_or(max_model_len, |t| t.min(max_model_len)))
 }
 
-fn build<B: Backend>(
-    backend: B,
+/// Checks made before any weight is read: the memory fraction, whether the weights fit, and
+/// the positions the RoPE tables need.
+pub(super) fn plan<B: Backend>(
+    backend: &B,
     model: &LoadedModel,
     args: &RunnerArgs,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<Box<dyn ModelRunner>> {
+) -> Result<usize> {
     let cfg = &model.config;
     let bs = args.block_size;
     if let Some(KvBudget::Fraction(f)) = args.kv_budget
@@ -312,7 +362,7 @@ fn build<B: Backend>(
         }
         WeightDtype::Auto => (elements.saturating_mul(4), auto, true),
     };
-    check_weights_fit(need, memory_for_weights(&backend), label, as_f32)
+    check_weights_fit(need, memory_for_weights(backend), label, as_f32)
         .with_context(|| format!("loading {}", model.path.display()))?;
 
     // NOTE: the RoPE tables hold one row per position, so they are sized by what the engine
@@ -320,28 +370,28 @@ fn build<B: Backend>(
     // where the KV budget holds fewer tokens. The KV spec is a function of the config, so
     // the most tokens the budget could ever hold is known before the weights are loaded.
     let per_block = kv_cache::bytes_per_block(&kv_cache::default_spec(cfg), bs)?;
-    let positions = rope_positions(
-        kv_budget_upper_bound(&backend, args.kv_budget),
+    rope_positions(
+        kv_budget_upper_bound(backend, args.kv_budget),
         per_block,
         bs,
         args.max_model_len,
-    )?;
-    let lm = registry::load(
-        &backend,
-        cfg,
-        model.weights.as_ref(),
-        args.dtype,
-        positions,
-        progress,
     )
-    .with_context(|| format!("loading {}", model.path.display()))?;
-    let wbytes = lm.weight_stats().bytes;
-    let spec = lm.kv_spec();
-    let per_block = kv_cache::bytes_per_block(&spec, bs)?;
+}
+
+/// The blocks of the KV pool, once the weights (`wbytes`) are loaded: the budget over the
+/// bytes of one block (`per_block`, over every layer of every worker).
+pub(super) fn pool_blocks<B: Backend>(
+    backend: &B,
+    args: &RunnerArgs,
+    wbytes: u64,
+    per_block: u64,
+    positions: usize,
+) -> Result<usize> {
+    let bs = args.block_size;
     let budget = match args.kv_budget {
         Some(KvBudget::Bytes(b)) => b,
         Some(KvBudget::Fraction(f)) => {
-            if let Some(b) = gpu_kv_budget(&backend, f)? {
+            if let Some(b) = gpu_kv_budget(backend, f)? {
                 b
             } else {
                 let total = backend
@@ -360,7 +410,7 @@ fn build<B: Backend>(
                     })?
             }
         }
-        None => match gpu_kv_budget(&backend, 0.9)? {
+        None => match gpu_kv_budget(backend, 0.9)? {
             Some(b) => b,
             None => match backend.device_memory() {
                 Some(total) => ((total as f64 * 0.9) as u64).saturating_sub(wbytes),
@@ -382,17 +432,72 @@ fn build<B: Backend>(
             "the KV cache budget ({budget} bytes) holds no block of {bs} tokens ({per_block} bytes each)"
         );
     }
-    let kv = KvCache::new(&backend, &spec, num_blocks, bs)
-        .with_context(|| format!("allocating a KV pool of {num_blocks} blocks"))?;
-    Ok(Box::new(Runner {
+    Ok(num_blocks)
+}
+
+impl<B: Backend> Runner<B> {
+    /// One worker's part of a step (tensor and pipeline parallelism): its logits part on the
+    /// last stage, nothing before it.
+    pub(super) fn execute_part(&mut self, input: BatchInput) -> Result<LogitsPart> {
+        let batch = DeviceBatch::upload(&self.backend, input)?;
+        // NOTE: not inside `run_step`: on the CPU that runs the step on a rayon pool thread,
+        // and a worker waiting there in a collective would hold a thread that the rank it
+        // waits for may need.
+        let out = self.model.forward(&self.backend, &batch, &mut self.kv)?;
+        match self.model.logits_shard() {
+            Some((range, cols)) => Ok(Some((range, cols, self.backend.download_f32(&out)?))),
+            None => Ok(None),
+        }
+    }
+
+    /// A runner over a loaded model (or one worker's shard of it) and a pool of `num_blocks`.
+    pub(super) fn new(
+        backend: B,
+        model: Box<dyn CausalLm<B>>,
+        num_blocks: usize,
+        bs: usize,
+    ) -> Result<Self> {
+        let spec = model.kv_spec();
+        let per_block = kv_cache::bytes_per_block(&spec, bs)?;
+        let kv = KvCache::new(&backend, &spec, num_blocks, bs)
+            .with_context(|| format!("allocating a KV pool of {num_blocks} blocks"))?;
+        Ok(Runner {
+            backend,
+            model,
+            host: (0..kv.layouts.len())
+                .map(|_| [Vec::new(), Vec::new()])
+                .collect(),
+            kv,
+            kv_bytes: num_blocks as u64 * per_block,
+        })
+    }
+}
+
+fn build<B: Backend>(
+    backend: B,
+    model: &LoadedModel,
+    args: &RunnerArgs,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Box<dyn ModelRunner>> {
+    let positions = plan(&backend, model, args)?;
+    let lm = registry::load(
+        &backend,
+        &model.config,
+        model.weights.as_ref(),
+        args.dtype,
+        positions,
+        progress,
+    )
+    .with_context(|| format!("loading {}", model.path.display()))?;
+    let per_block = kv_cache::bytes_per_block(&lm.kv_spec(), args.block_size)?;
+    let wbytes = lm.weight_stats().bytes;
+    let num_blocks = pool_blocks(&backend, args, wbytes, per_block, positions)?;
+    Ok(Box::new(Runner::new(
         backend,
-        model: lm,
-        host: (0..kv.layouts.len())
-            .map(|_| [Vec::new(), Vec::new()])
-            .collect(),
-        kv,
-        kv_bytes: num_blocks as u64 * per_block,
-    }))
+        lm,
+        num_blocks,
+        args.block_size,
+    )?))
 }
 
 #[cfg(test)]

@@ -361,6 +361,6 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
             }
             backend.add_assign(&mut x, &om, t * hid)?;
         }
-        final_logits(backend, c, &x, batch, &self.ln_f, &self.embed)
+        final_logits(backend, c, &x, batch, &self.ln_f, &self.embed, c.vocab_size)
     }
 }

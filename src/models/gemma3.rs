@@ -9,15 +9,16 @@
 
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
-use super::kv_cache::KvCache;
+use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use super::{
-    CausalLm, Norm, Uploader, WeightStats, attend, check_positions, final_logits, stack_linear,
-};
+use super::shard::{Head, Shard, send_on, stage_input};
+use super::{CausalLm, Norm, Uploader, WeightStats, attend, check_positions, final_logits};
 use crate::backend::{Backend, DeviceBatch};
+use crate::parallel::Placement;
 use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
+use std::ops::Range;
 
 /// The RoPE base of local layers where the config does not say (google/gemma-3 configs).
 const LOCAL_ROPE_THETA: f64 = 10_000.0;
@@ -201,15 +202,21 @@ struct Layer<B: Backend> {
 
 pub struct Gemma3<B: Backend> {
     cfg: ModelConfig,
-    embed: B::Buf, // [vocab, hidden]; also the lm_head
+    /// This rank's heads, MLP columns and vocabulary (all of them on one device).
+    shard: Shard,
+    /// `[rows, hidden]`: the embedding of this rank's vocabulary (also the head where tied),
+    /// with its row count; on the first stage, and on the last where the head is tied.
+    embed: Option<(B::Buf, usize)>,
+    /// This stage's layers.
     layers: Vec<Layer<B>>,
-    norm: Norm<B>, // [hidden] f32, 1 + w
-    lm_head: Option<B::Buf>,
+    /// The final norm ([hidden] f32, 1 + w) and the head, on the last stage.
+    head: Option<(Norm<B>, Head<B>)>,
     /// RoPE tables `[max_positions, D / 2]`: global layers, then local ones.
     rope_global: (B::Buf, B::Buf),
     rope_local: (B::Buf, B::Buf),
     max_positions: usize,
     weights: WeightStats,
+    place: Placement<B>,
 }
 
 /// Gemma's RMSNorm scales by `1 + w`: the weight is uploaded with the 1 added.
@@ -219,12 +226,15 @@ fn plus_one(mut t: HostTensor) -> HostTensor {
 }
 
 impl<B: Backend> Gemma3<B> {
+    /// Uploads the weights of one worker's shard (`place`; [`Placement::single`]: all of
+    /// them). `max_positions` bounds the RoPE tables (the max model length).
     pub fn load(
         backend: &B,
         cfg: &ModelConfig,
         src: &dyn WeightSource,
         dtype: WeightDtype,
         max_positions: usize,
+        place: Placement<B>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = cfg;
@@ -235,45 +245,52 @@ impl<B: Backend> Gemma3<B> {
             c.hidden_size,
             c.intermediate_size,
         );
-        let total = c.num_layers + 2;
+        let sh = Shard::new(c, &place)?;
+        let total = place.layers.len() + 2;
         let mut up = Uploader::new(backend, src, dtype);
         let norm = |up: &mut Uploader<B>, name: &str, dim: usize| -> Result<B::Buf> {
             let t = plus_one(up.fetch(name, &[dim])?);
             up.upload(&t, DType::F32)
         };
-        let embed = up.linear("model.embed_tokens.weight", &[c.vocab_size, hid])?;
+        let embed = if place.first_stage() || (c.tie_word_embeddings && place.last_stage()) {
+            Some(sh.vocab_table(&mut up, "model.embed_tokens.weight", hid, c.vocab_size)?)
+        } else {
+            None
+        };
         progress(1, total);
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
+        let mut layers = Vec::with_capacity(place.layers.len());
+        for i in place.layers.clone() {
             let n = |s: &str| format!("model.layers.{i}.{s}");
-            let wqkv = stack_linear(vec![
+            let wqkv = sh.qkv(
                 up.fetch_linear(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
                 up.fetch_linear(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
                 up.fetch_linear(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
-            ])?;
-            let gate_up = stack_linear(vec![
+            )?;
+            let gate_up = sh.gate_up(
                 up.fetch_linear(&n("mlp.gate_proj.weight"), &[f, hid])?,
                 up.fetch_linear(&n("mlp.up_proj.weight"), &[f, hid])?,
-            ])?;
+            )?;
+            let wo = sh.o_proj(up.fetch_linear(&n("self_attn.o_proj.weight"), &[hid, h * d])?)?;
+            let w_down = sh.down(up.fetch_linear(&n("mlp.down_proj.weight"), &[hid, f])?)?;
             layers.push(Layer {
                 in_norm: norm(&mut up, &n("input_layernorm.weight"), hid)?,
                 wqkv: up.upload_linear(wqkv)?,
                 q_norm: norm(&mut up, &n("self_attn.q_norm.weight"), d)?,
                 k_norm: norm(&mut up, &n("self_attn.k_norm.weight"), d)?,
-                wo: up.linear(&n("self_attn.o_proj.weight"), &[hid, h * d])?,
+                wo: up.upload_linear(wo)?,
                 post_attn_norm: norm(&mut up, &n("post_attention_layernorm.weight"), hid)?,
                 pre_ffn_norm: norm(&mut up, &n("pre_feedforward_layernorm.weight"), hid)?,
                 w_gate_up: up.upload_linear(gate_up)?,
-                w_down: up.linear(&n("mlp.down_proj.weight"), &[hid, f])?,
+                w_down: up.upload_linear(w_down)?,
                 post_ffn_norm: norm(&mut up, &n("post_feedforward_layernorm.weight"), hid)?,
             });
-            progress(i + 2, total);
+            progress(i - place.layers.start + 2, total);
         }
-        let final_norm = norm(&mut up, "model.norm.weight", hid)?;
-        let lm_head = if c.tie_word_embeddings {
-            None
+        let head = if place.last_stage() {
+            let final_norm = Norm::Rms(norm(&mut up, "model.norm.weight", hid)?);
+            Some((final_norm, Head::load(&mut up, &sh, c, embed.is_some())?))
         } else {
-            Some(up.linear("lm_head.weight", &[c.vocab_size, hid])?)
+            None
         };
         progress(total, total);
         let tables = |theta: f64| -> Result<(B::Buf, B::Buf)> {
@@ -284,14 +301,15 @@ impl<B: Backend> Gemma3<B> {
         let rope_local = tables(c.rope_theta_local.unwrap_or(c.rope_theta))?;
         Ok(Gemma3 {
             cfg: c.clone(),
+            shard: sh,
             embed,
             layers,
-            norm: Norm::Rms(final_norm),
-            lm_head,
+            head,
             rope_global,
             rope_local,
             max_positions,
             weights: up.stats,
+            place,
         })
     }
 }
@@ -305,32 +323,46 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
         &self.weights
     }
 
+    fn kv_spec(&self) -> Vec<LayerKvSpec> {
+        self.shard.kv_spec(&self.cfg, &self.place)
+    }
+
+    fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
+        let (_, head) = self.head.as_ref()?;
+        let (_, cols) = head.table(self.embed.as_ref()).ok()?;
+        Some((self.shard.vocab.clone(), cols))
+    }
+
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
         check_positions(&batch.host.positions, self.max_positions)?;
-        let (hid, f) = (c.hidden_size, c.intermediate_size);
-        let ql = c.qkv_layout();
+        let (hid, f) = (c.hidden_size, self.shard.ffn.len());
+        let ql = self.shard.ql;
         let eps = c.rms_norm_eps as f32;
+        let tp = &self.place.tp;
 
-        let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
+        // [T, hidden] residual stream
+        let embed = self.embed.as_ref().map(|e| &e.0);
+        let mut x = stage_input(backend, &self.place, &self.shard, embed, batch, c)?;
+        if self.place.first_stage() {
+            // NOTE: transformers rounds sqrt(hidden) to the embedding's dtype; ours is f32.
+            backend.scale(&mut x, (hid as f32).sqrt(), t * hid)?;
+        }
         let mut h = backend.alloc_f32(t * hid)?; // [T, hidden] normed input of a block
-        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D]
+        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
         let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
         let mut gu = backend.alloc_f32(t * 2 * f)?; // [T, 2 F]
         let mut act = backend.alloc_f32(t * f)?; // [T, F]
         let mut o = backend.alloc_f32(t * hid)?; // [T, hidden] output of o_proj / down_proj
         let mut on = backend.alloc_f32(t * hid)?; // [T, hidden] that output, normed
 
-        backend.embedding(&self.embed, &batch.token_ids, hid, &mut x)?;
-        // NOTE: transformers rounds sqrt(hidden) to the embedding's dtype; ours is f32.
-        backend.scale(&mut x, (hid as f32).sqrt(), t * hid)?;
         if let Some(first) = self.layers.first() {
             backend.rms_norm(&x, &first.in_norm, t, hid, eps, &mut h)?;
         }
-        for (l, w) in self.layers.iter().enumerate() {
-            let window = c.layer_window(l);
-            let (cos, sin) = match window {
+        for (j, w) in self.layers.iter().enumerate() {
+            let l = self.place.layers.start + j;
+            let (cos, sin) = match c.layer_window(l) {
                 Some(_) => &self.rope_local,
                 None => &self.rope_global,
             };
@@ -340,30 +372,37 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
             attend(
                 backend,
                 kv,
-                l,
+                j,
                 &qkv,
                 batch,
                 ql,
                 c.attention_options(l),
                 &mut attn,
             )?;
+            // NOTE: under tensor parallelism o_proj and down_proj give partial sums: added
+            // over the ranks before their norms.
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
+            tp.all_reduce_sum(backend, &mut o, t * hid)?;
             // x += post_attn_norm(o); h = pre_ffn_norm(x)
             backend.rms_norm(&o, &w.post_attn_norm, t, hid, eps, &mut on)?;
             backend.add_rms_norm(&mut x, &on, &w.pre_ffn_norm, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_gate_up, None, t, hid, 2 * f, &mut gu)?;
             backend.gated_act(&gu, t, f, c.hidden_act, &mut act)?;
             backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
+            tp.all_reduce_sum(backend, &mut o, t * hid)?;
             // x += post_ffn_norm(o); h = the next layer's input norm of x
             backend.rms_norm(&o, &w.post_ffn_norm, t, hid, eps, &mut on)?;
-            match self.layers.get(l + 1) {
+            match self.layers.get(j + 1) {
                 Some(next) => {
                     backend.add_rms_norm(&mut x, &on, &next.in_norm, t, hid, eps, &mut h)?
                 }
                 None => backend.add_assign(&mut x, &on, t * hid)?,
             }
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        final_logits(backend, c, &x, batch, &self.norm, head)
+        let Some((norm, head)) = &self.head else {
+            return send_on(backend, &self.place, x, t * hid);
+        };
+        let (table, rows) = head.table(self.embed.as_ref())?;
+        final_logits(backend, c, &x, batch, norm, table, rows)
     }
 }

@@ -247,6 +247,6 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
             backend.matmul(&u, &w.w_proj, Some(&w.b_proj), t, f, hid, &mut o)?;
             backend.add_assign(&mut x, &o, t * hid)?;
         }
-        final_logits(backend, c, &x, batch, &self.ln_f, &self.wte)
+        final_logits(backend, c, &x, batch, &self.ln_f, &self.wte, c.vocab_size)
     }
 }

@@ -7,16 +7,16 @@
 
 use super::config::{Fields, ModelConfig};
 use super::gguf::GgufFile;
-use super::kv_cache::KvCache;
+use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use super::{
-    CausalLm, Norm, Uploader, WeightStats, attend, check_positions, final_logits, stack,
-    stack_linear,
-};
+use super::shard::{Head, Shard, send_on, stage_input};
+use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions, final_logits};
 use crate::backend::{Backend, DeviceBatch};
+use crate::parallel::Placement;
 use crate::tensor::{DType, WeightDtype};
 use anyhow::{Result, bail};
 use serde_json::Value;
+use std::ops::Range;
 
 struct Layer<B: Backend> {
     attn_norm: B::Buf,      // [hidden] f32
@@ -32,14 +32,20 @@ struct Layer<B: Backend> {
 
 pub struct Llama<B: Backend> {
     pub cfg: ModelConfig,
-    embed: B::Buf, // [vocab, hidden]
+    /// This rank's heads, MLP columns and vocabulary (all of them on one device).
+    shard: Shard,
+    /// `[rows, hidden]`: the embedding of this rank's vocabulary, with its row count; on the
+    /// first stage, and on the last where the head is tied.
+    embed: Option<(B::Buf, usize)>,
+    /// This stage's layers.
     layers: Vec<Layer<B>>,
-    norm: Norm<B>,           // [hidden] f32
-    lm_head: Option<B::Buf>, // [vocab, hidden]; None when tied to `embed`
-    rope_cos: B::Buf,        // [max_positions, D / 2]
-    rope_sin: B::Buf,        // [max_positions, D / 2]
+    /// The final norm ([hidden] f32) and the head, on the last stage.
+    head: Option<(Norm<B>, Head<B>)>,
+    rope_cos: B::Buf, // [max_positions, D / 2]
+    rope_sin: B::Buf, // [max_positions, D / 2]
     max_positions: usize,
     weights: WeightStats,
+    place: Placement<B>,
 }
 
 // ---- configuration: the family-specific parts (registry hooks) ------------------------------
@@ -105,13 +111,15 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
 }
 
 impl<B: Backend> Llama<B> {
-    /// Uploads the weights. `max_positions` bounds the RoPE tables (the max model length).
+    /// Uploads the weights of one worker's shard (`place`; [`Placement::single`]: all of
+    /// them). `max_positions` bounds the RoPE tables (the max model length).
     pub fn load(
         backend: &B,
         cfg: &ModelConfig,
         src: &dyn WeightSource,
         dtype: WeightDtype,
         max_positions: usize,
+        place: Placement<B>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = cfg;
@@ -122,31 +130,41 @@ impl<B: Backend> Llama<B> {
             c.hidden_size,
             c.intermediate_size,
         );
-        let total = c.num_layers + 2;
+        let sh = Shard::new(c, &place)?;
+        let total = place.layers.len() + 2;
         let mut up = Uploader::new(backend, src, dtype);
-        let embed = up.linear("model.embed_tokens.weight", &[c.vocab_size, hid])?;
+        let embed = if place.first_stage() || (c.tie_word_embeddings && place.last_stage()) {
+            Some(sh.vocab_table(&mut up, "model.embed_tokens.weight", hid, c.vocab_size)?)
+        } else {
+            None
+        };
         progress(1, total);
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
+        let mut layers = Vec::with_capacity(place.layers.len());
+        for i in place.layers.clone() {
             let p = format!("model.layers.{i}.");
             let n = |s: &str| format!("{p}{s}");
             // NOTE: Phi-3 stores the projections fused, in the order we stack them.
-            let qkv_rows = (h + 2 * hkv) * d;
-            let wqkv =
-                match up.fetch_linear_opt(&n("self_attn.qkv_proj.weight"), &[qkv_rows, hid])? {
-                    Some(w) => w,
-                    None => stack_linear(vec![
-                        up.fetch_linear(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
-                        up.fetch_linear(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
-                        up.fetch_linear(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
-                    ])?,
-                };
+            let wqkv = match up
+                .fetch_linear_opt(&n("self_attn.qkv_proj.weight"), &[(h + 2 * hkv) * d, hid])?
+            {
+                Some(w) => sh.qkv_fused(w)?,
+                None => sh.qkv(
+                    up.fetch_linear(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
+                    up.fetch_linear(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
+                    up.fetch_linear(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
+                )?,
+            };
             let bqkv = if c.attention_bias {
-                let b = stack(vec![
-                    up.fetch(&n("self_attn.q_proj.bias"), &[h * d])?,
-                    up.fetch(&n("self_attn.k_proj.bias"), &[hkv * d])?,
-                    up.fetch(&n("self_attn.v_proj.bias"), &[hkv * d])?,
-                ]);
+                let b = |s: &str, rows: usize| -> Result<Weight> {
+                    Ok(Weight::dense(up.fetch(&n(s), &[rows])?, DType::F32))
+                };
+                let (b, _) = sh
+                    .qkv(
+                        b("self_attn.q_proj.bias", h * d)?,
+                        b("self_attn.k_proj.bias", hkv * d)?,
+                        b("self_attn.v_proj.bias", hkv * d)?,
+                    )?
+                    .into_dense()?;
                 Some(up.upload(&b, DType::F32)?)
             } else {
                 None
@@ -160,47 +178,46 @@ impl<B: Backend> Llama<B> {
                 (None, None)
             };
             let gate_up = match up.fetch_linear_opt(&n("mlp.gate_up_proj.weight"), &[2 * f, hid])? {
-                Some(w) => w,
-                None => stack_linear(vec![
+                Some(w) => sh.gate_up_fused(w)?,
+                None => sh.gate_up(
                     up.fetch_linear(&n("mlp.gate_proj.weight"), &[f, hid])?,
                     up.fetch_linear(&n("mlp.up_proj.weight"), &[f, hid])?,
-                ])?,
+                )?,
             };
+            let wo = sh.o_proj(up.fetch_linear(&n("self_attn.o_proj.weight"), &[hid, h * d])?)?;
+            let w_down = sh.down(up.fetch_linear(&n("mlp.down_proj.weight"), &[hid, f])?)?;
             layers.push(Layer {
                 attn_norm: up.weight(&n("input_layernorm.weight"), &[hid], DType::F32)?,
                 wqkv: up.upload_linear(wqkv)?,
                 bqkv,
                 q_norm,
                 k_norm,
-                wo: up.linear(&n("self_attn.o_proj.weight"), &[hid, h * d])?,
+                wo: up.upload_linear(wo)?,
                 mlp_norm: up.weight(&n("post_attention_layernorm.weight"), &[hid], DType::F32)?,
                 w_gate_up: up.upload_linear(gate_up)?,
-                w_down: up.linear(&n("mlp.down_proj.weight"), &[hid, f])?,
+                w_down: up.upload_linear(w_down)?,
             });
-            progress(i + 2, total);
+            progress(i - place.layers.start + 2, total);
         }
-        let norm = Norm::Rms(up.weight("model.norm.weight", &[hid], DType::F32)?);
-        let lm_head = if c.tie_word_embeddings {
-            None
+        let head = if place.last_stage() {
+            let norm = Norm::Rms(up.weight("model.norm.weight", &[hid], DType::F32)?);
+            Some((norm, Head::load(&mut up, &sh, c, embed.is_some())?))
         } else {
-            // NOTE: some checkpoints omit lm_head although the config says untied.
-            match up.fetch_linear_opt("lm_head.weight", &[c.vocab_size, hid])? {
-                Some(w) => Some(up.upload_linear(w)?),
-                None => None,
-            }
+            None
         };
         progress(total, total);
         let (cos, sin) = super::rope::tables(c, c.rope_theta, max_positions);
         Ok(Llama {
             cfg: c.clone(),
+            shard: sh,
             embed,
             layers,
-            norm,
-            lm_head,
+            head,
             rope_cos: backend.upload_f32(&cos)?,
             rope_sin: backend.upload_f32(&sin)?,
             max_positions,
             weights: up.stats,
+            place,
         })
     }
 }
@@ -214,29 +231,43 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
         &self.weights
     }
 
+    fn kv_spec(&self) -> Vec<LayerKvSpec> {
+        self.shard.kv_spec(&self.cfg, &self.place)
+    }
+
+    fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
+        let (_, head) = self.head.as_ref()?;
+        let (_, cols) = head.table(self.embed.as_ref()).ok()?;
+        Some((self.shard.vocab.clone(), cols))
+    }
+
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
         check_positions(&batch.host.positions, self.max_positions)?;
-        let (hid, f) = (c.hidden_size, c.intermediate_size);
-        let ql = c.qkv_layout();
+        let (hid, f) = (c.hidden_size, self.shard.ffn.len());
+        let ql = self.shard.ql;
         let eps = c.rms_norm_eps as f32;
+        let tp = &self.place.tp;
 
-        let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
+        // [T, hidden] residual stream
+        let embed = self.embed.as_ref().map(|e| &e.0);
+        let mut x = stage_input(backend, &self.place, &self.shard, embed, batch, c)?;
         let mut h = backend.alloc_f32(t * hid)?; // [T, hidden]
-        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D]
+        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
         let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
         let mut gu = backend.alloc_f32(t * 2 * f)?; // [T, 2 F]
         let mut act = backend.alloc_f32(t * f)?; // [T, F]
         let mut o = backend.alloc_f32(t * hid)?; // [T, hidden] output of o_proj / down_proj
 
         // NOTE: each residual add is fused with the norm that follows it (add_rms_norm): the
-        // layer's input norm is applied at the end of the previous layer.
-        backend.embedding(&self.embed, &batch.token_ids, hid, &mut x)?;
+        // layer's input norm is applied at the end of the previous layer. Under tensor
+        // parallelism o_proj and down_proj give partial sums, added over the ranks first.
         if let Some(first) = self.layers.first() {
             backend.rms_norm(&x, &first.attn_norm, t, hid, eps, &mut h)?;
         }
-        for (l, w) in self.layers.iter().enumerate() {
+        for (j, w) in self.layers.iter().enumerate() {
+            let l = self.place.layers.start + j;
             backend.matmul(&h, &w.wqkv, w.bqkv.as_ref(), t, hid, ql.row_len(), &mut qkv)?;
             if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
                 backend.qk_norm(&mut qkv, qn, kn, t, ql, eps)?;
@@ -252,7 +283,7 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
             attend(
                 backend,
                 kv,
-                l,
+                j,
                 &qkv,
                 batch,
                 ql,
@@ -260,19 +291,24 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
                 &mut attn,
             )?;
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
+            tp.all_reduce_sum(backend, &mut o, t * hid)?;
             backend.add_rms_norm(&mut x, &o, &w.mlp_norm, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_gate_up, None, t, hid, 2 * f, &mut gu)?;
             backend.gated_act(&gu, t, f, c.hidden_act, &mut act)?;
             backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
-            match self.layers.get(l + 1) {
+            tp.all_reduce_sum(backend, &mut o, t * hid)?;
+            match self.layers.get(j + 1) {
                 Some(next) => {
                     backend.add_rms_norm(&mut x, &o, &next.attn_norm, t, hid, eps, &mut h)?
                 }
                 None => backend.add_assign(&mut x, &o, t * hid)?,
             }
         }
+        let Some((norm, head)) = &self.head else {
+            return send_on(backend, &self.place, x, t * hid);
+        };
         // Only the rows that are sampled go through the final norm and the lm_head.
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        final_logits(backend, c, &x, batch, &self.norm, head)
+        let (table, rows) = head.table(self.embed.as_ref())?;
+        final_logits(backend, c, &x, batch, norm, table, rows)
     }
 }

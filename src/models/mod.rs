@@ -12,6 +12,7 @@ pub mod loader;
 pub mod phi3;
 pub mod registry;
 pub mod rope;
+pub mod shard;
 pub mod spm;
 pub mod tokenizer;
 
@@ -25,6 +26,7 @@ use crate::quant::QuantTensor;
 use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 /// A causal language model on a backend: what the runner needs of every family.
 pub trait CausalLm<B: Backend>: Send + Sync {
@@ -37,11 +39,21 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     }
 
     /// Runs every layer over the whole flattened batch (writing each row's K/V into `kv`) and
-    /// returns the logits of the rows in `batch.logits_rows`, as a device buffer `[R, vocab]`.
+    /// returns the logits of the rows in `batch.logits_rows`, as a device buffer `[R, vocab]`
+    /// (see [`CausalLm::logits_shard`]). On a pipeline stage before the last: its output
+    /// residual stream `[T, hidden]`, which it has sent on to the next stage.
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf>;
 
     /// What was uploaded: bytes, parameters, bytes by storage type.
     fn weight_stats(&self) -> &WeightStats;
+
+    /// The part of the vocabulary this worker's logits cover, and the length of their rows
+    /// (`forward` returns `[R, row_len]`, whose first `range.len()` columns are that part);
+    /// `None` on a pipeline stage before the last. One device: the whole vocabulary.
+    fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
+        let v = self.config().vocab_size;
+        Some((0..v, v))
+    }
 }
 
 /// What a model's weights take once uploaded, as counted while loading.
@@ -111,6 +123,82 @@ impl Weight {
     pub fn map_dense(self, f: impl FnOnce(HostTensor) -> HostTensor) -> Result<Weight> {
         let (t, stored) = self.into_dense()?;
         Ok(Weight::Dense { t: f(t), stored })
+    }
+}
+
+impl Weight {
+    /// The rows in `ranges`, one run after the other: a column-parallel shard (of each part of
+    /// a fused projection). The whole weight is returned as it is.
+    pub fn select_rows(self, ranges: &[Range<usize>]) -> Result<Weight> {
+        let rows = self.shape()[0];
+        if let [r] = ranges
+            && *r == (0..rows)
+        {
+            return Ok(self);
+        }
+        match self {
+            Weight::Dense { t, stored } => Ok(Weight::Dense {
+                t: t.select_rows(ranges)?,
+                stored,
+            }),
+            Weight::Quant(q) => Ok(Weight::Quant(QuantTensor::stack(
+                ranges
+                    .iter()
+                    .map(|r| q.slice_rows(r.clone()))
+                    .collect::<Result<_>>()?,
+            )?)),
+        }
+    }
+
+    /// Columns `c` of every row: a row-parallel shard. A block format whose blocks `c` would
+    /// split is dequantized (f32 holds its values exactly), and the log says so.
+    pub fn slice_cols(self, c: Range<usize>) -> Result<Weight> {
+        let k = self.shape()[1];
+        if c == (0..k) {
+            return Ok(self);
+        }
+        match self {
+            Weight::Dense { t, stored } => Ok(Weight::Dense {
+                t: t.slice_cols(c)?,
+                stored,
+            }),
+            Weight::Quant(q) => match q.slice_cols(c.clone())? {
+                Some(s) => Ok(Weight::Quant(s)),
+                None => {
+                    tracing::info!(
+                        "columns {}..{} split blocks of a {} weight: this shard is kept in f32",
+                        c.start,
+                        c.end,
+                        q.parts[0].ty
+                    );
+                    let t = HostTensor::new(vec![q.rows(), q.k], q.dequantize()?);
+                    Ok(Weight::Dense {
+                        t: t.slice_cols(c)?,
+                        stored: DType::F32,
+                    })
+                }
+            },
+        }
+    }
+
+    /// The weight with one more row of zeros (the row a vocabulary shard's embedding gives
+    /// tokens outside its part).
+    pub fn with_zero_row(self) -> Result<Weight> {
+        match self {
+            Weight::Dense { mut t, stored } => {
+                t.data.resize(t.data.len() + t.shape[1], 0.0);
+                t.shape[0] += 1;
+                Ok(Weight::Dense { t, stored })
+            }
+            Weight::Quant(mut q) => {
+                // NOTE: every block format here decodes all-zero bytes (scales 0) as zeros.
+                let last = q.parts.last_mut().context("a weight without rows")?;
+                let rb = last.ty.row_bytes(q.k)?;
+                last.data.resize(last.data.len() + rb, 0);
+                last.rows += 1;
+                Ok(Weight::Quant(q))
+            }
+        }
     }
 }
 
@@ -330,8 +418,9 @@ pub fn attend<B: Backend>(
 }
 
 /// The logits `[R, vocab]` of the rows in `batch.logits_rows`: only those rows of the residual
-/// stream `x` `[T, hidden]` go through the final norm and the head (soft-capped where the
-/// config says).
+/// stream `x` `[T, hidden]` go through the final norm and the head `[vocab, hidden]`
+/// (soft-capped where the config says). `vocab`: the head's rows (a shard's, under tensor
+/// parallelism).
 pub fn final_logits<B: Backend>(
     backend: &B,
     cfg: &ModelConfig,
@@ -339,12 +428,9 @@ pub fn final_logits<B: Backend>(
     batch: &DeviceBatch<B>,
     norm: &Norm<B>,
     head: &B::Buf,
+    vocab: usize,
 ) -> Result<B::Buf> {
-    let (r, hid, vocab) = (
-        batch.host.logits_rows.len(),
-        cfg.hidden_size,
-        cfg.vocab_size,
-    );
+    let (r, hid) = (batch.host.logits_rows.len(), cfg.hidden_size);
     let mut xs = backend.alloc_f32(r * hid)?; // [R, hidden]
     backend.gather_rows(x, &batch.logits_rows, hid, &mut xs)?;
     let mut xn = backend.alloc_f32(r * hid)?;

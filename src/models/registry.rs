@@ -15,6 +15,7 @@ use super::gpt2::Gpt2;
 use super::llama::Llama;
 use super::loader::WeightSource;
 use crate::backend::Backend;
+use crate::parallel::Placement;
 use crate::tensor::WeightDtype;
 use anyhow::{Result, bail};
 use serde_json::Value;
@@ -208,6 +209,24 @@ pub fn load<B: Backend>(
     max_positions: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn CausalLm<B>>> {
+    let place = Placement::single(cfg.num_layers);
+    load_shard(backend, cfg, src, dtype, max_positions, place, progress)
+}
+
+/// Uploads one worker's shard of a model (tensor and pipeline parallelism): the layers of its
+/// stage, the heads and columns of its tensor rank.
+pub fn load_shard<B: Backend>(
+    backend: &B,
+    cfg: &ModelConfig,
+    src: &dyn WeightSource,
+    dtype: WeightDtype,
+    max_positions: usize,
+    place: Placement<B>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Box<dyn CausalLm<B>>> {
+    if !place.is_single() {
+        check_parallel(cfg.arch)?;
+    }
     Ok(match cfg.arch {
         Arch::Gemma3 => Box::new(Gemma3::load(
             backend,
@@ -215,6 +234,7 @@ pub fn load<B: Backend>(
             src,
             dtype,
             max_positions,
+            place,
             progress,
         )?),
         Arch::Gpt2 => Box::new(Gpt2::load(
@@ -234,9 +254,22 @@ pub fn load<B: Backend>(
             progress,
         )?),
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => Box::new(
-            Llama::load(backend, cfg, src, dtype, max_positions, progress)?,
+            Llama::load(backend, cfg, src, dtype, max_positions, place, progress)?,
         ),
     })
+}
+
+/// Whether the family's model splits over tensor-parallel ranks and pipeline stages.
+pub fn check_parallel(arch: Arch) -> Result<()> {
+    use Arch::*;
+    match arch {
+        Llama | Mistral | Qwen2 | Qwen3 | Phi3 | Gemma3 => Ok(()),
+        Gpt2 | Falcon => bail!(
+            "tensor and pipeline parallelism are not implemented for the {} family yet (only \
+             for llama, mistral, qwen2, qwen3, phi3 and gemma3): run it with sizes 1",
+            arch.name()
+        ),
+    }
 }
 
 #[cfg(test)]

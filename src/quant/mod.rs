@@ -267,6 +267,58 @@ impl QuantTensor {
         QuantTensor::new(part.ty, order.len(), self.k, data)
     }
 
+    /// Rows `r` of all parts (a tensor-parallel shard of a column-parallel weight).
+    pub fn slice_rows(&self, r: std::ops::Range<usize>) -> Result<QuantTensor> {
+        if r.start >= r.end || r.end > self.rows() {
+            bail!(
+                "rows {}..{} of a weight with {} rows",
+                r.start,
+                r.end,
+                self.rows()
+            );
+        }
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for p in &self.parts {
+            let (lo, hi) = (r.start.max(at), r.end.min(at + p.rows));
+            if lo < hi {
+                let rb = p.data.len() / p.rows;
+                let data = p.data[(lo - at) * rb..(hi - at) * rb].to_vec();
+                pieces.push(QuantTensor::new(p.ty, hi - lo, self.k, data)?);
+            }
+            at += p.rows;
+        }
+        QuantTensor::stack(pieces)
+    }
+
+    /// Columns `c` of every row (a shard of a row-parallel weight), where `c` starts and ends
+    /// on a block boundary of every part; `None` where it does not (blocks cannot be split).
+    pub fn slice_cols(&self, c: std::ops::Range<usize>) -> Result<Option<QuantTensor>> {
+        if c.start >= c.end || c.end > self.k {
+            bail!(
+                "columns {}..{} of a weight with {} columns",
+                c.start,
+                c.end,
+                self.k
+            );
+        }
+        let mut pieces = Vec::with_capacity(self.parts.len());
+        for p in &self.parts {
+            let (be, bb) = p.ty.block_layout();
+            if !c.start.is_multiple_of(be) || !c.end.is_multiple_of(be) {
+                return Ok(None);
+            }
+            let rb = p.ty.row_bytes(self.k)?;
+            let (lo, hi) = (c.start / be * bb, c.end / be * bb);
+            let mut data = Vec::with_capacity(p.rows * (hi - lo));
+            for row in p.data.chunks_exact(rb) {
+                data.extend_from_slice(&row[lo..hi]);
+            }
+            pieces.push(QuantTensor::new(p.ty, p.rows, c.len(), data)?);
+        }
+        QuantTensor::stack(pieces).map(Some)
+    }
+
     /// The type and bytes of row `r`.
     pub fn row(&self, mut r: usize) -> Option<(GgmlType, &[u8])> {
         for p in &self.parts {

@@ -232,3 +232,65 @@ fn activation_quantization_round_trips_within_half_a_step() {
         assert!(q.u[r * q.kp + 96..(r + 1) * q.kp].iter().all(|&u| u == 128));
     }
 }
+
+/// Tensor-parallel shards of a block-format weight (rows, block-aligned columns, a zero row)
+/// hold exactly the values of the same slices of the dequantized weight, parts of several
+/// types included; columns that would split blocks give `None`.
+#[test]
+fn shards_of_quantized_weights_are_slices_of_their_values() {
+    use crate::models::Weight;
+    use crate::tensor::HostTensor;
+    let mut rng = Rng(0x5eed_0f5a_4d11);
+    let k = 512;
+    for (i, &ty) in TYPES.iter().enumerate() {
+        let other = TYPES[(i + 3) % TYPES.len()];
+        let w = QuantTensor::stack(vec![
+            random_weight(ty, 5, k, &mut rng),
+            random_weight(other, 4, k, &mut rng),
+        ])
+        .unwrap();
+        let dense = HostTensor::new(vec![9, k], w.dequantize().unwrap());
+        let rows = w.slice_rows(3..7).unwrap();
+        assert_eq!(rows.parts.len(), 2, "{ty}: both types in rows 3..7");
+        assert_eq!(
+            rows.dequantize().unwrap(),
+            dense.select_rows(&[3..5, 5..7]).unwrap().data,
+            "{ty}"
+        );
+        let cols = w.slice_cols(256..512).unwrap().unwrap();
+        assert_eq!(
+            cols.dequantize().unwrap(),
+            dense.slice_cols(256..512).unwrap().data,
+            "{ty}"
+        );
+        let small_blocks = ty.block_layout().0 == 32 && other.block_layout().0 == 32;
+        assert_eq!(
+            w.slice_cols(32..64).unwrap().is_some(),
+            small_blocks,
+            "{ty}"
+        );
+        let (t, _) = Weight::Quant(w.clone())
+            .select_rows(&[1..2, 6..9])
+            .unwrap()
+            .with_zero_row()
+            .unwrap()
+            .into_dense()
+            .unwrap();
+        let mut want = dense.select_rows(&[1..2, 6..9]).unwrap().data;
+        want.extend(std::iter::repeat_n(0.0, k));
+        assert_eq!((t.shape, t.data), (vec![5, k], want), "{ty}");
+        // columns splitting K-quant blocks: kept in f32 with the same values
+        let (t, stored) = Weight::Quant(w)
+            .slice_cols(96..160)
+            .unwrap()
+            .into_dense()
+            .unwrap();
+        assert_eq!(t.data, dense.slice_cols(96..160).unwrap().data, "{ty}");
+        assert_eq!(stored, crate::tensor::DType::F32);
+    }
+    assert!(
+        random_weight(GgmlType::Q4_1, 2, 64, &mut rng)
+            .slice_rows(1..3)
+            .is_err()
+    );
+}

@@ -1,0 +1,246 @@
+//! What a family needs to split its layers over workers (tensor and pipeline parallelism):
+//! one worker's slices of each kind of weight, its embedding through a vocabulary shard, and
+//! the hand-over between pipeline stages. A family written over these loads a single device's
+//! model with [`Placement::single`] and the same code.
+
+use super::config::ModelConfig;
+use super::kv_cache::{self, LayerKvSpec};
+use super::{Uploader, Weight, stack_linear};
+use crate::backend::{Backend, DeviceBatch, QkvLayout};
+use crate::parallel::{HeadShard, Placement, split_even};
+use anyhow::{Result, bail};
+use std::ops::Range;
+
+/// One tensor-parallel rank's part of every layer: its query heads and the KV heads they read
+/// (column-parallel QKV, the same columns of o_proj, which is row-parallel), a slice of the
+/// MLP's columns (gate/up by rows, down by columns), a contiguous part of the vocabulary. The
+/// MLP and the vocabulary need not divide: their parts differ by one at most.
+pub struct Shard {
+    pub tp: usize,
+    pub heads: HeadShard,
+    /// This rank's MLP columns, of `intermediate_size`.
+    pub ffn: Range<usize>,
+    /// This rank's part of the vocabulary.
+    pub vocab: Range<usize>,
+    /// This rank's heads as the kernels see them.
+    pub ql: QkvLayout,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    f: usize,
+}
+
+fn shift(r: &Range<usize>, by: usize) -> Range<usize> {
+    r.start + by..r.end + by
+}
+
+impl Shard {
+    pub fn new<B: Backend>(c: &ModelConfig, place: &Placement<B>) -> Result<Self> {
+        let (tp, rank) = (place.tp_size(), place.tp_rank());
+        let heads = HeadShard::new(c.num_heads, c.num_kv_heads, tp, rank)?;
+        let ql = QkvLayout {
+            num_heads: heads.q.len(),
+            num_kv_heads: heads.kv.len(),
+            head_dim: c.head_dim,
+        };
+        Ok(Shard {
+            tp,
+            ffn: split_even(c.intermediate_size, tp, rank),
+            vocab: place.vocab(c.vocab_size),
+            heads,
+            ql,
+            h: c.num_heads,
+            hkv: c.num_kv_heads,
+            d: c.head_dim,
+            f: c.intermediate_size,
+        })
+    }
+
+    fn q_rows(&self) -> Range<usize> {
+        self.heads.q.start * self.d..self.heads.q.end * self.d
+    }
+
+    fn kv_rows(&self) -> Range<usize> {
+        self.heads.kv.start * self.d..self.heads.kv.end * self.d
+    }
+
+    /// What each of this worker's layers keeps in the KV cache: its stage's layers, its KV
+    /// heads.
+    pub fn kv_spec<B: Backend>(&self, c: &ModelConfig, place: &Placement<B>) -> Vec<LayerKvSpec> {
+        kv_cache::default_spec(c)[place.layers.clone()]
+            .iter()
+            .map(|s| LayerKvSpec {
+                num_kv_heads: self.ql.num_kv_heads,
+                ..*s
+            })
+            .collect()
+    }
+
+    /// This rank's rows of the Q, K and V projections (weights or biases), stacked.
+    pub fn qkv(&self, q: Weight, k: Weight, v: Weight) -> Result<Weight> {
+        stack_linear(vec![
+            q.select_rows(&[self.q_rows()])?,
+            k.select_rows(&[self.kv_rows()])?,
+            v.select_rows(&[self.kv_rows()])?,
+        ])
+    }
+
+    /// This rank's rows of a fused QKV projection (`[(H + 2 Hkv) D, hidden]`).
+    pub fn qkv_fused(&self, w: Weight) -> Result<Weight> {
+        let kv = self.kv_rows();
+        w.select_rows(&[
+            self.q_rows(),
+            shift(&kv, self.h * self.d),
+            shift(&kv, (self.h + self.hkv) * self.d),
+        ])
+    }
+
+    /// This rank's columns of the attention output projection (`[hidden, H D]`).
+    pub fn o_proj(&self, w: Weight) -> Result<Weight> {
+        w.slice_cols(self.q_rows())
+    }
+
+    /// This rank's rows of the gate and up projections, stacked.
+    pub fn gate_up(&self, gate: Weight, up: Weight) -> Result<Weight> {
+        stack_linear(vec![
+            gate.select_rows(std::slice::from_ref(&self.ffn))?,
+            up.select_rows(std::slice::from_ref(&self.ffn))?,
+        ])
+    }
+
+    /// This rank's rows of a fused gate-up projection (`[2 F, hidden]`).
+    pub fn gate_up_fused(&self, w: Weight) -> Result<Weight> {
+        w.select_rows(&[self.ffn.clone(), shift(&self.ffn, self.f)])
+    }
+
+    /// This rank's columns of the down projection (`[hidden, F]`).
+    pub fn down(&self, w: Weight) -> Result<Weight> {
+        w.slice_cols(self.ffn.clone())
+    }
+
+    /// This rank's rows of a `[vocab, hidden]` table, uploaded, with its row count.
+    ///
+    /// NOTE: under tensor parallelism the table has one more row, of zeros: the row tokens
+    /// outside the shard read, so that the all-reduce of the embeddings adds the one real row
+    /// to zeros (exact). Used as a tied head, it gives one logit column more, which the
+    /// runner drops.
+    pub fn vocab_table<B: Backend>(
+        &self,
+        up: &mut Uploader<B>,
+        name: &str,
+        hidden: usize,
+        vocab: usize,
+    ) -> Result<(B::Buf, usize)> {
+        let w = up
+            .fetch_linear(name, &[vocab, hidden])?
+            .select_rows(std::slice::from_ref(&self.vocab))?;
+        if self.tp > 1 {
+            Ok((up.upload_linear(w.with_zero_row()?)?, self.vocab.len() + 1))
+        } else {
+            Ok((up.upload_linear(w)?, self.vocab.len()))
+        }
+    }
+
+    /// The token ids as rows of this rank's vocabulary table: ids outside it read the last row
+    /// (zeros).
+    fn shard_ids(&self, ids: &[u32], vocab: usize) -> Result<Vec<u32>> {
+        let zero_row = self.vocab.len() as u32;
+        ids.iter()
+            .map(|&id| {
+                let i = id as usize;
+                if i >= vocab {
+                    bail!("token id {id} is outside the vocabulary of {vocab}");
+                }
+                Ok(if self.vocab.contains(&i) {
+                    (i - self.vocab.start) as u32
+                } else {
+                    zero_row
+                })
+            })
+            .collect()
+    }
+}
+
+/// The residual stream `[T, hidden]` a stage starts from: on the first stage the embeddings of
+/// the batch's tokens (looked up in this rank's vocabulary part, then added over the ranks),
+/// on a later one what the previous stage sent.
+pub fn stage_input<B: Backend>(
+    backend: &B,
+    place: &Placement<B>,
+    shard: &Shard,
+    table: Option<&B::Buf>,
+    batch: &DeviceBatch<B>,
+    cfg: &ModelConfig,
+) -> Result<B::Buf> {
+    let (t, hid) = (batch.host.num_tokens(), cfg.hidden_size);
+    let (tp, pp) = (&place.tp, &place.pp);
+    let Some(table) = table.filter(|_| place.first_stage()) else {
+        return pp.recv(backend, t * hid, pp.rank() - 1);
+    };
+    let mut x = backend.alloc_f32(t * hid)?;
+    if tp.size() > 1 {
+        let ids = shard.shard_ids(&batch.host.token_ids, cfg.vocab_size)?;
+        backend.embedding(table, &backend.upload_u32(&ids)?, hid, &mut x)?;
+        tp.all_reduce_sum(backend, &mut x, t * hid)?;
+    } else {
+        backend.embedding(table, &batch.token_ids, hid, &mut x)?;
+    }
+    Ok(x)
+}
+
+/// Where a stage before the last ends: its residual stream goes on to the next stage (and is
+/// returned as its output).
+pub fn send_on<B: Backend>(
+    backend: &B,
+    place: &Placement<B>,
+    x: B::Buf,
+    n: usize,
+) -> Result<B::Buf> {
+    place.pp.send(backend, &x, n, place.pp.rank() + 1)?;
+    Ok(x)
+}
+
+/// The LM head of the last stage: its own table (this rank's rows, with their count), or the
+/// embedding's (tied).
+pub enum Head<B: Backend> {
+    Own(B::Buf, usize),
+    Tied,
+}
+
+impl<B: Backend> Head<B> {
+    /// The last stage's head: `lm_head` unless the model is tied or the checkpoint omits it
+    /// (NOTE: some do although their config says untied), else the embedding table, loaded
+    /// here where this stage has none of its own (`embed`: whether it has).
+    pub fn load(
+        up: &mut Uploader<B>,
+        shard: &Shard,
+        cfg: &ModelConfig,
+        embed: bool,
+    ) -> Result<Head<B>> {
+        let (hid, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let own = match cfg.tie_word_embeddings {
+            true => None,
+            false => up.fetch_linear_opt("lm_head.weight", &[vocab, hid])?,
+        };
+        Ok(match own {
+            Some(w) => {
+                let w = w.select_rows(std::slice::from_ref(&shard.vocab))?;
+                Head::Own(up.upload_linear(w)?, shard.vocab.len())
+            }
+            None if embed => Head::Tied,
+            None => {
+                let (t, rows) = shard.vocab_table(up, "model.embed_tokens.weight", hid, vocab)?;
+                Head::Own(t, rows)
+            }
+        })
+    }
+
+    /// The table and its rows.
+    pub fn table<'a>(&'a self, embed: Option<&'a (B::Buf, usize)>) -> Result<(&'a B::Buf, usize)> {
+        match (self, embed) {
+            (Head::Own(w, rows), _) => Ok((w, *rows)),
+            (Head::Tied, Some((t, rows))) => Ok((t, *rows)),
+            (Head::Tied, None) => bail!("a tied LM head without an embedding table"),
+        }
+    }
+}
