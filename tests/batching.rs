@@ -50,13 +50,20 @@ fn engine_args(kv_bytes: Option<u64>, prefix_caching: bool) -> EngineArgs {
     }
 }
 
-#[test]
-fn batch_with_preemption_equals_each_alone() {
-    let prompts = prompts(64);
-    let max_tokens = |i: usize| 4 + i % 5;
-    // Alone: one request at a time, every prompt computed in full.
-    let mut alone = LLM::new(engine_args(None, false)).unwrap();
-    let want: Vec<Vec<u32>> = prompts
+/// The prompts that `only` picks, each alone: one request at a time, every prompt computed in
+/// full; and every prompt's length in tokens.
+fn alone(
+    prompts: &[String],
+    max_tokens: impl Fn(usize) -> usize,
+    parallel: ParallelConfig,
+    only: impl Fn(usize) -> bool,
+) -> (Vec<Option<Vec<u32>>>, Vec<usize>) {
+    let mut llm = LLM::new(EngineArgs {
+        parallel,
+        ..engine_args(None, false)
+    })
+    .unwrap();
+    let want = prompts
         .iter()
         .enumerate()
         .map(|(i, p)| {
@@ -65,47 +72,74 @@ fn batch_with_preemption_equals_each_alone() {
                 ignore_eos: true,
                 ..SamplingParams::greedy()
             };
-            alone
-                .generate(&[p.as_str()], &params)
-                .unwrap()
-                .remove(0)
-                .outputs
-                .remove(0)
-                .token_ids
+            only(i).then(|| {
+                llm.generate(&[p.as_str()], &params)
+                    .unwrap()
+                    .remove(0)
+                    .outputs
+                    .remove(0)
+                    .token_ids
+            })
         })
         .collect();
-    let lens: Vec<usize> = prompts
+    let lens = prompts
         .iter()
-        .map(|p| alone.engine().tokenizer().encode(p).unwrap().len())
+        .map(|p| llm.engine().tokenizer().encode(p).unwrap().len())
         .collect();
+    (want, lens)
+}
+
+#[test]
+fn batch_with_preemption_equals_each_alone() {
+    let prompts = prompts(64);
+    let max_tokens = |i: usize| 4 + i % 5;
+    let one = ParallelConfig::default();
+    let (want, lens) = alone(&prompts, max_tokens, one, |_| true);
     assert!(
         *lens.iter().min().unwrap() >= 10
             && *lens.iter().max().unwrap() <= 700
             && *lens.iter().max().unwrap() > 450,
         "{lens:?}"
     );
-    drop(alone);
-
-    // NOTE: two runs cover prefix caching on and off and both preemption modes; a third
-    // splits the model over 3 tensor-parallel workers (SmolLM2's 9 heads, 3 KV heads), whose
-    // greedy tokens are the single device's.
-    for (caching, mode, tensor) in [
-        (true, PreemptionMode::Recompute, 1),
-        (false, PreemptionMode::Swap, 1),
-        (true, PreemptionMode::Recompute, 3),
+    // NOTE: two runs cover prefix caching on and off and both preemption modes.
+    for (caching, mode) in [
+        (true, PreemptionMode::Recompute),
+        (false, PreemptionMode::Swap),
     ] {
-        let parallel = ParallelConfig {
-            tensor,
-            pipeline: 1,
-        };
-        together(&prompts, &want, &lens, max_tokens, caching, mode, parallel);
+        together(&prompts, &want, &lens, max_tokens, caching, mode, one);
     }
+}
+
+/// The same under tensor parallelism 3 (SmolLM2's 9 heads, 3 KV heads): the split model is
+/// batch-invariant too. All 64 prompts run together; every fourth is also run alone, to keep
+/// the test short. NOTE: against the split model alone, not the single device: with the
+/// weights in Q4_1, activations are quantized to 8 bits per block, so the last-bit differences
+/// of sums split over ranks can flip a rounding and the outputs then differ at that
+/// quantization's level (in f32 a split reproduces the goldens: tests/parallel.rs).
+#[test]
+fn batch_with_preemption_equals_each_alone_under_tensor_parallelism() {
+    let prompts = prompts(64);
+    let max_tokens = |i: usize| 4 + i % 5;
+    let tp3 = ParallelConfig {
+        tensor: 3,
+        pipeline: 1,
+    };
+    let (want, lens) = alone(&prompts, max_tokens, tp3, |i| i % 4 == 0);
+    together(
+        &prompts,
+        &want,
+        &lens,
+        max_tokens,
+        true,
+        PreemptionMode::Recompute,
+        tp3,
+    );
 }
 
 /// All prompts at once in a pool of 2048 tokens (SmolLM2: 46080 bytes of K/V per token).
 fn together(
     prompts: &[String],
-    want: &[Vec<u32>],
+    want: &[Option<Vec<u32>>],
     lens: &[usize],
     max_tokens: impl Fn(usize) -> usize,
     caching: bool,
@@ -131,9 +165,10 @@ fn together(
         })
         .collect();
     let outs = llm.generate_each(reqs).unwrap();
-    for (i, o) in outs.iter().enumerate() {
+    for (i, (o, want)) in outs.iter().zip(want).enumerate() {
+        let Some(want) = want else { continue };
         assert_eq!(
-            o.outputs[0].token_ids, want[i],
+            &o.outputs[0].token_ids, want,
             "prompt {i} ({} tokens), prefix caching {caching}, {mode:?}, {parallel:?}",
             lens[i]
         );

@@ -93,7 +93,6 @@ pub fn build_parallel<B: Backend>(
     let pc = args.parallel;
     let cfg = &model.config;
     pc.check(cfg)?;
-    registry::check_parallel(cfg.arch)?;
     let probe = make()?;
     let positions = plan(&probe, model, args)?;
     let token_budget = probe.default_token_budget();

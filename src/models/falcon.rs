@@ -7,13 +7,16 @@
 
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufTensorName, map_name};
-use super::kv_cache::KvCache;
+use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use super::{CausalLm, Norm, Uploader, WeightStats, attend, check_positions, final_logits};
+use super::shard::{Shard, send_on, stage_input};
+use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions, final_logits};
 use crate::backend::{Backend, DeviceBatch};
+use crate::parallel::Placement;
 use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+use std::ops::Range;
 
 /// Falcon's own config keys, copied to the common names; the KV heads follow transformers:
 /// `num_kv_heads` in the new architecture, 1 with `multi_query`, else one per query head.
@@ -164,34 +167,42 @@ fn reorder_qkv(t: HostTensor, c: &ModelConfig) -> HostTensor {
 struct Layer<B: Backend> {
     ln_attn: Norm<B>,        // LayerNorm [hidden]: input_layernorm or ln_attn
     ln_mlp: Option<Norm<B>>, // ln_mlp (two norms) or post_attention_layernorm (sequential)
-    w_qkv: B::Buf,           // [(H + 2 Hkv) D, hidden]
+    w_qkv: B::Buf,           // [(H + 2 Hkv) D, hidden] of this rank's heads
     b_qkv: Option<B::Buf>,
-    w_o: B::Buf, // [hidden, H D]
-    b_o: Option<B::Buf>,
-    w_up: B::Buf, // [F, hidden]
+    w_o: B::Buf,         // [hidden, H D]
+    b_o: Option<B::Buf>, // on tensor rank 0 only (added once to the sum)
+    w_up: B::Buf,        // [F, hidden]
     b_up: Option<B::Buf>,
-    w_down: B::Buf, // [hidden, F]
-    b_down: Option<B::Buf>,
+    w_down: B::Buf,         // [hidden, F]
+    b_down: Option<B::Buf>, // on tensor rank 0 only
 }
 
 pub struct Falcon<B: Backend> {
     cfg: ModelConfig,
-    embed: B::Buf, // [vocab, hidden]; also the lm_head
+    /// This rank's heads, MLP columns and vocabulary (all of them on one device).
+    shard: Shard,
+    /// `[rows, hidden]`: this rank's part of the embedding (also the lm_head), with its row
+    /// count; on the first and the last stage.
+    embed: Option<(B::Buf, usize)>,
     layers: Vec<Layer<B>>,
-    ln_f: Norm<B>,
+    ln_f: Option<Norm<B>>, // on the last stage
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     max_positions: usize,
     weights: WeightStats,
+    place: Placement<B>,
 }
 
 impl<B: Backend> Falcon<B> {
+    /// Uploads the weights of one worker's shard (`place`; [`Placement::single`]: all of
+    /// them). `max_positions` bounds the RoPE tables (the max model length).
     pub fn load(
         backend: &B,
         cfg: &ModelConfig,
         src: &dyn WeightSource,
         dtype: WeightDtype,
         max_positions: usize,
+        place: Placement<B>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = cfg;
@@ -206,9 +217,18 @@ impl<B: Backend> Falcon<B> {
             bail!("Falcon with an untied lm_head is not supported");
         }
         let bias = flag(c, "bias");
-        let total = c.num_layers + 2;
+        let sh = Shard::new(c, &place)?;
+        let total = place.layers.len() + 2;
         let mut up = Uploader::new(backend, src, dtype);
-        let embed = up.linear("transformer.word_embeddings.weight", &[c.vocab_size, hid])?;
+        let embed = match place.first_stage() || place.last_stage() {
+            true => Some(sh.vocab_table(
+                &mut up,
+                "transformer.word_embeddings.weight",
+                hid,
+                c.vocab_size,
+            )?),
+            false => None,
+        };
         progress(1, total);
         let ln = |up: &mut Uploader<B>, name: &str| -> Result<Norm<B>> {
             Ok(Norm::Layer(
@@ -216,16 +236,17 @@ impl<B: Backend> Falcon<B> {
                 up.weight(&format!("{name}.bias"), &[hid], DType::F32)?,
             ))
         };
-        let opt_bias = |up: &mut Uploader<B>, name: &str, n: usize| -> Result<Option<B::Buf>> {
-            if bias {
-                Ok(Some(up.weight(name, &[n], DType::F32)?))
-            } else {
-                Ok(None)
+        // NOTE: a row-parallel projection's bias is added once, by rank 0, before the sum.
+        let rank0 = place.tp_rank() == 0;
+        let row_bias = |up: &mut Uploader<B>, name: &str| -> Result<Option<B::Buf>> {
+            match bias && rank0 {
+                true => Ok(Some(up.weight(name, &[hid], DType::F32)?)),
+                false => Ok(None),
             }
         };
         let rows = (h + 2 * hkv) * d;
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for l in 0..c.num_layers {
+        let mut layers = Vec::with_capacity(place.layers.len());
+        for l in place.layers.clone() {
             let n = |s: &str| format!("transformer.h.{l}.{s}");
             let (ln_attn, ln_mlp) = if flag(c, "two_norms") {
                 (
@@ -248,29 +269,45 @@ impl<B: Backend> Falcon<B> {
                     up.fetch(&n("self_attention.query_key_value.bias"), &[rows])?,
                     c,
                 );
+                let (b, _) = sh.qkv_fused(Weight::dense(b, DType::F32))?.into_dense()?;
                 Some(up.upload(&b, DType::F32)?)
             } else {
                 None
             };
+            let b_up = if bias {
+                let b = up.fetch(&n("mlp.dense_h_to_4h.bias"), &[f])?;
+                let (b, _) = sh.ffn_rows(Weight::dense(b, DType::F32))?.into_dense()?;
+                Some(up.upload(&b, DType::F32)?)
+            } else {
+                None
+            };
+            let w_o =
+                sh.o_proj(up.fetch_linear(&n("self_attention.dense.weight"), &[hid, h * d])?)?;
+            let w_up = sh.ffn_rows(up.fetch_linear(&n("mlp.dense_h_to_4h.weight"), &[f, hid])?)?;
+            let w_down = sh.down(up.fetch_linear(&n("mlp.dense_4h_to_h.weight"), &[hid, f])?)?;
             layers.push(Layer {
                 ln_attn,
                 ln_mlp,
-                w_qkv: up.upload_linear(wqkv)?,
+                w_qkv: up.upload_linear(sh.qkv_fused(wqkv)?)?,
                 b_qkv,
-                w_o: up.linear(&n("self_attention.dense.weight"), &[hid, h * d])?,
-                b_o: opt_bias(&mut up, &n("self_attention.dense.bias"), hid)?,
-                w_up: up.linear(&n("mlp.dense_h_to_4h.weight"), &[f, hid])?,
-                b_up: opt_bias(&mut up, &n("mlp.dense_h_to_4h.bias"), f)?,
-                w_down: up.linear(&n("mlp.dense_4h_to_h.weight"), &[hid, f])?,
-                b_down: opt_bias(&mut up, &n("mlp.dense_4h_to_h.bias"), hid)?,
+                w_o: up.upload_linear(w_o)?,
+                b_o: row_bias(&mut up, &n("self_attention.dense.bias"))?,
+                w_up: up.upload_linear(w_up)?,
+                b_up,
+                w_down: up.upload_linear(w_down)?,
+                b_down: row_bias(&mut up, &n("mlp.dense_4h_to_h.bias"))?,
             });
-            progress(l + 2, total);
+            progress(l - place.layers.start + 2, total);
         }
-        let ln_f = ln(&mut up, "transformer.ln_f")?;
+        let ln_f = match place.last_stage() {
+            true => Some(ln(&mut up, "transformer.ln_f")?),
+            false => None,
+        };
         progress(total, total);
         let (cos, sin) = super::rope::tables(c, c.rope_theta, max_positions);
         Ok(Falcon {
             cfg: c.clone(),
+            shard: sh,
             embed,
             layers,
             ln_f,
@@ -278,6 +315,7 @@ impl<B: Backend> Falcon<B> {
             rope_sin: backend.upload_f32(&sin)?,
             max_positions,
             weights: up.stats,
+            place,
         })
     }
 }
@@ -291,25 +329,37 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
         &self.weights
     }
 
+    fn kv_spec(&self) -> Vec<LayerKvSpec> {
+        self.shard.kv_spec(&self.cfg, &self.place)
+    }
+
+    fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
+        self.ln_f.as_ref()?;
+        Some((self.shard.vocab.clone(), self.embed.as_ref()?.1))
+    }
+
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
         check_positions(&batch.host.positions, self.max_positions)?;
-        let (hid, f) = (c.hidden_size, c.intermediate_size);
-        let ql = c.qkv_layout();
+        let (hid, f) = (c.hidden_size, self.shard.ffn.len());
+        let ql = self.shard.ql;
         let eps = c.rms_norm_eps as f32;
         let parallel = flag(c, "parallel_attn");
-        let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
+        let tp = &self.place.tp;
+        let embed = self.embed.as_ref().map(|e| &e.0);
+        // [T, hidden] residual stream
+        let mut x = stage_input(backend, &self.place, &self.shard, embed, batch, c)?;
         let mut ha = backend.alloc_f32(t * hid)?; // [T, hidden] attention's normed input
         let mut hm = backend.alloc_f32(t * hid)?; // [T, hidden] the MLP's normed input
-        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D]
+        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
         let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
         let mut u = backend.alloc_f32(t * f)?; // [T, F]
         let mut oa = backend.alloc_f32(t * hid)?; // [T, hidden] attention output
         let mut om = backend.alloc_f32(t * hid)?; // [T, hidden] MLP output
 
-        backend.embedding(&self.embed, &batch.token_ids, hid, &mut x)?;
-        for (l, w) in self.layers.iter().enumerate() {
+        for (j, w) in self.layers.iter().enumerate() {
+            let l = self.place.layers.start + j;
             w.ln_attn.apply(backend, &x, t, hid, eps, &mut ha)?;
             backend.matmul(
                 &ha,
@@ -331,7 +381,7 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
             attend(
                 backend,
                 kv,
-                l,
+                j,
                 &qkv,
                 batch,
                 ql,
@@ -339,6 +389,7 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
                 &mut attn,
             )?;
             backend.matmul(&attn, &w.w_o, w.b_o.as_ref(), t, ql.q_len(), hid, &mut oa)?;
+            tp.all_reduce_sum(backend, &mut oa, t * hid)?;
             // The MLP reads: ln_mlp(x) (two norms), the attention's normed input (parallel,
             // one norm), or post_attention_layernorm(x + attention) (sequential).
             let mlp_in = match (&w.ln_mlp, parallel) {
@@ -356,11 +407,19 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
             backend.matmul(mlp_in, &w.w_up, w.b_up.as_ref(), t, hid, f, &mut u)?;
             backend.act(&mut u, t * f, c.hidden_act)?;
             backend.matmul(&u, &w.w_down, w.b_down.as_ref(), t, f, hid, &mut om)?;
+            tp.all_reduce_sum(backend, &mut om, t * hid)?;
             if parallel {
                 backend.add_assign(&mut x, &oa, t * hid)?;
             }
             backend.add_assign(&mut x, &om, t * hid)?;
         }
-        final_logits(backend, c, &x, batch, &self.ln_f, &self.embed, c.vocab_size)
+        let Some(ln_f) = &self.ln_f else {
+            return send_on(backend, &self.place, x, t * hid);
+        };
+        let (head, rows) = self
+            .embed
+            .as_ref()
+            .context("the last stage without a head")?;
+        final_logits(backend, c, &x, batch, ln_f, head, *rows)
     }
 }

@@ -7,13 +7,16 @@
 
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
-use super::kv_cache::KvCache;
+use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use super::{CausalLm, Norm, Uploader, WeightStats, attend, check_positions, final_logits};
+use super::shard::{Shard, send_on, stage_input};
+use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions, final_logits};
 use crate::backend::{Backend, DeviceBatch};
+use crate::parallel::Placement;
 use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
+use std::ops::Range;
 
 /// GPT-2's config names the common fields its own way (`n_embd`, `n_head`, ...): they are
 /// copied to the common names before the common parse.
@@ -108,34 +111,42 @@ pub fn transpose(t: HostTensor) -> HostTensor {
 }
 
 struct Layer<B: Backend> {
-    ln_1: Norm<B>,  // LayerNorm [hidden]
-    w_qkv: B::Buf,  // [3 H D, hidden]
-    b_qkv: B::Buf,  // [3 H D]
-    w_o: B::Buf,    // [hidden, H D]
-    b_o: B::Buf,    // [hidden]
-    ln_2: Norm<B>,  // LayerNorm [hidden]
-    w_fc: B::Buf,   // [F, hidden]
-    b_fc: B::Buf,   // [F]
-    w_proj: B::Buf, // [hidden, F]
-    b_proj: B::Buf, // [hidden]
+    ln_1: Norm<B>,          // LayerNorm [hidden]
+    w_qkv: B::Buf,          // [3 H D, hidden] (this rank's heads)
+    b_qkv: B::Buf,          // [3 H D]
+    w_o: B::Buf,            // [hidden, H D]
+    b_o: Option<B::Buf>,    // [hidden]; on tensor rank 0 only (added once to the sum)
+    ln_2: Norm<B>,          // LayerNorm [hidden]
+    w_fc: B::Buf,           // [F, hidden]
+    b_fc: B::Buf,           // [F]
+    w_proj: B::Buf,         // [hidden, F]
+    b_proj: Option<B::Buf>, // [hidden]; on tensor rank 0 only
 }
 
 pub struct Gpt2<B: Backend> {
     cfg: ModelConfig,
-    wte: B::Buf, // [vocab, hidden]; also the lm_head
-    wpe: B::Buf, // [n_positions, hidden]
+    /// This rank's heads, MLP columns and vocabulary (all of them on one device).
+    shard: Shard,
+    /// `[rows, hidden]`: this rank's part of wte (also the lm_head), with its row count; on
+    /// the first and the last stage.
+    wte: Option<(B::Buf, usize)>,
+    wpe: Option<B::Buf>, // [n_positions, hidden], on the first stage
     layers: Vec<Layer<B>>,
-    ln_f: Norm<B>,
+    ln_f: Option<Norm<B>>, // on the last stage
     weights: WeightStats,
+    place: Placement<B>,
 }
 
 impl<B: Backend> Gpt2<B> {
+    /// Uploads the weights of one worker's shard (`place`; [`Placement::single`]: all of
+    /// them).
     pub fn load(
         backend: &B,
         cfg: &ModelConfig,
         src: &dyn WeightSource,
         dtype: WeightDtype,
         max_positions: usize,
+        place: Placement<B>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = cfg;
@@ -150,10 +161,21 @@ impl<B: Backend> Gpt2<B> {
                 c.max_position_embeddings
             );
         }
-        let total = c.num_layers + 2;
+        if !c.tie_word_embeddings {
+            bail!("GPT-2 with an untied lm_head is not supported");
+        }
+        let sh = Shard::new(c, &place)?;
+        let total = place.layers.len() + 2;
         let mut up = Uploader::new(backend, src, dtype);
-        let wte = up.linear("transformer.wte.weight", &[c.vocab_size, hid])?;
-        let wpe = up.linear("transformer.wpe.weight", &[c.max_position_embeddings, hid])?;
+        // NOTE: wte is the head too: the first and the last stage have it.
+        let wte = match place.first_stage() || place.last_stage() {
+            true => Some(sh.vocab_table(&mut up, "transformer.wte.weight", hid, c.vocab_size)?),
+            false => None,
+        };
+        let wpe = match place.first_stage() {
+            true => Some(up.linear("transformer.wpe.weight", &[c.max_position_embeddings, hid])?),
+            false => None,
+        };
         progress(1, total);
         let ln = |up: &mut Uploader<B>, name: &str| -> Result<Norm<B>> {
             Ok(Norm::Layer(
@@ -161,40 +183,58 @@ impl<B: Backend> Gpt2<B> {
                 up.weight(&format!("{name}.bias"), &[hid], DType::F32)?,
             ))
         };
-        // a Conv1D weight `[in, out]`, uploaded as `[out, in]`
-        let conv = |up: &mut Uploader<B>, name: &str, i: usize, o: usize| -> Result<B::Buf> {
-            let w = up.fetch_linear(name, &[i, o])?.map_dense(transpose)?;
-            up.upload_linear(w)
+        // a Conv1D weight `[in, out]`, as `[out, in]`
+        let conv = |up: &Uploader<B>, name: &str, i: usize, o: usize| -> Result<Weight> {
+            up.fetch_linear(name, &[i, o])?.map_dense(transpose)
         };
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for l in 0..c.num_layers {
+        let bias = |up: &Uploader<B>, name: &str, n: usize| -> Result<Weight> {
+            Ok(Weight::dense(up.fetch(name, &[n])?, DType::F32))
+        };
+        // NOTE: a row-parallel projection's bias is added once, by rank 0, before the sum.
+        let rank0 = place.tp_rank() == 0;
+        let mut layers = Vec::with_capacity(place.layers.len());
+        for l in place.layers.clone() {
             let n = |s: &str| format!("transformer.h.{l}.{s}");
+            let (b_qkv, _) = sh
+                .qkv_fused(bias(&up, &n("attn.c_attn.bias"), 3 * q)?)?
+                .into_dense()?;
+            let (b_fc, _) = sh
+                .ffn_rows(bias(&up, &n("mlp.c_fc.bias"), f)?)?
+                .into_dense()?;
+            let w_qkv = sh.qkv_fused(conv(&up, &n("attn.c_attn.weight"), hid, 3 * q)?)?;
+            let w_o = sh.o_proj(conv(&up, &n("attn.c_proj.weight"), q, hid)?)?;
+            let w_fc = sh.ffn_rows(conv(&up, &n("mlp.c_fc.weight"), hid, f)?)?;
+            let w_proj = sh.down(conv(&up, &n("mlp.c_proj.weight"), f, hid)?)?;
+            let b_o = up.fetch(&n("attn.c_proj.bias"), &[hid])?;
+            let b_proj = up.fetch(&n("mlp.c_proj.bias"), &[hid])?;
             layers.push(Layer {
                 ln_1: ln(&mut up, &n("ln_1"))?,
-                w_qkv: conv(&mut up, &n("attn.c_attn.weight"), hid, 3 * q)?,
-                b_qkv: up.weight(&n("attn.c_attn.bias"), &[3 * q], DType::F32)?,
-                w_o: conv(&mut up, &n("attn.c_proj.weight"), q, hid)?,
-                b_o: up.weight(&n("attn.c_proj.bias"), &[hid], DType::F32)?,
+                w_qkv: up.upload_linear(w_qkv)?,
+                b_qkv: up.upload(&b_qkv, DType::F32)?,
+                w_o: up.upload_linear(w_o)?,
+                b_o: rank0.then(|| up.upload(&b_o, DType::F32)).transpose()?,
                 ln_2: ln(&mut up, &n("ln_2"))?,
-                w_fc: conv(&mut up, &n("mlp.c_fc.weight"), hid, f)?,
-                b_fc: up.weight(&n("mlp.c_fc.bias"), &[f], DType::F32)?,
-                w_proj: conv(&mut up, &n("mlp.c_proj.weight"), f, hid)?,
-                b_proj: up.weight(&n("mlp.c_proj.bias"), &[hid], DType::F32)?,
+                w_fc: up.upload_linear(w_fc)?,
+                b_fc: up.upload(&b_fc, DType::F32)?,
+                w_proj: up.upload_linear(w_proj)?,
+                b_proj: rank0.then(|| up.upload(&b_proj, DType::F32)).transpose()?,
             });
-            progress(l + 2, total);
+            progress(l - place.layers.start + 2, total);
         }
-        let ln_f = ln(&mut up, "transformer.ln_f")?;
-        if !c.tie_word_embeddings {
-            bail!("GPT-2 with an untied lm_head is not supported");
-        }
+        let ln_f = match place.last_stage() {
+            true => Some(ln(&mut up, "transformer.ln_f")?),
+            false => None,
+        };
         progress(total, total);
         Ok(Gpt2 {
             cfg: c.clone(),
+            shard: sh,
             wte,
             wpe,
             layers,
             ln_f,
             weights: up.stats,
+            place,
         })
     }
 }
@@ -208,45 +248,64 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
         &self.weights
     }
 
+    fn kv_spec(&self) -> Vec<LayerKvSpec> {
+        self.shard.kv_spec(&self.cfg, &self.place)
+    }
+
+    fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
+        self.ln_f.as_ref()?;
+        Some((self.shard.vocab.clone(), self.wte.as_ref()?.1))
+    }
+
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let c = &self.cfg;
         let t = batch.host.num_tokens();
         check_positions(&batch.host.positions, c.max_position_embeddings)?;
-        let (hid, f) = (c.hidden_size, c.intermediate_size);
-        let ql = c.qkv_layout();
+        let (hid, f) = (c.hidden_size, self.shard.ffn.len());
+        let ql = self.shard.ql;
         let eps = c.rms_norm_eps as f32;
-        let mut x = backend.alloc_f32(t * hid)?; // [T, hidden] residual stream
+        let tp = &self.place.tp;
         let mut h = backend.alloc_f32(t * hid)?; // [T, hidden]
-        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, 3 H D]
+        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, 3 H D] of this rank
         let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
         let mut u = backend.alloc_f32(t * f)?; // [T, F]
         let mut o = backend.alloc_f32(t * hid)?; // [T, hidden]
 
-        // x = wte[ids] + wpe[positions]
-        backend.embedding(&self.wte, &batch.token_ids, hid, &mut x)?;
-        backend.embedding(&self.wpe, &batch.positions, hid, &mut o)?;
-        backend.add_assign(&mut x, &o, t * hid)?;
-        for (l, w) in self.layers.iter().enumerate() {
+        // x = wte[ids] + wpe[positions] on the first stage
+        let wte = self.wte.as_ref().map(|w| &w.0);
+        let mut x = stage_input(backend, &self.place, &self.shard, wte, batch, c)?;
+        if let Some(wpe) = &self.wpe {
+            backend.embedding(wpe, &batch.positions, hid, &mut o)?;
+            backend.add_assign(&mut x, &o, t * hid)?;
+        }
+        for (j, w) in self.layers.iter().enumerate() {
+            let l = self.place.layers.start + j;
             w.ln_1.apply(backend, &x, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_qkv, Some(&w.b_qkv), t, hid, ql.row_len(), &mut qkv)?;
             attend(
                 backend,
                 kv,
-                l,
+                j,
                 &qkv,
                 batch,
                 ql,
                 c.attention_options(l),
                 &mut attn,
             )?;
-            backend.matmul(&attn, &w.w_o, Some(&w.b_o), t, ql.q_len(), hid, &mut o)?;
+            backend.matmul(&attn, &w.w_o, w.b_o.as_ref(), t, ql.q_len(), hid, &mut o)?;
+            tp.all_reduce_sum(backend, &mut o, t * hid)?;
             backend.add_assign(&mut x, &o, t * hid)?;
             w.ln_2.apply(backend, &x, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_fc, Some(&w.b_fc), t, hid, f, &mut u)?;
             backend.act(&mut u, t * f, c.hidden_act)?;
-            backend.matmul(&u, &w.w_proj, Some(&w.b_proj), t, f, hid, &mut o)?;
+            backend.matmul(&u, &w.w_proj, w.b_proj.as_ref(), t, f, hid, &mut o)?;
+            tp.all_reduce_sum(backend, &mut o, t * hid)?;
             backend.add_assign(&mut x, &o, t * hid)?;
         }
-        final_logits(backend, c, &x, batch, &self.ln_f, &self.wte, c.vocab_size)
+        let Some(ln_f) = &self.ln_f else {
+            return send_on(backend, &self.place, x, t * hid);
+        };
+        let (head, rows) = self.wte.as_ref().context("the last stage without wte")?;
+        final_logits(backend, c, &x, batch, ln_f, head, *rows)
     }
 }

@@ -214,7 +214,7 @@ pub fn load<B: Backend>(
 }
 
 /// Uploads one worker's shard of a model (tensor and pipeline parallelism): the layers of its
-/// stage, the heads and columns of its tensor rank.
+/// stage, the heads and columns of its tensor rank. Every family splits (see `shard.rs`).
 pub fn load_shard<B: Backend>(
     backend: &B,
     cfg: &ModelConfig,
@@ -224,9 +224,6 @@ pub fn load_shard<B: Backend>(
     place: Placement<B>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn CausalLm<B>>> {
-    if !place.is_single() {
-        check_parallel(cfg.arch)?;
-    }
     Ok(match cfg.arch {
         Arch::Gemma3 => Box::new(Gemma3::load(
             backend,
@@ -243,6 +240,7 @@ pub fn load_shard<B: Backend>(
             src,
             dtype,
             max_positions,
+            place,
             progress,
         )?),
         Arch::Falcon => Box::new(Falcon::load(
@@ -251,25 +249,13 @@ pub fn load_shard<B: Backend>(
             src,
             dtype,
             max_positions,
+            place,
             progress,
         )?),
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => Box::new(
             Llama::load(backend, cfg, src, dtype, max_positions, place, progress)?,
         ),
     })
-}
-
-/// Whether the family's model splits over tensor-parallel ranks and pipeline stages.
-pub fn check_parallel(arch: Arch) -> Result<()> {
-    use Arch::*;
-    match arch {
-        Llama | Mistral | Qwen2 | Qwen3 | Phi3 | Gemma3 => Ok(()),
-        Gpt2 | Falcon => bail!(
-            "tensor and pipeline parallelism are not implemented for the {} family yet (only \
-             for llama, mistral, qwen2, qwen3, phi3 and gemma3): run it with sizes 1",
-            arch.name()
-        ),
-    }
 }
 
 #[cfg(test)]

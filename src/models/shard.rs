@@ -108,6 +108,11 @@ impl Shard {
         ])
     }
 
+    /// This rank's rows of a plain (ungated) MLP's first projection (`[F, hidden]`) or bias.
+    pub fn ffn_rows(&self, w: Weight) -> Result<Weight> {
+        w.select_rows(std::slice::from_ref(&self.ffn))
+    }
+
     /// This rank's rows of a fused gate-up projection (`[2 F, hidden]`).
     pub fn gate_up_fused(&self, w: Weight) -> Result<Weight> {
         w.select_rows(&[self.ffn.clone(), shift(&self.ffn, self.f)])
