@@ -351,6 +351,8 @@ fn engine_json(a: &EngineArgs, engine: &Engine) -> Value {
         "max_num_batched_tokens": engine.max_num_batched_tokens(),
         "max_num_seqs": a.max_num_seqs,
         "max_model_len": engine.max_model_len(),
+        "tensor_parallel_size": a.parallel.tensor,
+        "pipeline_parallel_size": a.parallel.pipeline,
     })
 }
 
