@@ -172,12 +172,7 @@ pub fn build_parallel<B: Backend>(
     let mut stats = WeightStats::default();
     for (_, lm, _) in &loaded {
         per_block += kv_cache::bytes_per_block(&lm.kv_spec(), args.block_size)?;
-        let s = lm.weight_stats();
-        stats.bytes += s.bytes;
-        stats.params += s.params;
-        for (t, b) in &s.by_type {
-            *stats.by_type.entry(t.clone()).or_default() += b;
-        }
+        stats.absorb(lm.weight_stats());
     }
     let num_blocks = pool_blocks(&loaded[0].0, args, stats.bytes, per_block, positions)?;
 

@@ -9,8 +9,8 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufTensorName, map_name};
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use super::shard::{Shard, send_on, stage_input};
-use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions, final_logits};
+use super::shard::{self, Head, Shard, stage_input, stage_output};
+use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
 use crate::tensor::{DType, HostTensor, WeightDtype};
@@ -185,7 +185,8 @@ pub struct Falcon<B: Backend> {
     /// count; on the first and the last stage.
     embed: Option<(B::Buf, usize)>,
     layers: Vec<Layer<B>>,
-    ln_f: Option<Norm<B>>, // on the last stage
+    /// The final norm and the head (tied: the embedding table), on the last stage.
+    head: Option<(Norm<B>, Head<B>)>,
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     max_positions: usize,
@@ -299,8 +300,8 @@ impl<B: Backend> Falcon<B> {
             });
             progress(l - place.layers.start + 2, total);
         }
-        let ln_f = match place.last_stage() {
-            true => Some(ln(&mut up, "transformer.ln_f")?),
+        let head = match place.last_stage() {
+            true => Some((ln(&mut up, "transformer.ln_f")?, Head::Tied)),
             false => None,
         };
         progress(total, total);
@@ -310,7 +311,7 @@ impl<B: Backend> Falcon<B> {
             shard: sh,
             embed,
             layers,
-            ln_f,
+            head,
             rope_cos: backend.upload_f32(&cos)?,
             rope_sin: backend.upload_f32(&sin)?,
             max_positions,
@@ -334,8 +335,7 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
     }
 
     fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
-        self.ln_f.as_ref()?;
-        Some((self.shard.vocab.clone(), self.embed.as_ref()?.1))
+        shard::logits_shard(&self.shard, self.head.as_ref(), self.embed.as_ref())
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
@@ -413,13 +413,14 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
             }
             backend.add_assign(&mut x, &om, t * hid)?;
         }
-        let Some(ln_f) = &self.ln_f else {
-            return send_on(backend, &self.place, x, t * hid);
-        };
-        let (head, rows) = self
-            .embed
-            .as_ref()
-            .context("the last stage without a head")?;
-        final_logits(backend, c, &x, batch, ln_f, head, *rows)
+        stage_output(
+            backend,
+            &self.place,
+            c,
+            x,
+            batch,
+            self.head.as_ref(),
+            self.embed.as_ref(),
+        )
     }
 }

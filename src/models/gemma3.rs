@@ -11,8 +11,8 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use super::shard::{Head, Shard, send_on, stage_input};
-use super::{CausalLm, Norm, Uploader, WeightStats, attend, check_positions, final_logits};
+use super::shard::{self, Head, Shard, stage_input, stage_output};
+use super::{CausalLm, Norm, Uploader, WeightStats, attend, check_positions};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
 use crate::tensor::{DType, HostTensor, WeightDtype};
@@ -328,9 +328,7 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
     }
 
     fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
-        let (_, head) = self.head.as_ref()?;
-        let (_, cols) = head.table(self.embed.as_ref()).ok()?;
-        Some((self.shard.vocab.clone(), cols))
+        shard::logits_shard(&self.shard, self.head.as_ref(), self.embed.as_ref())
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
@@ -399,10 +397,14 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
                 None => backend.add_assign(&mut x, &on, t * hid)?,
             }
         }
-        let Some((norm, head)) = &self.head else {
-            return send_on(backend, &self.place, x, t * hid);
-        };
-        let (table, rows) = head.table(self.embed.as_ref())?;
-        final_logits(backend, c, &x, batch, norm, table, rows)
+        stage_output(
+            backend,
+            &self.place,
+            c,
+            x,
+            batch,
+            self.head.as_ref(),
+            self.embed.as_ref(),
+        )
     }
 }

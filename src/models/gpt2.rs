@@ -9,8 +9,8 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use super::shard::{Shard, send_on, stage_input};
-use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions, final_logits};
+use super::shard::{self, Head, Shard, stage_input, stage_output};
+use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
 use crate::tensor::{DType, HostTensor, WeightDtype};
@@ -132,7 +132,8 @@ pub struct Gpt2<B: Backend> {
     wte: Option<(B::Buf, usize)>,
     wpe: Option<B::Buf>, // [n_positions, hidden], on the first stage
     layers: Vec<Layer<B>>,
-    ln_f: Option<Norm<B>>, // on the last stage
+    /// The final norm and the head (tied: the embedding table), on the last stage.
+    head: Option<(Norm<B>, Head<B>)>,
     weights: WeightStats,
     place: Placement<B>,
 }
@@ -221,8 +222,8 @@ impl<B: Backend> Gpt2<B> {
             });
             progress(l - place.layers.start + 2, total);
         }
-        let ln_f = match place.last_stage() {
-            true => Some(ln(&mut up, "transformer.ln_f")?),
+        let head = match place.last_stage() {
+            true => Some((ln(&mut up, "transformer.ln_f")?, Head::Tied)),
             false => None,
         };
         progress(total, total);
@@ -232,7 +233,7 @@ impl<B: Backend> Gpt2<B> {
             wte,
             wpe,
             layers,
-            ln_f,
+            head,
             weights: up.stats,
             place,
         })
@@ -253,8 +254,7 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
     }
 
     fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
-        self.ln_f.as_ref()?;
-        Some((self.shard.vocab.clone(), self.wte.as_ref()?.1))
+        shard::logits_shard(&self.shard, self.head.as_ref(), self.wte.as_ref())
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
@@ -302,10 +302,14 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             backend.add_assign(&mut x, &o, t * hid)?;
         }
-        let Some(ln_f) = &self.ln_f else {
-            return send_on(backend, &self.place, x, t * hid);
-        };
-        let (head, rows) = self.wte.as_ref().context("the last stage without wte")?;
-        final_logits(backend, c, &x, batch, ln_f, head, *rows)
+        stage_output(
+            backend,
+            &self.place,
+            c,
+            x,
+            batch,
+            self.head.as_ref(),
+            self.wte.as_ref(),
+        )
     }
 }

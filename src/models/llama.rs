@@ -9,8 +9,8 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::GgufFile;
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use super::shard::{Head, Shard, send_on, stage_input};
-use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions, final_logits};
+use super::shard::{self, Head, Shard, stage_input, stage_output};
+use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
 use crate::tensor::{DType, WeightDtype};
@@ -236,9 +236,7 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
     }
 
     fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
-        let (_, head) = self.head.as_ref()?;
-        let (_, cols) = head.table(self.embed.as_ref()).ok()?;
-        Some((self.shard.vocab.clone(), cols))
+        shard::logits_shard(&self.shard, self.head.as_ref(), self.embed.as_ref())
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
@@ -304,11 +302,14 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
                 None => backend.add_assign(&mut x, &o, t * hid)?,
             }
         }
-        let Some((norm, head)) = &self.head else {
-            return send_on(backend, &self.place, x, t * hid);
-        };
-        // Only the rows that are sampled go through the final norm and the lm_head.
-        let (table, rows) = head.table(self.embed.as_ref())?;
-        final_logits(backend, c, &x, batch, norm, table, rows)
+        stage_output(
+            backend,
+            &self.place,
+            c,
+            x,
+            batch,
+            self.head.as_ref(),
+            self.embed.as_ref(),
+        )
     }
 }

@@ -74,6 +74,15 @@ impl WeightStats {
         *self.by_type.entry(ty).or_default() += bytes;
     }
 
+    /// Adds another worker's weights (a model split over workers).
+    pub fn absorb(&mut self, other: &WeightStats) {
+        self.bytes += other.bytes;
+        self.params += other.params;
+        for (t, b) in &other.by_type {
+            *self.by_type.entry(t.clone()).or_default() += b;
+        }
+    }
+
     /// `Q4_1 84.2 MiB, f32 28.1 MiB` (largest first).
     pub fn describe(&self) -> String {
         let mut v: Vec<(&String, &u64)> = self.by_type.iter().collect();

@@ -224,37 +224,14 @@ pub fn load_shard<B: Backend>(
     place: Placement<B>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn CausalLm<B>>> {
+    let (b, c, s, d, m) = (backend, cfg, src, dtype, max_positions);
     Ok(match cfg.arch {
-        Arch::Gemma3 => Box::new(Gemma3::load(
-            backend,
-            cfg,
-            src,
-            dtype,
-            max_positions,
-            place,
-            progress,
-        )?),
-        Arch::Gpt2 => Box::new(Gpt2::load(
-            backend,
-            cfg,
-            src,
-            dtype,
-            max_positions,
-            place,
-            progress,
-        )?),
-        Arch::Falcon => Box::new(Falcon::load(
-            backend,
-            cfg,
-            src,
-            dtype,
-            max_positions,
-            place,
-            progress,
-        )?),
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => Box::new(
-            Llama::load(backend, cfg, src, dtype, max_positions, place, progress)?,
-        ),
+        Arch::Gemma3 => Box::new(Gemma3::load(b, c, s, d, m, place, progress)?),
+        Arch::Gpt2 => Box::new(Gpt2::load(b, c, s, d, m, place, progress)?),
+        Arch::Falcon => Box::new(Falcon::load(b, c, s, d, m, place, progress)?),
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => {
+            Box::new(Llama::load(b, c, s, d, m, place, progress)?)
+        }
     })
 }
 

@@ -5,7 +5,7 @@
 
 use super::config::ModelConfig;
 use super::kv_cache::{self, LayerKvSpec};
-use super::{Uploader, Weight, stack_linear};
+use super::{Norm, Uploader, Weight, final_logits, stack_linear};
 use crate::backend::{Backend, DeviceBatch, QkvLayout};
 use crate::parallel::{HeadShard, Placement, split_even};
 use anyhow::{Result, bail};
@@ -193,16 +193,36 @@ pub fn stage_input<B: Backend>(
     Ok(x)
 }
 
-/// Where a stage before the last ends: its residual stream goes on to the next stage (and is
-/// returned as its output).
-pub fn send_on<B: Backend>(
+/// Where a stage ends: the logits `[R, rows]` of `batch.logits_rows` on the last stage (`head`:
+/// its final norm and LM head; `embed`: the embedding table, where the head is tied); on a
+/// stage before it, the residual stream `x`, sent on to the next stage and returned.
+#[allow(clippy::too_many_arguments)]
+pub fn stage_output<B: Backend>(
     backend: &B,
     place: &Placement<B>,
+    cfg: &ModelConfig,
     x: B::Buf,
-    n: usize,
+    batch: &DeviceBatch<B>,
+    head: Option<&(Norm<B>, Head<B>)>,
+    embed: Option<&(B::Buf, usize)>,
 ) -> Result<B::Buf> {
-    place.pp.send(backend, &x, n, place.pp.rank() + 1)?;
-    Ok(x)
+    let Some((norm, head)) = head else {
+        let n = batch.host.num_tokens() * cfg.hidden_size;
+        place.pp.send(backend, &x, n, place.pp.rank() + 1)?;
+        return Ok(x);
+    };
+    let (table, rows) = head.table(embed)?;
+    final_logits(backend, cfg, &x, batch, norm, table, rows)
+}
+
+/// [`super::CausalLm::logits_shard`] of a model laid out as [`stage_output`] reads it.
+pub fn logits_shard<B: Backend>(
+    shard: &Shard,
+    head: Option<&(Norm<B>, Head<B>)>,
+    embed: Option<&(B::Buf, usize)>,
+) -> Option<(Range<usize>, usize)> {
+    let (_, cols) = head?.1.table(embed).ok()?;
+    Some((shard.vocab.clone(), cols))
 }
 
 /// The LM head of the last stage: its own table (this rank's rows, with their count), or the
