@@ -159,6 +159,22 @@ struct ModelArgs {
     /// --tensor-parallel-size). CPU backend only for now.
     #[arg(long, default_value_t = 1)]
     pipeline_parallel_size: usize,
+    /// Spread the workers over this many nodes (processes, on one machine or several): node 0
+    /// runs the engine and the command; every other node runs the same command with its own
+    /// --node-rank and serves its workers only.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's rank, 0 to --nnodes - 1.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Where node 0 listens for the other nodes (with --nnodes).
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// Seconds node 0 waits for the other nodes to connect and load (and they for node 0).
+    #[arg(long, default_value_t = 600.0)]
+    rendezvous_timeout: f64,
 }
 
 impl ModelArgs {
@@ -193,6 +209,14 @@ impl ModelArgs {
             parallel: pagoda::parallel::ParallelConfig {
                 tensor: self.tensor_parallel_size,
                 pipeline: self.pipeline_parallel_size,
+            },
+            nodes: pagoda::parallel::NodeConfig {
+                nnodes: self.nnodes,
+                node_rank: self.node_rank,
+                master_addr: self.master_addr.clone(),
+                master_port: self.master_port,
+                timeout: std::time::Duration::try_from_secs_f64(self.rendezvous_timeout)
+                    .map_err(|_| anyhow::anyhow!("--rendezvous-timeout must be seconds >= 0"))?,
             },
         })
     }
@@ -474,7 +498,29 @@ fn main() {
     }
 }
 
+/// The model flags of a command that loads a model.
+fn model_args(cmd: &Command) -> Option<&ModelArgs> {
+    match cmd {
+        Command::Generate { model, .. }
+        | Command::Chat { model, .. }
+        | Command::Serve { model, .. }
+        | Command::Info { model } => Some(model),
+        Command::Bench { command } => match command {
+            BenchCommand::Throughput { model, .. } | BenchCommand::Latency { model, .. } => {
+                Some(model)
+            }
+            _ => None,
+        },
+        Command::CheckBackend { .. } => None,
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
+    // NOTE: on a node other than 0 the command's own work (prompts, the server) is node 0's;
+    // this node serves its workers, as vLLM's other nodes do.
+    if let Some(m) = model_args(&cli.command).filter(|m| m.node_rank > 0) {
+        return pagoda::engine::run_worker_node(m.engine_args()?);
+    }
     match cli.command {
         Command::Generate {
             prompts,

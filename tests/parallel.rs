@@ -11,10 +11,11 @@ use pagoda::backend::{BackendKind, BatchInput};
 use pagoda::engine::KvBudget;
 use pagoda::engine::runner::{ModelRunner, RunnerArgs, create_runner};
 use pagoda::models::{LoadedModel, load_model};
-use pagoda::parallel::ParallelConfig;
+use pagoda::parallel::{NodeConfig, ParallelConfig};
 use pagoda::tensor::DType;
 use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 
 fn split(tensor: usize, pipeline: usize) -> ParallelConfig {
     ParallelConfig { tensor, pipeline }
@@ -29,6 +30,7 @@ fn runner(model: &LoadedModel, parallel: ParallelConfig) -> anyhow::Result<Box<d
         max_model_len: 1024,
         max_useful_blocks: 64,
         parallel,
+        nodes: NodeConfig::default(),
     };
     create_runner(model, &args, &mut |_, _| {})
 }
@@ -42,6 +44,17 @@ fn prefill(r: &mut dyn ModelRunner, prompt: &[u32]) -> Vec<f32> {
 
 /// Greedy decoding of `(prompt, generated)` pairs, all in one batch, under `parallel`.
 fn check_greedy(path: &Path, parallel: ParallelConfig, cases: &[(Vec<u32>, Vec<u32>)], what: &str) {
+    check_greedy_on(path, parallel, NodeConfig::default(), cases, what)
+}
+
+/// The same, as node 0 of `nodes`.
+fn check_greedy_on(
+    path: &Path,
+    parallel: ParallelConfig,
+    nodes: NodeConfig,
+    cases: &[(Vec<u32>, Vec<u32>)],
+    what: &str,
+) {
     let mut llm = LLM::new(EngineArgs {
         model: Some(path.to_path_buf()),
         dtype: DType::F32.into(),
@@ -49,6 +62,7 @@ fn check_greedy(path: &Path, parallel: ParallelConfig, cases: &[(Vec<u32>, Vec<u
         block_size: 4,
         max_num_batched_tokens: Some(64),
         parallel,
+        nodes,
         ..Default::default()
     })
     .unwrap();
@@ -198,6 +212,7 @@ fn splits_that_cannot_work_are_clear_errors_before_loading() {
                 max_model_len: 1024,
                 max_useful_blocks: 64,
                 parallel: split(3, 1),
+                nodes: NodeConfig::default(),
             },
             &mut |_, _| {}
         )
@@ -222,4 +237,304 @@ fn a_failed_step_leaves_the_workers_usable() {
     assert!(e.contains("beyond the maximum model length"), "{e}");
     assert!(!e.contains("another worker failed"), "{e}");
     assert_eq!(prefill(r.as_mut(), &prompt), before);
+}
+
+/// A port nothing listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `pagoda info` as node `rank` of `nnodes`, with the settings `check_greedy_on` uses (a node
+/// other than 0 serves its workers and ignores the command).
+fn spawn_node(
+    path: &Path,
+    s: ParallelConfig,
+    nnodes: usize,
+    rank: usize,
+    port: u16,
+    block_size: usize,
+) -> std::process::Child {
+    let arg = |v: usize| v.to_string();
+    Command::new(env!("CARGO_BIN_EXE_pagoda"))
+        .arg("info")
+        .arg("--model")
+        .arg(path)
+        .args(["--dtype", "f32", "--kv-cache-memory", "256MiB"])
+        .args(["--block-size", &arg(block_size)])
+        .args(["--tensor-parallel-size", &arg(s.tensor)])
+        .args(["--pipeline-parallel-size", &arg(s.pipeline)])
+        .args(["--nnodes", &arg(nnodes), "--node-rank", &arg(rank)])
+        .args([
+            "--master-port",
+            &arg(port as usize),
+            "--rendezvous-timeout",
+            "120",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn nodes(nnodes: usize, port: u16, timeout_s: u64) -> NodeConfig {
+    NodeConfig {
+        nnodes,
+        node_rank: 0,
+        master_port: port,
+        timeout: std::time::Duration::from_secs(timeout_s),
+        ..NodeConfig::default()
+    }
+}
+
+/// Exits with success once node 0 has closed its connections.
+fn wait_ok(child: std::process::Child) {
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The workers spread over processes that meet over TCP (`--nnodes`): SmolLM2 at tensor 3 x
+/// pipeline 2 on 2 nodes (node 1 holds the second stage: the pipeline hand-over crosses nodes,
+/// node 1's all-reduces run through node 0), and a tiny Gemma 3 at 2 x 2 on 4 nodes (one
+/// worker each, every collective between processes), reproduce their goldens; each other
+/// node exits cleanly when node 0 is done.
+#[test]
+fn workers_on_other_nodes_over_tcp_reproduce_the_goldens() {
+    let smol = model_path(SMOL_HF);
+    let port = free_port();
+    let child = spawn_node(&smol, split(3, 2), 2, 1, port, 4);
+    let cases = golden_cases("smollm2-135m-instruct-f32");
+    check_greedy_on(
+        &smol,
+        split(3, 2),
+        nodes(2, port, 120),
+        &cases,
+        "smollm2, 2 nodes",
+    );
+    wait_ok(child);
+
+    let text = std::fs::read_to_string(tiny("goldens.json")).unwrap();
+    let goldens: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let cases: Vec<(Vec<u32>, Vec<u32>)> = goldens["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["model"] == "gemma3")
+        .map(|e| (ids(&e["prompt_ids"]), ids(&e["generated_ids"])))
+        .collect();
+    assert!(!cases.is_empty());
+    let port = free_port();
+    let children: Vec<_> = (1..4)
+        .map(|r| spawn_node(&tiny("gemma3"), split(2, 2), 4, r, port, 4))
+        .collect();
+    check_greedy_on(
+        &tiny("gemma3"),
+        split(2, 2),
+        nodes(4, port, 120),
+        &cases,
+        "gemma3, 4 nodes",
+    );
+    children.into_iter().for_each(wait_ok);
+}
+
+/// A node that never comes, or comes with other settings, is a clear error on node 0 (and the
+/// other node exits with an error too); a split that does not spread over the nodes is one
+/// before anything is loaded.
+#[test]
+fn nodes_that_do_not_fit_are_clear_errors() {
+    let path = tiny("mistral");
+    let start = |n: NodeConfig| {
+        LLM::new(EngineArgs {
+            model: Some(path.clone()),
+            dtype: DType::F32.into(),
+            kv_budget: Some(KvBudget::Bytes(256 << 20)),
+            block_size: 4,
+            parallel: split(2, 2),
+            nodes: n,
+            ..Default::default()
+        })
+        .err()
+        .map(|e| format!("{e:#}"))
+        .expect("an error")
+    };
+    let e = start(nodes(2, free_port(), 1));
+    assert!(e.contains("the other nodes' 2 workers and 0 came"), "{e}");
+    assert!(e.contains("--node-rank 1..1"), "{e}");
+
+    let port = free_port();
+    let child = spawn_node(&path, split(2, 2), 2, 1, port, 8);
+    let e = start(nodes(2, port, 120));
+    assert!(e.contains("other settings than node 0's"), "{e}");
+    assert!(
+        e.contains("block size 8") && e.contains("block size 4"),
+        "{e}"
+    );
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+
+    let e = start(nodes(3, free_port(), 120));
+    assert!(e.contains("4 workers"), "{e}");
+    assert!(e.contains("do not spread evenly over --nnodes 3"), "{e}");
+}
+
+/// What a worker reads of a weight (only the bytes of its rows and columns, from the mapped
+/// file) is the whole weight cut, to the bit and in the same format: in SmolLM2's Q4_1 file,
+/// Qwen2.5's Q4_K_M mix (Q4_K, Q6_K, Q5_0, Q8_0 tensors, llama-ordered Q/K rows undone), the
+/// f32 safetensors directory, and a tiny Qwen3 stored in bf16 and f16 (alternate tensors).
+#[test]
+fn a_shard_reads_only_its_part_and_it_is_the_whole_weight_cut() {
+    let half = half_copy(&tiny("qwen3"));
+    use pagoda::models::Part;
+    use pagoda::models::loader::WeightSource;
+    let bits = |w: pagoda::models::Weight| {
+        let quant = matches!(w, pagoda::models::Weight::Quant(_));
+        let (t, stored) = w.into_dense().unwrap();
+        let b: Vec<u32> = t.data.iter().map(|x| x.to_bits()).collect();
+        (quant, stored, t.shape, b)
+    };
+    for path in [
+        model_path(SMOL_GGUF),
+        model_path(QWEN_GGUF),
+        model_path(SMOL_HF),
+        half.path().to_path_buf(),
+    ] {
+        let m = load_model(&path).unwrap();
+        let c = &m.config;
+        let src: &dyn WeightSource = m.weights.as_ref();
+        let last = c.num_layers - 1;
+        let mut names = vec!["model.embed_tokens.weight".to_string()];
+        for l in [0, last] {
+            for t in [
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+            ] {
+                names.push(format!("model.layers.{l}.{t}.weight"));
+            }
+            for t in ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] {
+                names.push(format!("model.layers.{l}.{t}.weight"));
+            }
+        }
+        let mut checked = 0;
+        for name in &names {
+            let Some(whole) = src.get_weight(name).unwrap() else {
+                continue;
+            };
+            let [rows, k] = whole.shape()[..] else {
+                panic!("{name}")
+            };
+            assert_eq!(src.shape(name).unwrap().unwrap(), vec![rows, k]);
+            // a rank's heads-like runs, and columns on 256 (every block format's boundary)
+            // and off it
+            let parts = [
+                Part::rows(vec![rows / 3..rows / 2, rows - rows / 5..rows]),
+                Part::cols(k / 256 * 128..k / 256 * 256),
+                Part::cols(k / 3..k / 2),
+                Part {
+                    rows: Some(vec![1..rows / 4, rows / 2..rows / 2 + 1]),
+                    cols: Some(k / 2..k),
+                },
+            ];
+            for p in &parts {
+                let got = src.get_weight_part(name, p).unwrap().unwrap();
+                assert_eq!(
+                    bits(got),
+                    bits(p.apply(whole.clone()).unwrap()),
+                    "{path:?} {name} {p:?}"
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked >= 10, "{path:?}: {checked} weights");
+    }
+}
+
+/// A copy of an HF directory whose f32 tensors are stored in bf16 and f16, alternately.
+fn half_copy(dir: &Path) -> tempfile::TempDir {
+    use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+    let out = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x != "safetensors") {
+            std::fs::copy(&p, out.path().join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+    names.sort();
+    let data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let t = st.tensor(n).unwrap();
+            assert_eq!(t.dtype(), Dtype::F32);
+            let vals = t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()));
+            let (dt, b): (Dtype, Vec<u8>) = if i % 2 == 0 {
+                (
+                    Dtype::BF16,
+                    vals.flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
+                        .collect(),
+                )
+            } else {
+                (
+                    Dtype::F16,
+                    vals.flat_map(|v| half::f16::from_f32(v).to_le_bytes())
+                        .collect(),
+                )
+            };
+            (n.clone(), dt, t.shape().to_vec(), b)
+        })
+        .collect();
+    let views: Vec<(String, TensorView)> = data
+        .iter()
+        .map(|(n, dt, shape, b)| (n.clone(), TensorView::new(*dt, shape.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &out.path().join("model.safetensors")).unwrap();
+    out
+}
+
+/// A node that dies between steps fails the next step with an error naming the worker, and
+/// every later one at once (no step waits for it), and node 0 shuts down cleanly.
+#[test]
+fn a_node_that_dies_fails_the_steps_and_nothing_hangs() {
+    let path = tiny("mistral");
+    let port = free_port();
+    let mut child = spawn_node(&path, split(2, 2), 2, 1, port, 4);
+    let mut llm = LLM::new(EngineArgs {
+        model: Some(path.clone()),
+        dtype: DType::F32.into(),
+        kv_budget: Some(KvBudget::Bytes(256 << 20)),
+        block_size: 4,
+        parallel: split(2, 2),
+        nodes: nodes(2, port, 120),
+        ..Default::default()
+    })
+    .unwrap();
+    let params = SamplingParams {
+        max_tokens: Some(4),
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    let prompt = || vec![(Prompt::Tokens(vec![5, 17, 33, 2, 9]), params.clone())];
+    let before = llm.generate_each(prompt()).unwrap();
+    assert_eq!(before[0].outputs[0].token_ids.len(), 4);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    for _ in 0..2 {
+        let e = format!("{:#}", llm.generate_each(prompt()).unwrap_err());
+        assert!(e.contains("on another node is gone"), "{e}");
+    }
+    drop(llm);
 }

@@ -353,6 +353,7 @@ fn engine_json(a: &EngineArgs, engine: &Engine) -> Value {
         "max_model_len": engine.max_model_len(),
         "tensor_parallel_size": a.parallel.tensor,
         "pipeline_parallel_size": a.parallel.pipeline,
+        "nnodes": a.nodes.nnodes,
     })
 }
 

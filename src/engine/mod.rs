@@ -3,6 +3,7 @@
 //! (offline batch generation and chat).
 
 mod llm;
+mod nodes;
 pub mod runner;
 mod workers;
 
@@ -13,7 +14,7 @@ use crate::backend::{BackendKind, BatchInput};
 use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK, PrefixCacheStats};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{ModelConfig, load_model};
-use crate::parallel::ParallelConfig;
+use crate::parallel::{NodeConfig, ParallelConfig};
 use crate::sampling::{
     IncrementalDetokenizer, InvalidParam, Restrict, SamplingDefaults, SamplingParams, StopChecker,
     StructuredCompiler, TokenLogprobs, sampler::sample_restricted, structured::allowed_tokens,
@@ -68,6 +69,9 @@ pub struct EngineArgs {
     /// Tensor and pipeline parallel sizes (`--tensor-parallel-size`,
     /// `--pipeline-parallel-size`).
     pub parallel: ParallelConfig,
+    /// The workers spread over several nodes (`--nnodes`, ...): node 0 runs the engine, the
+    /// others [`run_worker_node`].
+    pub nodes: NodeConfig,
 }
 
 impl Default for EngineArgs {
@@ -89,6 +93,7 @@ impl Default for EngineArgs {
             preemption_mode: PreemptionMode::Recompute,
             swap_space: 4 << 30,
             parallel: ParallelConfig::default(),
+            nodes: NodeConfig::default(),
         }
     }
 }
@@ -311,50 +316,66 @@ pub struct Engine {
     structured: Option<StructuredCompiler>,
 }
 
+/// The model loaded (its file mapped, not yet its weights) and the runner's settings, checked.
+fn prepare(args: &EngineArgs) -> Result<(crate::models::LoadedModel, runner::RunnerArgs)> {
+    let path = match &args.model {
+        Some(p) => p.clone(),
+        None => crate::fetch::default_model()?,
+    };
+    let model = load_model(&path)?;
+    let cfg = &model.config;
+    // NOTE: as vLLM, a max model length past the model's context is refused: positions
+    // the model was never trained on (and, for GPT-2, has no embedding for).
+    let model_len = cfg.max_position_embeddings;
+    let max_model_len = match args.max_model_len {
+        None => model_len,
+        Some(l) if l > model_len => anyhow::bail!(
+            "max_model_len {l} is greater than the model's context length {model_len} \
+             (max_position_embeddings or context_length in its config)"
+        ),
+        Some(l) => l,
+    };
+    if max_model_len < 2 {
+        anyhow::bail!("max_model_len must be at least 2, got {max_model_len}");
+    }
+    if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == Some(0) {
+        anyhow::bail!("block size, max_num_seqs and max_num_batched_tokens must be positive");
+    }
+    let max_useful_blocks = args
+        .max_num_seqs
+        .checked_mul(max_model_len.div_ceil(args.block_size))
+        .with_context(|| {
+            format!(
+                "max_num_seqs ({}) x max_model_len ({max_model_len}) / block_size ({}) overflows",
+                args.max_num_seqs, args.block_size
+            )
+        })?;
+    let runner_args = runner::RunnerArgs {
+        backend: args.backend,
+        dtype: args.dtype,
+        block_size: args.block_size,
+        kv_budget: args.kv_budget,
+        max_model_len,
+        max_useful_blocks,
+        parallel: args.parallel,
+        nodes: args.nodes.clone(),
+    };
+    Ok((model, runner_args))
+}
+
+/// A node other than 0 of a run over several nodes (`--nnodes`, `--node-rank` 1 or more):
+/// loads its workers' shards and runs their steps for the engine on node 0, returning when
+/// node 0 closes the connections.
+pub fn run_worker_node(args: EngineArgs) -> Result<()> {
+    let (model, runner_args) = prepare(&args)?;
+    nodes::serve_node(&model, &runner_args)
+}
+
 impl Engine {
     pub fn new(args: EngineArgs) -> Result<Self> {
-        let path = match &args.model {
-            Some(p) => p.clone(),
-            None => crate::fetch::default_model()?,
-        };
-        let model = load_model(&path)?;
+        let (model, runner_args) = prepare(&args)?;
         let cfg = model.config.clone();
-        // NOTE: as vLLM, a max model length past the model's context is refused: positions
-        // the model was never trained on (and, for GPT-2, has no embedding for).
-        let model_len = cfg.max_position_embeddings;
-        let max_model_len = match args.max_model_len {
-            None => model_len,
-            Some(l) if l > model_len => anyhow::bail!(
-                "max_model_len {l} is greater than the model's context length {model_len} \
-                 (max_position_embeddings or context_length in its config)"
-            ),
-            Some(l) => l,
-        };
-        if max_model_len < 2 {
-            anyhow::bail!("max_model_len must be at least 2, got {max_model_len}");
-        }
-        if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == Some(0)
-        {
-            anyhow::bail!("block size, max_num_seqs and max_num_batched_tokens must be positive");
-        }
-        let max_useful_blocks = args
-            .max_num_seqs
-            .checked_mul(max_model_len.div_ceil(args.block_size))
-            .with_context(|| {
-                format!(
-                    "max_num_seqs ({}) x max_model_len ({max_model_len}) / block_size ({}) overflows",
-                    args.max_num_seqs, args.block_size
-                )
-            })?;
-        let runner_args = runner::RunnerArgs {
-            backend: args.backend,
-            dtype: args.dtype,
-            block_size: args.block_size,
-            kv_budget: args.kv_budget,
-            max_model_len,
-            max_useful_blocks,
-            parallel: args.parallel,
-        };
+        let max_model_len = runner_args.max_model_len;
         let bar = args.progress.then(|| {
             let b = indicatif::ProgressBar::new(cfg.num_layers as u64 + 2);
             b.set_style(

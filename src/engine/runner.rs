@@ -8,7 +8,7 @@ use crate::backend::{
 use crate::models::WeightStats;
 use crate::models::kv_cache::{self, KvCache};
 use crate::models::{CausalLm, LoadedModel, registry};
-use crate::parallel::ParallelConfig;
+use crate::parallel::{NodeConfig, ParallelConfig};
 use crate::tensor::{DType, WeightDtype};
 use anyhow::{Context, Result, bail};
 
@@ -27,7 +27,7 @@ pub const DEFAULT_CPU_KV_BYTES: u64 = 4 << 30;
 
 /// A worker's part of the logits: on the last pipeline stage `[R, row_len]` covering `range`
 /// of the vocabulary, `(range, row_len, values)`; before it nothing.
-pub type LogitsPart = Option<(std::ops::Range<usize>, usize, Vec<f32>)>;
+pub use crate::parallel::tcp::LogitsPart;
 
 pub trait ModelRunner: Send {
     fn backend_name(&self) -> String;
@@ -205,6 +205,8 @@ pub struct RunnerArgs {
     pub max_useful_blocks: usize,
     /// Tensor and pipeline parallel sizes.
     pub parallel: ParallelConfig,
+    /// The nodes the workers are spread over.
+    pub nodes: NodeConfig,
 }
 
 pub fn create_runner(
@@ -212,7 +214,13 @@ pub fn create_runner(
     args: &RunnerArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn ModelRunner>> {
-    if !args.parallel.is_single() {
+    if args.nodes.node_rank > 0 {
+        bail!(
+            "node rank {} runs workers only, not the engine (engine::run_worker_node)",
+            args.nodes.node_rank
+        );
+    }
+    if !args.parallel.is_single() || !args.nodes.is_single() {
         return create_parallel(model, args, progress);
     }
     match args.backend {

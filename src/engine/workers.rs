@@ -15,16 +15,21 @@
 //! not done here). On the CPU the workers share the cores, so this is a way to test the
 //! sharded model, not a speed-up.
 
+use super::nodes;
 use super::runner::{LogitsPart, ModelRunner, Runner, RunnerArgs, plan, pool_blocks};
 use crate::backend::{Backend, BatchInput};
 use crate::models::kv_cache;
 use crate::models::{LoadedModel, WeightStats, registry};
+use crate::parallel::tcp::{Msg, write_msg};
 use crate::parallel::{Communicator, LocalComm, LocalGroup, ParallelConfig, Placement, split_even};
 use anyhow::{Context, Result, anyhow, bail};
-use std::sync::Arc;
+use std::io::BufWriter;
+use std::net::TcpStream;
 use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
 
-enum Job {
+#[derive(Clone)]
+pub(super) enum Job {
     Execute(Arc<BatchInput>),
     Swap(Arc<SwapPairs>),
 }
@@ -32,10 +37,38 @@ enum Job {
 /// Swap preemption's block pairs of one step: out (device, host), in (host, device).
 type SwapPairs = (Vec<(u32, u32)>, Vec<(u32, u32)>);
 
-struct Worker {
-    jobs: Sender<Job>,
-    replies: Receiver<Result<LogitsPart>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+/// Where a worker's jobs go: its thread here, or its connection to another node.
+pub(super) enum Sink {
+    Local(Sender<Job>),
+    Remote(Arc<Mutex<BufWriter<TcpStream>>>),
+}
+
+pub(super) struct Worker {
+    pub(super) sink: Sink,
+    /// Its results, one per job (from its thread, or from its proxy thread on this node).
+    pub(super) replies: Receiver<Result<LogitsPart>>,
+    pub(super) thread: Option<std::thread::JoinHandle<()>>,
+    /// Why a worker on another node is gone for good, once its proxy has seen it go.
+    pub(super) gone: Arc<Mutex<Option<String>>>,
+}
+
+impl Worker {
+    fn give(&self, job: &Job) -> Result<()> {
+        match &self.sink {
+            Sink::Local(tx) => tx
+                .send(job.clone())
+                .map_err(|_| anyhow!("a worker thread has stopped")),
+            Sink::Remote(w) => {
+                let msg = match job {
+                    Job::Execute(b) => Msg::Execute(b.as_ref().clone()),
+                    Job::Swap(p) => Msg::Swap(p.0.clone(), p.1.clone()),
+                };
+                let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+                write_msg(&mut *w, &msg)
+                    .map_err(|e| anyhow!("a worker on another node is gone: {e:#}"))
+            }
+        }
+    }
 }
 
 pub struct ParallelRunner {
@@ -51,6 +84,22 @@ pub struct ParallelRunner {
     token_budget: usize,
 }
 
+/// Runs one job; a panic becomes an error.
+pub(super) fn run_job<B: Backend>(runner: &mut Runner<B>, job: &Job) -> Result<LogitsPart> {
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
+        Job::Execute(input) => runner.execute_part(input.as_ref().clone()),
+        Job::Swap(pairs) => runner.swap_blocks(&pairs.0, &pairs.1).map(|_| None),
+    }));
+    run.unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        Err(anyhow!("a worker panicked: {msg}"))
+    })
+}
+
 /// The worker at (stage, rank) runs its jobs until the runner is dropped. A failure or a panic
 /// aborts the worker's groups, so that no other worker waits for it in a collective.
 fn serve<B: Backend>(
@@ -60,18 +109,7 @@ fn serve<B: Backend>(
     replies: Sender<Result<LogitsPart>>,
 ) {
     while let Ok(job) = jobs.recv() {
-        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &job {
-            Job::Execute(input) => runner.execute_part(input.as_ref().clone()),
-            Job::Swap(pairs) => runner.swap_blocks(&pairs.0, &pairs.1).map(|_| None),
-        }));
-        let reply = run.unwrap_or_else(|p| {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            Err(anyhow!("a worker panicked: {msg}"))
-        });
+        let reply = run_job(&mut runner, &job);
         if reply.is_err() {
             groups.iter().for_each(|g| g.abort());
         }
@@ -81,60 +119,56 @@ fn serve<B: Backend>(
     }
 }
 
-/// Builds the workers on the CPU backend (`make` makes each worker's backend): checks the
-/// split against the model, loads every shard (all at once, one thread each), sizes one pool
-/// for all of them, and starts their threads.
-pub fn build_parallel<B: Backend>(
-    make: impl Fn() -> Result<B> + Sync,
-    model: &LoadedModel,
-    args: &RunnerArgs,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<Box<dyn ModelRunner>> {
-    let pc = args.parallel;
-    let cfg = &model.config;
-    pc.check(cfg)?;
-    let probe = make()?;
-    let positions = plan(&probe, model, args)?;
-    let token_budget = probe.default_token_budget();
-    let name = format!(
-        "{} (tensor parallel {}, pipeline parallel {})",
-        probe.name(),
-        pc.tensor,
-        pc.pipeline
-    );
-    drop(probe);
-
-    // worker w = stage * tensor + rank; one tensor group per stage, one pipeline group per rank
-    let mut tp: Vec<Vec<LocalComm>> = (0..pc.pipeline)
+/// Every worker's two handles, in worker order (`stage × tensor + rank`): its stage's
+/// tensor-parallel group and its rank's pipeline group; and every group.
+pub(super) fn make_groups(pc: ParallelConfig) -> (Vec<[LocalComm; 2]>, Vec<Arc<LocalGroup>>) {
+    let tp: Vec<Vec<LocalComm>> = (0..pc.pipeline)
         .map(|_| LocalGroup::new(pc.tensor))
         .collect();
-    let mut pp: Vec<Vec<LocalComm>> = (0..pc.tensor)
+    let pp: Vec<Vec<LocalComm>> = (0..pc.tensor)
         .map(|_| LocalGroup::new(pc.pipeline))
         .collect();
-    let groups: Vec<Arc<LocalGroup>> = tp.iter().chain(&pp).map(|g| g[0].group().clone()).collect();
-    let mut places = Vec::with_capacity(pc.world_size());
-    for stage in (0..pc.pipeline).rev() {
-        for rank in (0..pc.tensor).rev() {
-            let t = tp[stage].pop().expect("one handle per rank");
-            let p = pp[rank].pop().expect("one handle per stage");
-            let gs = [t.group().clone(), p.group().clone()];
-            let place = Placement::<B> {
-                tp: Arc::new(t) as Arc<dyn Communicator<B>>,
-                pp: Arc::new(p) as Arc<dyn Communicator<B>>,
-                layers: split_even(cfg.num_layers, pc.pipeline, stage),
-            };
-            places.push((place, gs));
+    let groups = tp.iter().chain(&pp).map(|g| g[0].group().clone()).collect();
+    let mut tp: Vec<_> = tp.into_iter().map(|g| g.into_iter()).collect();
+    let mut pp: Vec<_> = pp.into_iter().map(|g| g.into_iter()).collect();
+    let mut comms = Vec::with_capacity(pc.world_size());
+    for stage in tp.iter_mut() {
+        for rank_pp in pp.iter_mut() {
+            let t = stage.next().expect("one handle per rank");
+            let p = rank_pp.next().expect("one handle per stage");
+            comms.push([t, p]);
         }
     }
-    places.reverse();
+    (comms, groups)
+}
 
-    // NOTE: every shard loads at once, worker 0's on this thread (its layers are the progress
-    // shown), the others on threads of their own.
+/// Worker `w`'s layers.
+pub(super) fn stage_layers(
+    pc: ParallelConfig,
+    num_layers: usize,
+    w: usize,
+) -> std::ops::Range<usize> {
+    split_even(num_layers, pc.pipeline, w / pc.tensor)
+}
+
+/// A worker's backend, its shard of the model, and what goes with it.
+pub(super) type Loaded<B, E> = (B, Box<dyn crate::models::CausalLm<B>>, E);
+
+/// Loads the shards of `places` (a placement and what goes with it), all at once: the first on this
+/// thread (its layers are the progress shown), the others on threads of their own.
+pub(super) fn load_shards<B: Backend, E: Send>(
+    make: &(impl Fn() -> Result<B> + Sync),
+    model: &LoadedModel,
+    args: &RunnerArgs,
+    positions: usize,
+    places: Vec<(Placement<B>, E)>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Vec<Loaded<B, E>>> {
     let load = |place: Placement<B>, progress: &mut dyn FnMut(usize, usize)| -> Result<_> {
         let backend = make()?;
         let lm = registry::load_shard(
             &backend,
-            cfg,
+            &model.config,
             model.weights.as_ref(),
             args.dtype,
             positions,
@@ -144,15 +178,17 @@ pub fn build_parallel<B: Backend>(
         Ok((backend, lm))
     };
     let mut places = places.into_iter();
-    let (place0, gs0) = places.next().expect("at least one worker");
+    let Some((place0, extra0)) = places.next() else {
+        return Ok(Vec::new());
+    };
     let loaded: Vec<Result<_>> = std::thread::scope(|s| {
         let handles: Vec<_> = places
-            .map(|(place, gs)| {
+            .map(|(place, extra)| {
                 let load = &load;
-                s.spawn(move || load(place, &mut |_, _| {}).map(|(b, lm)| (b, lm, gs)))
+                s.spawn(move || load(place, &mut |_, _| {}).map(|(b, lm)| (b, lm, extra)))
             })
             .collect();
-        let first = load(place0, progress).map(|(b, lm)| (b, lm, gs0));
+        let first = load(place0, progress).map(|(b, lm)| (b, lm, extra0));
         std::iter::once(first)
             .chain(handles.into_iter().map(|h| {
                 h.join()
@@ -160,23 +196,101 @@ pub fn build_parallel<B: Backend>(
             }))
             .collect()
     });
-    let loaded = loaded
+    loaded
         .into_iter()
         .collect::<Result<Vec<_>>>()
-        .with_context(|| format!("loading {}", model.path.display()))?;
+        .with_context(|| format!("loading {}", model.path.display()))
+}
+
+/// Builds the workers on the CPU backend (`make` makes each worker's backend): checks the
+/// split against the model, loads every shard of this node (all at once, one thread each),
+/// gathers the other nodes' workers (`--nnodes`), sizes one pool for all of them, and starts
+/// their threads.
+pub fn build_parallel<B: Backend>(
+    make: impl Fn() -> Result<B> + Sync,
+    model: &LoadedModel,
+    args: &RunnerArgs,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Box<dyn ModelRunner>> {
+    let pc = args.parallel;
+    let cfg = &model.config;
+    pc.check(cfg)?;
+    args.nodes.check(&pc)?;
+    let probe = make()?;
+    let positions = plan(&probe, model, args)?;
+    let token_budget = probe.default_token_budget();
+    let nodes_text = if args.nodes.is_single() {
+        String::new()
+    } else {
+        format!(", {} nodes", args.nodes.nnodes)
+    };
+    let name = format!(
+        "{} (tensor parallel {}, pipeline parallel {}{nodes_text})",
+        probe.name(),
+        pc.tensor,
+        pc.pipeline
+    );
+    drop(probe);
+
+    let (comms, groups) = make_groups(pc);
+    let mine = args.nodes.workers(&pc);
+    // NOTE: node 0 listens before it loads, so that a bad address fails at once; the other
+    // nodes' connections wait in the backlog meanwhile.
+    let listener = (!args.nodes.is_single())
+        .then(|| nodes::listen(&args.nodes))
+        .transpose()?;
+    let mut places = Vec::new();
+    let mut remote = Vec::new();
+    for (w, [t, p]) in comms.into_iter().enumerate() {
+        if !mine.contains(&w) {
+            remote.push([t, p]);
+            continue;
+        }
+        let gs = [t.group().clone(), p.group().clone()];
+        let place = Placement::<B> {
+            tp: Arc::new(t) as Arc<dyn Communicator<B>>,
+            pp: Arc::new(p) as Arc<dyn Communicator<B>>,
+            layers: stage_layers(pc, cfg.num_layers, w),
+        };
+        places.push((place, gs));
+    }
+    let loaded = load_shards(&make, model, args, positions, places, progress)?;
+    let others = match listener {
+        Some(l) => nodes::gather(
+            l,
+            &args.nodes,
+            mine.end..pc.world_size(),
+            &nodes::fingerprint(model, args, positions),
+        )?,
+        None => Vec::new(),
+    };
 
     // NOTE: one pool size for every worker (the block manager is one), from the bytes a
     // block takes over all workers: on the CPU they share the memory, and the budget is the
-    // whole pool's.
+    // whole pool's (over every node's workers).
     let mut per_block = 0u64;
     let mut stats = WeightStats::default();
     for (_, lm, _) in &loaded {
         per_block += kv_cache::bytes_per_block(&lm.kv_spec(), args.block_size)?;
         stats.absorb(lm.weight_stats());
     }
-    let num_blocks = pool_blocks(&loaded[0].0, args, stats.bytes, per_block, positions)?;
+    for o in &others {
+        per_block += o.per_block;
+        stats.absorb(&o.stats);
+    }
+    let num_blocks = match loaded.first() {
+        Some((b, ..)) => pool_blocks(b, args, stats.bytes, per_block, positions),
+        None => bail!("node 0 holds no worker"),
+    };
+    let num_blocks = match num_blocks {
+        Ok(n) => n,
+        Err(e) => {
+            nodes::refuse(others, &format!("{e:#}"));
+            return Err(e);
+        }
+    };
 
-    let mut workers = Vec::with_capacity(loaded.len());
+    let mut workers = Vec::with_capacity(pc.world_size());
     for (w, (backend, lm, gs)) in loaded.into_iter().enumerate() {
         let runner = Runner::new(backend, lm, num_blocks, args.block_size)?;
         let (jobs, job_rx) = channel();
@@ -186,10 +300,14 @@ pub fn build_parallel<B: Backend>(
             .spawn(move || serve(runner, gs, job_rx, reply_tx))
             .context("starting a worker thread")?;
         workers.push(Worker {
-            jobs,
+            sink: Sink::Local(jobs),
             replies,
             thread: Some(thread),
+            gone: Arc::default(),
         });
+    }
+    for (o, comms) in others.into_iter().zip(remote) {
+        workers.push(nodes::start(o, num_blocks, comms)?);
     }
     Ok(Box::new(ParallelRunner {
         name,
@@ -208,14 +326,29 @@ impl ParallelRunner {
     /// Gives every worker the job and waits for all of them; after a failure every group is
     /// reset (each worker has answered, so none is inside a collective) and the error most
     /// likely to be the cause is returned (not "another worker failed").
-    fn run_all(&mut self, job: impl Fn() -> Job) -> Result<Vec<LogitsPart>> {
+    fn run_all(&mut self, job: Job) -> Result<Vec<LogitsPart>> {
+        // NOTE: a worker that is gone never comes back: no step is started without it (its
+        // group would wait for it forever).
         for w in &self.workers {
-            w.jobs
-                .send(job())
-                .map_err(|_| anyhow!("a worker thread has stopped"))?;
+            if let Some(why) = w.gone.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                bail!("{why}");
+            }
         }
-        let replies: Vec<Result<LogitsPart>> = self
-            .workers
+        let mut given = 0;
+        let mut unreachable = None;
+        for w in &self.workers {
+            match w.give(&job) {
+                Ok(()) => given += 1,
+                Err(e) => {
+                    // the workers that have the job must not wait for the one that has not
+                    *w.gone.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{e:#}"));
+                    self.groups.iter().for_each(|g| g.abort());
+                    unreachable = Some(e);
+                    break;
+                }
+            }
+        }
+        let replies: Vec<Result<LogitsPart>> = self.workers[..given]
             .iter()
             .map(|w| {
                 w.replies
@@ -223,6 +356,10 @@ impl ParallelRunner {
                     .unwrap_or_else(|_| Err(anyhow!("a worker thread has stopped")))
             })
             .collect();
+        if let Some(e) = unreachable {
+            self.groups.iter().for_each(|g| g.reset());
+            return Err(e);
+        }
         if replies.iter().all(|r| r.is_ok()) {
             return Ok(replies.into_iter().map(|r| r.unwrap()).collect());
         }
@@ -239,7 +376,7 @@ impl ParallelRunner {
     fn logits(&mut self, input: BatchInput) -> Result<Vec<f32>> {
         let rows = input.logits_rows.len();
         let input = Arc::new(input);
-        let parts = self.run_all(|| Job::Execute(input.clone()))?;
+        let parts = self.run_all(Job::Execute(input))?;
         let v = self.vocab_size;
         let mut out = vec![0f32; rows * v];
         let mut covered = 0;
@@ -291,14 +428,20 @@ impl ModelRunner for ParallelRunner {
     }
     fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()> {
         let pairs = Arc::new((out.to_vec(), inn.to_vec()));
-        self.run_all(|| Job::Swap(pairs.clone())).map(drop)
+        self.run_all(Job::Swap(pairs)).map(drop)
     }
 }
 
 impl Drop for ParallelRunner {
     fn drop(&mut self) {
         for mut w in self.workers.drain(..) {
-            drop(w.jobs);
+            // NOTE: a local worker stops when its channel closes; a remote one when its
+            // connection does (its proxy thread then ends too).
+            if let Sink::Remote(s) = &w.sink {
+                let s = s.lock().unwrap_or_else(|e| e.into_inner());
+                let _ = s.get_ref().shutdown(std::net::Shutdown::Both);
+            }
+            drop(w.sink);
             if let Some(t) = w.thread.take() {
                 let _ = t.join();
             }

@@ -9,6 +9,7 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufTensorName, map_name};
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
+use super::shard::Lin::{File, Have};
 use super::shard::{self, Head, Shard, stage_input, stage_output};
 use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions};
 use crate::backend::{Backend, DeviceBatch};
@@ -270,26 +271,29 @@ impl<B: Backend> Falcon<B> {
                     up.fetch(&n("self_attention.query_key_value.bias"), &[rows])?,
                     c,
                 );
-                let (b, _) = sh.qkv_fused(Weight::dense(b, DType::F32))?.into_dense()?;
+                let (b, _) = sh
+                    .qkv_fused(&up, Have(Weight::dense(b, DType::F32)))?
+                    .into_dense()?;
                 Some(up.upload(&b, DType::F32)?)
             } else {
                 None
             };
             let b_up = if bias {
                 let b = up.fetch(&n("mlp.dense_h_to_4h.bias"), &[f])?;
-                let (b, _) = sh.ffn_rows(Weight::dense(b, DType::F32))?.into_dense()?;
+                let (b, _) = sh
+                    .ffn_rows(&up, Have(Weight::dense(b, DType::F32)))?
+                    .into_dense()?;
                 Some(up.upload(&b, DType::F32)?)
             } else {
                 None
             };
-            let w_o =
-                sh.o_proj(up.fetch_linear(&n("self_attention.dense.weight"), &[hid, h * d])?)?;
-            let w_up = sh.ffn_rows(up.fetch_linear(&n("mlp.dense_h_to_4h.weight"), &[f, hid])?)?;
-            let w_down = sh.down(up.fetch_linear(&n("mlp.dense_4h_to_h.weight"), &[hid, f])?)?;
+            let w_o = sh.o_proj(&up, File(&n("self_attention.dense.weight"), [hid, h * d]))?;
+            let w_up = sh.ffn_rows(&up, File(&n("mlp.dense_h_to_4h.weight"), [f, hid]))?;
+            let w_down = sh.down(&up, File(&n("mlp.dense_4h_to_h.weight"), [hid, f]))?;
             layers.push(Layer {
                 ln_attn,
                 ln_mlp,
-                w_qkv: up.upload_linear(sh.qkv_fused(wqkv)?)?,
+                w_qkv: up.upload_linear(sh.qkv_fused(&up, Have(wqkv))?)?,
                 b_qkv,
                 w_o: up.upload_linear(w_o)?,
                 b_o: row_bias(&mut up, &n("self_attention.dense.bias"))?,

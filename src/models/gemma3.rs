@@ -11,6 +11,7 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
+use super::shard::Lin::File;
 use super::shard::{self, Head, Shard, stage_input, stage_output};
 use super::{CausalLm, Norm, Uploader, WeightStats, attend, check_positions};
 use crate::backend::{Backend, DeviceBatch};
@@ -262,16 +263,18 @@ impl<B: Backend> Gemma3<B> {
         for i in place.layers.clone() {
             let n = |s: &str| format!("model.layers.{i}.{s}");
             let wqkv = sh.qkv(
-                up.fetch_linear(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
-                up.fetch_linear(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
-                up.fetch_linear(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
+                &up,
+                File(&n("self_attn.q_proj.weight"), [h * d, hid]),
+                File(&n("self_attn.k_proj.weight"), [hkv * d, hid]),
+                File(&n("self_attn.v_proj.weight"), [hkv * d, hid]),
             )?;
             let gate_up = sh.gate_up(
-                up.fetch_linear(&n("mlp.gate_proj.weight"), &[f, hid])?,
-                up.fetch_linear(&n("mlp.up_proj.weight"), &[f, hid])?,
+                &up,
+                File(&n("mlp.gate_proj.weight"), [f, hid]),
+                File(&n("mlp.up_proj.weight"), [f, hid]),
             )?;
-            let wo = sh.o_proj(up.fetch_linear(&n("self_attn.o_proj.weight"), &[hid, h * d])?)?;
-            let w_down = sh.down(up.fetch_linear(&n("mlp.down_proj.weight"), &[hid, f])?)?;
+            let wo = sh.o_proj(&up, File(&n("self_attn.o_proj.weight"), [hid, h * d]))?;
+            let w_down = sh.down(&up, File(&n("mlp.down_proj.weight"), [hid, f]))?;
             layers.push(Layer {
                 in_norm: norm(&mut up, &n("input_layernorm.weight"), hid)?,
                 wqkv: up.upload_linear(wqkv)?,

@@ -9,6 +9,7 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
+use super::shard::Lin::Have;
 use super::shard::{self, Head, Shard, stage_input, stage_output};
 use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions};
 use crate::backend::{Backend, DeviceBatch};
@@ -196,16 +197,18 @@ impl<B: Backend> Gpt2<B> {
         let mut layers = Vec::with_capacity(place.layers.len());
         for l in place.layers.clone() {
             let n = |s: &str| format!("transformer.h.{l}.{s}");
+            // NOTE: the Conv1D weights are stored transposed: read whole, then cut.
             let (b_qkv, _) = sh
-                .qkv_fused(bias(&up, &n("attn.c_attn.bias"), 3 * q)?)?
+                .qkv_fused(&up, Have(bias(&up, &n("attn.c_attn.bias"), 3 * q)?))?
                 .into_dense()?;
             let (b_fc, _) = sh
-                .ffn_rows(bias(&up, &n("mlp.c_fc.bias"), f)?)?
+                .ffn_rows(&up, Have(bias(&up, &n("mlp.c_fc.bias"), f)?))?
                 .into_dense()?;
-            let w_qkv = sh.qkv_fused(conv(&up, &n("attn.c_attn.weight"), hid, 3 * q)?)?;
-            let w_o = sh.o_proj(conv(&up, &n("attn.c_proj.weight"), q, hid)?)?;
-            let w_fc = sh.ffn_rows(conv(&up, &n("mlp.c_fc.weight"), hid, f)?)?;
-            let w_proj = sh.down(conv(&up, &n("mlp.c_proj.weight"), f, hid)?)?;
+            let w_qkv =
+                sh.qkv_fused(&up, Have(conv(&up, &n("attn.c_attn.weight"), hid, 3 * q)?))?;
+            let w_o = sh.o_proj(&up, Have(conv(&up, &n("attn.c_proj.weight"), q, hid)?))?;
+            let w_fc = sh.ffn_rows(&up, Have(conv(&up, &n("mlp.c_fc.weight"), hid, f)?))?;
+            let w_proj = sh.down(&up, Have(conv(&up, &n("mlp.c_proj.weight"), f, hid)?))?;
             let b_o = up.fetch(&n("attn.c_proj.bias"), &[hid])?;
             let b_proj = up.fetch(&n("mlp.c_proj.bias"), &[hid])?;
             layers.push(Layer {

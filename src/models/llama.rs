@@ -9,7 +9,8 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::GgufFile;
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use super::shard::{self, Head, Shard, stage_input, stage_output};
+use super::shard::Lin::{File, Have};
+use super::shard::{self, Head, Lin, Shard, stage_input, stage_output};
 use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
@@ -144,22 +145,23 @@ impl<B: Backend> Llama<B> {
             let p = format!("model.layers.{i}.");
             let n = |s: &str| format!("{p}{s}");
             // NOTE: Phi-3 stores the projections fused, in the order we stack them.
-            let wqkv = match up
-                .fetch_linear_opt(&n("self_attn.qkv_proj.weight"), &[(h + 2 * hkv) * d, hid])?
-            {
-                Some(w) => sh.qkv_fused(w)?,
-                None => sh.qkv(
-                    up.fetch_linear(&n("self_attn.q_proj.weight"), &[h * d, hid])?,
-                    up.fetch_linear(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?,
-                    up.fetch_linear(&n("self_attn.v_proj.weight"), &[hkv * d, hid])?,
+            let fused = n("self_attn.qkv_proj.weight");
+            let wqkv = match up.has(&fused)? {
+                true => sh.qkv_fused(&up, File(&fused, [(h + 2 * hkv) * d, hid]))?,
+                false => sh.qkv(
+                    &up,
+                    File(&n("self_attn.q_proj.weight"), [h * d, hid]),
+                    File(&n("self_attn.k_proj.weight"), [hkv * d, hid]),
+                    File(&n("self_attn.v_proj.weight"), [hkv * d, hid]),
                 )?,
             };
             let bqkv = if c.attention_bias {
-                let b = |s: &str, rows: usize| -> Result<Weight> {
-                    Ok(Weight::dense(up.fetch(&n(s), &[rows])?, DType::F32))
+                let b = |s: &str, rows: usize| -> Result<Lin> {
+                    Ok(Have(Weight::dense(up.fetch(&n(s), &[rows])?, DType::F32)))
                 };
                 let (b, _) = sh
                     .qkv(
+                        &up,
                         b("self_attn.q_proj.bias", h * d)?,
                         b("self_attn.k_proj.bias", hkv * d)?,
                         b("self_attn.v_proj.bias", hkv * d)?,
@@ -177,15 +179,17 @@ impl<B: Backend> Llama<B> {
             } else {
                 (None, None)
             };
-            let gate_up = match up.fetch_linear_opt(&n("mlp.gate_up_proj.weight"), &[2 * f, hid])? {
-                Some(w) => sh.gate_up_fused(w)?,
-                None => sh.gate_up(
-                    up.fetch_linear(&n("mlp.gate_proj.weight"), &[f, hid])?,
-                    up.fetch_linear(&n("mlp.up_proj.weight"), &[f, hid])?,
+            let fused = n("mlp.gate_up_proj.weight");
+            let gate_up = match up.has(&fused)? {
+                true => sh.gate_up_fused(&up, File(&fused, [2 * f, hid]))?,
+                false => sh.gate_up(
+                    &up,
+                    File(&n("mlp.gate_proj.weight"), [f, hid]),
+                    File(&n("mlp.up_proj.weight"), [f, hid]),
                 )?,
             };
-            let wo = sh.o_proj(up.fetch_linear(&n("self_attn.o_proj.weight"), &[hid, h * d])?)?;
-            let w_down = sh.down(up.fetch_linear(&n("mlp.down_proj.weight"), &[hid, f])?)?;
+            let wo = sh.o_proj(&up, File(&n("self_attn.o_proj.weight"), [hid, h * d]))?;
+            let w_down = sh.down(&up, File(&n("mlp.down_proj.weight"), [hid, f]))?;
             layers.push(Layer {
                 attn_norm: up.weight(&n("input_layernorm.weight"), &[hid], DType::F32)?,
                 wqkv: up.upload_linear(wqkv)?,

@@ -2,10 +2,10 @@
 //! (config.json, model.safetensors or sharded safetensors with an index, tokenizer.json,
 //! tokenizer_config.json, generation_config.json) or a GGUF file.
 
-use super::Weight;
 use super::config::ModelConfig;
 use super::gguf::{GgmlType, GgufFile};
 use super::tokenizer::Tokenizer;
+use super::{Part, Weight};
 use crate::sampling::SamplingDefaults;
 use crate::tensor::{DType, HostTensor};
 use crate::untrusted::text;
@@ -106,6 +106,18 @@ pub trait WeightSource: Send + Sync {
         Ok(self.get(name)?.map(|t| Weight::dense(t, DType::F32)))
     }
 
+    /// The shape [`WeightSource::get`] gives the tensor, without reading it (by default it is
+    /// read).
+    fn shape(&self, name: &str) -> Result<Option<Vec<usize>>> {
+        Ok(self.get(name)?.map(|t| t.shape))
+    }
+
+    /// `part` of a linear weight, as [`WeightSource::get_weight`] stores it. By default the
+    /// whole weight is read and cut; the file sources read only the part's bytes.
+    fn get_weight_part(&self, name: &str, part: &Part) -> Result<Option<Weight>> {
+        self.get_weight(name)?.map(|w| part.apply(w)).transpose()
+    }
+
     /// Bytes every tensor takes as stored (what `--dtype auto` costs at most where block
     /// formats stay quantized); by default 4 per element.
     fn stored_bytes(&self) -> u64 {
@@ -120,6 +132,14 @@ impl WeightSource for GgufFile {
 
     fn get_weight(&self, name: &str) -> Result<Option<Weight>> {
         self.weight(name)
+    }
+
+    fn shape(&self, name: &str) -> Result<Option<Vec<usize>>> {
+        self.hf_shape(name)
+    }
+
+    fn get_weight_part(&self, name: &str, part: &Part) -> Result<Option<Weight>> {
+        self.weight_part(name, part)
     }
 
     fn stored_bytes(&self) -> u64 {
@@ -230,14 +250,47 @@ impl WeightSource for SafetensorsWeights {
         Ok(self.read(name)?.map(|(t, stored)| Weight::dense(t, stored)))
     }
 
+    fn shape(&self, name: &str) -> Result<Option<Vec<usize>>> {
+        self.with_view(name, |view| Ok(view.shape().to_vec()))
+    }
+
+    fn get_weight_part(&self, name: &str, part: &Part) -> Result<Option<Weight>> {
+        let read = self.with_view(name, |t| {
+            let &[rows, cols] = t.shape() else {
+                return Ok(None);
+            };
+            let (ids, c) = (part.row_ids(rows)?, part.col_range(cols)?);
+            let es = t.dtype().bitsize() / 8;
+            let mut data = Vec::with_capacity(ids.len() * c.len());
+            for r in ids.iter() {
+                let at = (r * cols + c.start) * es;
+                to_f32(name, t.dtype(), &t.data()[at..at + c.len() * es], &mut data)?;
+            }
+            let stored = stored_type(t.dtype());
+            let part = HostTensor::new(vec![ids.len(), c.len()], data);
+            Ok(Some(Weight::dense(part, stored)))
+        })?;
+        match read {
+            Some(Some(w)) => Ok(Some(w)),
+            // NOTE: not a matrix: the whole tensor, cut (it errs as get_weight's would)
+            Some(None) => self.get_weight(name)?.map(|w| part.apply(w)).transpose(),
+            None => Ok(None),
+        }
+    }
+
     fn stored_bytes(&self) -> u64 {
         self.stored_bytes
     }
 }
 
 impl SafetensorsWeights {
-    /// The tensor `name` in f32 and the type the file stores it in.
-    fn read(&self, name: &str) -> Result<Option<(HostTensor, DType)>> {
+    /// `f(view)` of the tensor `name`, its errors naming the file; `Ok(None)` where there is
+    /// no such tensor.
+    fn with_view<T>(
+        &self,
+        name: &str,
+        f: impl FnOnce(&safetensors::tensor::TensorView<'_>) -> Result<T>,
+    ) -> Result<Option<T>> {
         let Some(&i) = self.index.get(name) else {
             return Ok(None);
         };
@@ -248,32 +301,49 @@ impl SafetensorsWeights {
         let t = st
             .tensor(name)
             .map_err(|e| anyhow::anyhow!("{}: {name}: {}", shown(), text(&e.to_string())))?;
-        let b = t.data();
-        let stored = match t.dtype() {
-            Dtype::F16 => DType::F16,
-            Dtype::BF16 => DType::BF16,
-            _ => DType::F32,
-        };
-        let data: Vec<f32> = match t.dtype() {
-            Dtype::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Dtype::F16 => b
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => b
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            other => bail!(
-                "{}: tensor {name} has dtype {other:?} (supported: F32, F16, BF16)",
-                shown()
-            ),
-        };
-        Ok(Some((HostTensor::new(t.shape().to_vec(), data), stored)))
+        f(&t).map(Some).with_context(shown)
     }
+
+    /// The tensor `name` in f32 and the type the file stores it in.
+    fn read(&self, name: &str) -> Result<Option<(HostTensor, DType)>> {
+        self.with_view(name, |t| {
+            let mut data = Vec::with_capacity(t.data().len() / (t.dtype().bitsize() / 8).max(1));
+            to_f32(name, t.dtype(), t.data(), &mut data)?;
+            Ok((
+                HostTensor::new(t.shape().to_vec(), data),
+                stored_type(t.dtype()),
+            ))
+        })
+    }
+}
+
+/// The type a safetensors dtype is kept in by `--dtype auto`.
+fn stored_type(dtype: Dtype) -> DType {
+    match dtype {
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        _ => DType::F32,
+    }
+}
+
+/// Appends the values of `b` (stored as `dtype`) to `out` in f32.
+fn to_f32(name: &str, dtype: Dtype, b: &[u8], out: &mut Vec<f32>) -> Result<()> {
+    match dtype {
+        Dtype::F32 => out.extend(
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        ),
+        Dtype::F16 => out.extend(
+            b.chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        Dtype::BF16 => out.extend(
+            b.chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        other => bail!("tensor {name} has dtype {other:?} (supported: F32, F16, BF16)"),
+    }
+    Ok(())
 }
 
 /// What generation needs from a model besides its weights.

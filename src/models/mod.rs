@@ -211,6 +211,80 @@ impl Weight {
     }
 }
 
+/// What one worker of a split model reads of a `[rows, cols]` linear weight: some of its rows
+/// (runs stacked in order; `None`: all) and some of its columns (`None`: all).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Part {
+    pub rows: Option<Vec<Range<usize>>>,
+    pub cols: Option<Range<usize>>,
+}
+
+impl Part {
+    pub fn rows(rows: Vec<Range<usize>>) -> Part {
+        Part {
+            rows: Some(rows),
+            cols: None,
+        }
+    }
+
+    /// One run of rows.
+    pub fn row_range(rows: Range<usize>) -> Part {
+        Part::rows(vec![rows])
+    }
+
+    pub fn cols(cols: Range<usize>) -> Part {
+        Part {
+            rows: None,
+            cols: Some(cols),
+        }
+    }
+
+    /// The part cut out of the whole weight: what a source that cannot read parts gives, and
+    /// the reference for those that can.
+    pub fn apply(&self, w: Weight) -> Result<Weight> {
+        let w = match &self.rows {
+            Some(r) => w.select_rows(r)?,
+            None => w,
+        };
+        match &self.cols {
+            Some(c) => w.slice_cols(c.clone()),
+            None => Ok(w),
+        }
+    }
+
+    /// Whether the part is all of a weight of this shape.
+    pub fn is_whole(&self, shape: &[usize]) -> bool {
+        let all = |r: &Range<usize>, n: usize| r.start == 0 && r.end == n;
+        let rows = match &self.rows {
+            None => true,
+            Some(r) => matches!(r.as_slice(), [r] if all(r, shape[0])),
+        };
+        rows && self.cols.as_ref().is_none_or(|c| all(c, shape[1]))
+    }
+
+    /// The row indices of the part of a weight of `n` rows, checked.
+    pub fn row_ids(&self, n: usize) -> Result<Vec<usize>> {
+        match &self.rows {
+            None => Ok((0..n).collect()),
+            Some(rs) => {
+                if let Some(r) = rs.iter().find(|r| r.start > r.end || r.end > n) {
+                    bail!("rows {r:?} of a weight of {n} rows");
+                }
+                Ok(rs.iter().flat_map(|r| r.clone()).collect())
+            }
+        }
+    }
+
+    /// The columns of the part of a weight of `k` columns, checked.
+    pub fn col_range(&self, k: usize) -> Result<Range<usize>> {
+        match &self.cols {
+            None => Ok(0..k),
+            Some(c) if c.start <= c.end && c.end <= k => Ok(c.clone()),
+            Some(c) => bail!("columns {c:?} of a weight of {k} columns"),
+        }
+    }
+}
+
 /// Concatenates linear weights along their rows (fused projections): block formats stay in
 /// their formats when all parts have one; otherwise every part becomes dense.
 pub fn stack_linear(parts: Vec<Weight>) -> Result<Weight> {
@@ -292,6 +366,35 @@ impl<'a, B: Backend> Uploader<'a, B> {
     pub fn fetch_linear(&self, name: &str, shape: &[usize]) -> Result<Weight> {
         self.fetch_linear_opt(name, shape)?
             .with_context(|| format!("the model has no tensor '{name}'"))
+    }
+
+    /// Whether the model has a tensor `name` (nothing of it is read).
+    pub fn has(&self, name: &str) -> Result<bool> {
+        Ok(self.src.shape(name)?.is_some())
+    }
+
+    /// `part` of the linear weight `name`, which must exist and have this shape: only the
+    /// part's bytes are read where the source can (memory-mapped files), so that each worker
+    /// of a split model reads its slices and holds no more than them.
+    pub fn fetch_linear_part(&self, name: &str, shape: &[usize], part: &Part) -> Result<Weight> {
+        let got = self
+            .src
+            .shape(name)?
+            .with_context(|| format!("the model has no tensor '{name}'"))?;
+        check_shape(name, &got, shape)?;
+        if part.is_whole(shape) {
+            return self.fetch_linear(name, shape);
+        }
+        let w = self
+            .src
+            .get_weight_part(name, part)?
+            .with_context(|| format!("the model has no tensor '{name}'"))?;
+        let want = [
+            part.row_ids(shape[0])?.len(),
+            part.col_range(shape[1])?.len(),
+        ];
+        check_shape(name, &w.shape(), &want)?;
+        Ok(w)
     }
 
     /// The linear weight `name` if the model has it, with this shape.

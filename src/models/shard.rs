@@ -5,16 +5,17 @@
 
 use super::config::ModelConfig;
 use super::kv_cache::{self, LayerKvSpec};
-use super::{Norm, Uploader, Weight, final_logits, stack_linear};
+use super::{Norm, Part, Uploader, Weight, final_logits, stack_linear};
 use crate::backend::{Backend, DeviceBatch, QkvLayout};
-use crate::parallel::{HeadShard, Placement, split_even};
+use crate::parallel::{HeadShard, Placement, split_aligned};
 use anyhow::{Result, bail};
 use std::ops::Range;
 
 /// One tensor-parallel rank's part of every layer: its query heads and the KV heads they read
 /// (column-parallel QKV, the same columns of o_proj, which is row-parallel), a slice of the
 /// MLP's columns (gate/up by rows, down by columns), a contiguous part of the vocabulary. The
-/// MLP and the vocabulary need not divide: their parts differ by one at most.
+/// MLP and the vocabulary need not divide: their parts differ by one at most (one block of 256
+/// for the MLP where it is made of them).
 pub struct Shard {
     pub tp: usize,
     pub heads: HeadShard,
@@ -28,6 +29,20 @@ pub struct Shard {
     hkv: usize,
     d: usize,
     f: usize,
+}
+
+/// A linear weight a shard takes its part of: by name and shape in the model's files, of which
+/// only the part is read, or one in hand (biases, GPT-2's transposed Conv1D weights), cut.
+pub enum Lin<'a> {
+    File(&'a str, [usize; 2]),
+    Have(Weight),
+}
+
+fn take<B: Backend>(up: &Uploader<B>, w: Lin, part: Part) -> Result<Weight> {
+    match w {
+        Lin::File(name, shape) => up.fetch_linear_part(name, &shape, &part),
+        Lin::Have(w) => part.apply(w),
+    }
 }
 
 fn shift(r: &Range<usize>, by: usize) -> Range<usize> {
@@ -45,7 +60,10 @@ impl Shard {
         };
         Ok(Shard {
             tp,
-            ffn: split_even(c.intermediate_size, tp, rank),
+            // NOTE: on 256-column boundaries where the MLP has enough of them (the largest block
+            // of every format), so that the row-parallel down projection keeps its blocks
+            // (Qwen2.5's 4864 over 2: 2560 and 2304, not 2432 each, which splits Q4_K blocks).
+            ffn: split_aligned(c.intermediate_size, tp, rank, 256),
             vocab: place.vocab(c.vocab_size),
             heads,
             ql,
@@ -77,50 +95,51 @@ impl Shard {
     }
 
     /// This rank's rows of the Q, K and V projections (weights or biases), stacked.
-    pub fn qkv(&self, q: Weight, k: Weight, v: Weight) -> Result<Weight> {
+    pub fn qkv<B: Backend>(&self, up: &Uploader<B>, q: Lin, k: Lin, v: Lin) -> Result<Weight> {
+        let kv = || Part::row_range(self.kv_rows());
         stack_linear(vec![
-            q.select_rows(&[self.q_rows()])?,
-            k.select_rows(&[self.kv_rows()])?,
-            v.select_rows(&[self.kv_rows()])?,
+            take(up, q, Part::row_range(self.q_rows()))?,
+            take(up, k, kv())?,
+            take(up, v, kv())?,
         ])
     }
 
     /// This rank's rows of a fused QKV projection (`[(H + 2 Hkv) D, hidden]`).
-    pub fn qkv_fused(&self, w: Weight) -> Result<Weight> {
+    pub fn qkv_fused<B: Backend>(&self, up: &Uploader<B>, w: Lin) -> Result<Weight> {
         let kv = self.kv_rows();
-        w.select_rows(&[
+        let rows = vec![
             self.q_rows(),
             shift(&kv, self.h * self.d),
             shift(&kv, (self.h + self.hkv) * self.d),
-        ])
+        ];
+        take(up, w, Part::rows(rows))
     }
 
     /// This rank's columns of the attention output projection (`[hidden, H D]`).
-    pub fn o_proj(&self, w: Weight) -> Result<Weight> {
-        w.slice_cols(self.q_rows())
+    pub fn o_proj<B: Backend>(&self, up: &Uploader<B>, w: Lin) -> Result<Weight> {
+        take(up, w, Part::cols(self.q_rows()))
     }
 
     /// This rank's rows of the gate and up projections, stacked.
-    pub fn gate_up(&self, gate: Weight, up: Weight) -> Result<Weight> {
-        stack_linear(vec![
-            gate.select_rows(std::slice::from_ref(&self.ffn))?,
-            up.select_rows(std::slice::from_ref(&self.ffn))?,
-        ])
+    pub fn gate_up<B: Backend>(&self, up: &Uploader<B>, gate: Lin, upw: Lin) -> Result<Weight> {
+        let rows = || Part::row_range(self.ffn.clone());
+        stack_linear(vec![take(up, gate, rows())?, take(up, upw, rows())?])
     }
 
     /// This rank's rows of a plain (ungated) MLP's first projection (`[F, hidden]`) or bias.
-    pub fn ffn_rows(&self, w: Weight) -> Result<Weight> {
-        w.select_rows(std::slice::from_ref(&self.ffn))
+    pub fn ffn_rows<B: Backend>(&self, up: &Uploader<B>, w: Lin) -> Result<Weight> {
+        take(up, w, Part::row_range(self.ffn.clone()))
     }
 
     /// This rank's rows of a fused gate-up projection (`[2 F, hidden]`).
-    pub fn gate_up_fused(&self, w: Weight) -> Result<Weight> {
-        w.select_rows(&[self.ffn.clone(), shift(&self.ffn, self.f)])
+    pub fn gate_up_fused<B: Backend>(&self, up: &Uploader<B>, w: Lin) -> Result<Weight> {
+        let rows = vec![self.ffn.clone(), shift(&self.ffn, self.f)];
+        take(up, w, Part::rows(rows))
     }
 
     /// This rank's columns of the down projection (`[hidden, F]`).
-    pub fn down(&self, w: Weight) -> Result<Weight> {
-        w.slice_cols(self.ffn.clone())
+    pub fn down<B: Backend>(&self, up: &Uploader<B>, w: Lin) -> Result<Weight> {
+        take(up, w, Part::cols(self.ffn.clone()))
     }
 
     /// This rank's rows of a `[vocab, hidden]` table, uploaded, with its row count.
@@ -136,14 +155,16 @@ impl Shard {
         hidden: usize,
         vocab: usize,
     ) -> Result<(B::Buf, usize)> {
-        let w = up
-            .fetch_linear(name, &[vocab, hidden])?
-            .select_rows(std::slice::from_ref(&self.vocab))?;
+        let w = up.fetch_linear_part(name, &[vocab, hidden], &self.vocab_part())?;
         if self.tp > 1 {
             Ok((up.upload_linear(w.with_zero_row()?)?, self.vocab.len() + 1))
         } else {
             Ok((up.upload_linear(w)?, self.vocab.len()))
         }
+    }
+
+    fn vocab_part(&self) -> Part {
+        Part::row_range(self.vocab.clone())
     }
 
     /// The token ids as rows of this rank's vocabulary table: ids outside it read the last row
@@ -243,17 +264,15 @@ impl<B: Backend> Head<B> {
         embed: bool,
     ) -> Result<Head<B>> {
         let (hid, vocab) = (cfg.hidden_size, cfg.vocab_size);
-        let own = match cfg.tie_word_embeddings {
-            true => None,
-            false => up.fetch_linear_opt("lm_head.weight", &[vocab, hid])?,
-        };
+        let own = !cfg.tie_word_embeddings && up.has("lm_head.weight")?;
         Ok(match own {
-            Some(w) => {
-                let w = w.select_rows(std::slice::from_ref(&shard.vocab))?;
+            true => {
+                let w =
+                    up.fetch_linear_part("lm_head.weight", &[vocab, hid], &shard.vocab_part())?;
                 Head::Own(up.upload_linear(w)?, shard.vocab.len())
             }
-            None if embed => Head::Tied,
-            None => {
+            false if embed => Head::Tied,
+            false => {
                 let (t, rows) = shard.vocab_table(up, "model.embed_tokens.weight", hid, vocab)?;
                 Head::Own(t, rows)
             }

@@ -2,9 +2,11 @@
 //! calls, and [`LocalGroup`], its in-process implementation (workers are threads, buffers pass
 //! through shared host memory).
 //!
-//! NOTE: `LocalGroup` stages every buffer through the host (`download_f32`, `upload_f32`), so it
-//! works over any backend; on the CPU backend that is one copy each way. A GPU group would
-//! exchange device buffers directly (NCCL); that implementation does not exist yet.
+//! NOTE: `LocalGroup` (and `tcp::RemoteComm`, its handle in another process) stages every
+//! buffer through the host (`download_f32`, `upload_f32`): they implement [`HostCollectives`],
+//! and [`Communicator`] follows for any backend; on the CPU backend that is one copy each way.
+//! A GPU group would exchange device buffers directly (NCCL); that implementation does not
+//! exist yet.
 
 use crate::backend::Backend;
 use anyhow::{Result, bail};
@@ -138,14 +140,39 @@ impl LocalGroup {
     }
 }
 
+/// Collectives over host memory, the whole of an implementation that stages buffers through
+/// the host (every one here); [`Communicator`] follows from it for every backend.
+pub trait HostCollectives: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// The element-wise sum over ranks, added in rank order.
+    fn all_reduce_host(&self, data: Vec<f32>) -> Result<Vec<f32>>;
+    /// Every rank's values one after the other.
+    fn all_gather_host(&self, data: Vec<f32>) -> Result<Vec<f32>>;
+    /// `root`'s values (what the other ranks pass is ignored).
+    fn broadcast_host(&self, data: Vec<f32>, root: usize) -> Result<Vec<f32>>;
+    fn send_host(&self, data: Vec<f32>, to: usize) -> Result<()>;
+    fn recv_host(&self, from: usize) -> Result<Vec<f32>>;
+    fn barrier_host(&self) -> Result<()>;
+}
+
 impl LocalComm {
     /// The group this handle belongs to (to abort or reset it).
     pub fn group(&self) -> &Arc<LocalGroup> {
         &self.group
     }
+}
 
-    /// Host-side all-reduce: the sum over ranks, added in rank order.
-    pub fn all_reduce_host(&self, data: Vec<f32>) -> Result<Vec<f32>> {
+impl HostCollectives for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.group.size
+    }
+
+    fn all_reduce_host(&self, data: Vec<f32>) -> Result<Vec<f32>> {
         let n = data.len();
         let all = self.group.exchange(self.rank, data)?;
         if all.iter().any(|p| p.len() != n) {
@@ -160,14 +187,12 @@ impl LocalComm {
         Ok(out)
     }
 
-    /// Host-side all-gather: every rank's values one after the other.
-    pub fn all_gather_host(&self, data: Vec<f32>) -> Result<Vec<f32>> {
+    fn all_gather_host(&self, data: Vec<f32>) -> Result<Vec<f32>> {
         let all = self.group.exchange(self.rank, data)?;
         Ok(all.iter().flat_map(|p| p.iter().copied()).collect())
     }
 
-    /// Host-side broadcast of `root`'s values.
-    pub fn broadcast_host(&self, data: Vec<f32>, root: usize) -> Result<Vec<f32>> {
+    fn broadcast_host(&self, data: Vec<f32>, root: usize) -> Result<Vec<f32>> {
         if root >= self.group.size {
             bail!(
                 "broadcast from rank {root} in a group of {}",
@@ -179,7 +204,7 @@ impl LocalComm {
         Ok(all[root].as_ref().clone())
     }
 
-    pub fn send_host(&self, data: Vec<f32>, to: usize) -> Result<()> {
+    fn send_host(&self, data: Vec<f32>, to: usize) -> Result<()> {
         if to >= self.group.size || to == self.rank {
             bail!("rank {} cannot send to rank {to}", self.rank);
         }
@@ -192,7 +217,7 @@ impl LocalComm {
         Ok(())
     }
 
-    pub fn recv_host(&self, from: usize) -> Result<Vec<f32>> {
+    fn recv_host(&self, from: usize) -> Result<Vec<f32>> {
         if from >= self.group.size || from == self.rank {
             bail!("rank {} cannot receive from rank {from}", self.rank);
         }
@@ -208,6 +233,11 @@ impl LocalComm {
             Some(data) => Ok(data),
             None => bail!("another worker failed in this step"),
         }
+    }
+
+    fn barrier_host(&self) -> Result<()> {
+        let s = self.group.lock();
+        self.group.wait_all(s).map(drop)
     }
 }
 
@@ -233,15 +263,15 @@ fn replace_prefix<B: Backend>(backend: &B, buf: &mut B::Buf, head: &[f32]) -> Re
     Ok(())
 }
 
-impl<B: Backend> Communicator<B> for LocalComm {
+impl<B: Backend, T: HostCollectives> Communicator<B> for T {
     fn rank(&self) -> usize {
-        self.rank
+        HostCollectives::rank(self)
     }
     fn size(&self) -> usize {
-        self.group.size
+        HostCollectives::size(self)
     }
     fn all_reduce_sum(&self, backend: &B, buf: &mut B::Buf, n: usize) -> Result<()> {
-        if self.group.size == 1 {
+        if HostCollectives::size(self) == 1 {
             return Ok(());
         }
         let sum = self.all_reduce_host(host_prefix(backend, buf, n)?)?;
@@ -252,10 +282,10 @@ impl<B: Backend> Communicator<B> for LocalComm {
         backend.upload_f32(&all)
     }
     fn broadcast(&self, backend: &B, buf: &mut B::Buf, n: usize, root: usize) -> Result<()> {
-        if self.group.size == 1 {
+        if HostCollectives::size(self) == 1 {
             return Ok(());
         }
-        let mine = if self.rank == root {
+        let mine = if HostCollectives::rank(self) == root {
             host_prefix(backend, buf, n)?
         } else {
             Vec::new()
@@ -280,8 +310,7 @@ impl<B: Backend> Communicator<B> for LocalComm {
         backend.upload_f32(&data)
     }
     fn barrier(&self) -> Result<()> {
-        let s = self.group.lock();
-        self.group.wait_all(s).map(drop)
+        self.barrier_host()
     }
 }
 

@@ -10,14 +10,16 @@
 //! vocabulary (embedding and LM head).
 
 pub mod comm;
+pub mod tcp;
 
-pub use comm::{Communicator, LocalComm, LocalGroup};
+pub use comm::{Communicator, HostCollectives, LocalComm, LocalGroup};
 
 use crate::backend::Backend;
 use crate::models::ModelConfig;
 use anyhow::{Result, bail};
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// `--tensor-parallel-size` and `--pipeline-parallel-size`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,8 +49,8 @@ impl ParallelConfig {
     /// Whether the model splits this way: every tensor-parallel rank gets whole query heads
     /// (an equal number), the KV heads its query heads use (replicated where there are fewer
     /// KV heads than ranks), a part of the MLP's columns and of the vocabulary (these two need
-    /// not divide: parts differ by one at most); every stage at least one layer. Checked before any weight
-    /// is loaded.
+    /// not divide: parts differ by one at most, one block of 256 for the MLP where it can); every
+    /// stage at least one layer. Checked before any weight is loaded.
     pub fn check(&self, c: &ModelConfig) -> Result<()> {
         if self.tensor == 0 || self.pipeline == 0 {
             bail!("--tensor-parallel-size and --pipeline-parallel-size must be at least 1");
@@ -73,12 +75,94 @@ impl ParallelConfig {
     }
 }
 
+/// The workers spread over several processes (machines): `--nnodes`, `--node-rank`,
+/// `--master-addr`, `--master-port`, as torchrun and vLLM name them. Node 0 runs the engine
+/// (scheduler, block manager, sampling) and its share of the workers; every other node runs
+/// workers only. Workers are numbered `stage × tensor + rank` and node `n` holds the `n`-th run
+/// of `world / nnodes` of them, so that a tensor-parallel group stays on one node where it
+/// fits (its all-reduces are the traffic that needs the fastest link).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeConfig {
+    pub nnodes: usize,
+    pub node_rank: usize,
+    /// Where node 0 listens for the other nodes' workers.
+    pub master_addr: String,
+    pub master_port: u16,
+    /// How long node 0 waits for every other node's workers to connect and load, and how long
+    /// they wait for node 0.
+    pub timeout: Duration,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+impl NodeConfig {
+    pub fn is_single(&self) -> bool {
+        self.nnodes == 1
+    }
+
+    /// Whether the workers of `pc` spread evenly over the nodes. Checked before any weight is
+    /// loaded.
+    pub fn check(&self, pc: &ParallelConfig) -> Result<()> {
+        if self.nnodes == 0 || self.node_rank >= self.nnodes {
+            bail!(
+                "--node-rank {} is not one of --nnodes {} (0 to {})",
+                self.node_rank,
+                self.nnodes,
+                self.nnodes.saturating_sub(1)
+            );
+        }
+        let world = pc.world_size();
+        if !world.is_multiple_of(self.nnodes) {
+            bail!(
+                "{world} workers (--tensor-parallel-size {} x --pipeline-parallel-size {}) do \
+                 not spread evenly over --nnodes {}",
+                pc.tensor,
+                pc.pipeline,
+                self.nnodes
+            );
+        }
+        Ok(())
+    }
+
+    /// The workers this node holds.
+    pub fn workers(&self, pc: &ParallelConfig) -> Range<usize> {
+        let per = pc.world_size() / self.nnodes.max(1);
+        self.node_rank * per..(self.node_rank + 1) * per
+    }
+
+    /// The node holding worker `w`.
+    pub fn node_of(&self, pc: &ParallelConfig, w: usize) -> usize {
+        w / (pc.world_size() / self.nnodes.max(1)).max(1)
+    }
+}
+
 /// Part `i` of `n` items split into `parts` contiguous runs whose lengths differ by at most one
 /// (the longer ones first).
 pub fn split_even(n: usize, parts: usize, i: usize) -> Range<usize> {
     let (q, r) = (n / parts, n % parts);
     let start = i * q + i.min(r);
     start..start + q + usize::from(i < r)
+}
+
+/// [`split_even`] in whole units of `unit` where `n` is made of at least `parts` of them (the
+/// parts then differ by one unit at most), else item by item.
+pub fn split_aligned(n: usize, parts: usize, i: usize, unit: usize) -> Range<usize> {
+    if unit > 0 && n.is_multiple_of(unit) && n / unit >= parts {
+        let r = split_even(n / unit, parts, i);
+        r.start * unit..r.end * unit
+    } else {
+        split_even(n, parts, i)
+    }
 }
 
 /// The attention heads of one tensor-parallel rank, as head indices of the whole model.
@@ -191,6 +275,17 @@ mod tests {
     }
 
     #[test]
+    fn aligned_splits_keep_whole_units() {
+        // Qwen2.5-0.5B's MLP, 4864 = 19 x 256, over 2: 10 and 9 blocks, not 2432 each
+        assert_eq!(split_aligned(4864, 2, 0, 256), 0..2560);
+        assert_eq!(split_aligned(4864, 2, 1, 256), 2560..4864);
+        // SmolLM2's 1536 = 6 x 256 over 3; 100 is not made of 256s; 512 has 2 units for 3 parts
+        assert_eq!(split_aligned(1536, 3, 2, 256), 1024..1536);
+        assert_eq!(split_aligned(100, 3, 1, 256), split_even(100, 3, 1));
+        assert_eq!(split_aligned(512, 3, 0, 256), split_even(512, 3, 0));
+    }
+
+    #[test]
     fn heads_split_by_kv_heads_or_replicate_them() {
         // SmolLM2: 9 heads, 3 KV heads, tp 3: one KV head each
         for r in 0..3 {
@@ -222,5 +317,28 @@ mod tests {
         // unevenly (2 + 1)
         let e = HeadShard::new(15, 3, 5, 1).unwrap_err().to_string();
         assert!(e.contains("unevenly"), "{e}");
+    }
+
+    #[test]
+    fn nodes_hold_contiguous_runs_of_workers() {
+        let pc = ParallelConfig {
+            tensor: 3,
+            pipeline: 2,
+        };
+        let node = |nnodes, node_rank| NodeConfig {
+            nnodes,
+            node_rank,
+            ..NodeConfig::default()
+        };
+        assert_eq!(node(2, 0).workers(&pc), 0..3);
+        assert_eq!(node(2, 1).workers(&pc), 3..6);
+        assert_eq!(node(3, 2).workers(&pc), 4..6);
+        assert_eq!(node(2, 0).node_of(&pc, 4), 1);
+        assert_eq!(node(1, 0).workers(&pc), 0..6);
+        let e = node(4, 0).check(&pc).unwrap_err().to_string();
+        assert!(e.contains("do not spread evenly over --nnodes 4"), "{e}");
+        let e = node(2, 2).check(&pc).unwrap_err().to_string();
+        assert!(e.contains("--node-rank 2 is not one of --nnodes 2"), "{e}");
+        assert!(node(6, 5).check(&pc).is_ok());
     }
 }

@@ -20,8 +20,8 @@ pub use crate::quant::{GgmlType, dequantize};
 pub use names::{GgufFix, GgufTensorName, llama_tensor_name, map_name};
 use names::{unpermute_order, unpermute_rows};
 
-use super::Weight;
-use crate::quant::QuantTensor;
+use super::{Part, Weight};
+use crate::quant::{QuantTensor, dequantize_into};
 use crate::tensor::{DType, HostTensor};
 use crate::untrusted::text;
 use anyhow::{Context, Result, anyhow, bail};
@@ -29,6 +29,7 @@ use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 /// A metadata value. Its `Debug` is bounded: strings are escaped and cut
@@ -503,19 +504,84 @@ impl GgufFile {
     /// stays in it (llama's Q/K rows put back in HF order), anything else is dequantized and
     /// says which type it was stored in. `Ok(None)` if the model has no such tensor.
     pub fn weight(&self, hf_name: &str) -> Result<Option<Weight>> {
+        self.by_hf_name(hf_name, |info, fix| self.load_weight(info, fix))
+    }
+
+    fn load_weight(&self, info: &TensorInfo, fix: Option<GgufFix>) -> Result<Weight> {
+        if keeps_blocks(info, fix) {
+            return self.load_quant(info, fix);
+        }
+        self.load_hf(info, fix)
+            .map(|t| Weight::dense(t, stored_type(info.ty)))
+    }
+
+    /// The shape [`GgufFile::tensor`] gives the tensor with this HF name, without reading it.
+    pub fn hf_shape(&self, hf_name: &str) -> Result<Option<Vec<usize>>> {
         self.by_hf_name(hf_name, |info, fix| {
-            let keep = info.ty.has_kernel()
-                && info.dims.len() == 2
-                && matches!(fix, None | Some(GgufFix::UnpermuteQ | GgufFix::UnpermuteK));
-            if keep {
-                return self.load_quant(info, fix);
+            let mut shape = info
+                .dims
+                .iter()
+                .rev()
+                .map(|&d| usize::try_from(d).map_err(|_| anyhow!("dimension {d} is too large")))
+                .collect::<Result<Vec<usize>>>()?;
+            if fix == Some(GgufFix::Transpose) && shape.len() == 2 {
+                shape.swap(0, 1);
             }
-            let stored = match info.ty {
-                GgmlType::F16 => DType::F16,
-                GgmlType::BF16 => DType::BF16,
-                _ => DType::F32,
+            Ok(shape)
+        })
+    }
+
+    /// `part` of a linear weight by its HF name, as [`GgufFile::weight`] stores it, reading
+    /// only the part's rows (through llama's Q/K row order) and, where a block format's blocks
+    /// allow it, only its columns' bytes; a part that splits blocks is read as whole rows and
+    /// cut (f32, as `Weight::slice_cols` makes it).
+    pub fn weight_part(&self, hf_name: &str, part: &Part) -> Result<Option<Weight>> {
+        self.by_hf_name(hf_name, |info, fix| {
+            let matrix = info.dims.len() == 2
+                && matches!(fix, None | Some(GgufFix::UnpermuteQ | GgufFix::UnpermuteK));
+            if !matrix {
+                return part.apply(self.load_weight(info, fix)?);
+            }
+            let k = usize::try_from(info.dims[0]).map_err(|_| anyhow!("dimension too large"))?;
+            let rows = usize::try_from(info.dims[1]).map_err(|_| anyhow!("dimension too large"))?;
+            let mut ids = part.row_ids(rows)?;
+            if let Some(n_head) = self.unpermute_heads(fix)? {
+                let order = unpermute_order(rows, n_head)?;
+                ids.iter_mut().for_each(|i| *i = order[*i]);
+            }
+            let cols = part.col_range(k)?;
+            let raw = self.raw_bytes(info)?;
+            let rb = info.ty.row_bytes(k)?;
+            let row = |r: usize, bytes: Range<usize>| {
+                raw.get(r * rb + bytes.start..r * rb + bytes.end)
+                    .context("tensor data outside the file")
             };
-            self.load_hf(info, fix).map(|t| Weight::dense(t, stored))
+            if keeps_blocks(info, fix) {
+                let (block, bb) = info.ty.block_layout();
+                if cols.start.is_multiple_of(block) && cols.end.is_multiple_of(block) {
+                    let bytes = cols.start / block * bb..cols.end / block * bb;
+                    let mut data = Vec::with_capacity(ids.len() * bytes.len());
+                    for &r in &ids {
+                        data.extend_from_slice(row(r, bytes.clone())?);
+                    }
+                    let q = QuantTensor::new(info.ty, ids.len(), cols.len(), data)?;
+                    return Ok(Weight::Quant(q));
+                }
+                let mut data = Vec::with_capacity(ids.len() * rb);
+                for &r in &ids {
+                    data.extend_from_slice(row(r, 0..rb)?);
+                }
+                let q = QuantTensor::new(info.ty, ids.len(), k, data)?;
+                return Weight::Quant(q).slice_cols(cols);
+            }
+            let mut data = Vec::with_capacity(ids.len() * cols.len());
+            let mut values = vec![0f32; k];
+            for &r in &ids {
+                dequantize_into(info.ty, row(r, 0..rb)?, &mut values)?;
+                data.extend_from_slice(&values[cols.clone()]);
+            }
+            let t = HostTensor::new(vec![ids.len(), cols.len()], data);
+            Ok(Weight::dense(t, stored_type(info.ty)))
         })
     }
 
@@ -554,6 +620,23 @@ impl GgufFile {
         self.mmap
             .get(start..end)
             .context("tensor data outside the file")
+    }
+}
+
+/// Whether a linear weight stays in its block format (a 2-D tensor in a format with a kernel,
+/// whose only fix is llama's Q/K row order).
+fn keeps_blocks(info: &TensorInfo, fix: Option<GgufFix>) -> bool {
+    info.ty.has_kernel()
+        && info.dims.len() == 2
+        && matches!(fix, None | Some(GgufFix::UnpermuteQ | GgufFix::UnpermuteK))
+}
+
+/// The type a dense weight of this GGML type is kept in by `--dtype auto`.
+fn stored_type(ty: GgmlType) -> DType {
+    match ty {
+        GgmlType::F16 => DType::F16,
+        GgmlType::BF16 => DType::BF16,
+        _ => DType::F32,
     }
 }
 
@@ -1108,6 +1191,63 @@ mod tests {
         assert_eq!(enc.get_ids(), &[3, 5, 6]);
         assert_eq!(tk.decode(&[3, 5, 6, 1], false).unwrap(), "ab a</s>a");
         assert_eq!(tk.decode(&[3, 5, 6, 1], true).unwrap(), "ab aa");
+    }
+
+    /// A part read from the file is the whole weight cut: rows through llama's Q/K order
+    /// (Q8_0 blocks kept, f32 dense), columns on block boundaries (bytes kept) and across them
+    /// (f32), a transposed or 1-D tensor through the whole.
+    #[test]
+    fn weight_parts_are_the_whole_weight_cut() {
+        let t = write_tmp(&synthetic("llama").bytes());
+        let g = GgufFile::open(&t.path).unwrap();
+        let parts = [
+            Part::rows(vec![1..3, 5..9]),
+            Part::row_range(8..16),
+            Part::cols(8..24),
+            Part::cols(0..32),
+            Part {
+                rows: Some(vec![0..2, 12..16]),
+                cols: Some(16..32),
+            },
+        ];
+        let bits = |w: Weight| {
+            let quant = matches!(w, Weight::Quant(_));
+            let (t, stored) = w.into_dense().unwrap();
+            let b: Vec<u32> = t.data.iter().map(|x| x.to_bits()).collect();
+            (quant, stored, t.shape, b)
+        };
+        for name in [
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.mlp.down_proj.weight",
+        ] {
+            let whole = g.weight(name).unwrap().unwrap();
+            assert_eq!(g.hf_shape(name).unwrap().unwrap(), whole.shape(), "{name}");
+            for p in &parts {
+                let got = g.weight_part(name, p).unwrap().unwrap();
+                let want = p.apply(whole.clone()).unwrap();
+                assert_eq!(bits(got), bits(want), "{name} {p:?}");
+            }
+        }
+        // Q8_0 columns on the block boundary stay blocks; across it they become f32
+        let k = "model.layers.0.self_attn.k_proj.weight";
+        assert!(matches!(
+            g.weight_part(k, &parts[0]).unwrap(),
+            Some(Weight::Quant(_))
+        ));
+        assert!(matches!(
+            g.weight_part(k, &parts[2]).unwrap(),
+            Some(Weight::Dense { .. })
+        ));
+        // out of range, and no such tensor
+        let e = g.weight_part(k, &Part::row_range(10..17)).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("rows 10..17 of a weight of 16 rows"),
+            "{e:#}"
+        );
+        let e = g.weight_part(k, &Part::cols(0..33)).unwrap_err();
+        assert!(format!("{e:#}").contains("columns 0..33"), "{e:#}");
+        assert!(g.weight_part("model.nothing", &parts[0]).unwrap().is_none());
     }
 
     #[test]

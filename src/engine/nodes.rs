@@ -1,0 +1,377 @@
+//! Workers on several nodes (`--nnodes`): node 0 runs the engine and its workers, and for
+//! every worker of another node a proxy thread that runs that worker's collectives on its
+//! handles (see `parallel::tcp`); each other node runs [`serve_node`]: its workers, each with
+//! one connection to node 0, taking steps until node 0 closes it.
+//!
+//! ```text
+//!  node 0                                         node n
+//!  listen(master) ◀───── Hello(worker, settings) ─ connect (retried until the timeout)
+//!  load its shards          Loaded(KV bytes/block) ─ load its shards (RemoteComm handles)
+//!  pool size over all ────── Start(num_blocks) ───▶ its KV pools
+//!  steps ─────────────────── Execute / Swap ──────▶ forward pass ── Comm ──▶ proxy ─┐
+//!                                                                 ◀─ CommDone ──────┘
+//!        ◀─────────────────── Done(logits part) ───
+//! ```
+
+use super::runner::{LogitsPart, Runner, RunnerArgs, plan};
+use super::workers::{Job, Sink, Worker, load_shards, run_job, stage_layers};
+use crate::backend::CpuBackend;
+use crate::models::{LoadedModel, WeightStats, kv_cache};
+use crate::parallel::tcp::{Conn, Msg, PP, RemoteComm, TP, read_msg, resolve, write_msg};
+use crate::parallel::{Communicator, HostCollectives, LocalComm, NodeConfig, Placement};
+use anyhow::{Context, Result, anyhow, bail};
+use std::io::{BufReader, BufWriter, ErrorKind};
+use std::net::{TcpListener, TcpStream};
+use std::ops::Range;
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// What node 0 and every other node must agree on before their shards fit together: the
+/// model's shape, how its weights are stored, the block size, the split, the RoPE positions.
+pub(super) fn fingerprint(model: &LoadedModel, args: &RunnerArgs, positions: usize) -> String {
+    let c = &model.config;
+    format!(
+        "{} {} layers, {} heads / {} KV heads, hidden {}, vocab {}; --dtype {}, block size {}, \
+         tensor {} x pipeline {} over {} nodes, {positions} positions",
+        c.arch.name(),
+        c.num_layers,
+        c.num_heads,
+        c.num_kv_heads,
+        c.hidden_size,
+        c.vocab_size,
+        args.dtype.name(),
+        args.block_size,
+        args.parallel.tensor,
+        args.parallel.pipeline,
+        args.nodes.nnodes
+    )
+}
+
+pub(super) fn listen(nodes: &NodeConfig) -> Result<TcpListener> {
+    let addr = resolve(&nodes.master_addr, nodes.master_port)?;
+    TcpListener::bind(addr)
+        .with_context(|| format!("node 0 cannot listen on {addr} (--master-addr, --master-port)"))
+}
+
+/// A worker of another node, connected and loaded, not yet started.
+pub(super) struct Pending {
+    conn: Conn,
+    pub(super) per_block: u64,
+    pub(super) stats: WeightStats,
+}
+
+/// Tells every pending worker that node 0 gave up, and why.
+pub(super) fn refuse(pending: Vec<Pending>, why: &str) {
+    for mut p in pending {
+        let _ = p.conn.send(&Msg::Start(Err(why.to_string())));
+    }
+}
+
+/// Waits until every worker in `remote` has connected from its node with the same settings
+/// (`fingerprint`) and loaded its shard, or the timeout passes. In worker order.
+pub(super) fn gather(
+    listener: TcpListener,
+    nodes: &NodeConfig,
+    remote: Range<usize>,
+    fingerprint: &str,
+) -> Result<Vec<Pending>> {
+    let deadline = Instant::now() + nodes.timeout;
+    let addr = listener.local_addr()?;
+    let mut conns: Vec<Option<Conn>> = remote.clone().map(|_| None).collect();
+    let fail = |conns: Vec<Option<Conn>>, e: anyhow::Error| -> anyhow::Error {
+        for mut c in conns.into_iter().flatten() {
+            let _ = c.send(&Msg::Start(Err(format!("{e:#}"))));
+        }
+        e
+    };
+    listener.set_nonblocking(true)?;
+    while conns.iter().any(Option::is_none) {
+        let (stream, peer) = match listener.accept() {
+            Ok(s) => s,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let have = conns.iter().flatten().count();
+                    let e = anyhow!(
+                        "node 0 waited {:.0} s at {addr} for the other nodes' {} workers and {have} \
+                         came: start the same command with --node-rank 1..{} (and the same \
+                         --master-addr, --master-port) on the other nodes",
+                        nodes.timeout.as_secs_f64(),
+                        remote.len(),
+                        nodes.nnodes - 1
+                    );
+                    return Err(fail(conns, e));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            Err(e) => return Err(fail(conns, e.into())),
+        };
+        // NOTE: a worker says hello as soon as it connects; a connection that does not (a
+        // port scan, a stray client) is dropped with a warning and the wait goes on.
+        let hello = (|| {
+            stream.set_nonblocking(false)?;
+            let mut c = Conn::new(stream)?;
+            c.read_deadline(Some(deadline.min(Instant::now() + Duration::from_secs(10))))?;
+            match c.recv()? {
+                Msg::Hello {
+                    worker,
+                    fingerprint,
+                } => Ok((worker as usize, fingerprint, c)),
+                m => bail!("it opened with {} instead of Hello", m.name()),
+            }
+        })();
+        let (w, theirs, mut c) = match hello {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!("node 0 ignored a connection from {peer}: {e:#}");
+                continue;
+            }
+        };
+        let refused = if theirs != fingerprint {
+            Some(format!(
+                "worker {w} (from {peer}) was started with other settings than node 0's: \
+                 theirs {theirs}; node 0's {fingerprint}"
+            ))
+        } else if !remote.contains(&w) || conns[w - remote.start].is_some() {
+            Some(format!(
+                "{peer} announced worker {w}, which is not one of the other nodes' {remote:?} \
+                 or came twice (is --node-rank the same on two nodes?)"
+            ))
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            let _ = c.send(&Msg::Start(Err(e.clone())));
+            return Err(fail(conns, anyhow!(e)));
+        }
+        conns[w - remote.start] = Some(c);
+    }
+    let mut pending = Vec::with_capacity(remote.len());
+    let mut failure = None;
+    for (w, mut c) in remote.clone().zip(conns.into_iter().flatten()) {
+        match c.read_deadline(Some(deadline)).and_then(|_| c.recv()) {
+            Ok(Msg::Loaded(Ok((per_block, stats)))) => pending.push(Pending {
+                conn: c,
+                per_block,
+                stats,
+            }),
+            Ok(Msg::Loaded(Err(e))) => {
+                failure.get_or_insert(anyhow!("worker {w}: {e}"));
+            }
+            Ok(m) => {
+                failure.get_or_insert(anyhow!("worker {w} sent {} before Loaded", m.name()));
+            }
+            Err(e) => {
+                failure.get_or_insert(e.context(format!("waiting for worker {w} to load")));
+            }
+        }
+    }
+    if let Some(e) = failure {
+        refuse(pending, &format!("{e:#}"));
+        return Err(e).context("the other nodes' workers");
+    }
+    for p in &pending {
+        p.conn.read_deadline(None)?;
+    }
+    Ok(pending)
+}
+
+/// Starts a pending worker: tells it the pool's size, and runs its proxy thread with its
+/// handles on node 0's groups.
+pub(super) fn start(p: Pending, num_blocks: usize, comms: [LocalComm; 2]) -> Result<Worker> {
+    let Pending { mut conn, .. } = p;
+    conn.send(&Msg::Start(Ok(num_blocks as u64)))?;
+    let Conn { reader, writer } = conn;
+    let writer = Arc::new(Mutex::new(writer));
+    let (tx, replies) = channel();
+    let w = writer.clone();
+    let gone = Arc::new(Mutex::new(None));
+    let g = gone.clone();
+    let thread = std::thread::Builder::new()
+        .name("pagoda-proxy".into())
+        .spawn(move || proxy(reader, w, comms, tx, g))
+        .context("starting a proxy thread")?;
+    Ok(Worker {
+        sink: Sink::Remote(writer),
+        replies,
+        thread: Some(thread),
+        gone,
+    })
+}
+
+/// Node 0's side of a remote worker: runs its collectives, passes its results on. When the
+/// connection fails, the worker is marked gone and its groups are aborted, so that no one
+/// waits for it, in this step or a later one.
+fn proxy(
+    mut reader: BufReader<TcpStream>,
+    writer: Arc<Mutex<BufWriter<TcpStream>>>,
+    comms: [LocalComm; 2],
+    replies: Sender<Result<LogitsPart>>,
+    gone: Arc<Mutex<Option<String>>>,
+) {
+    let abort = || comms.iter().for_each(|c| c.group().abort());
+    let worker = HostCollectives::rank(&comms[1]) * HostCollectives::size(&comms[0])
+        + HostCollectives::rank(&comms[0]);
+    loop {
+        let why = match read_msg(&mut reader) {
+            Ok(Some(Msg::Comm { group, op, data })) => {
+                let c = &comms[usize::from(group == PP)];
+                let done = Msg::CommDone(op.run(c, data).map_err(|e| format!("{e:#}")));
+                let mut w = writer.lock().unwrap_or_else(|e| e.into_inner());
+                match write_msg(&mut *w, &done) {
+                    Ok(()) => continue,
+                    Err(e) => format!("{e:#}"),
+                }
+            }
+            Ok(Some(Msg::Abort)) => {
+                abort();
+                continue;
+            }
+            Ok(Some(Msg::Done(r))) => {
+                if replies.send(r.map_err(|e| anyhow!(e))).is_err() {
+                    return;
+                }
+                continue;
+            }
+            Ok(Some(m)) => format!("it sent {} mid-run", m.name()),
+            Ok(None) => "it closed the connection".to_string(),
+            Err(e) => format!("{e:#}"),
+        };
+        let why = format!("worker {worker} on another node is gone: {why}");
+        *gone.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.clone());
+        abort();
+        let _ = replies.send(Err(anyhow!(why)));
+        return;
+    }
+}
+
+/// A node other than 0: connects its workers to node 0, loads their shards, and runs their
+/// steps until node 0 closes the connections. CPU backend only, as every parallel run for now.
+pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
+    let pc = args.parallel;
+    let nodes = &args.nodes;
+    pc.check(&model.config)?;
+    nodes.check(&pc)?;
+    if nodes.node_rank == 0 {
+        bail!("node 0 runs the engine, not serve_node");
+    }
+    if args.backend != crate::backend::BackendKind::Cpu {
+        bail!(
+            "workers on other nodes run on the CPU backend only for now ({} would need NCCL, \
+             not implemented yet); pass --backend cpu",
+            args.backend.name()
+        );
+    }
+    let positions = plan(&CpuBackend::new(), model, args)?;
+    let fp = fingerprint(model, args, positions);
+    let addr = resolve(&nodes.master_addr, nodes.master_port)?;
+    let deadline = Instant::now() + nodes.timeout;
+    let mine = nodes.workers(&pc);
+    tracing::info!(
+        "node {} of {}: workers {mine:?} for the engine at {addr}",
+        nodes.node_rank,
+        nodes.nnodes
+    );
+    let mut places = Vec::new();
+    for w in mine.clone() {
+        let mut conn = Conn::connect(addr, deadline)?;
+        conn.send(&Msg::Hello {
+            worker: w as u32,
+            fingerprint: fp.clone(),
+        })?;
+        let link = Arc::new(Mutex::new(conn));
+        let comm = |group, rank, size| -> Arc<dyn Communicator<CpuBackend>> {
+            Arc::new(RemoteComm {
+                link: link.clone(),
+                group,
+                rank,
+                size,
+            })
+        };
+        let place = Placement {
+            tp: comm(TP, w % pc.tensor, pc.tensor),
+            pp: comm(PP, w / pc.tensor, pc.pipeline),
+            layers: stage_layers(pc, model.config.num_layers, w),
+        };
+        places.push((place, link));
+    }
+    let links: Vec<Arc<Mutex<Conn>>> = places.iter().map(|(_, l)| l.clone()).collect();
+    let loaded = load_shards(
+        &|| Ok(CpuBackend::new()),
+        model,
+        args,
+        positions,
+        places,
+        &mut |_, _| {},
+    );
+    let loaded = match loaded {
+        Ok(l) => l,
+        Err(e) => {
+            for l in &links {
+                let _ = lock(l).send(&Msg::Loaded(Err(format!(
+                    "node {}: {e:#}",
+                    nodes.node_rank
+                ))));
+            }
+            return Err(e);
+        }
+    };
+    // NOTE: every worker reports before any waits for Start: node 0 reads all the reports
+    // first, then starts them all.
+    for (_, lm, link) in &loaded {
+        let per_block = kv_cache::bytes_per_block(&lm.kv_spec(), args.block_size)?;
+        lock(link).send(&Msg::Loaded(Ok((per_block, lm.weight_stats().clone()))))?;
+    }
+    let mut runners = Vec::new();
+    for (backend, lm, link) in loaded {
+        let mut c = lock(&link);
+        c.read_deadline(Some(deadline))?;
+        let num_blocks = match c.recv().context("waiting for node 0 to start")? {
+            Msg::Start(Ok(n)) => usize::try_from(n)?,
+            Msg::Start(Err(e)) => bail!("node 0 gave up: {e}"),
+            m => bail!("node 0 sent {} instead of Start", m.name()),
+        };
+        c.read_deadline(None)?;
+        drop(c);
+        runners.push((Runner::new(backend, lm, num_blocks, args.block_size)?, link));
+    }
+    tracing::info!("node {}: workers started", nodes.node_rank);
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let hs: Vec<_> = runners
+            .into_iter()
+            .map(|(mut runner, link)| s.spawn(move || remote_worker(&mut runner, &link)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow!("a worker thread panicked")))
+            })
+            .collect()
+    });
+    results.into_iter().collect::<Result<Vec<()>>>().map(drop)
+}
+
+/// One worker of another node: takes node 0's jobs until it closes the connection.
+fn remote_worker(runner: &mut Runner<CpuBackend>, link: &Mutex<Conn>) -> Result<()> {
+    loop {
+        // NOTE: the lock is not held while the job runs: its collectives use the connection.
+        let msg = read_msg(&mut lock(link).reader)?;
+        let job = match msg {
+            None => return Ok(()),
+            Some(Msg::Execute(input)) => Job::Execute(Arc::new(input)),
+            Some(Msg::Swap(out, inn)) => Job::Swap(Arc::new((out, inn))),
+            Some(m) => bail!("node 0 sent {} between steps", m.name()),
+        };
+        let reply = run_job(runner, &job);
+        let mut c = lock(link);
+        if reply.is_err() {
+            c.send(&Msg::Abort)?;
+        }
+        c.send(&Msg::Done(reply.map_err(|e| format!("{e:#}"))))?;
+    }
+}
+
+fn lock(link: &Mutex<Conn>) -> MutexGuard<'_, Conn> {
+    link.lock().unwrap_or_else(|e| e.into_inner())
+}
