@@ -304,12 +304,30 @@ fn wait_ok(child: std::process::Child) {
 /// pipeline 2 on 2 nodes (node 1 holds the second stage: the pipeline hand-over crosses nodes,
 /// node 1's all-reduces run through node 0), and a tiny Gemma 3 at 2 x 2 on 4 nodes (one
 /// worker each, every collective between processes), reproduce their goldens; each other
-/// node exits cleanly when node 0 is done.
+/// node exits cleanly when node 0 is done; stray connections to node 0 are ignored.
 #[test]
 fn workers_on_other_nodes_over_tcp_reproduce_the_goldens() {
     let smol = model_path(SMOL_HF);
     let port = free_port();
     let child = spawn_node(&smol, split(3, 2), 2, 1, port, 4);
+    // NOTE: a stray client (an HTTP request, then one that sends nothing) is ignored by node 0
+    let stray = std::thread::spawn(move || {
+        use std::io::Write;
+        for msg in [&b"GET / HTTP/1.1\r\n\r\n"[..], b""] {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            loop {
+                if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                    let _ = s.write_all(msg);
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "node 0 never listened"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
+    });
     let cases = golden_cases("smollm2-135m-instruct-f32");
     check_greedy_on(
         &smol,
@@ -319,6 +337,7 @@ fn workers_on_other_nodes_over_tcp_reproduce_the_goldens() {
         "smollm2, 2 nodes",
     );
     wait_ok(child);
+    stray.join().unwrap();
 
     let text = std::fs::read_to_string(tiny("goldens.json")).unwrap();
     let goldens: serde_json::Value = serde_json::from_str(&text).unwrap();

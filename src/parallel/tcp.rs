@@ -380,9 +380,13 @@ pub fn read_msg(r: &mut impl Read) -> Result<Option<Msg>> {
     if len > MAX_FRAME {
         bail!("a frame of {len} bytes (at most {MAX_FRAME})");
     }
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body)
-        .context("the connection closed mid-message")?;
+    // NOTE: read as it comes (reserving at most 64 MiB ahead), so that a length a peer merely
+    // claims allocates little
+    let mut body = Vec::with_capacity(len.min(64 << 20) as usize);
+    r.take(len).read_to_end(&mut body)?;
+    if body.len() as u64 != len {
+        bail!("the connection closed mid-message");
+    }
     Msg::decode(&body).map(Some)
 }
 
