@@ -1,6 +1,7 @@
-//! Tensor and pipeline parallelism on one machine: one worker thread per (stage, tensor rank),
-//! each with its own backend, its shard of the weights and its part of the KV pool, behind
-//! the same [`ModelRunner`] trait as a single device. The engine above is unchanged: its one
+//! Tensor and pipeline parallelism: one worker per (stage, tensor rank), a thread of this
+//! process or one on another node (`nodes.rs`), each with its own backend, its shard of the
+//! weights and its part of the KV pool, behind the same [`ModelRunner`] trait as a single
+//! device. The engine above is unchanged: its one
 //! scheduler and block manager hand out block ids that index every worker's pool alike.
 //!
 //! ```text
