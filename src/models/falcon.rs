@@ -10,8 +10,8 @@ use super::gguf::{GgufFile, GgufTensorName, map_name};
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
 use super::shard::Lin::{File, Have};
-use super::shard::{self, Head, Shard, stage_input, stage_output};
-use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions};
+use super::shard::{self, Head, Lin, Shard, stage_input, stage_output};
+use super::{CausalLm, Norm, Uploader, WeightStats, attend, check_positions};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
 use crate::tensor::{DType, HostTensor, WeightDtype};
@@ -271,19 +271,15 @@ impl<B: Backend> Falcon<B> {
                     up.fetch(&n("self_attention.query_key_value.bias"), &[rows])?,
                     c,
                 );
-                let (b, _) = sh
-                    .qkv_fused(&up, Have(Weight::dense(b, DType::F32)))?
-                    .into_dense()?;
-                Some(up.upload(&b, DType::F32)?)
+                let b = sh.qkv_fused(&up, Lin::bias(b))?;
+                Some(up.upload_bias(b)?)
             } else {
                 None
             };
             let b_up = if bias {
                 let b = up.fetch(&n("mlp.dense_h_to_4h.bias"), &[f])?;
-                let (b, _) = sh
-                    .ffn_rows(&up, Have(Weight::dense(b, DType::F32)))?
-                    .into_dense()?;
-                Some(up.upload(&b, DType::F32)?)
+                let b = sh.ffn_rows(&up, Lin::bias(b))?;
+                Some(up.upload_bias(b)?)
             } else {
                 None
             };

@@ -198,12 +198,8 @@ impl<B: Backend> Gpt2<B> {
         for l in place.layers.clone() {
             let n = |s: &str| format!("transformer.h.{l}.{s}");
             // NOTE: the Conv1D weights are stored transposed: read whole, then cut.
-            let (b_qkv, _) = sh
-                .qkv_fused(&up, Have(bias(&up, &n("attn.c_attn.bias"), 3 * q)?))?
-                .into_dense()?;
-            let (b_fc, _) = sh
-                .ffn_rows(&up, Have(bias(&up, &n("mlp.c_fc.bias"), f)?))?
-                .into_dense()?;
+            let b_qkv = sh.qkv_fused(&up, Have(bias(&up, &n("attn.c_attn.bias"), 3 * q)?))?;
+            let b_fc = sh.ffn_rows(&up, Have(bias(&up, &n("mlp.c_fc.bias"), f)?))?;
             let w_qkv =
                 sh.qkv_fused(&up, Have(conv(&up, &n("attn.c_attn.weight"), hid, 3 * q)?))?;
             let w_o = sh.o_proj(&up, Have(conv(&up, &n("attn.c_proj.weight"), q, hid)?))?;
@@ -214,12 +210,12 @@ impl<B: Backend> Gpt2<B> {
             layers.push(Layer {
                 ln_1: ln(&mut up, &n("ln_1"))?,
                 w_qkv: up.upload_linear(w_qkv)?,
-                b_qkv: up.upload(&b_qkv, DType::F32)?,
+                b_qkv: up.upload_bias(b_qkv)?,
                 w_o: up.upload_linear(w_o)?,
                 b_o: rank0.then(|| up.upload(&b_o, DType::F32)).transpose()?,
                 ln_2: ln(&mut up, &n("ln_2"))?,
                 w_fc: up.upload_linear(w_fc)?,
-                b_fc: up.upload(&b_fc, DType::F32)?,
+                b_fc: up.upload_bias(b_fc)?,
                 w_proj: up.upload_linear(w_proj)?,
                 b_proj: rank0.then(|| up.upload(&b_proj, DType::F32)).transpose()?,
             });

@@ -9,9 +9,9 @@ use super::config::{Fields, ModelConfig};
 use super::gguf::GgufFile;
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
-use super::shard::Lin::{File, Have};
+use super::shard::Lin::File;
 use super::shard::{self, Head, Lin, Shard, stage_input, stage_output};
-use super::{CausalLm, Norm, Uploader, Weight, WeightStats, attend, check_positions};
+use super::{CausalLm, Norm, Uploader, WeightStats, attend, check_positions};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
 use crate::tensor::{DType, WeightDtype};
@@ -156,18 +156,14 @@ impl<B: Backend> Llama<B> {
                 )?,
             };
             let bqkv = if c.attention_bias {
-                let b = |s: &str, rows: usize| -> Result<Lin> {
-                    Ok(Have(Weight::dense(up.fetch(&n(s), &[rows])?, DType::F32)))
-                };
-                let (b, _) = sh
-                    .qkv(
-                        &up,
-                        b("self_attn.q_proj.bias", h * d)?,
-                        b("self_attn.k_proj.bias", hkv * d)?,
-                        b("self_attn.v_proj.bias", hkv * d)?,
-                    )?
-                    .into_dense()?;
-                Some(up.upload(&b, DType::F32)?)
+                let b = |s: &str, rows: usize| up.fetch(&n(s), &[rows]).map(Lin::bias);
+                let b = sh.qkv(
+                    &up,
+                    b("self_attn.q_proj.bias", h * d)?,
+                    b("self_attn.k_proj.bias", hkv * d)?,
+                    b("self_attn.v_proj.bias", hkv * d)?,
+                )?;
+                Some(up.upload_bias(b)?)
             } else {
                 None
             };

@@ -414,6 +414,12 @@ impl<'a, B: Backend> Uploader<'a, B> {
         Ok(buf)
     }
 
+    /// Uploads a bias (a shard's part of one, say) in f32.
+    pub fn upload_bias(&mut self, w: Weight) -> Result<B::Buf> {
+        let (t, _) = w.into_dense()?;
+        self.upload(&t, DType::F32)
+    }
+
     /// Fetches and uploads in one go.
     pub fn weight(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<B::Buf> {
         let t = self.fetch(name, shape)?;

@@ -8,6 +8,7 @@ use super::kv_cache::{self, LayerKvSpec};
 use super::{Norm, Part, Uploader, Weight, final_logits, stack_linear};
 use crate::backend::{Backend, DeviceBatch, QkvLayout};
 use crate::parallel::{HeadShard, Placement, split_aligned};
+use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail};
 use std::ops::Range;
 
@@ -36,6 +37,13 @@ pub struct Shard {
 pub enum Lin<'a> {
     File(&'a str, [usize; 2]),
     Have(Weight),
+}
+
+impl Lin<'_> {
+    /// A bias (or any vector) in hand, in f32.
+    pub fn bias(t: HostTensor) -> Lin<'static> {
+        Lin::Have(Weight::dense(t, DType::F32))
+    }
 }
 
 fn take<B: Backend>(up: &Uploader<B>, w: Lin, part: Part) -> Result<Weight> {

@@ -278,6 +278,21 @@ impl Msg {
         e.0
     }
 
+    /// The message's kind, for protocol errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Msg::Hello { .. } => "Hello",
+            Msg::Loaded(_) => "Loaded",
+            Msg::Start(_) => "Start",
+            Msg::Execute(_) => "Execute",
+            Msg::Swap(..) => "Swap",
+            Msg::Done(_) => "Done",
+            Msg::Comm { .. } => "Comm",
+            Msg::CommDone(_) => "CommDone",
+            Msg::Abort => "Abort",
+        }
+    }
+
     pub fn decode(bytes: &[u8]) -> Result<Msg> {
         let mut d = Dec { b: bytes };
         let msg = match d.u8()? {
@@ -470,23 +485,6 @@ impl RemoteComm {
         match c.recv()? {
             Msg::CommDone(r) => r.map_err(|e| anyhow!(e)),
             m => bail!("node 0 answered a collective with {}", m.name()),
-        }
-    }
-}
-
-impl Msg {
-    /// The message's kind, for protocol errors.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Msg::Hello { .. } => "Hello",
-            Msg::Loaded(_) => "Loaded",
-            Msg::Start(_) => "Start",
-            Msg::Execute(_) => "Execute",
-            Msg::Swap(..) => "Swap",
-            Msg::Done(_) => "Done",
-            Msg::Comm { .. } => "Comm",
-            Msg::CommDone(_) => "CommDone",
-            Msg::Abort => "Abort",
         }
     }
 }

@@ -444,12 +444,7 @@ impl GgufFile {
     }
 
     fn load_hf(&self, info: &TensorInfo, fix: Option<GgufFix>) -> Result<HostTensor> {
-        let shape = info
-            .dims
-            .iter()
-            .rev()
-            .map(|&d| usize::try_from(d).map_err(|_| anyhow!("dimension {d} is too large")))
-            .collect::<Result<Vec<usize>>>()?;
+        let shape = hf_dims(info)?;
         let mut data = self.load_gguf_tensor(info)?;
         match fix {
             Some(GgufFix::SubtractOne) => data.iter_mut().for_each(|x| *x -= 1.0),
@@ -518,12 +513,7 @@ impl GgufFile {
     /// The shape [`GgufFile::tensor`] gives the tensor with this HF name, without reading it.
     pub fn hf_shape(&self, hf_name: &str) -> Result<Option<Vec<usize>>> {
         self.by_hf_name(hf_name, |info, fix| {
-            let mut shape = info
-                .dims
-                .iter()
-                .rev()
-                .map(|&d| usize::try_from(d).map_err(|_| anyhow!("dimension {d} is too large")))
-                .collect::<Result<Vec<usize>>>()?;
+            let mut shape = hf_dims(info)?;
             if fix == Some(GgufFix::Transpose) && shape.len() == 2 {
                 shape.swap(0, 1);
             }
@@ -621,6 +611,15 @@ impl GgufFile {
             .get(start..end)
             .context("tensor data outside the file")
     }
+}
+
+/// A tensor's dimensions in HF order (the GGUF dims reversed).
+fn hf_dims(info: &TensorInfo) -> Result<Vec<usize>> {
+    info.dims
+        .iter()
+        .rev()
+        .map(|&d| usize::try_from(d).map_err(|_| anyhow!("dimension {d} is too large")))
+        .collect()
 }
 
 /// Whether a linear weight stays in its block format (a 2-D tensor in a format with a kernel,
