@@ -2,6 +2,7 @@
 //!
 //!     cargo bench --bench matmul                  # every weight type, default shapes
 //!     cargo bench --bench matmul -- 1 64          # some row counts
+//!     PAGODA_MATMUL_TYPES=Q4_K,Q6_K PAGODA_MATMUL_SHAPES=4864x896 cargo bench --bench matmul
 //!
 //! Weights are random (random blocks for the GGML types); shapes are SmolLM2-135M's fused
 //! gate/up projection (`[3072, 576]`) and a `[576, 1536]` one (the down projection, whose
@@ -159,6 +160,9 @@ fn main() {
     let types = [
         "f32", "f16", "bf16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
     ];
+    // PAGODA_MATMUL_TYPES=Q4_K,Q6_K: only those types.
+    let only_types = std::env::var("PAGODA_MATMUL_TYPES").unwrap_or_default();
+    let only: Vec<&str> = only_types.split(',').filter(|t| !t.is_empty()).collect();
     let shapes: Vec<(usize, usize)> = match std::env::var("PAGODA_MATMUL_SHAPES") {
         Ok(s) => s
             .split(',')
@@ -177,6 +181,9 @@ fn main() {
             Packed::pack(&wb, n, k),
         );
         for name in types {
+            if !only.is_empty() && !only.contains(&name) {
+                continue;
+            }
             let q = match name {
                 "f32" | "f16" | "bf16" => None,
                 t => {

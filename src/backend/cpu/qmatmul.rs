@@ -25,9 +25,11 @@
 //! row's result does not depend on the other rows of the batch (batch invariance, as in
 //! matmul.rs).
 //!
-//! Tiles: one weight row against up to MR rows of `x` (8 with AVX-512, 4 otherwise): the row is
-//! decoded once per tile, the accumulators stay in registers. Weight rows are split into slabs
-//! of SLAB rows for the threads; a slab stays in L2 while every tile of `x` passes over it.
+//! Tiles: one weight row against up to MR rows of `x` (8 with AVX-512, 4 otherwise), the
+//! accumulators in registers. Weight rows are split into slabs of SLAB rows for the threads; a
+//! slab stays in L2 while every tile of `x` passes over it. The row is decoded once per tile,
+//! except on AVX2 with more than one tile, where the slab is decoded once into [`Decoded`] and
+//! every tile reads the values from there.
 
 use super::matmul::reduce8;
 use crate::quant::{GgmlType, QuantTensor};
@@ -280,22 +282,34 @@ pub fn qmatmul_on(
     }
     let out_ptr = SendPtr(out.as_mut_ptr());
     let xq = &xq;
+    // NOTE: with several tiles of x on AVX2, each slab is decoded once into `Decoded` and
+    // every tile reads it there, instead of decoding every weight row once per tile of 4 rows
+    // (for the K-quants the decode costs more than the tile's dot products). The same values
+    // and the same operations follow either way, so the bits do not change.
+    let predecode = p == Path::Avx2 && m > tile_rows;
     tasks.into_par_iter().for_each_init(
-        // A weight row's minimums, padded with zeros to a multiple of 8.
-        || vec![0f32; xq.nm],
-        |mins, (pi, j0, r0, nj)| {
+        // A weight row's minimums, padded with zeros to a multiple of 8; a decoded slab.
+        || (vec![0f32; xq.nm], Decoded::default()),
+        |(mins, dec), (pi, j0, r0, nj)| {
             let part = &w.parts[pi];
             let t = code(part.ty).expect("QuantTensor holds kernel types only");
             let rb = part.data.len() / part.rows;
+            let rows = &part.data[r0 * rb..(r0 + nj) * rb];
+            if predecode {
+                dec.decode(t, rows, nj, xq);
+            }
             let o = out_ptr;
             let mut i = 0;
             while i < m {
                 let mr = tile_rows.min(m - i);
                 let tile = Tile { x: xq, i };
                 for jj in 0..nj {
-                    let row = &part.data[(r0 + jj) * rb..(r0 + jj + 1) * rb];
                     let mut r = [0f32; MR];
-                    run(p, t, mr, row, tile, mins, &mut r);
+                    if predecode {
+                        dec.run(t, jj, mr, tile, &mut r);
+                    } else {
+                        run(p, t, mr, &rows[jj * rb..(jj + 1) * rb], tile, mins, &mut r);
+                    }
                     for (a, v) in r[..mr].iter().enumerate() {
                         // SAFETY: this task alone writes columns j0 .. j0 + nj of `out` (m
                         // rows of stride n), and i + a < m.
@@ -306,6 +320,107 @@ pub fn qmatmul_on(
             }
         },
     );
+}
+
+/// A slab of weight rows decoded for the AVX2 kernel, as [`x86::decode`] gives them: per row,
+/// each sub-block's 32 values `v` (`[rows, kp]`, zero in the padding), its 8 lanes' scales
+/// (`[rows, 8·nbp]`) and the minimums (`[rows, nm]`, zero in the padding).
+#[derive(Default)]
+struct Decoded {
+    v: Vec<i8>,
+    scale: Vec<f32>,
+    mins: Vec<f32>,
+}
+
+impl Decoded {
+    /// Decodes `nrows` rows of type `t` (`rows` holds them, one after the other) for the
+    /// columns of `x`.
+    fn decode(&mut self, t: u8, rows: &[u8], nrows: usize, x: &QuantizedRows) {
+        self.v.clear();
+        self.v.resize(nrows * x.kp, 0);
+        self.scale.clear();
+        self.scale.resize(nrows * 8 * x.nbp, 0.0);
+        self.mins.clear();
+        self.mins.resize(nrows * x.nm, 0.0);
+        #[cfg(target_arch = "x86_64")]
+        {
+            macro_rules! each {
+                ($($c:ident),*) => {
+                    match t {
+                        // SAFETY: this path runs only where AVX2 is available (qmatmul_on).
+                        $($c => unsafe { self.decode_avx2::<$c>(rows, nrows, x) },)*
+                        _ => unreachable!("a kernel type code"),
+                    }
+                };
+            }
+            each!(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (t, rows);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode_avx2<const T: u8>(&mut self, rows: &[u8], nrows: usize, x: &QuantizedRows) {
+        use std::arch::x86_64::*;
+        let rb = rows.len() / nrows.max(1);
+        for r in 0..nrows {
+            for j in 0..x.nb {
+                // SAFETY: sub-block j < nb lies in row r; the slab's buffers hold nrows rows
+                // of kp values, 8 nbp scales and nm minimums.
+                unsafe {
+                    let b = rows.as_ptr().add(r * rb + (j / subs(T)) * block_bytes(T));
+                    let (v, scale, min) = x86::decode::<T>(b, j % subs(T));
+                    let vp = self.v.as_mut_ptr().add(r * x.kp + 32 * j);
+                    _mm256_storeu_si256(vp as *mut __m256i, v);
+                    let sp = self.scale.as_mut_ptr().add(r * 8 * x.nbp + 8 * j);
+                    _mm256_storeu_ps(sp, scale);
+                    *self.mins.get_unchecked_mut(r * x.nm + j) = min;
+                }
+            }
+        }
+    }
+
+    /// Row `jj` of the slab against the tile's `mr` rows, into `r[..mr]`.
+    fn run(&mut self, t: u8, jj: usize, mr: usize, x: Tile<'_>, r: &mut [f32; MR]) {
+        let xs = x.x;
+        let src = Src::Decoded {
+            v: &self.v[jj * xs.kp..][..xs.kp],
+            scale: &self.scale[jj * 8 * xs.nbp..][..8 * xs.nbp],
+        };
+        let mins = &mut self.mins[jj * xs.nm..][..xs.nm];
+        // NOTE: decoded, the types differ only in whether they have a minimum.
+        #[cfg(target_arch = "x86_64")]
+        macro_rules! rows4 {
+            ($t:ident) => {
+                // SAFETY: this path runs only where AVX2 is available (qmatmul_on).
+                unsafe {
+                    match mr {
+                        4 => row_avx2::<$t, 4>(src, x, mins, r),
+                        3 => row_avx2::<$t, 3>(src, x, mins, r),
+                        2 => row_avx2::<$t, 2>(src, x, mins, r),
+                        _ => row_avx2::<$t, 1>(src, x, mins, r),
+                    }
+                }
+            };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_min(t) {
+            rows4!(Q4_1)
+        } else {
+            rows4!(Q8_0)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (t, mr, src, mins, r);
+    }
+}
+
+/// Where the AVX2 kernel takes a weight row's sub-blocks from: the row's blocks (decoded as
+/// it goes, its minimums written out), or a slab decoded before.
+#[derive(Clone, Copy)]
+enum Src<'a> {
+    Blocks(&'a [u8]),
+    Decoded { v: &'a [i8], scale: &'a [f32] },
 }
 
 /// Rows `i ..` of the quantized `x`.
@@ -319,47 +434,47 @@ struct Tile<'a> {
 /// row's minimums.
 fn run(p: Path, t: u8, mr: usize, row: &[u8], x: Tile<'_>, mins: &mut [f32], r: &mut [f32; MR]) {
     macro_rules! by_type {
-        ($f:ident, $mr:literal) => {
+        ($f:ident, $mr:literal, $row:expr) => {
             match t {
-                Q4_0 => $f::<Q4_0, $mr>(row, x, mins, r),
-                Q4_1 => $f::<Q4_1, $mr>(row, x, mins, r),
-                Q5_0 => $f::<Q5_0, $mr>(row, x, mins, r),
-                Q5_1 => $f::<Q5_1, $mr>(row, x, mins, r),
-                Q8_0 => $f::<Q8_0, $mr>(row, x, mins, r),
-                Q4_K => $f::<Q4_K, $mr>(row, x, mins, r),
-                Q5_K => $f::<Q5_K, $mr>(row, x, mins, r),
-                _ => $f::<Q6_K, $mr>(row, x, mins, r),
+                Q4_0 => $f::<Q4_0, $mr>($row, x, mins, r),
+                Q4_1 => $f::<Q4_1, $mr>($row, x, mins, r),
+                Q5_0 => $f::<Q5_0, $mr>($row, x, mins, r),
+                Q5_1 => $f::<Q5_1, $mr>($row, x, mins, r),
+                Q8_0 => $f::<Q8_0, $mr>($row, x, mins, r),
+                Q4_K => $f::<Q4_K, $mr>($row, x, mins, r),
+                Q5_K => $f::<Q5_K, $mr>($row, x, mins, r),
+                _ => $f::<Q6_K, $mr>($row, x, mins, r),
             }
         };
     }
     macro_rules! rows4 {
-        ($f:ident) => {
+        ($f:ident, $row:expr) => {
             match mr {
-                4 => by_type!($f, 4),
-                3 => by_type!($f, 3),
-                2 => by_type!($f, 2),
-                _ => by_type!($f, 1),
+                4 => by_type!($f, 4, $row),
+                3 => by_type!($f, 3, $row),
+                2 => by_type!($f, 2, $row),
+                _ => by_type!($f, 1, $row),
             }
         };
     }
     match p {
-        Path::Portable => rows4!(row_portable),
+        Path::Portable => rows4!(row_portable, row),
         // SAFETY: the path is available (checked by the caller), so the CPU has the features
         // the kernels are compiled for.
         #[cfg(target_arch = "x86_64")]
-        Path::Avx2 => unsafe { rows4!(row_avx2) },
+        Path::Avx2 => unsafe { rows4!(row_avx2, Src::Blocks(row)) },
         #[cfg(target_arch = "x86_64")]
         Path::Avx512 => unsafe {
             match mr {
-                8 => by_type!(row_avx512, 8),
-                7 => by_type!(row_avx512, 7),
-                6 => by_type!(row_avx512, 6),
-                5 => by_type!(row_avx512, 5),
-                _ => rows4!(row_avx512),
+                8 => by_type!(row_avx512, 8, row),
+                7 => by_type!(row_avx512, 7, row),
+                6 => by_type!(row_avx512, 6, row),
+                5 => by_type!(row_avx512, 5, row),
+                _ => rows4!(row_avx512, row),
             }
         },
         #[cfg(not(target_arch = "x86_64"))]
-        _ => rows4!(row_portable),
+        _ => rows4!(row_portable, row),
     }
 }
 
@@ -662,7 +777,7 @@ unsafe fn mins_dot(mins: &[f32], x: Tile<'_>, a: usize) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn row_avx2<const T: u8, const R: usize>(
-    row: &[u8],
+    row: Src<'_>,
     x: Tile<'_>,
     mins: &mut [f32],
     r: &mut [f32; MR],
@@ -670,44 +785,74 @@ unsafe fn row_avx2<const T: u8, const R: usize>(
     use std::arch::x86_64::*;
     let xs = x.x;
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    // Sub-block j into the even (h = 0) or odd (h = 1) accumulators.
-    let mut step = |j: usize, h: usize| {
-        // SAFETY: j < nb, so its block lies in the row; the tile's rows hold kp values and
-        // nbp scales, and 32 j + 32 <= kp.
-        unsafe {
-            let b = row.as_ptr().add((j / subs(T)) * block_bytes(T));
-            let (v, scale, min) = x86::decode::<T>(b, j % subs(T));
-            mins[j] = min;
+    // Sub-block j (values v, lane scales) into the even (h = 0) or odd (h = 1) accumulators.
+    // NOTE: macros, not closures: a closure here was not inlined, and its accumulators lived
+    // in memory.
+    macro_rules! step {
+        ($j:expr, $h:literal, $v:expr, $scale:expr) => {{
+            let (j, v, scale) = ($j, $v, $scale);
             // NOTE: values of the types with a minimum are never negative; the others go
             // through the sign trick (|v| against q with v's sign).
             let u = if has_min(T) { v } else { _mm256_abs_epi8(v) };
             for (a, acc) in acc.iter_mut().enumerate() {
-                let row_q = xs.q.as_ptr().add((x.i + a) * xs.kp + 32 * j);
-                let q = _mm256_loadu_si256(row_q as *const __m256i);
+                // SAFETY: the tile's rows hold kp values and nbp scales, and 32 j + 32 <= kp.
+                let (q, dx) = unsafe {
+                    let row_q = xs.q.as_ptr().add((x.i + a) * xs.kp + 32 * j);
+                    (
+                        _mm256_loadu_si256(row_q as *const __m256i),
+                        *xs.d.as_ptr().add((x.i + a) * xs.nbp + j),
+                    )
+                };
                 let q = if has_min(T) {
                     q
                 } else {
                     _mm256_sign_epi8(q, v)
                 };
                 let isum = x86::dot_avx2(u, q);
-                let dx = *xs.d.as_ptr().add((x.i + a) * xs.nbp + j);
                 let f = _mm256_mul_ps(scale, _mm256_set1_ps(dx));
-                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[h]);
+                acc[$h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[$h]);
             }
-        }
-    };
-    let mut j = 0;
-    while j + 1 < xs.nb {
-        step(j, 0);
-        step(j + 1, 1);
-        j += 2;
+        }};
     }
-    if j < xs.nb {
-        step(j, 0);
-        let z = _mm256_setzero_ps();
-        for acc in acc.iter_mut() {
-            acc[1] = _mm256_fmadd_ps(z, z, acc[1]);
-        }
+    // Every sub-block, two at a time; `$sub` gives sub-block `$j`'s values and scales.
+    macro_rules! sweep {
+        (|$j:ident| $sub:expr) => {{
+            let mut jj = 0;
+            while jj + 1 < xs.nb {
+                let $j = jj;
+                let (v, scale) = $sub;
+                step!($j, 0, v, scale);
+                let $j = jj + 1;
+                let (v, scale) = $sub;
+                step!($j, 1, v, scale);
+                jj += 2;
+            }
+            if jj < xs.nb {
+                let $j = jj;
+                let (v, scale) = $sub;
+                step!($j, 0, v, scale);
+                let z = _mm256_setzero_ps();
+                for acc in acc.iter_mut() {
+                    acc[1] = _mm256_fmadd_ps(z, z, acc[1]);
+                }
+            }
+        }};
+    }
+    match row {
+        // SAFETY: j < nb, so its block lies in the row.
+        Src::Blocks(row) => sweep!(|j| unsafe {
+            let b = row.as_ptr().add((j / subs(T)) * block_bytes(T));
+            let (v, scale, min) = x86::decode::<T>(b, j % subs(T));
+            *mins.get_unchecked_mut(j) = min;
+            (v, scale)
+        }),
+        // SAFETY: j < nb, and the slab holds nbp sub-blocks' values and scales.
+        Src::Decoded { v, scale } => sweep!(|j| unsafe {
+            (
+                _mm256_loadu_si256(v.as_ptr().add(32 * j) as *const __m256i),
+                _mm256_loadu_ps(scale.as_ptr().add(8 * j)),
+            )
+        }),
     }
     for (a, acc) in acc.iter().enumerate() {
         let mut y = x86::hsum(_mm256_add_ps(acc[0], acc[1]));
