@@ -630,6 +630,29 @@ impl Backend for CpuBackend {
     }
 }
 
+/// Runs `$body` for the cache rows of one sequence's keys `first .. end` for kv head `g`, in
+/// key order, with `$j` the key's index from `first` and `$at` where its row starts: block by
+/// block, so that no key costs a division by the block size.
+///
+/// NOTE: a macro, not a function taking a closure: the closure was compiled on its own, out
+/// of line and without the AVX2 features of its caller.
+macro_rules! for_keys {
+    ($table:expr, $first:expr, $end:expr, $bs:expr, $hkv:expr, $g:expr, $d:expr,
+     |$j:ident, $at:ident| $body:block) => {{
+        let (table, first, end, bs, hkv, g, d) = ($table, $first, $end, $bs, $hkv, $g, $d);
+        let mut $j = 0usize;
+        for bi in first / bs..end.div_ceil(bs) {
+            let base = (table[bi] as usize * hkv + g) * bs;
+            let (lo, hi) = (first.max(bi * bs), end.min((bi + 1) * bs));
+            for off in lo - bi * bs..hi - bi * bs {
+                let $at = (base + off) * d;
+                $body
+                $j += 1;
+            }
+        }
+    }};
+}
+
 /// One attention task: the `rep` query heads of one kv head for one row.
 struct AttnTask<'a> {
     row_seq: &'a [usize],
@@ -688,23 +711,12 @@ impl AttnTask<'_> {
         let k0 = opts.first_key(end);
         let n_keys = end - k0;
         let table = &b.block_tables[s * b.max_blocks..(s + 1) * b.max_blocks];
-        // Where each key's row starts in the cache, in key order: block by block, so that no
-        // key needs a division by the block size.
-        let keys = KeyRows {
-            table,
-            first: k0,
-            end,
-            bs,
-            hkv,
-            g,
-            d,
-        };
         // NOTE: the `rep` query heads of one kv head share a pass over its keys and
         // values, so K and V are read once per group.
         let q0 = t * stride + g * rep * d;
         scores.clear();
         scores.resize(rep * n_keys, 0.0);
-        keys.each(|j, at| {
+        for_keys!(table, k0, end, bs, hkv, g, d, |j, at| {
             let k = &kc[at..at + d];
             for r in 0..rep {
                 let mut sc = dot(&qkv[q0 + r * d..q0 + (r + 1) * d], k) * scale;
@@ -725,7 +737,7 @@ impl AttnTask<'_> {
             row.iter_mut().for_each(|p| *p *= inv);
         }
         o.iter_mut().for_each(|a| *a = 0.0);
-        keys.each(|j, at| {
+        for_keys!(table, k0, end, bs, hkv, g, d, |j, at| {
             let v = &vc[at..at + d];
             for r in 0..rep {
                 let p = scores[r * n_keys + j];
@@ -735,34 +747,6 @@ impl AttnTask<'_> {
                     .for_each(|(a, v)| *a += p * v);
             }
         });
-    }
-}
-
-/// The cache rows of one sequence's keys `first .. end` for kv head `g`, in key order.
-struct KeyRows<'a> {
-    table: &'a [u32],
-    first: usize,
-    end: usize,
-    bs: usize,
-    hkv: usize,
-    g: usize,
-    d: usize,
-}
-
-impl KeyRows<'_> {
-    /// Calls `f(j, start)` for the j-th key and where its row starts: block by block, so that
-    /// no key costs a division by the block size.
-    #[inline(always)]
-    fn each(&self, mut f: impl FnMut(usize, usize)) {
-        let (bs, mut j) = (self.bs, 0);
-        for bi in self.first / bs..self.end.div_ceil(bs) {
-            let base = (self.table[bi] as usize * self.hkv + self.g) * bs;
-            let (lo, hi) = (self.first.max(bi * bs), self.end.min((bi + 1) * bs));
-            for off in lo - bi * bs..hi - bi * bs {
-                f(j, (base + off) * self.d);
-                j += 1;
-            }
-        }
     }
 }
 
