@@ -638,9 +638,21 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn f16_at(b: *const u8, i: usize) -> f32 {
+        _mm256_cvtss_f32(f16x8(b, i))
+    }
+
+    /// The half at byte `i`, in all 8 lanes.
+    ///
+    /// NOTE: a scale must come from a broadcast whose lanes are all used: loading only lane 0
+    /// (`_mm_cvtsi32_si128`), LLVM inserted the half with `vpinsrw` into whatever register was
+    /// free, often an accumulator, so that each block's scale waited for the previous block's
+    /// FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn f16x8(b: *const u8, i: usize) -> __m256 {
         // SAFETY: the caller's block holds bytes i and i + 1 (x86 is little-endian).
         let bits = unsafe { (b.add(i) as *const u16).read_unaligned() };
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+        _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
     }
 
     /// 16 bytes of nibble pairs: the 16 low nibbles, then the 16 high ones.
@@ -686,28 +698,24 @@ mod x86 {
             match T {
                 Q4_0 => {
                     let v = _mm256_sub_epi8(nibbles(b.add(2)), _mm256_set1_epi8(8));
-                    (v, _mm256_set1_ps(f16_at(b, 0)), 0.0)
+                    (v, f16x8(b, 0), 0.0)
                 }
-                Q4_1 => (
-                    nibbles(b.add(4)),
-                    _mm256_set1_ps(f16_at(b, 0)),
-                    f16_at(b, 2),
-                ),
+                Q4_1 => (nibbles(b.add(4)), f16x8(b, 0), f16_at(b, 2)),
                 Q5_0 => {
                     let u = _mm256_or_si256(nibbles(b.add(6)), bit16(u32_at(b.add(2))));
                     let v = _mm256_sub_epi8(u, _mm256_set1_epi8(16));
-                    (v, _mm256_set1_ps(f16_at(b, 0)), 0.0)
+                    (v, f16x8(b, 0), 0.0)
                 }
                 Q5_1 => {
                     let u = _mm256_or_si256(nibbles(b.add(8)), bit16(u32_at(b.add(4))));
-                    (u, _mm256_set1_ps(f16_at(b, 0)), f16_at(b, 2))
+                    (u, f16x8(b, 0), f16_at(b, 2))
                 }
                 Q8_0 => {
                     let v = _mm256_loadu_si256(b.add(2) as *const __m256i);
-                    (v, _mm256_set1_ps(f16_at(b, 0)), 0.0)
+                    (v, f16x8(b, 0), 0.0)
                 }
                 Q4_K | Q5_K => {
-                    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                    let (d, dmin) = (f16x8(b, 0), f16_at(b, 2));
                     let q = std::slice::from_raw_parts(b.add(4), 12);
                     let (sc, mn) = k_scale_min(s, q);
                     let qs = if T == Q4_K { b.add(16) } else { b.add(48) };
@@ -724,11 +732,11 @@ mod x86 {
                         let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
                         u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
                     }
-                    let a = d * sc as f32;
-                    (u, _mm256_set1_ps(a), -(dmin * mn as f32))
+                    let a = _mm256_mul_ps(d, _mm256_set1_ps(sc as f32));
+                    (u, a, -(dmin * mn as f32))
                 }
                 _ => {
-                    let d = f16_at(b, 208);
+                    let d = f16x8(b, 208);
                     let h = s / 4;
                     let low = _mm256_loadu_si256(b.add(h * 64 + 32 * (s % 2)) as *const __m256i);
                     let low = _mm256_srl_epi16(low, _mm_cvtsi32_si128(4 * ((s % 4) / 2) as i32));
@@ -738,9 +746,9 @@ mod x86 {
                     let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, _mm256_set1_epi8(3)));
                     let v = _mm256_sub_epi8(_mm256_or_si256(low, hi), _mm256_set1_epi8(32));
                     let sc = b.add(192 + 2 * s);
-                    let lo = d * (*sc as i8) as f32;
-                    let hi = d * (*sc.add(1) as i8) as f32;
-                    (v, _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)), 0.0)
+                    let (lo, hi) = ((*sc as i8) as f32, (*sc.add(1) as i8) as f32);
+                    let sc = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
+                    (v, _mm256_mul_ps(d, sc), 0.0)
                 }
             }
         }
