@@ -618,50 +618,24 @@ impl Backend for CpuBackend {
         out[..t_rows * h * d]
             .par_chunks_mut(rep * d)
             .enumerate()
-            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, o)| {
+            .for_each_init(Scratch::default, |scratch, (task, o)| {
                 if avx2 {
                     // SAFETY: AVX2 and FMA were detected on this CPU.
-                    unsafe { args.run_avx2(scores, task, o) }
+                    unsafe { args.run_avx2(scratch, task, o) }
                 } else {
-                    args.run::<false>(scores, task, o)
+                    args.run::<false>(scratch, task, o)
                 }
             });
         Ok(())
     }
 }
 
-/// The cache rows of one sequence's keys `first .. end` for kv head `g`.
-#[derive(Clone, Copy)]
-struct Keys<'a> {
-    table: &'a [u32],
-    first: usize,
-    end: usize,
-    bs: usize,
-    hkv: usize,
-    g: usize,
-    d: usize,
-}
-
-/// Runs `$body` for each of `$keys`, in key order, with `$j` the key's index from `first` and
-/// `$at` where its row starts: block by block, so that no key costs a division by the block
-/// size.
-///
-/// NOTE: a macro, not a function taking a closure: the closure was compiled on its own, out
-/// of line and without the AVX2 features of its caller.
-macro_rules! for_keys {
-    ($keys:expr, |$j:ident, $at:ident| $body:block) => {{
-        let Keys { table, first, end, bs, hkv, g, d } = $keys;
-        let mut $j = 0usize;
-        for bi in first / bs..end.div_ceil(bs) {
-            let base = (table[bi] as usize * hkv + g) * bs;
-            let (lo, hi) = (first.max(bi * bs), end.min((bi + 1) * bs));
-            for off in lo - bi * bs..hi - bi * bs {
-                let $at = (base + off) * d;
-                $body
-                $j += 1;
-            }
-        }
-    }};
+/// A thread's buffers for its attention tasks: where each key's row starts in the cache, and
+/// the scores (`[rep, n_keys]`).
+#[derive(Default)]
+struct Scratch {
+    rows: Vec<usize>,
+    scores: Vec<f32>,
 }
 
 /// One attention task: the `rep` query heads of one kv head for one row.
@@ -687,17 +661,17 @@ impl AttnTask<'_> {
     /// the same bits, with 8-lane vectors.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn run_avx2(&self, scores: &mut Vec<f32>, task: usize, o: &mut [f32]) {
-        self.run::<true>(scores, task, o)
+    unsafe fn run_avx2(&self, scratch: &mut Scratch, task: usize, o: &mut [f32]) {
+        self.run::<true>(scratch, task, o)
     }
 
     #[cfg(not(target_arch = "x86_64"))]
-    unsafe fn run_avx2(&self, scores: &mut Vec<f32>, task: usize, o: &mut [f32]) {
-        self.run::<false>(scores, task, o)
+    unsafe fn run_avx2(&self, scratch: &mut Scratch, task: usize, o: &mut [f32]) {
+        self.run::<false>(scratch, task, o)
     }
 
     #[inline(always)]
-    fn run<const AVX2: bool>(&self, scores: &mut Vec<f32>, task: usize, o: &mut [f32]) {
+    fn run<const AVX2: bool>(&self, scratch: &mut Scratch, task: usize, o: &mut [f32]) {
         let AttnTask {
             row_seq,
             b,
@@ -722,41 +696,49 @@ impl AttnTask<'_> {
         let end = ctx - (q_end - 1 - t);
         let k0 = opts.first_key(end);
         let n_keys = end - k0;
-        let keys = Keys {
-            table: &b.block_tables[s * b.max_blocks..(s + 1) * b.max_blocks],
-            first: k0,
-            end,
-            bs,
-            hkv,
-            g,
-            d,
-        };
-        // NOTE: the `rep` query heads of one kv head share a pass over its keys, so K is read
-        // once per group.
+        // Where each key's row starts in the cache, in key order: block by block, so that no
+        // key costs a division by the block size.
+        let table = &b.block_tables[s * b.max_blocks..(s + 1) * b.max_blocks];
+        let rows = &mut scratch.rows;
+        rows.clear();
+        for bi in k0 / bs..end.div_ceil(bs) {
+            let base = (table[bi] as usize * hkv + g) * bs;
+            let (lo, hi) = (k0.max(bi * bs), end.min((bi + 1) * bs));
+            rows.extend((lo - bi * bs..hi - bi * bs).map(|off| (base + off) * d));
+        }
+        let rows = &rows[..];
+        // NOTE: the `rep` query heads of one kv head share the task, so its K and V blocks
+        // are fetched once for the group.
         let q0 = t * stride + g * rep * d;
+        let scores = &mut scratch.scores;
         scores.clear();
         scores.resize(rep * n_keys, 0.0);
-        for_keys!(keys, |j, at| {
-            let k = &kc[at..at + d];
-            for r in 0..rep {
-                let q = &qkv[q0 + r * d..q0 + (r + 1) * d];
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX2 is available where AVX2 is set (run_avx2).
-                let dot = |a, b| {
-                    if AVX2 {
-                        unsafe { dot_avx2(a, b) }
-                    } else {
-                        dot(a, b)
-                    }
-                };
-                let mut sc = dot(q, k) * scale;
-                if softcap > 0.0 {
-                    sc = softcap * (sc / softcap).tanh();
-                }
-                scores[r * n_keys + j] = sc;
+        for (r, row) in scores.chunks_exact_mut(n_keys.max(1)).enumerate().take(rep) {
+            let q = &qkv[q0 + r * d..q0 + (r + 1) * d];
+            let mut j = 0;
+            #[cfg(target_arch = "x86_64")]
+            if AVX2 {
+                // SAFETY: AVX2 is available (run_avx2).
+                j = unsafe { qk4_avx2(q, kc, rows, d, row) };
             }
-        });
-        for row in scores.chunks_mut(n_keys) {
+            for (sc, &at) in row[j..].iter_mut().zip(&rows[j..]) {
+                let k = &kc[at..at + d];
+                #[cfg(target_arch = "x86_64")]
+                if AVX2 {
+                    // SAFETY: AVX2 is available (run_avx2).
+                    *sc = unsafe { dot_avx2(q, k) };
+                    continue;
+                }
+                *sc = dot(q, k);
+            }
+        }
+        for row in scores.chunks_mut(n_keys.max(1)) {
+            for sc in row.iter_mut() {
+                *sc *= scale;
+                if softcap > 0.0 {
+                    *sc = softcap * (*sc / softcap).tanh();
+                }
+            }
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             let mut sum = 0.0f32;
             for sc in row.iter_mut() {
@@ -775,20 +757,55 @@ impl AttnTask<'_> {
             if AVX2 {
                 while c0 + 64 <= d {
                     // SAFETY: AVX2 is available (run_avx2); c0 + 64 <= d.
-                    unsafe { pv64_avx2(p, vc, keys, c0, &mut o[c0..c0 + 64]) };
+                    unsafe { pv64_avx2(p, vc, rows, c0, &mut o[c0..c0 + 64]) };
                     c0 += 64;
                 }
             }
             let rest = &mut o[c0..];
             rest.fill(0.0);
-            for_keys!(keys, |j, at| {
-                let pj = p[j];
+            for (&pj, &at) in p.iter().zip(rows) {
                 for (a, v) in rest.iter_mut().zip(&vc[at + c0..at + d]) {
                     *a += pj * v;
                 }
-            });
+            }
         }
     }
+}
+
+/// `out[j] = dot(q, k_j)` for the keys whose rows start at `rows[j]`, four keys at a time (the
+/// four share each load of q and run side by side); returns how many it did (a multiple of 4).
+/// Each is [`dot`]'s lanes, products, sums and reduction.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn qk4_avx2(q: &[f32], kc: &[f32], rows: &[usize], d: usize, out: &mut [f32]) -> usize {
+    use std::arch::x86_64::*;
+    let d8 = d / 8 * 8;
+    let mut j = 0;
+    while j + 4 <= rows.len().min(out.len()) {
+        let k: [&[f32]; 4] = std::array::from_fn(|u| &kc[rows[j + u]..rows[j + u] + d]);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i < d8 {
+            // SAFETY: i + 8 <= d8 <= d, the length of q and of every k.
+            unsafe {
+                let x = _mm256_loadu_ps(q.as_ptr().add(i));
+                for (acc, k) in acc.iter_mut().zip(&k) {
+                    let y = _mm256_loadu_ps(k.as_ptr().add(i));
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, y));
+                }
+            }
+            i += 8;
+        }
+        for u in 0..4 {
+            let mut s = matmul::hsum8(acc[u]);
+            for (x, y) in q[d8..].iter().zip(&k[u][d8..]) {
+                s += x * y;
+            }
+            out[j + u] = s;
+        }
+        j += 4;
+    }
+    j
 }
 
 /// [`dot`] on AVX2: the same lanes, products, sums and reduction.
@@ -817,21 +834,22 @@ fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `o[..64] = Σ_j p[j] · v_j[c0 .. c0 + 64]` over the keys in order, in eight registers.
+/// `o[..64] = Σ_j p[j] · v_j[c0 .. c0 + 64]` over the keys in order (`rows[j]`: where key
+/// j's row starts), in eight registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn pv64_avx2(p: &[f32], vc: &[f32], keys: Keys<'_>, c0: usize, o: &mut [f32]) {
+fn pv64_avx2(p: &[f32], vc: &[f32], rows: &[usize], c0: usize, o: &mut [f32]) {
     use std::arch::x86_64::*;
     let mut acc = [_mm256_setzero_ps(); 8];
-    for_keys!(keys, |j, at| {
+    for (&pj, &at) in p.iter().zip(rows) {
         let v = &vc[at + c0..at + c0 + 64];
-        let pj = _mm256_set1_ps(p[j]);
+        let pj = _mm256_set1_ps(pj);
         for (u, acc) in acc.iter_mut().enumerate() {
             // SAFETY: v holds 64 values.
             let x = unsafe { _mm256_loadu_ps(v.as_ptr().add(8 * u)) };
             *acc = _mm256_add_ps(*acc, _mm256_mul_ps(pj, x));
         }
-    });
+    }
     for (u, acc) in acc.iter().enumerate() {
         // SAFETY: o holds 64 values.
         unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(8 * u), *acc) };
@@ -923,7 +941,7 @@ mod tests {
                     stride,
                 };
                 for t in 0..row_seq.len() * hkv {
-                    let (mut s1, mut s2) = (Vec::new(), Vec::new());
+                    let (mut s1, mut s2) = (Scratch::default(), Scratch::default());
                     let (mut o1, mut o2) = (vec![f32::NAN; rep * d], vec![f32::NAN; rep * d]);
                     // SAFETY: AVX2 was detected above.
                     unsafe { task.run_avx2(&mut s1, t, &mut o1) };
