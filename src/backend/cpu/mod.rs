@@ -701,8 +701,8 @@ impl AttnTask<'_> {
         let table = &b.block_tables[s * b.max_blocks..(s + 1) * b.max_blocks];
         let rows = &mut scratch.rows;
         rows.clear();
-        for bi in k0 / bs..end.div_ceil(bs) {
-            let base = (table[bi] as usize * hkv + g) * bs;
+        for (bi, &blk) in table.iter().enumerate().take(end.div_ceil(bs)).skip(k0 / bs) {
+            let base = (blk as usize * hkv + g) * bs;
             let (lo, hi) = (k0.max(bi * bs), end.min((bi + 1) * bs));
             rows.extend((lo - bi * bs..hi - bi * bs).map(|off| (base + off) * d));
         }
