@@ -701,7 +701,12 @@ impl AttnTask<'_> {
         let table = &b.block_tables[s * b.max_blocks..(s + 1) * b.max_blocks];
         let rows = &mut scratch.rows;
         rows.clear();
-        for (bi, &blk) in table.iter().enumerate().take(end.div_ceil(bs)).skip(k0 / bs) {
+        for (bi, &blk) in table
+            .iter()
+            .enumerate()
+            .take(end.div_ceil(bs))
+            .skip(k0 / bs)
+        {
             let base = (blk as usize * hkv + g) * bs;
             let (lo, hi) = (k0.max(bi * bs), end.min((bi + 1) * bs));
             rows.extend((lo - bi * bs..hi - bi * bs).map(|off| (base + off) * d));
@@ -715,21 +720,14 @@ impl AttnTask<'_> {
         scores.resize(rep * n_keys, 0.0);
         for (r, row) in scores.chunks_exact_mut(n_keys.max(1)).enumerate().take(rep) {
             let q = &qkv[q0 + r * d..q0 + (r + 1) * d];
-            let mut j = 0;
             #[cfg(target_arch = "x86_64")]
             if AVX2 {
                 // SAFETY: AVX2 is available (run_avx2).
-                j = unsafe { qk4_avx2(q, kc, rows, d, row) };
+                unsafe { qk_avx2(q, kc, rows, d, row) };
+                continue;
             }
-            for (sc, &at) in row[j..].iter_mut().zip(&rows[j..]) {
-                let k = &kc[at..at + d];
-                #[cfg(target_arch = "x86_64")]
-                if AVX2 {
-                    // SAFETY: AVX2 is available (run_avx2).
-                    *sc = unsafe { dot_avx2(q, k) };
-                    continue;
-                }
-                *sc = dot(q, k);
+            for (sc, &at) in row.iter_mut().zip(rows) {
+                *sc = dot(q, &kc[at..at + d]);
             }
         }
         for row in scores.chunks_mut(n_keys.max(1)) {
@@ -773,11 +771,11 @@ impl AttnTask<'_> {
 }
 
 /// `out[j] = dot(q, k_j)` for the keys whose rows start at `rows[j]`, four keys at a time (the
-/// four share each load of q and run side by side); returns how many it did (a multiple of 4).
-/// Each is [`dot`]'s lanes, products, sums and reduction.
+/// four share each load of q and run side by side), the last few one by one. Each is
+/// [`dot`]'s lanes, products, sums and reduction.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn qk4_avx2(q: &[f32], kc: &[f32], rows: &[usize], d: usize, out: &mut [f32]) -> usize {
+fn qk_avx2(q: &[f32], kc: &[f32], rows: &[usize], d: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
     let d8 = d / 8 * 8;
     let mut j = 0;
@@ -805,7 +803,9 @@ fn qk4_avx2(q: &[f32], kc: &[f32], rows: &[usize], d: usize, out: &mut [f32]) ->
         }
         j += 4;
     }
-    j
+    for (sc, &at) in out[j..].iter_mut().zip(&rows[j..]) {
+        *sc = dot_avx2(q, &kc[at..at + d]);
+    }
 }
 
 /// [`dot`] on AVX2: the same lanes, products, sums and reduction.

@@ -296,7 +296,7 @@ pub fn qmatmul_on(
             let rb = part.data.len() / part.rows;
             let rows = &part.data[r0 * rb..(r0 + nj) * rb];
             if predecode {
-                dec.decode(t, rows, nj, xq);
+                dec.decode(t, rows, rb, nj, xq);
             }
             let o = out_ptr;
             let mut i = 0;
@@ -333,9 +333,9 @@ struct Decoded {
 }
 
 impl Decoded {
-    /// Decodes `nrows` rows of type `t` (`rows` holds them, one after the other) for the
-    /// columns of `x`.
-    fn decode(&mut self, t: u8, rows: &[u8], nrows: usize, x: &QuantizedRows) {
+    /// Decodes `nrows` rows of type `t` (`rows` holds them, `rb` bytes each) for the columns
+    /// of `x`.
+    fn decode(&mut self, t: u8, rows: &[u8], rb: usize, nrows: usize, x: &QuantizedRows) {
         self.v.clear();
         self.v.resize(nrows * x.kp, 0);
         self.scale.clear();
@@ -348,7 +348,7 @@ impl Decoded {
                 ($($c:ident),*) => {
                     match t {
                         // SAFETY: this path runs only where AVX2 is available (qmatmul_on).
-                        $($c => unsafe { self.decode_avx2::<$c>(rows, nrows, x) },)*
+                        $($c => unsafe { self.decode_avx2::<$c>(rows, rb, nrows, x) },)*
                         _ => unreachable!("a kernel type code"),
                     }
                 };
@@ -356,14 +356,19 @@ impl Decoded {
             each!(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (t, rows);
+        let _ = (t, rows, rb);
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn decode_avx2<const T: u8>(&mut self, rows: &[u8], nrows: usize, x: &QuantizedRows) {
+    unsafe fn decode_avx2<const T: u8>(
+        &mut self,
+        rows: &[u8],
+        rb: usize,
+        nrows: usize,
+        x: &QuantizedRows,
+    ) {
         use std::arch::x86_64::*;
-        let rb = rows.len() / nrows.max(1);
         for r in 0..nrows {
             for j in 0..x.nb {
                 // SAFETY: sub-block j < nb lies in row r; the slab's buffers hold nrows rows
