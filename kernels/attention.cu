@@ -33,7 +33,7 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
                         u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 block_size, u32 row_len,
                         float scale, u32 window, float softcap, u32 q_tile, u32 k_tile, u32 part_size,
                         u32 num_splits) {
-    extern __shared__ float smem[];
+    PG_DYNAMIC_SHARED(float, smem);
     const u32 s = blockIdx.y;
     const u32 q0 = query_start[s], nq = query_start[s + 1] - q0;
     const u32 tile0 = blockIdx.x * q_tile;
@@ -73,6 +73,9 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
         m_s[lr] = PG_NEG_INF;
         l_s[lr] = 0.0f;
     }
+    // NOTE: the final write reads other threads' m_s, l_s and acc_s even when the walk below
+    // has no tile (a partition wholly before the window), so this barrier is needed.
+    __syncthreads();
 
     // NOTE: with a sliding window the tile's first row sees the earliest keys; tiles before its
     // window are skipped (a partition left with no key keeps m = -inf, l = 0, which the reduce

@@ -23,6 +23,11 @@ typedef unsigned long long u64;
 #define PG_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
 #endif
 
+// Dynamic shared memory (the launch's size): `PG_DYNAMIC_SHARED(float, smem);`.
+#ifndef PG_DYNAMIC_SHARED
+#define PG_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
+
 #define PG_NEG_INF (__int_as_float(0xff800000))
 
 // Storage types of weights. Plain structs, so that overloads pick the conversion.
@@ -37,7 +42,8 @@ __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(bf16_t v) { return __uint_as_float(((u32)v.x) << 16); }
 __device__ __forceinline__ float bf16_bits_to_f32(u32 bits) { return __uint_as_float(bits << 16); }
 
-#ifndef PG_HIP
+// NOTE: PTX's conversions; HIP (hip_compat.h) and the emulator (emu.h) bring their own.
+#if !defined(PG_HIP) && !defined(PG_EMU)
 __device__ __forceinline__ float f16_bits_to_f32(u32 bits) {
     float f;
     unsigned short h = (unsigned short)bits;

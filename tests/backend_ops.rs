@@ -74,6 +74,21 @@ fn gpu_or_skip<B: Backend>(b: anyhow::Result<B>) -> Option<B> {
     }
 }
 
+// The CUDA kernels on the CPU, under the host code of the GPU backends; with 64-lane warps too,
+// as AMD's wavefronts run them. A machine without a C++ compiler fails here, naming it.
+backend_ops!(emu, Some(pagoda::backend::EmuBackend::new().unwrap()));
+backend_ops!(emu_warp64, Some(emu_with_warp_64()), &[1, 2], false);
+
+fn emu_with_warp_64() -> pagoda::backend::EmuBackend {
+    use pagoda::backend::gpu::emu::{EmuOptions, EmuRt};
+    let rt = EmuRt::with_options(EmuOptions {
+        warp: 64,
+        ..EmuOptions::from_env().unwrap()
+    })
+    .unwrap();
+    pagoda::backend::gpu::GpuBackend::with_runtime(rt).unwrap()
+}
+
 #[cfg(feature = "cuda")]
 backend_ops!(cuda, gpu_or_skip(pagoda::backend::CudaBackend::new()));
 #[cfg(feature = "hip")]

@@ -3,7 +3,8 @@
 //! of 48 new tokens, top-5 logits of the first positions, computed by `transformers` in float32
 //! on the CPU). Pagoda in f32 reproduces the ids exactly and the logits within 1e-4 relative:
 //! each prompt alone, and all of them in one batch with a KV pool small enough to preempt; on
-//! the CPU backend and, built with `--features wgpu`, on wgpu (Mesa's llvmpipe in CI).
+//! the CPU backend, on the emulated GPU (the CUDA kernels run on the CPU by `--backend emu`) and,
+//! built with `--features wgpu`, on wgpu (Mesa's llvmpipe in CI).
 
 mod common;
 
@@ -77,6 +78,12 @@ fn greedy_tokens_alone_and_in_a_batch_with_preemption() {
 #[test]
 fn greedy_tokens_on_wgpu() {
     greedy_tokens(BackendKind::Wgpu);
+}
+
+/// The CUDA kernels on the CPU (`--backend emu`), through the same host code as on a GPU.
+#[test]
+fn greedy_tokens_on_the_emulated_gpu() {
+    greedy_tokens(BackendKind::Emu);
 }
 
 fn greedy_tokens(backend: BackendKind) {

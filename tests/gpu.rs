@@ -65,7 +65,7 @@ fn kernels_compile_with_nvrtc() {
     // Ampere, Ada and Hopper: real cubins, the same options the backend uses.
     for arch in ["sm_80", "sm_89", "sm_90"] {
         for (stem, src) in SOURCES {
-            let source = prepare(src, Dialect::Cuda);
+            let source = prepare(stem, src, Dialect::Cuda);
             let bin = nvrtc_compile(&format!("{stem}.cu"), &source, &nvrtc_options(arch))
                 .unwrap_or_else(|e| panic!("{e:#}"));
             assert_eq!(&bin[..4], b"\x7fELF", "{stem} for {arch}: not a cubin");

@@ -13,7 +13,7 @@
 
 use super::{
     Activation, AttentionOptions, Backend, BackendKind, BatchInput, CpuBackend, CudaBackend,
-    DeviceBatch, HipBackend, KvLayout, QkvLayout, WgpuBackend,
+    DeviceBatch, EmuBackend, HipBackend, KvLayout, QkvLayout, WgpuBackend,
 };
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail};
@@ -888,6 +888,12 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             Some(5.0),
         ),
         (("window 1", 1, 2, 1, 8, &[(0, 7), (16, 1)]), Some(1), None),
+        // a prefill of several query tiles whose later tiles start past the window
+        (
+            ("window 12, prefill", 16, 4, 2, 16, &[(0, 62), (5, 40)]),
+            Some(12),
+            None,
+        ),
         (
             ("window 100", 8, 4, 4, 64, &[(0, 23), (37, 1)]),
             Some(100),
@@ -1007,8 +1013,11 @@ pub fn check_backend_kind(kind: BackendKind, seed: u64) -> Result<(String, Vec<C
         BackendKind::Cpu => go(CpuBackend::new(), seed),
         BackendKind::Cuda => go(CudaBackend::new()?, seed),
         BackendKind::Hip => go(HipBackend::new()?, seed),
+        BackendKind::Emu => go(EmuBackend::new()?, seed),
         BackendKind::Wgpu => go(WgpuBackend::new()?, seed),
-        BackendKind::Auto => bail!("check-backend needs a named backend (cuda, hip, wgpu, cpu)"),
+        BackendKind::Auto => {
+            bail!("check-backend needs a named backend (cuda, hip, wgpu, emu, cpu)")
+        }
     }
 }
 

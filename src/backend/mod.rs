@@ -31,6 +31,7 @@ pub use self::wgpu::WgpuBackend;
 pub use cpu::CpuBackend;
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
+pub use gpu::emu::EmuBackend;
 #[cfg(feature = "hip")]
 pub use hip::HipBackend;
 #[cfg(not(feature = "cuda"))]
@@ -47,6 +48,9 @@ pub enum BackendKind {
     Wgpu,
     Cuda,
     Hip,
+    /// The CUDA kernels run on the CPU by an emulator of the GPU's execution model
+    /// (`gpu/emu.rs`): for checking kernels without a GPU; slow.
+    Emu,
     /// The fastest compiled backend with a real device: CUDA, then HIP, then wgpu, then CPU.
     Auto,
 }
@@ -59,8 +63,11 @@ impl std::str::FromStr for BackendKind {
             "wgpu" | "vulkan" | "webgpu" => BackendKind::Wgpu,
             "cuda" => BackendKind::Cuda,
             "hip" | "rocm" => BackendKind::Hip,
+            "emu" => BackendKind::Emu,
             "auto" => BackendKind::Auto,
-            _ => anyhow::bail!("unknown backend '{s}' (expected cpu, wgpu, cuda, hip or auto)"),
+            _ => {
+                anyhow::bail!("unknown backend '{s}' (expected cpu, wgpu, cuda, hip, emu or auto)")
+            }
         })
     }
 }
@@ -72,6 +79,7 @@ impl BackendKind {
             BackendKind::Wgpu => "wgpu",
             BackendKind::Cuda => "cuda",
             BackendKind::Hip => "hip",
+            BackendKind::Emu => "emu",
             BackendKind::Auto => "auto",
         }
     }

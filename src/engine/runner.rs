@@ -3,7 +3,8 @@
 //! [`ModelRunner`] trait, so the engine above it is not generic.
 
 use crate::backend::{
-    Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, HipBackend, WgpuBackend,
+    Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, EmuBackend, HipBackend,
+    WgpuBackend,
 };
 use crate::models::WeightStats;
 use crate::models::kv_cache::{self, KvCache};
@@ -248,6 +249,7 @@ pub fn create_runner(
         }
         BackendKind::Cuda => build(CudaBackend::new()?, model, args, progress),
         BackendKind::Hip => build(HipBackend::new()?, model, args, progress),
+        BackendKind::Emu => build(EmuBackend::new()?, model, args, progress),
         BackendKind::Wgpu => build(WgpuBackend::new()?, model, args, progress),
     }
 }

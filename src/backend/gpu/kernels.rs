@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
 pub const HIP_COMPAT: &str = include_str!("../../../kernels/hip_compat.h");
+pub const EMU: &str = include_str!("../../../kernels/emu.h");
 
 /// `(file stem, source)` of every kernel file.
 pub const SOURCES: &[(&str, &str)] = &[
@@ -53,6 +54,7 @@ pub fn kernel_names(stem: &str) -> Vec<String> {
         "norm" => &[
             "rms_norm_f32",
             "add_rms_norm_f32",
+            "layer_norm_f32",
             "qk_norm_f32",
             "argmax_f32",
         ],
@@ -82,12 +84,14 @@ pub fn kernel_names(stem: &str) -> Vec<String> {
 pub enum Dialect {
     Cuda,
     Hip,
+    /// The host's C++ compiler, with `kernels/emu.h` (the `emu` backend).
+    Emu,
 }
 
 /// The source as one self-contained translation unit: `#include "common.cuh"` is replaced by
-/// the header (after hip_compat.h for HIP), so the compiler needs no include path and no
-/// header from a toolkit.
-pub fn prepare(source: &str, dialect: Dialect) -> String {
+/// the header (after hip_compat.h for HIP, after emu.h for the emulator), so the compiler needs no include path and no
+/// header from a toolkit. For the emulator, the file's launchers follow (see `gpu/emu.rs`).
+pub fn prepare(stem: &str, source: &str, dialect: Dialect) -> String {
     let strip = |s: &str| {
         s.lines()
             .filter(|l| l.trim() != "#pragma once")
@@ -95,10 +99,12 @@ pub fn prepare(source: &str, dialect: Dialect) -> String {
             .join("\n")
     };
     let mut header = String::new();
-    if dialect == Dialect::Hip {
-        header.push_str(&strip(HIP_COMPAT));
-        header.push('\n');
+    match dialect {
+        Dialect::Cuda => {}
+        Dialect::Hip => header.push_str(&strip(HIP_COMPAT)),
+        Dialect::Emu => header.push_str(&strip(EMU)),
     }
+    header.push('\n');
     header.push_str(&strip(COMMON));
     let mut out = String::with_capacity(source.len() + header.len());
     for line in source.lines() {
@@ -108,6 +114,16 @@ pub fn prepare(source: &str, dialect: Dialect) -> String {
             out.push_str(line);
         }
         out.push('\n');
+    }
+    if dialect == Dialect::Emu {
+        // `int pg_emu_launch_<kernel>(args, grid, block, shared bytes, error, error length)`;
+        // emu.h's `launch` deduces the kernel's parameter types.
+        for k in kernel_names(stem) {
+            out.push_str(&format!(
+                "extern \"C\" int pg_emu_launch_{k}(void** a, const unsigned* g, const unsigned* b, \
+                 unsigned s, char* e, unsigned n) {{ return pg_emu::launch(&{k}, a, g, b, s, e, n); }}\n"
+            ));
+        }
     }
     out
 }
@@ -216,15 +232,17 @@ mod tests {
     #[test]
     fn prepared_sources_are_self_contained() {
         for (stem, src) in SOURCES {
-            for d in [Dialect::Cuda, Dialect::Hip] {
-                let p = prepare(src, d);
-                assert!(!p.contains("#include"), "{stem}: an include is left");
+            for d in [Dialect::Cuda, Dialect::Hip, Dialect::Emu] {
+                let p = prepare(stem, src, d);
+                // NOTE: the emulator's header includes the C++ standard library.
+                assert!(!p.contains("#include \""), "{stem}: an include is left");
                 assert!(!p.contains("#pragma once"), "{stem}: #pragma once is left");
                 assert!(
                     p.contains("struct bf16_t"),
                     "{stem}: the header is not inlined"
                 );
                 assert_eq!(p.contains("#define PG_HIP 1"), d == Dialect::Hip);
+                assert_eq!(p.contains("#define PG_EMU 1"), d == Dialect::Emu);
             }
         }
     }
@@ -247,6 +265,31 @@ mod tests {
                     _ => false,
                 };
                 assert!(direct || stamped, "{stem}: kernel {n} is not defined");
+            }
+        }
+    }
+
+    /// A kernel missing from `kernel_names` is never loaded, and its op fails on the device
+    /// with "no kernel named …" (layer_norm_f32 was, until the emulator ran it).
+    #[test]
+    fn every_kernel_defined_in_a_file_is_listed() {
+        for (stem, src) in SOURCES {
+            let names = kernel_names(stem);
+            for def in src.split("extern \"C\" __global__ void").skip(1) {
+                let head = def.split('(').collect::<Vec<_>>();
+                // `__launch_bounds__(N) name(` or `name(`
+                let name = if head[0].trim() == "__launch_bounds__" {
+                    head[1].split(')').nth(1).unwrap_or("").trim()
+                } else {
+                    head[0].trim()
+                };
+                if name.contains("##") || name.chars().all(|c| c.is_ascii_uppercase()) {
+                    continue; // stamped by a macro: the other test
+                }
+                assert!(
+                    names.iter().any(|n| n == name),
+                    "{stem}: kernel {name} is defined but not listed"
+                );
             }
         }
     }

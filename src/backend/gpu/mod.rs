@@ -8,6 +8,7 @@
 //! the allocator can be handed out again at once: whatever reads it next is queued after
 //! whatever used it before. Host copies are synchronous.
 
+pub mod emu;
 pub mod kernels;
 
 use super::{Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
@@ -319,7 +320,7 @@ impl<R: GpuRuntime> GpuBackend<R> {
                 .map(|(stem, src)| {
                     let (rt, cache, arch, opts, compiler) = (&rt, &cache, &arch, &opts, &compiler);
                     s.spawn(move || -> Result<(&str, Vec<u8>, bool)> {
-                        let source = kernels::prepare(src, R::DIALECT);
+                        let source = kernels::prepare(stem, src, R::DIALECT);
                         let key = kernels::cache_key(R::API, compiler, arch, opts, &source);
                         let (bin, cached) =
                             cache.get_or_compile(stem, arch, &key, rt.binary_ext(), || {

@@ -1,0 +1,387 @@
+// Runs the CUDA sources in kernels/ on the CPU: the execution model of a GPU emulated in plain
+// C++, so that every kernel can be checked against the CPU reference on a machine without a GPU
+// (the `emu` backend, src/backend/gpu/emu.rs). Placed before common.cuh, as hip_compat.h is for
+// HIP; the file is compiled by the system's C++ compiler into a shared library.
+//
+// The model, and what it catches:
+//   - a block's threads are fibers on one OS thread, switched only at barriers: __syncthreads
+//     waits for every live thread of the block, __syncwarp and the shuffles for every live lane
+//     of the warp. A barrier that not all of them reach (divergence) is reported as an error,
+//     never a hang. Between barriers a thread runs alone, so a kernel that reads what another
+//     thread writes without a barrier between them sees the (deterministic) wrong value;
+//   - blocks run one after another on each of a few OS threads (PAGODA_EMU_THREADS);
+//   - __shared__ arrays are per block; dynamic shared memory is filled with NaNs before each
+//     block, so that reading what no thread wrote shows up in the results;
+//   - device memory is host memory, and inline PTX has no meaning here: kernels keep their
+//     vendor instructions behind the small functions of common.cuh, which this file replaces.
+// Speed: about a million barrier crossings a second per OS thread; enough for the op table and
+// the tiny models, not for real ones.
+#pragma once
+#define PG_EMU 1
+
+#include <cmath>
+#include <csetjmp>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __launch_bounds__(...)
+// NOTE: per OS thread, and each OS thread runs one block at a time: per block.
+#define __shared__ static thread_local
+#define PG_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(pg_emu::dynamic_shared())
+
+struct uint3 {
+    unsigned x, y, z;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(8) float2 {
+    float x, y;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+namespace pg_emu {
+
+enum class St : unsigned char { Run, BarBlock, BarWarp, Done };
+
+struct Fiber {
+    jmp_buf env;
+    char* stack;
+    St st;
+    bool started;
+};
+
+struct Block {
+    std::vector<Fiber> fibers;
+    std::vector<unsigned long long> xchg;  // one slot per thread, for the shuffles
+    std::vector<float4> dyn;               // dynamic shared memory, 16-byte aligned
+    jmp_buf sched;
+    unsigned cur = 0, n = 0;
+    void (*body)(void*) = nullptr;
+    void* arg = nullptr;
+};
+
+inline thread_local Block* cur_block = nullptr;
+inline thread_local uint3 tidx, bidx, bdim, gdim;
+
+constexpr size_t STACK_BYTES = 128 << 10;
+
+inline void* dynamic_shared() { return cur_block->dyn.data(); }
+
+[[noreturn]] static void fiber_entry() {
+    Block* b = cur_block;
+    b->body(b->arg);
+    b = cur_block;
+    b->fibers[b->cur].st = St::Done;
+    _longjmp(b->sched, 1);
+}
+
+// Starts fiber `f` on its own stack; it comes back to the scheduler with _longjmp.
+[[noreturn]] static void start_fiber(Fiber& f) {
+    char* top = f.stack + STACK_BYTES;
+    top = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(top) & ~uintptr_t(63));
+#if defined(__x86_64__)
+    asm volatile("mov %0, %%rsp\n\tcall *%1" : : "r"(top), "r"(&fiber_entry) : "memory");
+#elif defined(__aarch64__)
+    asm volatile("mov sp, %0\n\tblr %1" : : "r"(top), "r"(&fiber_entry) : "memory", "x30");
+#else
+#error "the kernel emulator switches stacks on x86-64 and aarch64 only"
+#endif
+    __builtin_unreachable();
+}
+
+static inline void wait_at(St st) {
+    Block* b = cur_block;
+    Fiber& f = b->fibers[b->cur];
+    f.st = st;
+    if (!_setjmp(f.env)) _longjmp(b->sched, 1);
+}
+
+static inline void set_thread(const Block& b, unsigned i) {
+    tidx.x = i % bdim.x;
+    tidx.y = (i / bdim.x) % bdim.y;
+    tidx.z = i / (bdim.x * bdim.y);
+    (void)b;
+}
+
+// Runs every thread of the current block to its end. False (with `err`) on a barrier that not
+// every thread it waits for can reach.
+static bool run_block(Block& b, std::string& err) {
+    for (unsigned i = 0; i < b.n; ++i) {
+        b.fibers[i].st = St::Run;
+        b.fibers[i].started = false;
+    }
+    for (;;) {
+        for (unsigned i = 0; i < b.n; ++i) {
+            Fiber& f = b.fibers[i];
+            if (f.st != St::Run) continue;
+            b.cur = i;
+            set_thread(b, i);
+            if (!_setjmp(b.sched)) {
+                if (!f.started) {
+                    f.started = true;
+                    start_fiber(f);
+                }
+                _longjmp(f.env, 1);
+            }
+        }
+        unsigned live = 0, at_block = 0;
+        for (unsigned i = 0; i < b.n; ++i) {
+            live += b.fibers[i].st != St::Done;
+            at_block += b.fibers[i].st == St::BarBlock;
+        }
+        if (live == 0) return true;
+        if (at_block == live) {
+            for (auto& f : b.fibers)
+                if (f.st == St::BarBlock) f.st = St::Run;
+            continue;
+        }
+        bool released = false;
+        for (unsigned w0 = 0; w0 < b.n; w0 += PG_WARP_SIZE) {
+            const unsigned w1 = w0 + PG_WARP_SIZE < b.n ? w0 + PG_WARP_SIZE : b.n;
+            unsigned lanes = 0, at_warp = 0;
+            for (unsigned i = w0; i < w1; ++i) {
+                lanes += b.fibers[i].st != St::Done;
+                at_warp += b.fibers[i].st == St::BarWarp;
+            }
+            if (lanes > 0 && at_warp == lanes) {
+                for (unsigned i = w0; i < w1; ++i)
+                    if (b.fibers[i].st == St::BarWarp) b.fibers[i].st = St::Run;
+                released = true;
+            }
+        }
+        if (!released) {
+            char msg[200];
+            snprintf(msg, sizeof msg,
+                     "barrier divergence in block (%u, %u, %u): %u of %u live threads wait at "
+                     "__syncthreads, the others at a warp barrier",
+                     bidx.x, bidx.y, bidx.z, at_block, live);
+            err = msg;
+            return false;
+        }
+    }
+}
+
+// Stacks are kept between launches (a launch with 1024 threads needs 1024 of them per worker).
+static std::mutex stacks_mu;
+static std::vector<std::vector<char*>> stack_sets;
+
+static std::vector<char*> take_stacks(unsigned n) {
+    std::vector<char*> s;
+    {
+        std::lock_guard<std::mutex> g(stacks_mu);
+        if (!stack_sets.empty()) {
+            s = std::move(stack_sets.back());
+            stack_sets.pop_back();
+        }
+    }
+    while (s.size() < n) s.push_back(static_cast<char*>(std::malloc(STACK_BYTES)));
+    return s;
+}
+
+static void give_stacks(std::vector<char*> s) {
+    std::lock_guard<std::mutex> g(stacks_mu);
+    stack_sets.push_back(std::move(s));
+}
+
+static int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const unsigned* block,
+                    unsigned shared, char* err, unsigned errlen) {
+    auto fail = [&](const std::string& m) {
+        snprintf(err, errlen, "%s", m.c_str());
+        return 1;
+    };
+    const unsigned n = block[0] * block[1] * block[2];
+    if (n == 0 || n > 1024) return fail("a block of " + std::to_string(n) + " threads (1 to 1024)");
+    if (block[2] > 64 || grid[1] > 65535 || grid[2] > 65535) return fail("grid or block dimension out of range");
+    if (shared > 227 * 1024) return fail("more than 227 KiB of dynamic shared memory");
+    const unsigned long long total = (unsigned long long)grid[0] * grid[1] * grid[2];
+    if (total == 0) return 0;
+    unsigned workers = std::thread::hardware_concurrency();
+    if (const char* e = std::getenv("PAGODA_EMU_THREADS")) workers = (unsigned)std::atoi(e);
+    if (workers == 0) workers = 1;
+    if (workers > total) workers = (unsigned)total;
+    std::mutex mu;
+    std::string first_err;
+    auto work = [&](unsigned w) {
+        Block b;
+        b.n = n;
+        b.body = body;
+        b.arg = arg;
+        b.fibers.resize(n);
+        b.xchg.assign(n, 0);
+        b.dyn.resize((shared + 15) / 16 + 1);
+        std::vector<char*> stacks = take_stacks(n);
+        for (unsigned i = 0; i < n; ++i) b.fibers[i].stack = stacks[i];
+        cur_block = &b;
+        bdim = {block[0], block[1], block[2]};
+        gdim = {grid[0], grid[1], grid[2]};
+        std::string e;
+        for (unsigned long long id = w; id < total; id += workers) {
+            {
+                std::lock_guard<std::mutex> g(mu);
+                if (!first_err.empty()) break;
+            }
+            bidx.x = (unsigned)(id % grid[0]);
+            bidx.y = (unsigned)((id / grid[0]) % grid[1]);
+            bidx.z = (unsigned)(id / ((unsigned long long)grid[0] * grid[1]));
+            const float nan = std::nanf("");
+            for (auto& v : b.dyn) v = {nan, nan, nan, nan};
+            if (!run_block(b, e)) {
+                std::lock_guard<std::mutex> g(mu);
+                if (first_err.empty()) first_err = e;
+                break;
+            }
+        }
+        cur_block = nullptr;
+        give_stacks(std::move(stacks));
+    };
+    if (workers == 1) {
+        work(0);
+    } else {
+        std::vector<std::thread> ts;
+        for (unsigned w = 0; w < workers; ++w) ts.emplace_back(work, w);
+        for (auto& t : ts) t.join();
+    }
+    return first_err.empty() ? 0 : fail(first_err);
+}
+
+template <class... A, size_t... I>
+static void invoke(void (*k)(A...), void** args, std::index_sequence<I...>) {
+    k(*static_cast<std::remove_reference_t<A>*>(args[I])...);
+}
+
+// The host's side of a launch: `args[i]` points at the value of parameter i, as for
+// cuLaunchKernel.
+template <class... A>
+static int launch(void (*k)(A...), void** args, const unsigned* grid, const unsigned* block, unsigned shared,
+                  char* err, unsigned errlen) {
+    struct Call {
+        void (*k)(A...);
+        void** args;
+    } call{k, args};
+    auto body = [](void* p) {
+        Call* c = static_cast<Call*>(p);
+        invoke(c->k, c->args, std::index_sequence_for<A...>{});
+    };
+    return run_grid(body, &call, grid, block, shared, err, errlen);
+}
+
+template <class T>
+static inline T shfl(T v, unsigned src_lane_of(unsigned lane, unsigned arg), unsigned arg) {
+    static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
+    Block* b = cur_block;
+    const unsigned t = b->cur, lane = t % PG_WARP_SIZE, base = t - lane;
+    std::memcpy(&b->xchg[t], &v, sizeof(T));
+    wait_at(St::BarWarp);
+    unsigned src = base + src_lane_of(lane, arg);
+    if (src >= b->n || src_lane_of(lane, arg) >= PG_WARP_SIZE) src = t;
+    T r;
+    std::memcpy(&r, &b->xchg[src], sizeof(T));
+    wait_at(St::BarWarp);  // nobody overwrites its slot before every lane has read
+    return r;
+}
+
+}  // namespace pg_emu
+
+#define threadIdx pg_emu::tidx
+#define blockIdx pg_emu::bidx
+#define blockDim pg_emu::bdim
+#define gridDim pg_emu::gdim
+
+static inline void __syncthreads() { pg_emu::wait_at(pg_emu::St::BarBlock); }
+static inline void __syncwarp(unsigned = 0xffffffffu) { pg_emu::wait_at(pg_emu::St::BarWarp); }
+
+template <class T>
+static inline T __shfl_xor_sync(unsigned, T v, int m) {
+    return pg_emu::shfl(v, [](unsigned lane, unsigned a) { return lane ^ a; }, (unsigned)m);
+}
+template <class T>
+static inline T __shfl_sync(unsigned, T v, int src) {
+    return pg_emu::shfl(v, [](unsigned, unsigned a) { return a % PG_WARP_SIZE; }, (unsigned)src);
+}
+template <class T>
+static inline T __shfl_down_sync(unsigned, T v, unsigned d) {
+    return pg_emu::shfl(v, [](unsigned lane, unsigned a) { return lane + a; }, d);
+}
+
+static inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+static inline float __uint_as_float(unsigned i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+static inline unsigned __float_as_uint(float f) {
+    unsigned i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
+static inline int __float_as_int(float f) {
+    int i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
+template <class T>
+static inline T __ldg(const T* p) {
+    return *p;
+}
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+static inline float __fdividef(float a, float b) { return a / b; }
+template <class A, class B>
+static inline std::common_type_t<A, B> min(A a, B b) {
+    return a < b ? a : b;
+}
+template <class A, class B>
+static inline std::common_type_t<A, B> max(A a, B b) {
+    return a < b ? b : a;
+}
+
+// Atomics: blocks run on several OS threads, so these are real atomics.
+static inline float atomicAdd(float* p, float v) {
+    unsigned* u = reinterpret_cast<unsigned*>(p);
+    unsigned old = __atomic_load_n(u, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(u, &old, __float_as_uint(__uint_as_float(old) + v), false, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+    }
+    return __uint_as_float(old);
+}
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+
+// Half precision through the compiler's _Float16 (round to nearest even, as cvt.rn).
+static inline float f16_bits_to_f32(unsigned bits) {
+    unsigned short h = (unsigned short)bits;
+    _Float16 v;
+    std::memcpy(&v, &h, 2);
+    return (float)v;
+}
+static inline unsigned short f32_to_f16_bits(float f) {
+    _Float16 v = (_Float16)f;
+    unsigned short h;
+    std::memcpy(&h, &v, 2);
+    return h;
+}

@@ -1,0 +1,338 @@
+//! The `emu` backend: the CUDA kernels of `kernels/` run on the CPU, under the same
+//! [`GpuBackend`] as CUDA and HIP. `kernels/emu.h` emulates the GPU's execution model in C++
+//! (a block's threads as fibers switched at barriers, warps, shuffles, shared memory); each
+//! kernel file is compiled by the host's C++ compiler into a shared library, loaded with
+//! `dlopen`, and launched by name through a small wrapper per kernel.
+//!
+//! It exists so that kernels and the host code around them (launch geometry, buffer sizes,
+//! split-K plans, batch layouts) are checked against the CPU reference on machines without a
+//! GPU, in CI. It is slow (a fiber switch per thread per barrier) and says nothing about speed.
+//!
+//! Settings: `PAGODA_EMU_CXX` (the compiler, default `c++`), `PAGODA_EMU_WARP` (32, or 64 to
+//! run the kernels as on AMD's 64-wide wavefronts), `PAGODA_EMU_THREADS` (OS threads running
+//! blocks, default all cores), `PAGODA_EMU_MEMORY` (the device memory it reports, in MiB,
+//! default 4096).
+
+use super::kernels::Dialect;
+use super::{GpuBackend, GpuRuntime};
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char, c_void};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The emulator backend: [`GpuBackend`] over [`EmuRt`].
+pub type EmuBackend = GpuBackend<EmuRt>;
+
+impl GpuBackend<EmuRt> {
+    /// Compiles the kernels with the host's C++ compiler (or takes them from the kernel cache).
+    /// Fails with a clear error where there is no C++ compiler.
+    pub fn new() -> Result<Self> {
+        GpuBackend::with_runtime(EmuRt::open()?)
+    }
+}
+
+/// `int pg_emu_launch_<kernel>(void** args, const unsigned grid[3], const unsigned block[3],
+/// unsigned shared_bytes, char* err, unsigned err_len)`: 0, or 1 with a message in `err`.
+type LaunchFn =
+    unsafe extern "C" fn(*mut *mut c_void, *const u32, *const u32, u32, *mut c_char, u32) -> i32;
+
+#[derive(Clone, Copy)]
+pub struct EmuFunction(LaunchFn);
+
+pub struct EmuRt {
+    cxx: String,
+    cxx_version: String,
+    warp: u32,
+    memory: u64,
+    allocated: AtomicU64,
+    /// Live allocations: pointer to layout, for `free`.
+    allocations: Mutex<HashMap<u64, std::alloc::Layout>>,
+    /// `dlopen` handles, kept open for the runtime's lifetime.
+    libraries: Mutex<Vec<usize>>,
+}
+
+/// What the emulator is asked to be; [`EmuOptions::from_env`] reads the settings above.
+#[derive(Debug, Clone)]
+pub struct EmuOptions {
+    pub cxx: String,
+    /// Lanes per warp: 32 (NVIDIA) or 64 (AMD's wavefronts).
+    pub warp: u32,
+    /// Bytes of device memory reported and allowed.
+    pub memory: u64,
+}
+
+impl EmuOptions {
+    pub fn from_env() -> Result<Self> {
+        let warp = match std::env::var("PAGODA_EMU_WARP").as_deref() {
+            Err(_) => 32,
+            Ok(w) => w
+                .parse()
+                .ok()
+                .filter(|w| [32, 64].contains(w))
+                .with_context(|| format!("PAGODA_EMU_WARP={w}: expected 32 or 64"))?,
+        };
+        let memory = match std::env::var("PAGODA_EMU_MEMORY") {
+            Err(_) => 4096 << 20,
+            Ok(m) => {
+                m.parse::<u64>()
+                    .ok()
+                    .filter(|&m| m > 0 && m < 1 << 24)
+                    .with_context(|| format!("PAGODA_EMU_MEMORY={m}: expected MiB"))?
+                    << 20
+            }
+        };
+        Ok(EmuOptions {
+            cxx: std::env::var("PAGODA_EMU_CXX").unwrap_or_else(|_| "c++".into()),
+            warp,
+            memory,
+        })
+    }
+}
+
+impl EmuRt {
+    pub fn open() -> Result<Self> {
+        Self::with_options(EmuOptions::from_env()?)
+    }
+
+    pub fn with_options(o: EmuOptions) -> Result<Self> {
+        ensure!(
+            [32, 64].contains(&o.warp),
+            "emu: a warp of {} lanes (32 or 64)",
+            o.warp
+        );
+        let cxx = o.cxx;
+        let out = Command::new(&cxx).arg("--version").output().with_context(|| {
+            format!(
+                "emu: the C++ compiler `{cxx}` does not run (install g++ or clang++, or set PAGODA_EMU_CXX)"
+            )
+        })?;
+        ensure!(
+            out.status.success(),
+            "emu: `{cxx} --version` failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        let cxx_version = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_string();
+        Ok(EmuRt {
+            cxx,
+            cxx_version,
+            warp: o.warp,
+            memory: o.memory,
+            allocated: AtomicU64::new(0),
+            allocations: Mutex::new(HashMap::new()),
+            libraries: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+impl Drop for EmuRt {
+    fn drop(&mut self) {
+        // NOTE: the libraries stay loaded: their thread-local shared arrays may still be
+        // referenced by exiting threads' destructors, and unloading gains nothing here.
+        let allocs = std::mem::take(&mut *self.allocations.lock().unwrap());
+        for (p, layout) in allocs {
+            // SAFETY: allocated in `malloc` with this layout and not freed.
+            unsafe { std::alloc::dealloc(p as *mut u8, layout) };
+        }
+    }
+}
+
+/// A path for a temporary file, unique in this process.
+fn temp_path(ext: &str) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    std::env::temp_dir().join(format!(
+        "pagoda-emu-{}-{}.{ext}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+impl GpuRuntime for EmuRt {
+    type Function = EmuFunction;
+    const API: &'static str = "emu";
+    const DIALECT: Dialect = Dialect::Emu;
+
+    fn device_name(&self) -> String {
+        format!("kernels emulated on the CPU, warp {}", self.warp)
+    }
+    fn arch(&self) -> String {
+        format!("emu-w{}", self.warp)
+    }
+    fn warp_size(&self) -> u32 {
+        self.warp
+    }
+    fn multiprocessors(&self) -> u32 {
+        // NOTE: as many as a small GPU, so that launch plans split work as they would there.
+        16
+    }
+    fn mem_info(&self) -> Result<(u64, u64)> {
+        let used = self.allocated.load(Ordering::Relaxed);
+        Ok((self.memory.saturating_sub(used), self.memory))
+    }
+    fn bind(&self) -> Result<()> {
+        Ok(())
+    }
+    fn malloc(&self, bytes: usize) -> Result<u64> {
+        let used = self.allocated.load(Ordering::Relaxed);
+        ensure!(
+            used + bytes as u64 <= self.memory,
+            "emu: out of device memory ({} MiB of {} MiB in use)",
+            used >> 20,
+            self.memory >> 20
+        );
+        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 256)?;
+        // SAFETY: a non-zero size.
+        let p = unsafe { std::alloc::alloc(layout) };
+        ensure!(!p.is_null(), "emu: host allocation of {bytes} bytes failed");
+        // NOTE: fresh device memory is not zeroed on a GPU; NaNs show reads of what nothing
+        // wrote.
+        // SAFETY: `p` holds `bytes` bytes.
+        unsafe { std::ptr::write_bytes(p, 0xff, bytes) };
+        self.allocated.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.allocations.lock().unwrap().insert(p as u64, layout);
+        Ok(p as u64)
+    }
+    unsafe fn free(&self, ptr: u64) {
+        if let Some(layout) = self.allocations.lock().unwrap().remove(&ptr) {
+            self.allocated
+                .fetch_sub(layout.size() as u64, Ordering::Relaxed);
+            // SAFETY: allocated in `malloc` with this layout.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+        }
+    }
+    unsafe fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<()> {
+        // SAFETY: the caller guarantees the range.
+        unsafe { std::ptr::write_bytes(ptr as *mut u8, 0, bytes) };
+        Ok(())
+    }
+    unsafe fn htod(&self, dst: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: the caller guarantees the range.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+    unsafe fn dtoh(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        // SAFETY: the caller guarantees the range.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+    fn compiler_id(&self) -> String {
+        format!("{} ({})", self.cxx, self.cxx_version)
+    }
+    fn binary_ext(&self) -> &'static str {
+        "so"
+    }
+    fn compile_options(&self) -> Vec<String> {
+        [
+            "-O2",
+            "-std=c++17",
+            "-fPIC",
+            "-shared",
+            "-pthread",
+            "-U_FORTIFY_SOURCE",
+            "-w",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("-DPG_WARP_SIZE={}", self.warp)])
+        .collect()
+    }
+    fn compile(&self, name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+        let (cpp, so) = (temp_path("cpp"), temp_path("so"));
+        std::fs::write(&cpp, source)?;
+        let out = Command::new(&self.cxx)
+            .args(options)
+            .arg("-o")
+            .arg(&so)
+            .arg(&cpp)
+            .output()
+            .with_context(|| format!("emu: running {}", self.cxx));
+        let _ = std::fs::remove_file(&cpp);
+        let out = out?;
+        if !out.status.success() {
+            let _ = std::fs::remove_file(&so);
+            bail!(
+                "emu: {} could not compile {name}:\n{}",
+                self.cxx,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let bin = std::fs::read(&so);
+        let _ = std::fs::remove_file(&so);
+        Ok(bin?)
+    }
+    fn load(&self, image: &[u8], names: &[String]) -> Result<Vec<EmuFunction>> {
+        let path = temp_path("so");
+        std::fs::write(&path, image)?;
+        let cpath = CString::new(path.as_os_str().as_encoded_bytes())?;
+        // SAFETY: a shared library we compiled; RTLD_LOCAL keeps its symbols to itself.
+        let handle = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        let _ = std::fs::remove_file(&path);
+        if handle.is_null() {
+            // SAFETY: dlerror returns a C string or null.
+            let why = unsafe { libc::dlerror() };
+            let why = if why.is_null() {
+                "unknown error".to_string()
+            } else {
+                // SAFETY: non-null, NUL-terminated.
+                unsafe { CStr::from_ptr(why) }
+                    .to_string_lossy()
+                    .into_owned()
+            };
+            bail!("emu: dlopen failed: {why}");
+        }
+        self.libraries.lock().unwrap().push(handle as usize);
+        names
+            .iter()
+            .map(|n| {
+                let sym = CString::new(format!("pg_emu_launch_{n}"))?;
+                // SAFETY: a loaded library and a NUL-terminated name.
+                let f = unsafe { libc::dlsym(handle, sym.as_ptr()) };
+                if f.is_null() {
+                    bail!("emu: no kernel named {n}");
+                }
+                // SAFETY: the wrapper generated in `compile` has exactly this signature.
+                Ok(EmuFunction(unsafe {
+                    std::mem::transmute::<*mut c_void, LaunchFn>(f)
+                }))
+            })
+            .collect()
+    }
+    unsafe fn launch(
+        &self,
+        f: EmuFunction,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let mut err = vec![0u8; 512];
+        // SAFETY: forwarded from the caller's contract; the launch is synchronous, so `args`
+        // outlive it.
+        let rc = unsafe {
+            (f.0)(
+                args.as_mut_ptr(),
+                grid.as_ptr(),
+                block.as_ptr(),
+                shared_bytes,
+                err.as_mut_ptr() as *mut c_char,
+                err.len() as u32,
+            )
+        };
+        if rc != 0 {
+            let msg = CStr::from_bytes_until_nul(&err)
+                .map(|c| c.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            return Err(anyhow!("emu: {msg}"));
+        }
+        Ok(())
+    }
+}
