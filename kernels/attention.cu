@@ -159,6 +159,224 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
     }
 }
 
+// ---- decode: one query row per sequence ------------------------------------------------------
+//
+// Flash-decoding over the paged cache. One block = (sequence, kv head, partition of the
+// context); the `rep` query heads of the kv head share every K and V load. K and V rows are
+// read 16 bytes per lane; the block table is read once per key, with a shift and a mask (block
+// sizes are powers of two here), never a division per element. Head size and KV type are
+// template parameters (D / EPL chunks of 16 bytes per row).
+//
+//   grid = (num_seqs, num_kv_heads, num_splits)      block = DEC_THREADS
+//
+//   1. scores: a warp takes KPW keys at a time, TPK lanes per key, each lane CH chunks of the
+//      key's row; the lanes' partial dots are summed with shuffles:
+//        s_s[j][key] = q_j·k · scale (soft-capped; keys before the window are skipped)
+//   2. softmax, one warp per query head j: m_j, l_j, and s_s[j][:] = exp(s - m_j)
+//   3. values: G groups of C lanes (one chunk each); group γ takes keys γ, γ+G, ... and keeps
+//      acc[j][EPL] in registers; the groups' sums are added in order through shared memory.
+// With one partition the block writes the normalised output; with several it writes (m, l,
+// acc) of its partition for attention_reduce_f32, as the prefill kernel does.
+//
+// Shared memory (floats): s_s [rep][part_size] | red [G][rep][D] | m_s, l_s [rep]
+// (decode_shared_bytes in src/backend/gpu/mod.rs computes the same).
+
+#define DEC_THREADS 128
+#define DEC_WARPS (DEC_THREADS / PG_WARP_SIZE)
+#define DEC_MAX_REP 8
+
+__host__ __device__ constexpr int pg_pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pg_pow2_at_least((n + 1) / 2); }
+
+template <typename KV, int D>
+__device__ __forceinline__ void paged_attention_decode(const float* __restrict__ qkv, const KV* __restrict__ k_cache,
+                                                       const KV* __restrict__ v_cache, const u32* __restrict__ query_start,
+                                                       const u32* __restrict__ seq_lens,
+                                                       const u32* __restrict__ block_tables, float* __restrict__ out,
+                                                       float* __restrict__ part_acc, float* __restrict__ part_ml,
+                                                       u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_shift,
+                                                       u32 row_len, float scale, u32 window, float softcap,
+                                                       u32 part_size, u32 num_splits) {
+    constexpr int EPL = 16 / sizeof(KV);  // elements per 16-byte load
+    constexpr int C = D / EPL;            // chunks per row
+    constexpr int TPK = pg_pow2_at_least(C) < PG_WARP_SIZE ? pg_pow2_at_least(C) : PG_WARP_SIZE;
+    constexpr int CH = (C + TPK - 1) / TPK;  // chunks per lane in the scores
+    constexpr int KPW = PG_WARP_SIZE / TPK;  // keys per warp step
+    constexpr u32 G = DEC_THREADS / C;       // value groups
+    static_assert(D % EPL == 0 && C <= DEC_THREADS, "head size");
+    PG_DYNAMIC_SHARED(float, smem);
+
+    const u32 s = blockIdx.x, g = blockIdx.y, split = blockIdx.z;
+    const u32 ctx = seq_lens[s];
+    const u32 k_begin = split * part_size;
+    if (k_begin >= ctx) return;  // the reduce reads only the partitions that hold keys
+    const u32 rep = num_heads / num_kv_heads;
+    const u32 t = query_start[s];
+    const u32 k_lo = (window > 0 && ctx > window) ? ctx - window : 0;
+    // NOTE: k0 >= k1 (a partition wholly before the window) leaves m = -inf, l = 0, which the
+    // reduce weighs as zero.
+    const u32 k0 = max(k_begin, k_lo), k1 = min(ctx, k_begin + part_size);
+    float* s_s = smem;
+    float* red = s_s + rep * part_size;
+    float* m_s = red + G * rep * D;
+    float* l_s = m_s + rep;
+    const u32* table = block_tables + (u64)s * max_blocks;
+    const u32 warp = threadIdx.x / PG_WARP_SIZE, lane = threadIdx.x % PG_WARP_SIZE;
+    const u32 bmask = (1u << block_shift) - 1;
+    // the row of `key` for kv head g: ((block * Hkv + g) * block_size + offset) * D
+    auto row_of = [&](u32 key) -> u64 {
+        const u64 phys = table[key >> block_shift];
+        return ((((phys * num_kv_heads + g) << block_shift) | (key & bmask))) * D;
+    };
+
+    // 1. scores
+    {
+        const u32 sub = lane % TPK, kk = lane / TPK;
+        float q[DEC_MAX_REP][CH][EPL];
+        const float* qrow = qkv + (u64)t * row_len + (u64)g * rep * D;
+#pragma unroll
+        for (int j = 0; j < DEC_MAX_REP; ++j)
+#pragma unroll
+            for (int c = 0; c < CH; ++c) {
+                const u32 chunk = sub + c * TPK;
+#pragma unroll
+                for (int e4 = 0; e4 < EPL / 4; ++e4) {
+                    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (j < rep && chunk < C) v = __ldg(reinterpret_cast<const float4*>(qrow + j * D + chunk * EPL) + e4);
+                    q[j][c][4 * e4] = v.x * scale;
+                    q[j][c][4 * e4 + 1] = v.y * scale;
+                    q[j][c][4 * e4 + 2] = v.z * scale;
+                    q[j][c][4 * e4 + 3] = v.w * scale;
+                }
+            }
+#pragma unroll 2
+        for (u32 kb = k0 + warp * KPW; kb < k1; kb += DEC_WARPS * KPW) {
+            const u32 key = kb + kk;
+            const bool valid = key < k1;
+            float dot[DEC_MAX_REP];
+#pragma unroll
+            for (int j = 0; j < DEC_MAX_REP; ++j) dot[j] = 0.0f;
+            if (valid) {
+                const KV* krow = k_cache + row_of(key);
+#pragma unroll
+                for (int c = 0; c < CH; ++c) {
+                    const u32 chunk = sub + c * TPK;
+                    if (chunk < C) {
+                        float kv[EPL];
+                        unpack16(__ldg(reinterpret_cast<const uint4*>(krow + chunk * EPL)), kv, (const KV*)0);
+#pragma unroll
+                        for (int j = 0; j < DEC_MAX_REP; ++j)
+#pragma unroll
+                            for (int e = 0; e < EPL; ++e) dot[j] += q[j][c][e] * kv[e];
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < DEC_MAX_REP; ++j) {
+                if (j >= rep) break;  // rep is the same in the whole block
+#pragma unroll
+                for (int m = TPK / 2; m > 0; m >>= 1) dot[j] += PG_SHFL_XOR(dot[j], m);
+            }
+            if (valid && sub == 0) {
+#pragma unroll
+                for (int j = 0; j < DEC_MAX_REP; ++j) {
+                    if (j < rep) {  // NOTE: unrolled, so that dot[] stays in registers
+                        float sc = dot[j];
+                        if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                        s_s[j * part_size + key - k_begin] = sc;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    // 2. softmax of each head over the partition
+    for (u32 j = warp; j < rep; j += DEC_WARPS) {
+        float* sj = s_s + j * part_size - k_begin;
+        float mx = PG_NEG_INF;
+        for (u32 key = k0 + lane; key < k1; key += PG_WARP_SIZE) mx = fmaxf(mx, sj[key]);
+        mx = warp_max(mx);
+        float sum = 0.0f;
+        for (u32 key = k0 + lane; key < k1; key += PG_WARP_SIZE) {
+            const float p = expf(sj[key] - mx);
+            sj[key] = p;
+            sum += p;
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) {
+            m_s[j] = mx;
+            l_s[j] = sum;
+        }
+    }
+    __syncthreads();
+
+    // 3. values
+    const u32 grp = threadIdx.x / C, chunk = threadIdx.x % C;
+    if (grp < G) {
+        float acc[DEC_MAX_REP][EPL];
+#pragma unroll
+        for (int j = 0; j < DEC_MAX_REP; ++j)
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[j][e] = 0.0f;
+#pragma unroll 4
+        for (u32 key = k0 + grp; key < k1; key += G) {
+            float v[EPL];
+            unpack16(__ldg(reinterpret_cast<const uint4*>(v_cache + row_of(key) + chunk * EPL)), v, (const KV*)0);
+#pragma unroll
+            for (int j = 0; j < DEC_MAX_REP; ++j) {
+                if (j < rep) {
+                    const float p = s_s[j * part_size + key - k_begin];
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) acc[j][e] += p * v[e];
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < DEC_MAX_REP; ++j)
+            if (j < rep)
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) red[(grp * rep + j) * D + chunk * EPL + e] = acc[j][e];
+    }
+    __syncthreads();
+    for (u32 x = threadIdx.x; x < rep * D; x += DEC_THREADS) {
+        const u32 j = x / D, i = x % D;
+        float a = 0.0f;
+        for (u32 gg = 0; gg < G; ++gg) a += red[(gg * rep + j) * D + i];
+        const u64 h = g * rep + j;
+        if (num_splits == 1) {
+            out[((u64)t * num_heads + h) * D + i] = a / l_s[j];
+        } else {
+            const u64 pi = ((u64)t * num_heads + h) * num_splits + split;
+            part_acc[pi * D + i] = a;
+            if (i == 0) {
+                part_ml[pi * 2] = m_s[j];
+                part_ml[pi * 2 + 1] = l_s[j];
+            }
+        }
+    }
+}
+
+#define PAGED_ATTENTION_DECODE(DT, KV, D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS) paged_attention_decode_##DT##_d##D(              \
+        const float* qkv, const KV* k_cache, const KV* v_cache, const u32* query_start, const u32* seq_lens,    \
+        const u32* block_tables, float* out, float* part_acc, float* part_ml, u32 max_blocks, u32 num_heads,   \
+        u32 num_kv_heads, u32 block_shift, u32 row_len, float scale, u32 window, float softcap, u32 part_size, \
+        u32 num_splits) {                                                                                        \
+        paged_attention_decode<KV, D>(qkv, k_cache, v_cache, query_start, seq_lens, block_tables, out, part_acc, \
+                                      part_ml, max_blocks, num_heads, num_kv_heads, block_shift, row_len, scale,  \
+                                      window, softcap, part_size, num_splits);                                    \
+    }
+// The head sizes of the models we run (DECODE_HEAD_DIMS in src/backend/gpu/kernels.rs).
+#define PAGED_ATTENTION_DECODE_ALL_D(DT, KV) \
+    PAGED_ATTENTION_DECODE(DT, KV, 16)       \
+    PAGED_ATTENTION_DECODE(DT, KV, 32)       \
+    PAGED_ATTENTION_DECODE(DT, KV, 64)       \
+    PAGED_ATTENTION_DECODE(DT, KV, 80)       \
+    PAGED_ATTENTION_DECODE(DT, KV, 96)       \
+    PAGED_ATTENTION_DECODE(DT, KV, 128)      \
+    PAGED_ATTENTION_DECODE(DT, KV, 256)
+PAGED_ATTENTION_DECODE_ALL_D(f32, float)
+
 // Merges the partitions of each (row, head): out = Σ acc_p e^(m_p − M) / Σ l_p e^(m_p − M).
 // grid = (T, H); a row uses the first ceil(n_keys / part_size) partitions.
 extern "C" __global__ void attention_reduce_f32(const float* part_acc, const float* part_ml, const u32* query_start,

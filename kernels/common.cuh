@@ -66,6 +66,30 @@ __device__ __forceinline__ u16 f32_to_bf16_bits(float f) {
     return (u16)(x >> 16);
 }
 
+// Eight 16-bit values (or four f32) from one 16-byte word; the pointer type picks the format.
+__device__ __forceinline__ void unpack16(uint4 raw, float* out, const bf16_t*) {
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        out[2 * q] = __uint_as_float(w[q] << 16);
+        out[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void unpack16(uint4 raw, float* out, const f16_t*) {
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        out[2 * q] = f16_bits_to_f32(w[q] & 0xffffu);
+        out[2 * q + 1] = f16_bits_to_f32(w[q] >> 16);
+    }
+}
+__device__ __forceinline__ void unpack16(uint4 raw, float* out, const float*) {
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+}
+
 // ---- reductions -----------------------------------------------------------------------------
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -849,6 +849,19 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         ("d=80", 16, 6, 2, 80, &[(40, 1), (0, 21)]),
         ("block size 1", 1, 2, 1, 8, &[(0, 7), (16, 1), (5, 3)]),
         ("block size 3", 3, 16, 2, 128, &[(8, 1), (0, 10)]),
+        // pure decode steps: the GPU backends' decode kernel (one per head size)
+        (
+            "decode d=128 rep 7",
+            32,
+            14,
+            2,
+            128,
+            &[(40, 1), (700, 1), (4, 1)],
+        ),
+        ("decode d=80", 16, 6, 2, 80, &[(90, 1), (0, 1), (33, 1)]),
+        ("decode d=256", 16, 8, 4, 256, &[(300, 1), (17, 1)]),
+        ("decode d=16", 4, 4, 2, 16, &[(23, 1), (7, 1), (64, 1)]),
+        ("decode d=32 rep 8", 8, 16, 2, 32, &[(1000, 1), (2, 1)]),
     ];
     // the same with a sliding window (long decodes split the context: whole partitions fall
     // before the window) and with soft-capped scores
@@ -888,6 +901,23 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             Some(5.0),
         ),
         (("window 1", 1, 2, 1, 8, &[(0, 7), (16, 1)]), Some(1), None),
+        (
+            (
+                "decode, window 40",
+                16,
+                32,
+                8,
+                64,
+                &[(3000, 1), (100, 1), (20, 1)],
+            ),
+            Some(40),
+            None,
+        ),
+        (
+            ("decode, softcap", 16, 8, 2, 64, &[(50, 1), (1000, 1)]),
+            None,
+            Some(1.5),
+        ),
         // a prefill of several query tiles whose later tiles start past the window
         (
             ("window 12, prefill", 16, 4, 2, 16, &[(0, 62), (5, 40)]),

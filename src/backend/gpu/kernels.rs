@@ -34,6 +34,10 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// Weight dtypes as they appear in kernel names.
 pub const WEIGHT_DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
 
+/// Head sizes with a `paged_attention_decode_<kv dtype>_d<D>` kernel (attention.cu); others
+/// decode through the general kernel.
+pub const DECODE_HEAD_DIMS: [usize; 7] = [16, 32, 64, 80, 96, 128, 256];
+
 /// Largest row count served by the `matvec_<dtype>_<M>` kernels.
 pub const MATVEC_MAX_ROWS: usize = 8;
 
@@ -66,6 +70,11 @@ pub fn kernel_names(stem: &str) -> Vec<String> {
     let mut names: Vec<String> = fixed.iter().map(|s| s.to_string()).collect();
     match stem {
         "elementwise" => names.extend(WEIGHT_DTYPES.iter().map(|d| format!("embedding_{d}"))),
+        "attention" => names.extend(
+            DECODE_HEAD_DIMS
+                .iter()
+                .map(|d| format!("paged_attention_decode_f32_d{d}")),
+        ),
         "matmul" => {
             for d in WEIGHT_DTYPES {
                 names.push(format!("gemm_{d}"));
@@ -261,6 +270,10 @@ mod tests {
                     ["matvec", d, m] => {
                         src.contains(&format!("MATVEC_ALL_M({d},"))
                             && src.contains(&format!("MATVEC(DT, W, {m})"))
+                    }
+                    ["paged", "attention", "decode", kv, d] => {
+                        src.contains(&format!("PAGED_ATTENTION_DECODE_ALL_D({kv},"))
+                            && src.contains(&format!("PAGED_ATTENTION_DECODE(DT, KV, {})", &d[1..]))
                     }
                     _ => false,
                 };

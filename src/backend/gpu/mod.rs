@@ -287,6 +287,10 @@ const ELEMWISE_THREADS: u32 = 256;
 const SHARED_LIMIT: usize = 48 * 1024;
 /// Threads of a paged-attention block (PA_THREADS in attention.cu).
 const PA_THREADS: u32 = 128;
+/// Threads of a decode-attention block (DEC_THREADS in attention.cu).
+const DEC_THREADS: usize = 128;
+/// Query heads per kv head that the decode kernel holds in registers (DEC_MAX_REP).
+const DEC_MAX_REP: usize = 8;
 
 /// How matmuls are computed (`PAGODA_GPU_GEMM`): vendor BLAS where there is one (default), or
 /// our kernels only (`kernel`), which is how HIP runs and lets CUDA check those kernels too.
@@ -553,6 +557,67 @@ pub fn plan_attention(
         part_size,
         num_splits,
         shared_bytes: attention_shared_bytes(q_tile, rep, head_dim, k_tile),
+    })
+}
+
+/// The shared memory (bytes) of a decode-attention block; see attention.cu.
+fn decode_shared_bytes(rep: usize, d: usize, part_size: usize) -> usize {
+    let groups = DEC_THREADS / (d / 4); // f32 K/V: 4 elements per 16-byte chunk
+    4 * (rep * part_size + groups * rep * d + 2 * rep)
+}
+
+/// Launch geometry of the decode kernel: the context of every sequence cut in partitions of
+/// `part_size` keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodePlan {
+    pub part_size: usize,
+    pub num_splits: usize,
+    pub shared_bytes: usize,
+}
+
+/// Keys a decode partition holds at least: fewer would make a block's fixed costs (loading q,
+/// the softmax, the write) outweigh its reads.
+const DECODE_MIN_PART: usize = 32;
+
+/// The decode kernel's plan for a step whose rows are all decode rows, or `None` where that
+/// kernel does not apply (a head size without an instance, more than `DEC_MAX_REP` query heads
+/// per kv head, a block size that is not a power of two): the general kernel takes those.
+///
+/// NOTE: the context is split until there are 8 blocks per multiprocessor (flash-decoding),
+/// down to partitions of `DECODE_MIN_PART` keys; a partition is at most what shared memory holds.
+pub fn plan_decode_attention(
+    num_seqs: usize,
+    max_seq_len: usize,
+    rep: usize,
+    head_dim: usize,
+    num_kv_heads: usize,
+    block_size: usize,
+    multiprocessors: usize,
+) -> Option<DecodePlan> {
+    if !kernels::DECODE_HEAD_DIMS.contains(&head_dim)
+        || rep == 0
+        || rep > DEC_MAX_REP
+        || !block_size.is_power_of_two()
+    {
+        return None;
+    }
+    let ctx = max_seq_len.max(1);
+    let fixed = decode_shared_bytes(rep, head_dim, 0);
+    let max_part =
+        (SHARED_LIMIT.checked_sub(fixed)? / (4 * rep)) / DECODE_MIN_PART * DECODE_MIN_PART;
+    if max_part < DECODE_MIN_PART {
+        return None;
+    }
+    let blocks = (num_seqs * num_kv_heads).max(1);
+    let want_splits = (8 * multiprocessors.max(1)).div_ceil(blocks);
+    let part_size = ctx
+        .div_ceil(want_splits)
+        .next_multiple_of(DECODE_MIN_PART)
+        .min(max_part);
+    Some(DecodePlan {
+        part_size,
+        num_splits: ctx.div_ceil(part_size),
+        shared_bytes: decode_shared_bytes(rep, head_dim, part_size),
     })
 }
 
@@ -1266,18 +1331,40 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             b.num_seqs() <= 65535,
             "paged_attention: more than 65535 sequences in one step"
         );
-        let plan = plan_attention(
-            b.num_seqs(),
-            max_q,
-            b.max_seq_len(),
-            h / hkv,
-            d,
-            hkv,
-            self.rt.multiprocessors() as usize,
-        )?;
-        let split = plan.num_splits > 1;
+        // Pure decode steps take the decode kernel where it has an instance; the rest
+        // (prefill chunks, mixed batches) the general one.
+        let decode = if max_q == 1 {
+            plan_decode_attention(
+                b.num_seqs(),
+                b.max_seq_len(),
+                h / hkv,
+                d,
+                hkv,
+                bs,
+                self.rt.multiprocessors() as usize,
+            )
+        } else {
+            None
+        };
+        let general = match decode {
+            Some(_) => None,
+            None => Some(plan_attention(
+                b.num_seqs(),
+                max_q,
+                b.max_seq_len(),
+                h / hkv,
+                d,
+                hkv,
+                self.rt.multiprocessors() as usize,
+            )?),
+        };
+        let (part_size, num_splits) = decode
+            .map(|p| (p.part_size, p.num_splits))
+            .or(general.map(|p| (p.part_size, p.num_splits)))
+            .context("paged_attention: no plan")?;
+        let split = num_splits > 1;
         let parts = if split {
-            let n = t_rows * h * plan.num_splits;
+            let n = t_rows * h * num_splits;
             Some((
                 self.alloc(n * d, Elem::F32, false)?,
                 self.alloc(n * 2, Elem::F32, false)?,
@@ -1288,28 +1375,45 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         let (pa, pm) = parts.as_ref().map_or((Arg::P(0), Arg::P(0)), |(a, m)| {
             (Arg::P(a.ptr()), Arg::P(m.ptr()))
         });
-        self.launch(
-            "paged_attention_f32",
-            [
-                u32_arg(plan.num_q_tiles, "query tiles")?.bits() as u32,
-                b.num_seqs() as u32,
-                u32_arg(hkv * plan.num_splits, "kv heads x splits")?.bits() as u32,
-            ],
-            [PA_THREADS, 1, 1],
-            plan.shared_bytes as u32,
-            &[
-                Arg::P(qkv.ptr()),
-                Arg::P(k_cache.ptr()),
-                Arg::P(v_cache.ptr()),
-                Arg::P(batch.query_start.ptr()),
-                Arg::P(batch.seq_lens.ptr()),
-                Arg::P(batch.block_tables.ptr()),
-                Arg::P(out.ptr()),
-                pa,
-                pm,
-                u32_arg(b.max_blocks, "max blocks")?,
-                u32_arg(h, "heads")?,
-                u32_arg(hkv, "kv heads")?,
+        let buffers = [
+            Arg::P(qkv.ptr()),
+            Arg::P(k_cache.ptr()),
+            Arg::P(v_cache.ptr()),
+            Arg::P(batch.query_start.ptr()),
+            Arg::P(batch.seq_lens.ptr()),
+            Arg::P(batch.block_tables.ptr()),
+            Arg::P(out.ptr()),
+            pa,
+            pm,
+            u32_arg(b.max_blocks, "max blocks")?,
+            u32_arg(h, "heads")?,
+            u32_arg(hkv, "kv heads")?,
+        ];
+        if let Some(p) = decode {
+            let mut args = buffers.to_vec();
+            args.extend([
+                Arg::U(bs.trailing_zeros()),
+                u32_arg(layout.row_len(), "row length")?,
+                Arg::F(opts.scale),
+                Arg::U(window),
+                Arg::F(softcap),
+                u32_arg(p.part_size, "partition")?,
+                u32_arg(p.num_splits, "splits")?,
+            ]);
+            self.launch(
+                &format!("paged_attention_decode_f32_d{d}"),
+                [
+                    b.num_seqs() as u32,
+                    hkv as u32,
+                    u32_arg(p.num_splits, "splits")?.bits() as u32,
+                ],
+                [DEC_THREADS as u32, 1, 1],
+                p.shared_bytes as u32,
+                &args,
+            )?;
+        } else if let Some(plan) = general {
+            let mut args = buffers.to_vec();
+            args.extend([
                 u32_arg(d, "head_dim")?,
                 u32_arg(bs, "block size")?,
                 u32_arg(layout.row_len(), "row length")?,
@@ -1320,8 +1424,19 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 u32_arg(plan.k_tile, "k tile")?,
                 u32_arg(plan.part_size, "partition")?,
                 u32_arg(plan.num_splits, "splits")?,
-            ],
-        )?;
+            ]);
+            self.launch(
+                "paged_attention_f32",
+                [
+                    u32_arg(plan.num_q_tiles, "query tiles")?.bits() as u32,
+                    b.num_seqs() as u32,
+                    u32_arg(hkv * plan.num_splits, "kv heads x splits")?.bits() as u32,
+                ],
+                [PA_THREADS, 1, 1],
+                plan.shared_bytes as u32,
+                &args,
+            )?;
+        }
         if split {
             let w = self.rt.warp_size() as usize;
             let threads = d.div_ceil(w).clamp(1, 128 / w.min(128)) * w;
@@ -1339,8 +1454,8 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                     u32_arg(b.num_seqs(), "sequences")?,
                     u32_arg(h, "heads")?,
                     u32_arg(d, "head_dim")?,
-                    u32_arg(plan.part_size, "partition")?,
-                    u32_arg(plan.num_splits, "splits")?,
+                    u32_arg(part_size, "partition")?,
+                    u32_arg(num_splits, "splits")?,
                 ],
             )?;
         }
@@ -1427,5 +1542,43 @@ mod tests {
             1
         );
         assert!(plan_attention(1, 1, 10, 64, 512, 1, 132).is_err());
+    }
+
+    #[test]
+    fn decode_plans_fit_fill_the_device_and_cover_the_context() {
+        for &(seqs, ctx, rep, d, hkv) in &[
+            (1, 1, 4, 64, 8),
+            (1, 4096, 4, 64, 8),
+            (1, 131072, 8, 256, 1),
+            (256, 700, 4, 64, 8),
+            (32, 2000, 7, 128, 2),
+            (3, 90, 3, 80, 2),
+        ] {
+            let p = plan_decode_attention(seqs, ctx, rep, d, hkv, 16, 132).unwrap();
+            assert!(p.shared_bytes <= SHARED_LIMIT, "{p:?}");
+            assert_eq!(p.part_size % DECODE_MIN_PART, 0);
+            assert!(p.num_splits * p.part_size >= ctx, "{p:?}");
+            assert!((p.num_splits - 1) * p.part_size < ctx, "{p:?}");
+            // about 8 blocks per multiprocessor (partitions rounded up to whole minimums),
+            // unless partitions would fall below the minimum
+            let blocks = seqs * hkv * p.num_splits;
+            assert!(
+                blocks * (p.part_size + DECODE_MIN_PART) >= 8 * 132 * p.part_size
+                    || p.part_size == DECODE_MIN_PART,
+                "{p:?}: {blocks} blocks"
+            );
+        }
+        // one sequence of 4096 keys over 8 kv heads: split, partitions of the minimum size
+        let p = plan_decode_attention(1, 4096, 4, 64, 8, 16, 132).unwrap();
+        assert_eq!((p.part_size, p.num_splits), (32, 128));
+        // a full batch is not split
+        assert_eq!(
+            plan_decode_attention(256, 700, 4, 64, 8, 16, 132).map(|p| p.num_splits),
+            Some(1)
+        );
+        // no instance for the head size, too many query heads, a block size not a power of two
+        assert!(plan_decode_attention(1, 10, 4, 48, 8, 16, 132).is_none());
+        assert!(plan_decode_attention(1, 10, 9, 64, 1, 16, 132).is_none());
+        assert!(plan_decode_attention(1, 10, 4, 64, 8, 12, 132).is_none());
     }
 }
