@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The whole CUDA check on a GPU machine, in one run: kernels against the CPU backend, greedy
-# tokens and log-probabilities against transformers on the same random weights, and the
-# benchmark of issue 6 (decode of one sequence against the memory roofline; throughput with 64
-# and 256 concurrent requests beside transformers' generate). Prints a short table last.
-# Budget: about 5 minutes of commands on an H200 (plus the machine's start).
+# The whole CUDA check on a GPU machine, in one run, most valuable steps first: kernels against
+# the CPU backend; greedy tokens and log-probabilities against transformers on the same random
+# weights; decode of one sequence against the memory roofline, with the time of every kernel in
+# a decode and a prefill step; throughput with 64 and 256 requests (fixed lengths and a
+# ShareGPT-like mix) beside transformers' generate on the very same lengths. Prints a table
+# last. A global deadline clamps every step, and whatever fails (or runs out of time) the
+# summary and the tarball of logs are written (a trap on exit).
 #
 # The GPU machine has no Rust toolchain and no network: the binary is built here.
 #
@@ -16,14 +18,15 @@
 #      scripts/fetch-models.sh — which gpu_check.py pads to each model's vocabulary.) The call
 #      sends the checkout the session started in: build and copy there.
 #   2. One call of the device tool, carrying .gpu:
-#        run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=540)
+#        run(command="BUDGET=520 bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=560)
 #   3. The table is the end of the output; $OUT/summary.txt, $OUT/log.txt (every step's output)
-#      and $OUT/results.tgz (check-backend tables, JSON lines, compare.json, bench JSON) come
-#      back. Record the numbers in docs/benchmarks.md with this command.
+#      and $OUT/results.tgz (check-backend tables, op profiles, JSON lines, compare.json, bench
+#      JSON) come back. Record the numbers in docs/benchmarks.md with this command.
 #
-# Environment knobs: SKIP_BENCH=1 (correctness only), BATCHES="64 256", PROMPT_LEN=512,
-# GEN_LEN=256, DECODE_LEN=256; for a dry run of the script without a GPU: BACKEND=cpu,
-# SKIP_MODELS=1 (models already in $WORK), BENCH_MODEL=$WORK/tiny.
+# Environment knobs: BUDGET (seconds for the whole run, default 520), SKIP_BENCH=1 (correctness
+# only), BATCHES="64 256", PROMPT_LEN=512, GEN_LEN=256, DECODE_LEN=256; for a dry run without a
+# GPU: BACKEND=emu (the kernels on the CPU; `cpu` works too), SKIP_MODELS=1 (models already in
+# $WORK), BENCH_MODEL=$WORK/tiny, MAX_MODEL_LEN, SKIP_HF=1 (no torch here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check-out}
@@ -57,18 +60,36 @@ EOF
 export LD_LIBRARY_PATH="${NV_LIBS}:/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}"
 
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
-# step NAME TIMEOUT CMD...: runs CMD with a time limit, output appended to the log.
+BUDGET=${BUDGET:-520}
+RESERVE=20 # seconds kept for the summary and the tarball
+T_END=$(($(date +%s) + BUDGET))
+STEPS="$RES/steps.txt"
+: >"$STEPS"
+# step NAME TIMEOUT CMD...: runs CMD with a time limit (clamped to what the deadline leaves),
+# output appended to the log; one line per step in steps.txt (rc 124: timed out or skipped).
 step() {
     local name=$1 limit=$2
     shift 2
+    local left=$((T_END - RESERVE - $(date +%s)))
+    if [ "$left" -lt 5 ]; then
+        printf '%-26s skipped: the deadline is reached\n' "$name" | tee -a "$LOG" "$STEPS"
+        return 124
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     local t0
     t0=$(now_ms)
-    echo "=== $name: $*" >>"$LOG"
-    timeout "$limit" "$@" >>"$LOG" 2>&1
+    echo "=== $name (limit ${limit} s): $*" >>"$LOG"
+    timeout -k 5 "$limit" "$@" >>"$LOG" 2>&1
     local rc=$?
-    printf '%-26s rc=%-3s %6.1f s\n' "$name" "$rc" "$(echo "$(($(now_ms) - t0))" | awk '{print $1/1000}')" | tee -a "$LOG"
+    printf '%-26s rc=%-3s %6.1f s\n' "$name" "$rc" "$(echo "$(($(now_ms) - t0))" | awk '{print $1/1000}')" | tee -a "$LOG" "$STEPS"
     return $rc
 }
+finish() {
+    tar czf "$OUT/results.tgz" -C "$WORK" res 2>>"$LOG"
+    $PY summary "$RES" 2>&1 | tee "$OUT/summary.txt"
+}
+trap finish EXIT
+trap 'exit 143' TERM INT
 
 echo "== gpu-check $(date -u +%FT%TZ)" | tee -a "$LOG"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$LOG"
@@ -80,14 +101,25 @@ if ! "$BIN" --version >>"$LOG" 2>&1; then
     exit 1
 fi
 
-[ "${SKIP_MODELS:-0}" = 1 ] || step make-models 300 $PY make-models "$WORK" "$TOK"
-
 # 1. every op against the CPU backend: with cuBLAS, then with our own GEMM kernels only (the
-#    HIP backend's path)
-step check-backend 240 sh -c "'$BIN' check-backend --backend $BACKEND > '$RES/check-backend.txt' 2>&1"
+#    HIP backend's path). On a failure: again with synchronous launches (the error then names
+#    the kernel that faulted), and under compute-sanitizer where the machine has it.
+cb_failed=0
+step check-backend 240 sh -c "'$BIN' check-backend --backend $BACKEND > '$RES/check-backend.txt' 2>&1" || cb_failed=1
 cat "$RES/check-backend.txt" >>"$LOG"
-step check-backend-kernels 180 sh -c "PAGODA_GPU_GEMM=kernel '$BIN' check-backend --backend $BACKEND --seed 1 > '$RES/check-backend-kernels.txt' 2>&1"
+step check-backend-kernels 180 sh -c "PAGODA_GPU_GEMM=kernel '$BIN' check-backend --backend $BACKEND --seed 1 > '$RES/check-backend-kernels.txt' 2>&1" || cb_failed=1
 cat "$RES/check-backend-kernels.txt" >>"$LOG"
+if [ "$cb_failed" = 1 ]; then
+    step check-backend-blocking 180 sh -c "CUDA_LAUNCH_BLOCKING=1 '$BIN' check-backend --backend $BACKEND > '$RES/check-backend-blocking.txt' 2>&1"
+    cat "$RES/check-backend-blocking.txt" >>"$LOG"
+    SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+    if [ -n "$SAN" ]; then
+        step compute-sanitizer 180 sh -c "'$SAN' --tool memcheck --print-limit 20 '$BIN' check-backend --backend $BACKEND > '$RES/compute-sanitizer.txt' 2>&1"
+        tail -60 "$RES/compute-sanitizer.txt" >>"$LOG"
+    fi
+fi
+
+[ "${SKIP_MODELS:-0}" = 1 ] || step make-models 300 $PY make-models "$WORK" "$TOK"
 
 # 2. greedy tokens and log-probabilities on the tiny model (one batch of prompts of mixed
 #    lengths; chunked prefill in one run; the device-argmax path when no logprobs are asked)
@@ -104,19 +136,27 @@ step tiny-cuda-f32-chunked 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dty
 step tiny-cuda-f32-greedy 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype f32 > '$RES/tiny-cuda-f32-greedy.jsonl'"
 step tiny-cpu-f32 120 sh -c "'$BIN' ${TINY[*]} --backend cpu --dtype f32 --logprobs 5 > '$RES/tiny-cpu-f32.jsonl'"
 step tiny-cuda-bf16 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype bf16 --logprobs 5 > '$RES/tiny-cuda-bf16.jsonl'"
-step compare 240 $PY compare "$WORK" "$RES"
+[ "${SKIP_HF:-0}" = 1 ] || step compare 240 $PY compare "$WORK" "$RES"
 
 # 3. benchmark on the Llama-3.2-1B-shaped model, bf16, with `pagoda bench`
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-    M=(--model "${BENCH_MODEL:-$WORK/llama-1b}" --backend "$BACKEND" --dtype bf16 --max-model-len 1024)
+    M=(--model "${BENCH_MODEL:-$WORK/llama-1b}" --backend "$BACKEND" --dtype bf16 --max-model-len "${MAX_MODEL_LEN:-1024}")
     # decode of one sequence: time per output token after the first (128-token prompt)
     step bench-latency 240 "$BIN" bench latency "${M[@]}" --batch-size 1 --input-len 128 \
         --output-len "$DECODE_LEN" --num-iters 3 --output-json "$RES/bench-latency.json"
-    # throughput: all requests at once
+    # the time of every kernel in prefill (one prompt of PROMPT_LEN tokens) and in decode steps
+    step ops-prefill 120 sh -c "PAGODA_PROFILE_OPS=1 '$BIN' bench latency ${M[*]} --batch-size 1 --input-len $PROMPT_LEN --output-len 1 --num-iters 1 --num-iters-warmup 1 > '$RES/ops-prefill.txt' 2>&1"
+    step ops-decode 120 sh -c "PAGODA_PROFILE_OPS=1 '$BIN' bench latency ${M[*]} --batch-size 1 --input-len 16 --output-len 64 --num-iters 1 --num-iters-warmup 1 > '$RES/ops-decode.txt' 2>&1"
+    # throughput: all requests at once, fixed lengths and a ShareGPT-like mix (medians half
+    # the fixed lengths, long tails); the drawn lengths go to transformers too
     for b in $BATCHES; do
         step "bench-throughput-$b" 300 "$BIN" bench throughput "${M[@]}" --max-num-seqs "$b" \
             --workload fixed --num-prompts "$b" --input-len "$PROMPT_LEN" --output-len "$GEN_LEN" \
             --output-json "$RES/bench-throughput-$b.json"
+        step "bench-sharegpt-$b" 300 "$BIN" bench throughput "${M[@]}" --max-num-seqs "$b" \
+            --workload sharegpt --num-prompts "$b" --input-len "$((PROMPT_LEN / 2))" \
+            --output-len "$((GEN_LEN / 2))" --max-input-len "$((PROMPT_LEN * 7 / 4))" \
+            --max-output-len "$((GEN_LEN * 2))" --output-json "$RES/bench-sharegpt-$b.json"
     done
     python3 - "$RES" "$DECODE_LEN" <<'EOF' >>"$LOG" 2>&1
 import json, os, sys
@@ -134,17 +174,19 @@ try:
                      "kv_bytes": kv, "tpot_ms": r["tpot_ms"], "ttft_ms": r["ttft_ms"]}
 except Exception as e:
     out["decode"] = {"error": repr(e)}
-for b in os.environ.get("BATCHES", "64 256").split():
-    try:
-        r = json.load(open(os.path.join(res, f"bench-throughput-{b}.json")))["results"][0]
-        out["throughput"][b] = {"tok_per_s": r["output_tokens_per_s"], "seconds": r["duration_s"],
-                                "tokens": r["output_tokens"], "step_time_ms": r.get("step_time_ms")}
-    except Exception as e:
-        out["throughput"][b] = {"error": repr(e)}
+for kind in ("throughput", "sharegpt"):
+    out.setdefault(kind, {})
+    for b in os.environ.get("BATCHES", "64 256").split():
+        try:
+            r = json.load(open(os.path.join(res, f"bench-{kind}-{b}.json")))["results"][0]
+            out[kind][b] = {"tok_per_s": r["output_tokens_per_s"], "seconds": r["duration_s"],
+                            "tokens": r["output_tokens"], "step_time_ms": r.get("step_time_ms")}
+        except Exception as e:
+            out[kind][b] = {"error": repr(e)}
 json.dump(out, open(os.path.join(res, "pagoda-bench.json"), "w"), indent=1)
 print(json.dumps(out, indent=1))
 EOF
-    step hf-bench 300 $PY hf-bench "$WORK" "$RES"
+    [ "${SKIP_HF:-0}" = 1 ] || step hf-bench 300 $PY hf-bench "$WORK" "$RES"
 fi
 
 # 4. the compiler's resource report of every kernel for this GPU (registers, spills), when
@@ -155,5 +197,3 @@ if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
     step ptxas 120 sh -c "for f in kernels/*.cu; do '$NVCC' -arch=sm_${ARCH:-90} -cubin -o /dev/null -Xptxas -v \$f; done > '$RES/ptxas.txt' 2>&1"
 fi
 
-tar czf "$OUT/results.tgz" -C "$WORK" res 2>>"$LOG"
-$PY summary "$RES" 2>&1 | tee "$OUT/summary.txt"

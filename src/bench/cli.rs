@@ -478,8 +478,11 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
         .into_iter()
         .map(|(b, x)| (b, json!(x)))
         .collect();
+    // NOTE: the drawn lengths, so that another engine can be run on the very same requests
+    // (scripts/gpu_check.py gives them to transformers' generate).
     let extra = json!({
         "workload": workload,
+        "request_lens": reqs.iter().map(|r| [r.prompt_len, r.output_len]).collect::<Vec<_>>(),
         "engine": engine_cfg,
         "continuous_over_static": ratios,
     });

@@ -305,6 +305,52 @@ pub struct GpuBackend<R: GpuRuntime> {
     pool: Arc<Pool<R>>,
     funcs: HashMap<String, R::Function>,
     gemm_path: GemmPath,
+    profile: Option<OpProfile>,
+}
+
+/// Time per kernel (`PAGODA_PROFILE_OPS=1`): the device is synchronised before and after each
+/// launch and the host clock read between, so each figure is the kernel's time plus one launch
+/// latency (a few microseconds; the steps run slower while profiling). Printed to stderr,
+/// largest first, when the backend is dropped.
+#[derive(Default)]
+struct OpProfile {
+    ops: Mutex<HashMap<String, (u64, f64)>>,
+}
+
+impl OpProfile {
+    fn table(&self) -> String {
+        let ops = self.ops.lock().unwrap();
+        let total: f64 = ops.values().map(|v| v.1).sum();
+        let mut rows: Vec<_> = ops.iter().collect();
+        rows.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
+        let mut out = format!(
+            "op profile (synchronised per launch): {:.3} ms in {} launches\n{:<40} {:>8} {:>11} {:>10} {:>6}\n",
+            total * 1e3,
+            ops.values().map(|v| v.0).sum::<u64>(),
+            "kernel",
+            "calls",
+            "total ms",
+            "mean us",
+            "share"
+        );
+        for (name, &(n, secs)) in rows {
+            out.push_str(&format!(
+                "{name:<40} {n:>8} {:>11.3} {:>10.1} {:>5.1}%\n",
+                secs * 1e3,
+                secs * 1e6 / n as f64,
+                100.0 * secs / total.max(f64::MIN_POSITIVE)
+            ));
+        }
+        out
+    }
+}
+
+impl<R: GpuRuntime> Drop for GpuBackend<R> {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            eprint!("{}", p.table());
+        }
+    }
 }
 
 impl<R: GpuRuntime> GpuBackend<R> {
@@ -366,6 +412,9 @@ impl<R: GpuRuntime> GpuBackend<R> {
             Ok("kernel") => GemmPath::Kernel,
             _ => GemmPath::Auto,
         };
+        let profile = std::env::var("PAGODA_PROFILE_OPS")
+            .is_ok_and(|v| !v.is_empty() && v != "0")
+            .then(OpProfile::default);
         Ok(GpuBackend {
             pool: Arc::new(Pool {
                 rt: rt.clone(),
@@ -374,6 +423,7 @@ impl<R: GpuRuntime> GpuBackend<R> {
             rt,
             funcs,
             gemm_path,
+            profile,
         })
     }
 
@@ -452,10 +502,29 @@ impl<R: GpuRuntime> GpuBackend<R> {
             .iter_mut()
             .map(|v| v as *mut u64 as *mut c_void)
             .collect();
-        // SAFETY: every op below passes the arguments of the kernel it names, in order, with
-        // buffer sizes checked beforehand.
-        unsafe { self.rt.launch(f, grid, block, shared, &mut ptrs) }
-            .with_context(|| format!("{}: launching {name}", R::API))
+        self.timed(name, || {
+            // SAFETY: every op below passes the arguments of the kernel it names, in order,
+            // with buffer sizes checked beforehand.
+            unsafe { self.rt.launch(f, grid, block, shared, &mut ptrs) }
+                .with_context(|| format!("{}: launching {name}", R::API))
+        })
+    }
+
+    /// Runs `f`, timed under `name` when profiling (see [`OpProfile`]).
+    fn timed(&self, name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        let Some(p) = &self.profile else {
+            return f();
+        };
+        self.rt.synchronize()?;
+        let t0 = std::time::Instant::now();
+        f()?;
+        self.rt.synchronize()?;
+        let secs = t0.elapsed().as_secs_f64();
+        let mut ops = p.ops.lock().unwrap();
+        let e = ops.entry(name.to_string()).or_default();
+        e.0 += 1;
+        e.1 += secs;
+        Ok(())
     }
 
     /// Blocks for a grid-stride loop over `n` elements.
@@ -899,8 +968,10 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 }
             };
             let xp = xb.as_ref().map_or(x.ptr(), |b| b.ptr());
-            // SAFETY: sizes checked above; xb holds m*k elements of w's type.
-            unsafe { self.rt.gemm(w.elem, m, n, k, xp, w.ptr(), out.ptr())? };
+            self.timed("gemm (vendor BLAS)", || {
+                // SAFETY: sizes checked above; xb holds m*k elements of w's type.
+                unsafe { self.rt.gemm(w.elem, m, n, k, xp, w.ptr(), out.ptr()) }
+            })?;
             if let Some(b) = bias {
                 self.elementwise(
                     "add_bias_f32",
