@@ -27,12 +27,35 @@
 
 #define PA_THREADS 128
 
-extern "C" __global__ void __launch_bounds__(PA_THREADS)
-    paged_attention_f32(const float* qkv, const float* k_cache, const float* v_cache, const u32* query_start,
-                        const u32* seq_lens, const u32* block_tables, float* out, float* part_acc, float* part_ml,
-                        u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 block_size, u32 row_len,
-                        float scale, u32 window, float softcap, u32 q_tile, u32 k_tile, u32 part_size,
-                        u32 num_splits) {
+// Keys kt0 .. kt0 + nk of kv head g into kv_s[key][D + 1], 16 bytes a load, as f32.
+template <typename KV>
+__device__ __forceinline__ void load_kv_tile(const KV* __restrict__ cache, const u32* __restrict__ table, float* kv_s,
+                                             u32 kt0, u32 nk, u32 D, u32 g, u32 num_kv_heads, u32 block_size) {
+    constexpr u32 EPL = 16 / sizeof(KV);
+    const u32 cpr = D / EPL;  // chunks per row
+    for (u32 e = threadIdx.x; e < nk * cpr; e += blockDim.x) {
+        const u32 jj = e / cpr, c = e % cpr, key = kt0 + jj;
+        const u64 blk = table[key / block_size];
+        float v[EPL];
+        unpack16(__ldg(reinterpret_cast<const uint4*>(cache + ((blk * num_kv_heads + g) * block_size + key % block_size) * D +
+                                                        c * EPL)),
+                 v, (const KV*)0);
+#pragma unroll
+        for (u32 x = 0; x < EPL; ++x) kv_s[jj * (D + 1) + c * EPL + x] = v[x];
+    }
+}
+
+template <typename KV>
+__device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, const KV* __restrict__ k_cache,
+                                                const KV* __restrict__ v_cache, const u32* __restrict__ query_start,
+                                                const u32* __restrict__ seq_lens, const u32* __restrict__ block_tables,
+                                                float* __restrict__ out, float* __restrict__ part_acc,
+                                                float* __restrict__ part_ml, u32 max_blocks, u32 num_heads,
+                                                u32 num_kv_heads, u32 head_dim, u32 block_size, u32 row_len,
+                                                float scale, u32 window, float softcap, u32 q_tile, u32 k_tile,
+                                                u32 part_size, u32 num_splits) {
+    // NOTE: K and V rows are read in 16-byte chunks (load_kv_tile), q rows in chunks of 4
+    // floats: the host checks that head_dim is a multiple of 8.
     PG_DYNAMIC_SHARED(float, smem);
     const u32 s = blockIdx.y;
     const u32 q0 = query_start[s], nq = query_start[s + 1] - q0;
@@ -64,11 +87,17 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
     const u32 nwarps = blockDim.x / PG_WARP_SIZE;
 
     // local row lr = r * rep + j  ↔  query row q0 + tile0 + r, query head g * rep + j
-    for (u32 e = threadIdx.x; e < nr * D; e += blockDim.x) {
-        const u32 lr = e / D, i = e % D, r = lr / rep, j = lr % rep;
-        q_s[e] = qkv[(u64)(q0 + tile0 + r) * row_len + (u64)(g * rep + j) * D + i];
-        acc_s[e] = 0.0f;
+    for (u32 e = threadIdx.x; e < nr * D / 4; e += blockDim.x) {
+        const u32 lr = e / (D / 4), i = e % (D / 4) * 4, r = lr / rep, j = lr % rep;
+        const float4 v =
+            __ldg(reinterpret_cast<const float4*>(qkv + (u64)(q0 + tile0 + r) * row_len + (u64)(g * rep + j) * D + i));
+        float* q = q_s + lr * D + i;
+        q[0] = v.x;
+        q[1] = v.y;
+        q[2] = v.z;
+        q[3] = v.w;
     }
+    for (u32 e = threadIdx.x; e < nr * D; e += blockDim.x) acc_s[e] = 0.0f;
     for (u32 lr = threadIdx.x; lr < nr; lr += blockDim.x) {
         m_s[lr] = PG_NEG_INF;
         l_s[lr] = 0.0f;
@@ -83,11 +112,7 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
     const u32 k_first = (window > 0 && base_keys > window) ? base_keys - window : 0;
     for (u32 kt0 = max(k_begin, k_first); kt0 < k_end; kt0 += KT) {
         const u32 nk = min(KT, k_end - kt0);
-        for (u32 e = threadIdx.x; e < nk * D; e += blockDim.x) {
-            const u32 jj = e / D, i = e % D, key = kt0 + jj;
-            const u64 blk = table[key / block_size];
-            kv_s[jj * (D + 1) + i] = k_cache[((blk * num_kv_heads + g) * block_size + key % block_size) * D + i];
-        }
+        load_kv_tile(k_cache, table, kv_s, kt0, nk, D, g, num_kv_heads, block_size);
         __syncthreads();
         // scores (masked keys: -inf)
         for (u32 e = threadIdx.x; e < nr * KT; e += blockDim.x) {
@@ -106,11 +131,7 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
         }
         __syncthreads();
         // V tile into kv_s, and the online softmax update of each row, side by side
-        for (u32 e = threadIdx.x; e < nk * D; e += blockDim.x) {
-            const u32 jj = e / D, i = e % D, key = kt0 + jj;
-            const u64 blk = table[key / block_size];
-            kv_s[jj * (D + 1) + i] = v_cache[((blk * num_kv_heads + g) * block_size + key % block_size) * D + i];
-        }
+        load_kv_tile(v_cache, table, kv_s, kt0, nk, D, g, num_kv_heads, block_size);
         for (u32 lr = warp; lr < nr; lr += nwarps) {
             float mx = PG_NEG_INF;
             for (u32 jj = lane; jj < KT; jj += PG_WARP_SIZE) mx = fmaxf(mx, p_s[lr * KT + jj]);
@@ -158,6 +179,18 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
         }
     }
 }
+
+#define PAGED_ATTENTION(DT, KV)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_##DT(                              \
+        const float* qkv, const KV* k_cache, const KV* v_cache, const u32* query_start, const u32* seq_lens,    \
+        const u32* block_tables, float* out, float* part_acc, float* part_ml, u32 max_blocks, u32 num_heads,   \
+        u32 num_kv_heads, u32 head_dim, u32 block_size, u32 row_len, float scale, u32 window, float softcap,   \
+        u32 q_tile, u32 k_tile, u32 part_size, u32 num_splits) {                                                \
+        paged_attention<KV>(qkv, k_cache, v_cache, query_start, seq_lens, block_tables, out, part_acc, part_ml,  \
+                            max_blocks, num_heads, num_kv_heads, head_dim, block_size, row_len, scale, window,    \
+                            softcap, q_tile, k_tile, part_size, num_splits);                                      \
+    }
+PAGED_ATTENTION(f32, float)
 
 // ---- decode: one query row per sequence ------------------------------------------------------
 //

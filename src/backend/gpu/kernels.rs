@@ -271,6 +271,7 @@ mod tests {
                         src.contains(&format!("MATVEC_ALL_M({d},"))
                             && src.contains(&format!("MATVEC(DT, W, {m})"))
                     }
+                    ["paged", "attention", kv] => src.contains(&format!("PAGED_ATTENTION({kv},")),
                     ["paged", "attention", "decode", kv, d] => {
                         src.contains(&format!("PAGED_ATTENTION_DECODE_ALL_D({kv},"))
                             && src.contains(&format!("PAGED_ATTENTION_DECODE(DT, KV, {})", &d[1..]))

@@ -1360,6 +1360,11 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             hkv > 0 && h % hkv == 0,
             "paged_attention: {h} heads over {hkv} kv heads"
         );
+        // NOTE: K, V and q rows are read in 16-byte chunks.
+        ensure!(
+            d % 8 == 0,
+            "paged_attention: head size {d} is not a multiple of 8"
+        );
         let t_rows = b.num_tokens();
         ensure!(
             out.len >= t_rows * h * d && qkv.len >= t_rows * layout.row_len(),
