@@ -1,7 +1,9 @@
-// Paged attention over block tables, for every kind of query row at once: decode rows (one
-// new token), prefill chunks (many rows, causal inside the chunk, after a cached prefix) and
-// mixed batches of both. Grouped-query: the `rep = H / Hkv` query heads of one kv head share
-// each K/V tile that a block loads.
+// Paged attention over block tables, `paged_attention_prefill_<kv>`: prefill chunks (many
+// rows, causal inside the chunk, after a cached prefix) and mixed steps (prefill chunks and
+// decode rows together); a step of decode rows only goes to paged_attention_decode_<kv>_d<D>
+// below where it has an instance. Grouped-query: the `rep = H / Hkv` query heads of one kv
+// head share each K/V tile that a block loads. <kv> is the cache's type (f32, bf16, f16),
+// widened to f32 as it is loaded.
 //
 // One block = (a tile of up to q_tile consecutive query rows of one sequence) × (one kv head)
 // × (one partition of the context). The block walks its partition in tiles of k_tile keys
@@ -181,7 +183,7 @@ __device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, c
 }
 
 #define PAGED_ATTENTION(DT, KV)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_##DT(                              \
+    extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_prefill_##DT(                      \
         const float* qkv, const KV* k_cache, const KV* v_cache, const u32* query_start, const u32* seq_lens,    \
         const u32* block_tables, float* out, float* part_acc, float* part_ml, u32 max_blocks, u32 num_heads,   \
         u32 num_kv_heads, u32 head_dim, u32 block_size, u32 row_len, float scale, u32 window, float softcap,   \
@@ -191,6 +193,8 @@ __device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, c
                             softcap, q_tile, k_tile, part_size, num_splits);                                      \
     }
 PAGED_ATTENTION(f32, float)
+PAGED_ATTENTION(bf16, bf16_t)
+PAGED_ATTENTION(f16, f16_t)
 
 // ---- decode: one query row per sequence ------------------------------------------------------
 //
@@ -305,9 +309,10 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
             }
 #pragma unroll
             for (int j = 0; j < DEC_MAX_REP; ++j) {
-                if (j >= rep) break;  // rep is the same in the whole block
+                if (j < rep) {  // rep is the same in the whole block
 #pragma unroll
-                for (int m = TPK / 2; m > 0; m >>= 1) dot[j] += PG_SHFL_XOR(dot[j], m);
+                    for (int m = TPK / 2; m > 0; m >>= 1) dot[j] += PG_SHFL_XOR(dot[j], m);
+                }
             }
             if (valid && sub == 0) {
 #pragma unroll
@@ -390,7 +395,7 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
 }
 
 #define PAGED_ATTENTION_DECODE(DT, KV, D)                                                                        \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) paged_attention_decode_##DT##_d##D(              \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) paged_attention_decode_##DT##_d##D( \
         const float* qkv, const KV* k_cache, const KV* v_cache, const u32* query_start, const u32* seq_lens,    \
         const u32* block_tables, float* out, float* part_acc, float* part_ml, u32 max_blocks, u32 num_heads,   \
         u32 num_kv_heads, u32 block_shift, u32 row_len, float scale, u32 window, float softcap, u32 part_size, \
@@ -409,6 +414,8 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
     PAGED_ATTENTION_DECODE(DT, KV, 128)      \
     PAGED_ATTENTION_DECODE(DT, KV, 256)
 PAGED_ATTENTION_DECODE_ALL_D(f32, float)
+PAGED_ATTENTION_DECODE_ALL_D(bf16, bf16_t)
+PAGED_ATTENTION_DECODE_ALL_D(f16, f16_t)
 
 // Merges the partitions of each (row, head): out = Σ acc_p e^(m_p − M) / Σ l_p e^(m_p − M).
 // grid = (T, H); a row uses the first ceil(n_keys / part_size) partitions.

@@ -3,6 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use pagoda::engine::KvBudget;
+use pagoda::models::KvCacheDtype;
 use pagoda::sampling::{SamplingDefaults, StructuredOutput};
 use pagoda::sched::{PreemptionMode, SchedulingPolicy};
 use pagoda::{BackendKind, ChatMessage, EngineArgs, LLM, SamplingParams, WeightDtype};
@@ -117,6 +118,11 @@ struct ModelArgs {
     /// reference outputs exactly).
     #[arg(long, default_value = "auto")]
     dtype: WeightDtype,
+    /// KV cache element type: auto (the weights' type where the backend stores it: bf16 or
+    /// f16 weights keep a bf16 or f16 cache on CUDA/HIP; f32 otherwise), f32, bf16 or f16.
+    /// The CPU and wgpu backends store f32 only.
+    #[arg(long, default_value = "auto")]
+    kv_cache_dtype: KvCacheDtype,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -194,6 +200,7 @@ impl ModelArgs {
             model: self.model.clone(),
             backend: self.backend.first().copied().unwrap_or(BackendKind::Cpu),
             dtype: self.dtype,
+            kv_cache_dtype: self.kv_cache_dtype,
             block_size: self.block_size,
             kv_budget,
             max_num_batched_tokens: self.max_num_batched_tokens,

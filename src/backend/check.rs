@@ -493,10 +493,10 @@ fn reference(case: &Case) -> Vec<f64> {
             read,
         } => {
             let bl = kv.block_len();
-            let mut c = f(cache);
+            let mut c = rounded(kv.dtype, cache);
             for (&b, d) in write.iter().zip(data.chunks_exact(bl)) {
                 let at = b as usize * bl;
-                c[at..at + bl].copy_from_slice(&f(d));
+                c[at..at + bl].copy_from_slice(&rounded(kv.dtype, d));
             }
             let mut out: Vec<f64> = read
                 .iter()
@@ -526,6 +526,8 @@ fn attention_reference(
         layout.head_dim,
         layout.row_len(),
     );
+    // K and V as the cache stores them (rounded to its type); q stays f32.
+    let stored = |x: f32| rounded(kv.dtype, &[x])[0];
     let mut out = Vec::new();
     let mut prefix_at = 0;
     for s in 0..batch.num_seqs() {
@@ -550,7 +552,7 @@ fn attention_reference(
                         let sc = q
                             .iter()
                             .zip(k)
-                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .map(|(a, b)| *a as f64 * stored(*b))
                             .sum::<f64>()
                             * opts.scale as f64;
                         match opts.logit_softcap {
@@ -564,7 +566,7 @@ fn attention_reference(
                 let z: f64 = e.iter().sum();
                 for i in 0..d {
                     let vo = layout.q_len() + layout.kv_len() + g * d + i;
-                    out.push((lo..=p).map(|j| e[j - lo] / z * rows[j][vo] as f64).sum());
+                    out.push((lo..=p).map(|j| e[j - lo] / z * stored(rows[j][vo])).sum());
                 }
             }
         }
@@ -579,7 +581,7 @@ fn attention_reference(
         for g in 0..hkv {
             for i in 0..d {
                 cache[((blk * hkv + g) * kv.block_size + off) * d + i] =
-                    row[layout.q_len() + g * d + i] as f64;
+                    stored(row[layout.q_len() + g * d + i]);
             }
         }
     }
@@ -595,6 +597,7 @@ fn attention_case(
     block_size: usize,
     seqs: &[(usize, usize)],
     opts: AttentionOptions,
+    kv_dtype: DType,
 ) -> Case {
     let blocks_needed: usize = seqs.iter().map(|(c, n)| (c + n).div_ceil(block_size)).sum();
     let num_blocks = blocks_needed + 5;
@@ -603,6 +606,7 @@ fn attention_case(
         block_size,
         num_kv_heads: layout.num_kv_heads,
         head_dim: layout.head_dim,
+        dtype: kv_dtype,
     };
     let mut perm: Vec<u32> = (1..num_blocks as u32).collect();
     for i in (1..perm.len()).rev() {
@@ -948,7 +952,71 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             "write_kv+attention".into(),
             format!("{name}: bs={bs} h={h} hkv={hkv} d={d}"),
             1e-5,
-            attention_case(&mut r, layout, bs, seqs, opts),
+            attention_case(&mut r, layout, bs, seqs, opts, DType::F32),
+        ));
+    }
+    // the same kernels over bf16 and f16 caches (the GPU backends' `--kv-cache-dtype`); the
+    // reference reads K and V rounded to the cache's type, so the tolerance stays f32's
+    let half: &[(AttnCase, Option<usize>, DType)] = &[
+        (
+            ("mixed gqa", 16, 32, 8, 64, &[(0, 40), (20, 1), (7, 9)]),
+            None,
+            DType::BF16,
+        ),
+        (
+            ("long prefill", 16, 14, 2, 64, &[(0, 150), (300, 32)]),
+            None,
+            DType::BF16,
+        ),
+        (
+            (
+                "decode d=128 rep 7",
+                32,
+                14,
+                2,
+                128,
+                &[(40, 1), (700, 1), (4, 1)],
+            ),
+            None,
+            DType::BF16,
+        ),
+        (
+            ("decode, window 40", 16, 32, 8, 64, &[(3000, 1), (100, 1)]),
+            Some(40),
+            DType::BF16,
+        ),
+        (
+            ("decode d=80", 16, 6, 2, 80, &[(90, 1), (0, 1), (33, 1)]),
+            None,
+            DType::F16,
+        ),
+        (
+            ("decode d=16", 4, 4, 2, 16, &[(23, 1), (7, 1)]),
+            None,
+            DType::F16,
+        ),
+        (
+            ("window 12, prefill", 16, 4, 2, 16, &[(0, 62)]),
+            Some(12),
+            DType::F16,
+        ),
+    ];
+    for &((name, bs, h, hkv, d, seqs), window, dtype) in half {
+        let layout = QkvLayout {
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_dim: d,
+        };
+        let opts = AttentionOptions {
+            scale: 1.0 / (d as f32).sqrt(),
+            sliding_window: window,
+            logit_softcap: None,
+        };
+        out.push((
+            "write_kv+attention".into(),
+            format!("{} KV, {name}: bs={bs} h={h} hkv={hkv} d={d}", dtype.name()),
+            1e-5,
+            attention_case(&mut r, layout, bs, seqs, opts, dtype),
         ));
     }
     // argmax: random rows, plus a row of ties and a row with NaN and -inf
@@ -966,31 +1034,50 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         0.0,
         Case::Argmax { rows, cols, logits },
     ));
-    // KV block copies (swap): 80 blocks of 512 bytes span several parts of a split cache
-    let kv = KvLayout {
-        num_blocks: 80,
-        block_size: 4,
-        num_kv_heads: 2,
-        head_dim: 16,
-    };
-    let bl = kv.block_len();
-    let write = vec![79, 3, 40, 0, 33];
-    out.push((
-        "kv block copies".into(),
-        format!("{} blocks of {bl}: write 5, read 6", kv.num_blocks),
-        0.0,
-        Case::KvBlocks {
-            kv,
-            cache: rand_vec(&mut r, kv.num_blocks * bl),
-            data: rand_vec(&mut r, write.len() * bl),
-            write,
-            read: vec![40, 1, 79, 31, 32, 0],
-        },
-    ));
+    // KV block copies (swap): 80 blocks of 512 bytes span several parts of a split cache;
+    // half caches round what is written (the reference too) and widen what is read
+    for dtype in [DType::F32, DType::BF16] {
+        let kv = KvLayout {
+            num_blocks: 80,
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            dtype,
+        };
+        let bl = kv.block_len();
+        let write = vec![79, 3, 40, 0, 33];
+        out.push((
+            "kv block copies".into(),
+            format!(
+                "{} blocks of {bl}, {}: write 5, read 6",
+                kv.num_blocks,
+                dtype.name()
+            ),
+            0.0,
+            Case::KvBlocks {
+                kv,
+                cache: rand_vec(&mut r, kv.num_blocks * bl),
+                data: rand_vec(&mut r, write.len() * bl),
+                write,
+                read: vec![40, 1, 79, 31, 32, 0],
+            },
+        ));
+    }
     out
 }
 
+impl Case {
+    /// The KV cache type a case allocates, if it allocates one.
+    fn kv_dtype(&self) -> Option<DType> {
+        match self {
+            Case::Attention { kv, .. } | Case::KvBlocks { kv, .. } => Some(kv.dtype),
+            _ => None,
+        }
+    }
+}
+
 /// Runs every case of the table on `be` against `want` (the CPU backend or the f64 reference).
+/// Cases with a KV cache type the backend does not store are left out.
 fn check_with<B: Backend>(
     be: &B,
     seed: u64,
@@ -998,6 +1085,10 @@ fn check_with<B: Backend>(
 ) -> Vec<CheckRow> {
     cases(seed)
         .into_iter()
+        .filter(|(.., case)| {
+            case.kv_dtype()
+                .is_none_or(|d| be.kv_cache_dtypes().contains(&d))
+        })
         .map(|(op, case_name, tol, case)| {
             let want = want(&case);
             let t0 = std::time::Instant::now();
@@ -1024,6 +1115,14 @@ fn check_with<B: Backend>(
 pub fn check_backend<B: Backend>(be: &B, seed: u64) -> Vec<CheckRow> {
     let cpu = CpuBackend::new();
     check_with(be, seed, |case| {
+        // NOTE: the CPU stores an f32 cache only; half caches are checked against the f64
+        // reference, which rounds K and V as the cache does.
+        if case
+            .kv_dtype()
+            .is_some_and(|d| !cpu.kv_cache_dtypes().contains(&d))
+        {
+            return Ok(reference(case));
+        }
         Ok(run(&cpu, case)?.into_iter().map(f64::from).collect())
     })
 }
@@ -1104,8 +1203,12 @@ mod tests {
     #[test]
     fn the_reference_can_fail() {
         // a wrong output is caught: every case run on the CPU, its first value perturbed
+        // (half KV caches, which the CPU does not store, against their own reference)
         for (_, name, tol, case) in cases(3) {
-            let mut got = run(&CpuBackend::new(), &case).unwrap();
+            let mut got = match case.kv_dtype() {
+                Some(d) if d != DType::F32 => reference(&case).iter().map(|&x| x as f32).collect(),
+                _ => run(&CpuBackend::new(), &case).unwrap(),
+            };
             got[0] += 1.0 + got[0].abs();
             assert!(rel_err(&got, &reference(&case)) > tol, "{name}");
         }

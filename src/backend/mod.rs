@@ -217,6 +217,8 @@ pub struct KvLayout {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Element type of the cache ([`Backend::kv_cache_dtypes`] says which a backend stores).
+    pub dtype: DType,
 }
 
 impl KvLayout {
@@ -228,6 +230,16 @@ impl KvLayout {
     pub fn numel(&self) -> usize {
         self.num_blocks * self.block_len()
     }
+}
+
+/// For backends whose KV cache is f32 only: a clear error for any other type.
+pub(crate) fn expect_f32_kv(layout: KvLayout, backend: &str) -> Result<()> {
+    anyhow::ensure!(
+        layout.dtype == DType::F32,
+        "the {backend} backend stores the KV cache in f32 only, not {}",
+        layout.dtype.name()
+    );
+    Ok(())
 }
 
 /// The flattened batch of one engine step, on the host (see ENGINE-STEP in ARCHITECTURE.md).
@@ -328,6 +340,11 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Uploads a weight, converting to `dtype`.
     fn upload_weight(&self, t: &HostTensor, dtype: DType) -> Result<Self::Buf>;
+    /// The KV cache element types this backend stores (`--kv-cache-dtype`); K and V are
+    /// written and read through f32 whatever the type.
+    fn kv_cache_dtypes(&self) -> &'static [DType] {
+        &[DType::F32]
+    }
     /// The token budget per step when `--max-num-batched-tokens` is not given (vLLM's 2048).
     fn default_token_budget(&self) -> usize {
         2048

@@ -13,7 +13,7 @@ pub use runner::{KvBudget, ModelRunner};
 use crate::backend::{BackendKind, BatchInput};
 use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK, PrefixCacheStats};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
-use crate::models::{ModelConfig, load_model};
+use crate::models::{KvCacheDtype, ModelConfig, load_model};
 use crate::parallel::{NodeConfig, ParallelConfig};
 use crate::sampling::{
     IncrementalDetokenizer, InvalidParam, Restrict, SamplingDefaults, SamplingParams, StopChecker,
@@ -41,6 +41,9 @@ pub struct EngineArgs {
     /// How weights are kept in memory (`--dtype`): `auto` (the default) keeps a GGUF's block
     /// formats on the CPU; `f32` reproduces the reference exactly.
     pub dtype: WeightDtype,
+    /// Element type of the KV cache (`--kv-cache-dtype`): `auto` follows the weights (bf16
+    /// weights, bf16 cache) where the backend stores it, else f32.
+    pub kv_cache_dtype: KvCacheDtype,
     /// Tokens per KV block.
     pub block_size: usize,
     /// KV pool size; `None`: the backend's default.
@@ -80,6 +83,7 @@ impl Default for EngineArgs {
             model: None,
             backend: BackendKind::Cpu,
             dtype: WeightDtype::Auto,
+            kv_cache_dtype: KvCacheDtype::Auto,
             block_size: 16,
             kv_budget: None,
             max_num_batched_tokens: None,
@@ -353,6 +357,7 @@ fn prepare(args: &EngineArgs) -> Result<(crate::models::LoadedModel, runner::Run
     let runner_args = runner::RunnerArgs {
         backend: args.backend,
         dtype: args.dtype,
+        kv_cache_dtype: args.kv_cache_dtype,
         block_size: args.block_size,
         kv_budget: args.kv_budget,
         max_model_len,
@@ -422,7 +427,7 @@ impl Engine {
         let scheduler = Scheduler::new(sched_cfg, kv);
         let eff_len = scheduler.config().max_model_len;
         tracing::info!(
-            "model {} ({}, {:.0}M params, --dtype {}: {}) on {}; KV pool: {} blocks of {} tokens = {} tokens, {} MiB; max model len {}",
+            "model {} ({}, {:.0}M params, --dtype {}: {}) on {}; KV pool: {} blocks of {} tokens = {} tokens, {} MiB of {}; max model len {}",
             model.name,
             cfg.arch.name(),
             runner.weight_stats().params as f64 / 1e6,
@@ -433,6 +438,7 @@ impl Engine {
             args.block_size,
             (runner.num_blocks() - 1) * args.block_size,
             runner.kv_bytes() >> 20,
+            runner.kv_dtype().name(),
             eff_len
         );
         if eff_len < max_model_len {

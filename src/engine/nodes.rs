@@ -13,7 +13,7 @@
 //!        ◀─────────────────── Done(logits part) ───
 //! ```
 
-use super::runner::{LogitsPart, Runner, RunnerArgs, plan};
+use super::runner::{LogitsPart, Runner, RunnerArgs, kv_spec, plan};
 use super::workers::{Job, Sink, Worker, load_shards, run_job, stage_layers};
 use crate::backend::CpuBackend;
 use crate::models::{LoadedModel, WeightStats, kv_cache};
@@ -319,12 +319,15 @@ pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
     };
     // NOTE: every worker reports before any waits for Start: node 0 reads all the reports
     // first, then starts them all.
-    for (_, lm, link) in &loaded {
-        let per_block = kv_cache::bytes_per_block(&lm.kv_spec(), args.block_size)?;
+    let mut specs = Vec::with_capacity(loaded.len());
+    for (backend, lm, link) in &loaded {
+        let spec = kv_spec(backend, lm.as_ref(), args.kv_cache_dtype)?;
+        let per_block = kv_cache::bytes_per_block(&spec, args.block_size)?;
         lock(link).send(&Msg::Loaded(Ok((per_block, lm.weight_stats().clone()))))?;
+        specs.push(spec);
     }
     let mut runners = Vec::new();
-    for (backend, lm, link) in loaded {
+    for ((backend, lm, link), spec) in loaded.into_iter().zip(specs) {
         let mut c = lock(&link);
         c.read_deadline(Some(deadline))?;
         let num_blocks = match c.recv().context("waiting for node 0 to start")? {
@@ -334,7 +337,10 @@ pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
         };
         c.read_deadline(None)?;
         drop(c);
-        runners.push((Runner::new(backend, lm, num_blocks, args.block_size)?, link));
+        runners.push((
+            Runner::new(backend, lm, &spec, num_blocks, args.block_size)?,
+            link,
+        ));
     }
     tracing::info!("node {}: workers started", nodes.node_rank);
     let results: Vec<Result<()>> = std::thread::scope(|s| {

@@ -7,7 +7,7 @@ use crate::backend::{
     WgpuBackend,
 };
 use crate::models::WeightStats;
-use crate::models::kv_cache::{self, KvCache};
+use crate::models::kv_cache::{self, KvCache, KvCacheDtype, LayerKvSpec};
 use crate::models::{CausalLm, LoadedModel, registry};
 use crate::parallel::{NodeConfig, ParallelConfig};
 use crate::tensor::{DType, WeightDtype};
@@ -38,6 +38,8 @@ pub trait ModelRunner: Send {
     /// What the weights take, as counted while loading.
     fn weight_stats(&self) -> &WeightStats;
     fn kv_bytes(&self) -> u64;
+    /// Element type of the KV pool (`--kv-cache-dtype` resolved).
+    fn kv_dtype(&self) -> DType;
     /// Runs the batch: writes its K/V into the pool and returns the logits `[R, vocab]` of the
     /// rows in `logits_rows`, on the host.
     fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>>;
@@ -78,6 +80,9 @@ impl<B: Backend> ModelRunner for Runner<B> {
     }
     fn kv_bytes(&self) -> u64 {
         self.kv_bytes
+    }
+    fn kv_dtype(&self) -> DType {
+        self.kv.layouts.first().map_or(DType::F32, |l| l.dtype)
     }
     fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>> {
         let batch = DeviceBatch::upload(&self.backend, input)?;
@@ -199,6 +204,7 @@ fn kv_budget_upper_bound<B: Backend>(backend: &B, budget: Option<KvBudget>) -> O
 pub struct RunnerArgs {
     pub backend: BackendKind,
     pub dtype: WeightDtype,
+    pub kv_cache_dtype: KvCacheDtype,
     pub block_size: usize,
     pub kv_budget: Option<KvBudget>,
     pub max_model_len: usize,
@@ -460,16 +466,17 @@ impl<B: Backend> Runner<B> {
         }
     }
 
-    /// A runner over a loaded model (or one worker's shard of it) and a pool of `num_blocks`.
+    /// A runner over a loaded model (or one worker's shard of it) and a pool of `num_blocks`
+    /// laid out as `spec` ([`kv_spec`]).
     pub(super) fn new(
         backend: B,
         model: Box<dyn CausalLm<B>>,
+        spec: &[LayerKvSpec],
         num_blocks: usize,
         bs: usize,
     ) -> Result<Self> {
-        let spec = model.kv_spec();
-        let per_block = kv_cache::bytes_per_block(&spec, bs)?;
-        let kv = KvCache::new(&backend, &spec, num_blocks, bs)
+        let per_block = kv_cache::bytes_per_block(spec, bs)?;
+        let kv = KvCache::new(&backend, spec, num_blocks, bs)
             .with_context(|| format!("allocating a KV pool of {num_blocks} blocks"))?;
         Ok(Runner {
             backend,
@@ -499,15 +506,32 @@ fn build<B: Backend>(
         progress,
     )
     .with_context(|| format!("loading {}", model.path.display()))?;
-    let per_block = kv_cache::bytes_per_block(&lm.kv_spec(), args.block_size)?;
+    let spec = kv_spec(&backend, lm.as_ref(), args.kv_cache_dtype)?;
+    let per_block = kv_cache::bytes_per_block(&spec, args.block_size)?;
     let wbytes = lm.weight_stats().bytes;
     let num_blocks = pool_blocks(&backend, args, wbytes, per_block, positions)?;
     Ok(Box::new(Runner::new(
         backend,
         lm,
+        &spec,
         num_blocks,
         args.block_size,
     )?))
+}
+
+/// What a runner's KV pool holds per layer: the model's spec in the element type
+/// `--kv-cache-dtype` resolves to on this backend.
+pub(super) fn kv_spec<B: Backend>(
+    backend: &B,
+    lm: &dyn CausalLm<B>,
+    want: KvCacheDtype,
+) -> Result<Vec<LayerKvSpec>> {
+    let dtype = want.resolve(
+        backend.kv_cache_dtypes(),
+        lm.weight_stats(),
+        &backend.name(),
+    )?;
+    Ok(kv_cache::in_dtype(lm.kv_spec(), dtype))
 }
 
 #[cfg(test)]

@@ -17,12 +17,13 @@
 //! sharded model, not a speed-up.
 
 use super::nodes;
-use super::runner::{LogitsPart, ModelRunner, Runner, RunnerArgs, plan, pool_blocks};
+use super::runner::{LogitsPart, ModelRunner, Runner, RunnerArgs, kv_spec, plan, pool_blocks};
 use crate::backend::{Backend, BatchInput};
 use crate::models::kv_cache;
 use crate::models::{LoadedModel, WeightStats, registry};
 use crate::parallel::tcp::{Msg, write_msg};
 use crate::parallel::{Communicator, LocalComm, LocalGroup, ParallelConfig, Placement, split_even};
+use crate::tensor::DType;
 use anyhow::{Context, Result, anyhow, bail};
 use std::io::BufWriter;
 use std::net::TcpStream;
@@ -81,6 +82,7 @@ pub struct ParallelRunner {
     vocab_size: usize,
     num_blocks: usize,
     kv_bytes: u64,
+    kv_dtype: DType,
     stats: WeightStats,
     token_budget: usize,
 }
@@ -271,9 +273,12 @@ pub fn build_parallel<B: Backend>(
     // whole pool's (over every node's workers).
     let mut per_block = 0u64;
     let mut stats = WeightStats::default();
-    for (_, lm, _) in &loaded {
-        per_block += kv_cache::bytes_per_block(&lm.kv_spec(), args.block_size)?;
+    let mut specs = Vec::with_capacity(loaded.len());
+    for (backend, lm, _) in &loaded {
+        let spec = kv_spec(backend, lm.as_ref(), args.kv_cache_dtype)?;
+        per_block += kv_cache::bytes_per_block(&spec, args.block_size)?;
         stats.absorb(lm.weight_stats());
+        specs.push(spec);
     }
     for o in &others {
         per_block += o.per_block;
@@ -291,9 +296,13 @@ pub fn build_parallel<B: Backend>(
         }
     };
 
+    let kv_dtype = specs
+        .first()
+        .and_then(|s| s.first())
+        .map_or(DType::F32, |l| l.dtype);
     let mut workers = Vec::with_capacity(pc.world_size());
-    for (w, (backend, lm, gs)) in loaded.into_iter().enumerate() {
-        let runner = Runner::new(backend, lm, num_blocks, args.block_size)?;
+    for (w, ((backend, lm, gs), spec)) in loaded.into_iter().zip(specs).enumerate() {
+        let runner = Runner::new(backend, lm, &spec, num_blocks, args.block_size)?;
         let (jobs, job_rx) = channel();
         let (reply_tx, replies) = channel();
         let thread = std::thread::Builder::new()
@@ -318,6 +327,7 @@ pub fn build_parallel<B: Backend>(
         vocab_size: cfg.vocab_size,
         num_blocks,
         kv_bytes: num_blocks as u64 * per_block,
+        kv_dtype,
         stats,
         token_budget,
     }))
@@ -413,6 +423,9 @@ impl ModelRunner for ParallelRunner {
     }
     fn kv_bytes(&self) -> u64 {
         self.kv_bytes
+    }
+    fn kv_dtype(&self) -> DType {
+        self.kv_dtype
     }
     fn parallel(&self) -> ParallelConfig {
         self.config

@@ -3,10 +3,85 @@
 //! all layers) and allocates it; the block manager hands out block ids that index every
 //! layer's cache alike.
 
+use super::WeightStats;
 use super::config::ModelConfig;
 use crate::backend::{Backend, KvLayout};
 use crate::tensor::DType;
 use anyhow::{Context, Result, bail};
+
+/// `--kv-cache-dtype`: the element type of the KV pool, as vLLM's flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCacheDtype {
+    /// The type the model's weights are in (bf16 weights, bf16 cache) where the backend
+    /// stores it, else f32: a model run in f32 keeps an f32 cache and its exact outputs.
+    #[default]
+    Auto,
+    Fixed(DType),
+}
+
+impl KvCacheDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::Auto => "auto",
+            KvCacheDtype::Fixed(d) => d.name(),
+        }
+    }
+
+    /// The pool's element type on a backend that stores `supported`, for a model whose
+    /// weights are `weights`.
+    pub fn resolve(
+        self,
+        supported: &[DType],
+        weights: &WeightStats,
+        backend: &str,
+    ) -> Result<DType> {
+        let list = || {
+            supported
+                .iter()
+                .map(|d| d.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        match self {
+            KvCacheDtype::Fixed(d) if supported.contains(&d) => Ok(d),
+            KvCacheDtype::Fixed(d) => bail!(
+                "--kv-cache-dtype {}: the {backend} backend stores the KV cache in {} only",
+                d.name(),
+                list()
+            ),
+            KvCacheDtype::Auto => {
+                // NOTE: the float type holding most of the weights' bytes; quantized blocks
+                // and f32 norms count for f32.
+                let bytes = |d: DType| weights.by_type.get(d.name()).copied().unwrap_or(0);
+                let half = [DType::BF16, DType::F16]
+                    .into_iter()
+                    .filter(|&d| bytes(d) > bytes(DType::F32) && supported.contains(&d))
+                    .max_by_key(|&d| bytes(d));
+                Ok(half.unwrap_or(DType::F32))
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(KvCacheDtype::Auto),
+            "fp8" | "fp8_e4m3" | "fp8_e5m2" => {
+                bail!(
+                    "--kv-cache-dtype {s}: an fp8 KV cache is not implemented yet (auto, f32, bf16, f16)"
+                )
+            }
+            other => other
+                .parse::<DType>()
+                .map(KvCacheDtype::Fixed)
+                .map_err(|_| {
+                    anyhow::anyhow!("unknown KV cache dtype '{s}' (auto, f32, bf16, f16)")
+                }),
+        }
+    }
+}
 
 /// What one layer keeps in the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,16 +152,12 @@ impl<B: Backend> KvCache<B> {
         let mut v = Vec::with_capacity(spec.len());
         let mut layouts = Vec::with_capacity(spec.len());
         for l in spec {
-            // NOTE: the backends' caches hold f32 today; a spec asking for another dtype must
-            // not be sized as one thing and allocated as another.
-            if l.dtype != DType::F32 {
-                bail!("a KV cache of {} is not supported yet", l.dtype.name());
-            }
             let layout = KvLayout {
                 num_blocks,
                 block_size,
                 num_kv_heads: l.num_kv_heads,
                 head_dim: l.head_dim,
+                dtype: l.dtype,
             };
             k.push(backend.alloc_kv(layout)?);
             v.push(backend.alloc_kv(layout)?);
@@ -100,9 +171,57 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
+/// `spec` with every layer's K and V in `dtype`.
+pub fn in_dtype(spec: Vec<LayerKvSpec>, dtype: DType) -> Vec<LayerKvSpec> {
+    spec.into_iter()
+        .map(|l| LayerKvSpec { dtype, ..l })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_cache_dtype_follows_the_weights_where_the_backend_can() {
+        let gpu = [DType::F32, DType::BF16, DType::F16];
+        let stats = |types: &[(&str, u64)]| WeightStats {
+            by_type: types.iter().map(|(t, b)| (t.to_string(), *b)).collect(),
+            ..Default::default()
+        };
+        let bf16 = stats(&[("bf16", 1000), ("f32", 10)]);
+        let f32 = stats(&[("f32", 1000)]);
+        let q = stats(&[("Q4_1", 1000), ("f32", 10)]);
+        let auto = KvCacheDtype::Auto;
+        assert_eq!(auto.resolve(&gpu, &bf16, "cuda").unwrap(), DType::BF16);
+        assert_eq!(auto.resolve(&gpu, &f32, "cuda").unwrap(), DType::F32);
+        assert_eq!(auto.resolve(&gpu, &q, "cuda").unwrap(), DType::F32);
+        assert_eq!(
+            auto.resolve(&[DType::F32], &bf16, "cpu").unwrap(),
+            DType::F32
+        );
+        let f16 = KvCacheDtype::Fixed(DType::F16);
+        assert_eq!(f16.resolve(&gpu, &f32, "cuda").unwrap(), DType::F16);
+        let e = f16
+            .resolve(&[DType::F32], &f32, "cpu")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cpu backend stores the KV cache in f32 only"),
+            "{e}"
+        );
+        for (s, want) in [
+            ("auto", KvCacheDtype::Auto),
+            ("BF16", KvCacheDtype::Fixed(DType::BF16)),
+            ("float16", KvCacheDtype::Fixed(DType::F16)),
+            ("f32", KvCacheDtype::Fixed(DType::F32)),
+        ] {
+            assert_eq!(s.parse::<KvCacheDtype>().unwrap(), want, "{s}");
+        }
+        let e = "fp8".parse::<KvCacheDtype>().unwrap_err().to_string();
+        assert!(e.contains("not implemented"), "{e}");
+        assert!("int4".parse::<KvCacheDtype>().is_err());
+    }
 
     #[test]
     fn bytes_per_block_follow_each_layer_and_the_dtype() {

@@ -17,7 +17,7 @@ pub mod spm;
 pub mod tokenizer;
 
 pub use config::ModelConfig;
-pub use kv_cache::{KvCache, LayerKvSpec};
+pub use kv_cache::{KvCache, KvCacheDtype, LayerKvSpec};
 pub use loader::{LoadedModel, WeightSource, load_model};
 pub use registry::Arch;
 

@@ -171,6 +171,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<CpuBuf> {
+        super::expect_f32_kv(layout, "cpu")?;
         self.alloc_f32(layout.numel())
     }
 

@@ -34,6 +34,9 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// Weight dtypes as they appear in kernel names.
 pub const WEIGHT_DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
 
+/// KV cache types as they appear in kernel names.
+pub const KV_DTYPES: [&str; 3] = ["f32", "bf16", "f16"];
+
 /// Head sizes with a `paged_attention_decode_<kv dtype>_d<D>` kernel (attention.cu); others
 /// decode through the general kernel.
 pub const DECODE_HEAD_DIMS: [usize; 7] = [16, 32, 64, 80, 96, 128, 256];
@@ -63,18 +66,21 @@ pub fn kernel_names(stem: &str) -> Vec<String> {
             "argmax_f32",
         ],
         "rope" => &["rope_f32"],
-        "cache" => &["write_kv_f32"],
-        "attention" => &["paged_attention_f32", "attention_reduce_f32"],
+        "attention" => &["attention_reduce_f32"],
         _ => &[],
     };
     let mut names: Vec<String> = fixed.iter().map(|s| s.to_string()).collect();
     match stem {
         "elementwise" => names.extend(WEIGHT_DTYPES.iter().map(|d| format!("embedding_{d}"))),
-        "attention" => names.extend(
-            DECODE_HEAD_DIMS
-                .iter()
-                .map(|d| format!("paged_attention_decode_f32_d{d}")),
-        ),
+        "cache" => names.extend(KV_DTYPES.iter().map(|k| format!("write_kv_{k}"))),
+        "attention" => {
+            for k in KV_DTYPES {
+                names.push(format!("paged_attention_prefill_{k}"));
+                for d in DECODE_HEAD_DIMS {
+                    names.push(format!("paged_attention_decode_{k}_d{d}"));
+                }
+            }
+        }
         "matmul" => {
             for d in WEIGHT_DTYPES {
                 names.push(format!("gemm_{d}"));
@@ -271,7 +277,10 @@ mod tests {
                         src.contains(&format!("MATVEC_ALL_M({d},"))
                             && src.contains(&format!("MATVEC(DT, W, {m})"))
                     }
-                    ["paged", "attention", kv] => src.contains(&format!("PAGED_ATTENTION({kv},")),
+                    ["paged", "attention", "prefill", kv] => {
+                        src.contains(&format!("PAGED_ATTENTION({kv},"))
+                    }
+                    ["write", "kv", kv] => src.contains(&format!("WRITE_KV({kv},")),
                     ["paged", "attention", "decode", kv, d] => {
                         src.contains(&format!("PAGED_ATTENTION_DECODE_ALL_D({kv},"))
                             && src.contains(&format!("PAGED_ATTENTION_DECODE(DT, KV, {})", &d[1..]))

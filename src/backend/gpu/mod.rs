@@ -30,6 +30,13 @@ pub enum Elem {
 }
 
 impl Elem {
+    pub fn of(d: DType) -> Elem {
+        match d {
+            DType::F32 => Elem::F32,
+            DType::F16 => Elem::F16,
+            DType::BF16 => Elem::BF16,
+        }
+    }
     pub fn size(self) -> usize {
         match self {
             Elem::F16 | Elem::BF16 => 2,
@@ -553,6 +560,38 @@ impl<R: GpuRuntime> GpuBackend<R> {
 }
 
 /// Copies bytes into a vector of `T` (the bytes need not be aligned for `T`).
+/// Float buffer bytes as f32.
+fn widen(elem: Elem, bytes: &[u8]) -> Result<Vec<f32>> {
+    Ok(match elem {
+        Elem::F32 => from_bytes::<f32>(bytes),
+        Elem::F16 => from_bytes::<f16>(bytes)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect(),
+        Elem::BF16 => from_bytes::<bf16>(bytes)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect(),
+        Elem::U32 => bail!("expected a float buffer, got a u32 one"),
+    })
+}
+
+/// f32 values as a float buffer's bytes (halves rounded to nearest even, as the kernels do).
+fn narrow(elem: Elem, v: &[f32]) -> Result<std::borrow::Cow<'_, [u8]>> {
+    Ok(match elem {
+        Elem::F32 => std::borrow::Cow::Borrowed(bytemuck::cast_slice(v)),
+        Elem::F16 => {
+            let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+            std::borrow::Cow::Owned(bytemuck::cast_slice(&h).to_vec())
+        }
+        Elem::BF16 => {
+            let h: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+            std::borrow::Cow::Owned(bytemuck::cast_slice(&h).to_vec())
+        }
+        Elem::U32 => bail!("expected a float buffer, got a u32 one"),
+    })
+}
+
 fn from_bytes<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
     let n = bytes.len() / std::mem::size_of::<T>();
     let mut v = vec![T::zeroed(); n];
@@ -629,9 +668,10 @@ pub fn plan_attention(
     })
 }
 
-/// The shared memory (bytes) of a decode-attention block; see attention.cu.
-fn decode_shared_bytes(rep: usize, d: usize, part_size: usize) -> usize {
-    let groups = DEC_THREADS / (d / 4); // f32 K/V: 4 elements per 16-byte chunk
+/// The shared memory (bytes) of a decode-attention block; see attention.cu. `kv_bytes`: the
+/// size of a cache element (16 / kv_bytes elements per 16-byte chunk).
+fn decode_shared_bytes(rep: usize, d: usize, kv_bytes: usize, part_size: usize) -> usize {
+    let groups = DEC_THREADS / (d / (16 / kv_bytes));
     4 * (rep * part_size + groups * rep * d + 2 * rep)
 }
 
@@ -654,6 +694,7 @@ const DECODE_MIN_PART: usize = 32;
 ///
 /// NOTE: the context is split until there are 8 blocks per multiprocessor (flash-decoding),
 /// down to partitions of `DECODE_MIN_PART` keys; a partition is at most what shared memory holds.
+#[allow(clippy::too_many_arguments)]
 pub fn plan_decode_attention(
     num_seqs: usize,
     max_seq_len: usize,
@@ -661,6 +702,7 @@ pub fn plan_decode_attention(
     head_dim: usize,
     num_kv_heads: usize,
     block_size: usize,
+    kv_bytes: usize,
     multiprocessors: usize,
 ) -> Option<DecodePlan> {
     if !kernels::DECODE_HEAD_DIMS.contains(&head_dim)
@@ -671,7 +713,7 @@ pub fn plan_decode_attention(
         return None;
     }
     let ctx = max_seq_len.max(1);
-    let fixed = decode_shared_bytes(rep, head_dim, 0);
+    let fixed = decode_shared_bytes(rep, head_dim, kv_bytes, 0);
     let max_part =
         (SHARED_LIMIT.checked_sub(fixed)? / (4 * rep)) / DECODE_MIN_PART * DECODE_MIN_PART;
     if max_part < DECODE_MIN_PART {
@@ -686,7 +728,7 @@ pub fn plan_decode_attention(
     Some(DecodePlan {
         part_size,
         num_splits: ctx.div_ceil(part_size),
-        shared_bytes: decode_shared_bytes(rep, head_dim, part_size),
+        shared_bytes: decode_shared_bytes(rep, head_dim, kv_bytes, part_size),
     })
 }
 
@@ -779,8 +821,12 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         self.alloc(n, Elem::F32, true)
     }
 
+    fn kv_cache_dtypes(&self) -> &'static [DType] {
+        &[DType::F32, DType::BF16, DType::F16]
+    }
+
     fn alloc_kv(&self, layout: KvLayout) -> Result<GpuBuf<R>> {
-        self.alloc(layout.numel(), Elem::F32, true)
+        self.alloc(layout.numel(), Elem::of(layout.dtype), true)
     }
 
     fn read_kv_blocks(
@@ -789,12 +835,8 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         block_len: usize,
         blocks: &[u32],
     ) -> Result<Vec<f32>> {
-        ensure!(
-            cache.elem == Elem::F32,
-            "read_kv_blocks: the KV cache is not f32"
-        );
         self.rt.bind()?;
-        let bytes = block_len * 4;
+        let bytes = block_len * cache.elem.size();
         let mut out = vec![0u8; blocks.len() * bytes];
         for (&b, dst) in blocks.iter().zip(out.chunks_exact_mut(bytes.max(1))) {
             ensure!(
@@ -807,7 +849,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                     .dtoh(dst, cache.ptr() + (b as usize * bytes) as u64)?
             };
         }
-        Ok(from_bytes::<f32>(&out))
+        widen(cache.elem, &out)
     }
 
     fn write_kv_blocks(
@@ -817,14 +859,10 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         blocks: &[u32],
         data: &[f32],
     ) -> Result<()> {
-        ensure!(
-            cache.elem == Elem::F32,
-            "write_kv_blocks: the KV cache is not f32"
-        );
         super::check_kv_blocks_data(data, blocks, block_len)?;
         self.rt.bind()?;
-        let bytes = block_len * 4;
-        let src: &[u8] = bytemuck::cast_slice(data);
+        let bytes = block_len * cache.elem.size();
+        let src = narrow(cache.elem, data)?;
         for (&b, chunk) in blocks.iter().zip(src.chunks_exact(bytes.max(1))) {
             ensure!(
                 (b as usize + 1) * block_len <= cache.len,
@@ -842,19 +880,11 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
     fn download_f32(&self, buf: &GpuBuf<R>) -> Result<Vec<f32>> {
         let bytes = self.download_bytes(buf)?;
         Ok(match buf.elem {
-            Elem::F32 => from_bytes::<f32>(&bytes),
-            Elem::F16 => from_bytes::<f16>(&bytes)
-                .iter()
-                .map(|x| x.to_f32())
-                .collect(),
-            Elem::BF16 => from_bytes::<bf16>(&bytes)
-                .iter()
-                .map(|x| x.to_f32())
-                .collect(),
             Elem::U32 => from_bytes::<u32>(&bytes)
                 .iter()
                 .map(|&x| x as f32)
                 .collect(),
+            e => widen(e, &bytes)?,
         })
     }
 
@@ -1318,8 +1348,12 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         {
             bail!("write_kv: slot {s} outside the pool");
         }
+        ensure!(
+            k_cache.elem == v_cache.elem,
+            "write_kv: K and V caches of different types"
+        );
         self.elementwise(
-            "write_kv_f32",
+            &format!("write_kv_{}", k_cache.elem.kernel_suffix()?),
             rows * layout.kv_len(),
             &[
                 Arg::P(qkv.ptr()),
@@ -1375,6 +1409,11 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             "paged_attention: cache size mismatch"
         );
         ensure!(
+            k_cache.elem == v_cache.elem,
+            "paged_attention: K and V caches of different types"
+        );
+        let kv_type = k_cache.elem.kernel_suffix()?;
+        ensure!(
             b.query_start.len() == b.num_seqs() + 1
                 && b.block_tables.len() == b.num_seqs() * b.max_blocks,
             "paged_attention: bad batch layout"
@@ -1417,6 +1456,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 d,
                 hkv,
                 bs,
+                k_cache.elem.size(),
                 self.rt.multiprocessors() as usize,
             )
         } else {
@@ -1477,7 +1517,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 u32_arg(p.num_splits, "splits")?,
             ]);
             self.launch(
-                &format!("paged_attention_decode_f32_d{d}"),
+                &format!("paged_attention_decode_{kv_type}_d{d}"),
                 [
                     b.num_seqs() as u32,
                     hkv as u32,
@@ -1502,7 +1542,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 u32_arg(plan.num_splits, "splits")?,
             ]);
             self.launch(
-                "paged_attention_f32",
+                &format!("paged_attention_prefill_{kv_type}"),
                 [
                     u32_arg(plan.num_q_tiles, "query tiles")?.bits() as u32,
                     b.num_seqs() as u32,
@@ -1622,15 +1662,17 @@ mod tests {
 
     #[test]
     fn decode_plans_fit_fill_the_device_and_cover_the_context() {
-        for &(seqs, ctx, rep, d, hkv) in &[
-            (1, 1, 4, 64, 8),
-            (1, 4096, 4, 64, 8),
-            (1, 131072, 8, 256, 1),
-            (256, 700, 4, 64, 8),
-            (32, 2000, 7, 128, 2),
-            (3, 90, 3, 80, 2),
+        for &(seqs, ctx, rep, d, hkv, kvb) in &[
+            (1, 1, 4, 64, 8, 4),
+            (1, 4096, 4, 64, 8, 2),
+            (1, 131072, 8, 256, 1, 4),
+            (1, 131072, 8, 256, 1, 2),
+            (256, 700, 4, 64, 8, 2),
+            (32, 2000, 7, 128, 2, 4),
+            (3, 90, 3, 80, 2, 2),
+            (3, 90, 8, 16, 2, 2),
         ] {
-            let p = plan_decode_attention(seqs, ctx, rep, d, hkv, 16, 132).unwrap();
+            let p = plan_decode_attention(seqs, ctx, rep, d, hkv, 16, kvb, 132).unwrap();
             assert!(p.shared_bytes <= SHARED_LIMIT, "{p:?}");
             assert_eq!(p.part_size % DECODE_MIN_PART, 0);
             assert!(p.num_splits * p.part_size >= ctx, "{p:?}");
@@ -1645,16 +1687,16 @@ mod tests {
             );
         }
         // one sequence of 4096 keys over 8 kv heads: split, partitions of the minimum size
-        let p = plan_decode_attention(1, 4096, 4, 64, 8, 16, 132).unwrap();
+        let p = plan_decode_attention(1, 4096, 4, 64, 8, 16, 4, 132).unwrap();
         assert_eq!((p.part_size, p.num_splits), (32, 128));
         // a full batch is not split
         assert_eq!(
-            plan_decode_attention(256, 700, 4, 64, 8, 16, 132).map(|p| p.num_splits),
+            plan_decode_attention(256, 700, 4, 64, 8, 16, 4, 132).map(|p| p.num_splits),
             Some(1)
         );
         // no instance for the head size, too many query heads, a block size not a power of two
-        assert!(plan_decode_attention(1, 10, 4, 48, 8, 16, 132).is_none());
-        assert!(plan_decode_attention(1, 10, 9, 64, 1, 16, 132).is_none());
-        assert!(plan_decode_attention(1, 10, 4, 64, 8, 12, 132).is_none());
+        assert!(plan_decode_attention(1, 10, 4, 48, 8, 16, 4, 132).is_none());
+        assert!(plan_decode_attention(1, 10, 9, 64, 1, 16, 4, 132).is_none());
+        assert!(plan_decode_attention(1, 10, 4, 64, 8, 12, 4, 132).is_none());
     }
 }

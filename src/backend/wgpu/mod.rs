@@ -555,6 +555,7 @@ impl Backend for WgpuBackend {
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<WgpuBuf> {
+        crate::backend::expect_f32_kv(layout, "wgpu")?;
         let block = layout.block_len();
         let block_bytes = block as u64 * 4;
         let per = (self.gpu.max_binding / block_bytes.max(1)) as usize;
