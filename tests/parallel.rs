@@ -25,6 +25,7 @@ fn runner(model: &LoadedModel, parallel: ParallelConfig) -> anyhow::Result<Box<d
     let args = RunnerArgs {
         backend: BackendKind::Cpu,
         dtype: DType::F32.into(),
+        kv_cache_dtype: Default::default(),
         block_size: 16,
         kv_budget: Some(KvBudget::Bytes(256 << 20)),
         max_model_len: 1024,
@@ -207,6 +208,7 @@ fn splits_that_cannot_work_are_clear_errors_before_loading() {
             &RunnerArgs {
                 backend: BackendKind::Cuda,
                 dtype: DType::F32.into(),
+                kv_cache_dtype: Default::default(),
                 block_size: 16,
                 kv_budget: None,
                 max_model_len: 1024,
