@@ -166,10 +166,11 @@ try:
     r = json.load(open(os.path.join(res, "bench-latency.json")))["results"][0]
     step_ms = r["tpot_ms"]["p50"]
     # bytes read per decode step: every weight once in bf16 (the tied embedding as lm_head),
-    # norms in f32, and Pagoda's f32 KV cache of the average context (128 + decode_len / 2)
+    # norms in f32, and the KV cache of the average context (128 + decode_len / 2), bf16 as
+    # --kv-cache-dtype auto makes it for bf16 weights
     h, f, L, hkv, d, v = 2048, 8192, 16, 8, 64, 128256
     weights = 2 * (v * h + L * (h * (32 + 2 * hkv) * d + 32 * d * h + 2 * f * h + f * h)) + 4 * (2 * L + 1) * h
-    kv = 4 * 2 * L * hkv * d * (128 + decode_len / 2)
+    kv = 2 * 2 * L * hkv * d * (128 + decode_len / 2)
     out["decode"] = {"step_ms": step_ms, "bytes_per_step": weights + kv, "weight_bytes": weights,
                      "kv_bytes": kv, "tpot_ms": r["tpot_ms"], "ttft_ms": r["ttft_ms"]}
 except Exception as e:
