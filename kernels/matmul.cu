@@ -9,10 +9,35 @@
 
 #define MATVEC_THREADS 256
 
+// acc[m] += x[m, k0 .. k0 + VEC] · (the VEC weights in raw), for every row m of x.
+template <typename W, int M>
+__device__ __forceinline__ void matvec_chunk(uint4 raw, const float* __restrict__ x, u32 k, u32 k0, float* acc) {
+    constexpr int VEC = 16 / sizeof(W);
+    float wv[VEC];
+    unpack16(raw, wv, (const W*)0);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * k + k0);
+#pragma unroll
+        for (int v = 0; v < VEC / 4; ++v) {
+            const float4 xv = __ldg(xp + v);
+            acc[m] += xv.x * wv[4 * v] + xv.y * wv[4 * v + 1] + xv.z * wv[4 * v + 2] + xv.w * wv[4 * v + 3];
+        }
+    }
+}
+
+// Weight loads in flight per lane: U independent 16-byte loads are issued before the first is
+// used (a loop with an exit test per load, as `#pragma unroll` makes of a loop of unknown trip
+// count, waits on each in turn). With 8 warps per block and 2 blocks per SM on a 2048-row
+// matrix, 4 loads give 32 KiB in flight per SM; with 5 or more rows of x, whose loads are in
+// flight too, 2 (4 would spill).
+
 template <typename W, int M>
 __device__ __forceinline__ void matvec_impl(const float* __restrict__ x, const W* __restrict__ w,
                                             const float* __restrict__ bias, float* __restrict__ y, u32 n, u32 k) {
     constexpr int VEC = 16 / sizeof(W);  // weights per 16-byte load
+    constexpr u32 STEP = PG_WARP_SIZE * VEC;
+    constexpr int U = M > 4 ? 2 : 4;
     const u32 row = blockIdx.x * (blockDim.x / PG_WARP_SIZE) + threadIdx.x / PG_WARP_SIZE;
     const u32 lane = threadIdx.x % PG_WARP_SIZE;
     if (row >= n) return;
@@ -20,22 +45,16 @@ __device__ __forceinline__ void matvec_impl(const float* __restrict__ x, const W
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-    // NOTE: unrolled so that several 16-byte weight loads are in flight per lane.
-#pragma unroll 4
-    for (u32 k0 = lane * VEC; k0 < k; k0 += PG_WARP_SIZE * VEC) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(wr + k0));
-        float wv[VEC];
-        unpack16(raw, wv, (const W*)0);
+    u32 k0 = lane * VEC;
+    for (; k0 + (U - 1) * STEP < k; k0 += U * STEP) {
+        uint4 raw[U];
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * k + k0);
+        for (int u = 0; u < U; ++u) raw[u] = __ldg(reinterpret_cast<const uint4*>(wr + k0 + u * STEP));
 #pragma unroll
-            for (int v = 0; v < VEC / 4; ++v) {
-                const float4 xv = __ldg(xp + v);
-                acc[m] += xv.x * wv[4 * v] + xv.y * wv[4 * v + 1] + xv.z * wv[4 * v + 2] + xv.w * wv[4 * v + 3];
-            }
-        }
+        for (int u = 0; u < U; ++u) matvec_chunk<W, M>(raw[u], x, k, k0 + u * STEP, acc);
     }
+#pragma unroll 1
+    for (; k0 < k; k0 += STEP) matvec_chunk<W, M>(__ldg(reinterpret_cast<const uint4*>(wr + k0)), x, k, k0, acc);
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
     if (lane == 0) {
