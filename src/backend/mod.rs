@@ -370,6 +370,12 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// A zero-filled f32 buffer of `n` elements.
     fn alloc_f32(&self, n: usize) -> Result<Self::Buf>;
+    /// An f32 buffer of `n` elements whose contents are undefined, for the output of an op
+    /// that writes it in full (a step's activations). GPU backends skip the memset (the
+    /// emulator fills it with NaNs instead, so that a read before the write shows).
+    fn alloc_scratch_f32(&self, n: usize) -> Result<Self::Buf> {
+        self.alloc_f32(n)
+    }
     /// One layer's K or V cache, zero-filled.
     fn alloc_kv(&self, layout: KvLayout) -> Result<Self::Buf>;
     fn download_f32(&self, buf: &Self::Buf) -> Result<Vec<f32>>;

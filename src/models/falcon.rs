@@ -350,13 +350,13 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
         let embed = self.embed.as_ref().map(|e| &e.0);
         // [T, hidden] residual stream
         let mut x = stage_input(backend, &self.place, &self.shard, embed, batch, c)?;
-        let mut ha = backend.alloc_f32(t * hid)?; // [T, hidden] attention's normed input
-        let mut hm = backend.alloc_f32(t * hid)?; // [T, hidden] the MLP's normed input
-        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
-        let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
-        let mut u = backend.alloc_f32(t * f)?; // [T, F]
-        let mut oa = backend.alloc_f32(t * hid)?; // [T, hidden] attention output
-        let mut om = backend.alloc_f32(t * hid)?; // [T, hidden] MLP output
+        let mut ha = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] attention's normed input
+        let mut hm = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] the MLP's normed input
+        let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
+        let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
+        let mut u = backend.alloc_scratch_f32(t * f)?; // [T, F]
+        let mut oa = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] attention output
+        let mut om = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] MLP output
 
         for (j, w) in self.layers.iter().enumerate() {
             let l = self.place.layers.start + j;

@@ -350,13 +350,13 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
             // NOTE: transformers rounds sqrt(hidden) to the embedding's dtype; ours is f32.
             backend.scale(&mut x, (hid as f32).sqrt(), t * hid)?;
         }
-        let mut h = backend.alloc_f32(t * hid)?; // [T, hidden] normed input of a block
-        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
-        let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
-        let mut gu = backend.alloc_f32(t * 2 * f)?; // [T, 2 F]
-        let mut act = backend.alloc_f32(t * f)?; // [T, F]
-        let mut o = backend.alloc_f32(t * hid)?; // [T, hidden] output of o_proj / down_proj
-        let mut on = backend.alloc_f32(t * hid)?; // [T, hidden] that output, normed
+        let mut h = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] normed input of a block
+        let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
+        let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
+        let mut gu = backend.alloc_scratch_f32(t * 2 * f)?; // [T, 2 F]
+        let mut act = backend.alloc_scratch_f32(t * f)?; // [T, F]
+        let mut o = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] output of o_proj / down_proj
+        let mut on = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] that output, normed
 
         if let Some(first) = self.layers.first() {
             backend.rms_norm(&x, &first.in_norm, t, hid, eps, &mut h)?;

@@ -264,11 +264,11 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
         let ql = self.shard.ql;
         let eps = c.rms_norm_eps as f32;
         let tp = &self.place.tp;
-        let mut h = backend.alloc_f32(t * hid)?; // [T, hidden]
-        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, 3 H D] of this rank
-        let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
-        let mut u = backend.alloc_f32(t * f)?; // [T, F]
-        let mut o = backend.alloc_f32(t * hid)?; // [T, hidden]
+        let mut h = backend.alloc_scratch_f32(t * hid)?; // [T, hidden]
+        let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, 3 H D] of this rank
+        let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
+        let mut u = backend.alloc_scratch_f32(t * f)?; // [T, F]
+        let mut o = backend.alloc_scratch_f32(t * hid)?; // [T, hidden]
 
         // x = wte[ids] + wpe[positions] on the first stage
         let wte = self.wte.as_ref().map(|w| &w.0);

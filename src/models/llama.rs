@@ -251,12 +251,12 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
         // [T, hidden] residual stream
         let embed = self.embed.as_ref().map(|e| &e.0);
         let mut x = stage_input(backend, &self.place, &self.shard, embed, batch, c)?;
-        let mut h = backend.alloc_f32(t * hid)?; // [T, hidden]
-        let mut qkv = backend.alloc_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
-        let mut attn = backend.alloc_f32(t * ql.q_len())?; // [T, H D]
-        let mut gu = backend.alloc_f32(t * 2 * f)?; // [T, 2 F]
-        let mut act = backend.alloc_f32(t * f)?; // [T, F]
-        let mut o = backend.alloc_f32(t * hid)?; // [T, hidden] output of o_proj / down_proj
+        let mut h = backend.alloc_scratch_f32(t * hid)?; // [T, hidden]
+        let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
+        let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
+        let mut gu = backend.alloc_scratch_f32(t * 2 * f)?; // [T, 2 F]
+        let mut act = backend.alloc_scratch_f32(t * f)?; // [T, F]
+        let mut o = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] output of o_proj / down_proj
 
         // NOTE: each residual add is fused with the norm that follows it (add_rms_norm): the
         // layer's input norm is applied at the end of the previous layer. Under tensor

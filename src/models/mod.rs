@@ -549,11 +549,11 @@ pub fn final_logits<B: Backend>(
     vocab: usize,
 ) -> Result<B::Buf> {
     let (r, hid) = (batch.host.logits_rows.len(), cfg.hidden_size);
-    let mut xs = backend.alloc_f32(r * hid)?; // [R, hidden]
+    let mut xs = backend.alloc_scratch_f32(r * hid)?; // [R, hidden]
     backend.gather_rows(x, &batch.logits_rows, hid, &mut xs)?;
-    let mut xn = backend.alloc_f32(r * hid)?;
+    let mut xn = backend.alloc_scratch_f32(r * hid)?;
     norm.apply(backend, &xs, r, hid, cfg.rms_norm_eps as f32, &mut xn)?;
-    let mut logits = backend.alloc_f32(r * vocab)?; // [R, vocab]
+    let mut logits = backend.alloc_scratch_f32(r * vocab)?; // [R, vocab]
     backend.matmul(&xn, head, None, r, hid, vocab, &mut logits)?;
     if let Some(cap) = cfg.final_logit_softcap {
         backend.softcap(&mut logits, cap as f32, r * vocab)?;

@@ -211,7 +211,7 @@ pub fn stage_input<B: Backend>(
     let Some(table) = table.filter(|_| place.first_stage()) else {
         return pp.recv(backend, t * hid, pp.rank() - 1);
     };
-    let mut x = backend.alloc_f32(t * hid)?;
+    let mut x = backend.alloc_scratch_f32(t * hid)?;
     if tp.size() > 1 {
         let ids = shard.shard_ids(&batch.host.token_ids, cfg.vocab_size)?;
         backend.embedding(table, &backend.upload_u32(&ids)?, hid, &mut x)?;

@@ -224,6 +224,11 @@ impl GpuRuntime for EmuRt {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+    unsafe fn fill_uninit(&self, ptr: u64, bytes: usize) -> Result<()> {
+        // SAFETY: the caller guarantees the range.
+        unsafe { std::ptr::write_bytes(ptr as *mut u8, 0xff, bytes) };
+        Ok(())
+    }
     fn compiler_id(&self) -> String {
         format!("{} ({})", self.cxx, self.cxx_version)
     }

@@ -87,6 +87,14 @@ pub trait GpuRuntime: Send + Sync + Sized + 'static {
     /// `src .. src + dst.len()` is device memory of this runtime.
     unsafe fn dtoh(&self, dst: &mut [u8], src: u64) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
+    /// What a buffer handed out without zeroing holds: nothing is done on a GPU; the emulator
+    /// writes NaNs, so that a kernel reading what no one wrote shows in the results.
+    /// # Safety
+    /// `ptr .. ptr + bytes` is device memory of this runtime.
+    unsafe fn fill_uninit(&self, ptr: u64, bytes: usize) -> Result<()> {
+        let _ = (ptr, bytes);
+        Ok(())
+    }
 
     /// Identifies the run-time compiler and its version, for the cache key.
     fn compiler_id(&self) -> String;
@@ -457,9 +465,15 @@ impl<R: GpuRuntime> GpuBackend<R> {
         self.rt.bind()?;
         let bytes = len * elem.size();
         let mem = self.pool.alloc(bytes)?;
-        if zero && bytes > 0 {
+        if bytes > 0 {
             // SAFETY: the allocation holds at least `bytes`.
-            unsafe { self.rt.memset_zero(mem.ptr, bytes)? };
+            unsafe {
+                if zero {
+                    self.rt.memset_zero(mem.ptr, bytes)?
+                } else {
+                    self.rt.fill_uninit(mem.ptr, bytes)?
+                }
+            };
         }
         Ok(GpuBuf {
             mem,
@@ -819,6 +833,10 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
 
     fn alloc_f32(&self, n: usize) -> Result<GpuBuf<R>> {
         self.alloc(n, Elem::F32, true)
+    }
+
+    fn alloc_scratch_f32(&self, n: usize) -> Result<GpuBuf<R>> {
+        self.alloc(n, Elem::F32, false)
     }
 
     fn kv_cache_dtypes(&self) -> &'static [DType] {
