@@ -27,35 +27,7 @@ fn wgpu_args() -> EngineArgs {
 
 #[test]
 fn smollm2_f32_greedy_matches_golden() {
-    let golden = golden();
-    let entries: Vec<&serde_json::Value> = golden["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["model"] == SMOL_HF)
-        .filter(|e| {
-            ["A3-smol-text-once", "A4-smol-text-list"].contains(&e["name"].as_str().unwrap())
-        })
-        .collect();
-    assert_eq!(entries.len(), 2);
-    let mut llm = LLM::new(wgpu_args()).unwrap();
-    assert!(llm.engine().backend_name().starts_with("wgpu"));
-    let reqs = entries
-        .iter()
-        .map(|e| {
-            let p = SamplingParams {
-                max_tokens: Some(GOLDEN_TOKENS),
-                ignore_eos: true,
-                ..SamplingParams::greedy()
-            };
-            (Prompt::Tokens(ids(&e["prompt_ids"])), p)
-        })
-        .collect();
-    let outs = llm.generate_each(reqs).unwrap();
-    for (e, o) in entries.iter().zip(&outs) {
-        let want = &ids(&e["generated_ids"])[..GOLDEN_TOKENS];
-        assert_eq!(o.outputs[0].token_ids, want, "{}", e["name"]);
-    }
+    golden_prefixes(wgpu_args(), GOLDEN_TOKENS);
 }
 
 #[test]

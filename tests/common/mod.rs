@@ -76,3 +76,41 @@ pub fn single_sequence_step(
         logits_rows: vec![n as u32 - 1],
     }
 }
+
+/// Greedy decoding of SmolLM2 in f32 on the engine `args` makes reproduces the first `n` golden
+/// tokens of the two shortest public prompts, both in one batch (backends too slow for more:
+/// llvmpipe, the emulated GPU).
+#[allow(dead_code)]
+pub fn golden_prefixes(args: pagoda::EngineArgs, n: usize) {
+    use pagoda::{LLM, Prompt, SamplingParams};
+    let golden = golden();
+    let entries: Vec<&serde_json::Value> = golden["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["model"] == SMOL_HF)
+        .filter(|e| {
+            ["A3-smol-text-once", "A4-smol-text-list"].contains(&e["name"].as_str().unwrap())
+        })
+        .collect();
+    assert_eq!(entries.len(), 2);
+    let backend = args.backend;
+    let mut llm = LLM::new(args).unwrap();
+    assert!(llm.engine().backend_name().starts_with(backend.name()));
+    let reqs = entries
+        .iter()
+        .map(|e| {
+            let p = SamplingParams {
+                max_tokens: Some(n),
+                ignore_eos: true,
+                ..SamplingParams::greedy()
+            };
+            (Prompt::Tokens(ids(&e["prompt_ids"])), p)
+        })
+        .collect();
+    let outs = llm.generate_each(reqs).unwrap();
+    for (e, o) in entries.iter().zip(&outs) {
+        let want = &ids(&e["generated_ids"])[..n];
+        assert_eq!(o.outputs[0].token_ids, want, "{}", e["name"]);
+    }
+}
