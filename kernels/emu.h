@@ -325,26 +325,17 @@ static inline T __shfl_down_sync(unsigned, T v, unsigned d) {
     return pg_emu::shfl(v, [](unsigned lane, unsigned a) { return lane + a; }, d);
 }
 
-static inline float __int_as_float(int i) {
-    float f;
-    std::memcpy(&f, &i, 4);
-    return f;
+template <class To, class From>
+static inline To pg_bits(From f) {
+    static_assert(sizeof(To) == sizeof(From), "same size");
+    To t;
+    std::memcpy(&t, &f, sizeof t);
+    return t;
 }
-static inline float __uint_as_float(unsigned i) {
-    float f;
-    std::memcpy(&f, &i, 4);
-    return f;
-}
-static inline unsigned __float_as_uint(float f) {
-    unsigned i;
-    std::memcpy(&i, &f, 4);
-    return i;
-}
-static inline int __float_as_int(float f) {
-    int i;
-    std::memcpy(&i, &f, 4);
-    return i;
-}
+static inline float __int_as_float(int i) { return pg_bits<float>(i); }
+static inline float __uint_as_float(unsigned i) { return pg_bits<float>(i); }
+static inline unsigned __float_as_uint(float f) { return pg_bits<unsigned>(f); }
+static inline int __float_as_int(float f) { return pg_bits<int>(f); }
 template <class T>
 static inline T __ldg(const T* p) {
     return *p;
@@ -373,15 +364,5 @@ static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetc
 static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 
 // Half precision through the compiler's _Float16 (round to nearest even, as cvt.rn).
-static inline float f16_bits_to_f32(unsigned bits) {
-    unsigned short h = (unsigned short)bits;
-    _Float16 v;
-    std::memcpy(&v, &h, 2);
-    return (float)v;
-}
-static inline unsigned short f32_to_f16_bits(float f) {
-    _Float16 v = (_Float16)f;
-    unsigned short h;
-    std::memcpy(&h, &v, 2);
-    return h;
-}
+static inline float f16_bits_to_f32(unsigned bits) { return (float)pg_bits<_Float16>((unsigned short)bits); }
+static inline unsigned short f32_to_f16_bits(float f) { return pg_bits<unsigned short>((_Float16)f); }

@@ -9,7 +9,7 @@ use common::*;
 use pagoda::backend::wgpu::{WgpuBackend, WgpuOptions};
 use pagoda::backend::{Backend, BackendKind};
 use pagoda::engine::KvBudget;
-use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
+use pagoda::{EngineArgs, LLM, SamplingParams};
 
 /// Golden tokens compared per prompt (the shortest prompts: llvmpipe runs about 1 GFLOP/s).
 const GOLDEN_TOKENS: usize = 16;

@@ -934,27 +934,6 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             None,
         ),
     ];
-    let plain = attn.iter().map(|c| (c, None, None));
-    for (&(name, bs, h, hkv, d, seqs), window, cap) in
-        plain.chain(windowed.iter().map(|(c, w, s)| (c, *w, *s)))
-    {
-        let layout = QkvLayout {
-            num_heads: h,
-            num_kv_heads: hkv,
-            head_dim: d,
-        };
-        let opts = AttentionOptions {
-            scale: 1.0 / (d as f32).sqrt(),
-            sliding_window: window,
-            logit_softcap: cap,
-        };
-        out.push((
-            "write_kv+attention".into(),
-            format!("{name}: bs={bs} h={h} hkv={hkv} d={d}"),
-            1e-5,
-            attention_case(&mut r, layout, bs, seqs, opts, DType::F32),
-        ));
-    }
     // the same kernels over bf16 and f16 caches (the GPU backends' `--kv-cache-dtype`); the
     // reference reads K and V rounded to the cache's type, so the tolerance stays f32's
     let half: &[(AttnCase, Option<usize>, DType)] = &[
@@ -1001,7 +980,10 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             DType::F16,
         ),
     ];
-    for &((name, bs, h, hkv, d, seqs), window, dtype) in half {
+    let plain = attn.iter().map(|c| (c, None, None, DType::F32));
+    let windowed = windowed.iter().map(|(c, w, s)| (c, *w, *s, DType::F32));
+    let half = half.iter().map(|(c, w, t)| (c, *w, None, *t));
+    for (&(name, bs, h, hkv, d, seqs), window, cap, dtype) in plain.chain(windowed).chain(half) {
         let layout = QkvLayout {
             num_heads: h,
             num_kv_heads: hkv,
@@ -1010,11 +992,15 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         let opts = AttentionOptions {
             scale: 1.0 / (d as f32).sqrt(),
             sliding_window: window,
-            logit_softcap: None,
+            logit_softcap: cap,
+        };
+        let kv = match dtype {
+            DType::F32 => String::new(),
+            t => format!("{} KV, ", t.name()),
         };
         out.push((
             "write_kv+attention".into(),
-            format!("{} KV, {name}: bs={bs} h={h} hkv={hkv} d={d}", dtype.name()),
+            format!("{kv}{name}: bs={bs} h={h} hkv={hkv} d={d}"),
             1e-5,
             attention_case(&mut r, layout, bs, seqs, opts, dtype),
         ));
