@@ -706,6 +706,22 @@ pub struct DecodePlan {
     pub shared_bytes: usize,
 }
 
+/// Which attention kernel a call launches, with its plan.
+enum AttentionLaunch {
+    Decode(DecodePlan),
+    General(AttentionPlan),
+}
+
+impl AttentionLaunch {
+    /// (keys per partition, partitions): the layout of the reduce's inputs.
+    fn split(&self) -> (usize, usize) {
+        match self {
+            AttentionLaunch::Decode(p) => (p.part_size, p.num_splits),
+            AttentionLaunch::General(p) => (p.part_size, p.num_splits),
+        }
+    }
+}
+
 /// Keys a decode partition holds at least: fewer would make a block's fixed costs (loading q,
 /// the softmax, the write) outweigh its reads.
 const DECODE_MIN_PART: usize = 32;
@@ -1474,23 +1490,23 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         );
         // Pure decode steps take the decode kernel where it has an instance; the rest
         // (prefill chunks, mixed batches) the general one.
-        let decode = if max_q == 1 {
-            plan_decode_attention(
-                b.num_seqs(),
-                b.max_seq_len(),
-                h / hkv,
-                d,
-                hkv,
-                bs,
-                k_cache.elem.size(),
-                self.rt.multiprocessors() as usize,
-            )
-        } else {
-            None
-        };
-        let general = match decode {
-            Some(_) => None,
-            None => Some(plan_attention(
+        let decode = (max_q == 1)
+            .then(|| {
+                plan_decode_attention(
+                    b.num_seqs(),
+                    b.max_seq_len(),
+                    h / hkv,
+                    d,
+                    hkv,
+                    bs,
+                    k_cache.elem.size(),
+                    self.rt.multiprocessors() as usize,
+                )
+            })
+            .flatten();
+        let plan = match decode {
+            Some(p) => AttentionLaunch::Decode(p),
+            None => AttentionLaunch::General(plan_attention(
                 b.num_seqs(),
                 max_q,
                 b.max_seq_len(),
@@ -1500,10 +1516,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 self.rt.multiprocessors() as usize,
             )?),
         };
-        let (part_size, num_splits) = decode
-            .map(|p| (p.part_size, p.num_splits))
-            .or(general.map(|p| (p.part_size, p.num_splits)))
-            .context("paged_attention: no plan")?;
+        let (part_size, num_splits) = plan.split();
         let split = num_splits > 1;
         let parts = if split {
             let n = t_rows * h * num_splits;
@@ -1517,7 +1530,8 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         let (pa, pm) = parts.as_ref().map_or((Arg::P(0), Arg::P(0)), |(a, m)| {
             (Arg::P(a.ptr()), Arg::P(m.ptr()))
         });
-        let buffers = [
+        // the arguments both kernels begin with
+        let mut args = vec![
             Arg::P(qkv.ptr()),
             Arg::P(k_cache.ptr()),
             Arg::P(v_cache.ptr()),
@@ -1531,53 +1545,54 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             u32_arg(h, "heads")?,
             u32_arg(hkv, "kv heads")?,
         ];
-        if let Some(p) = decode {
-            let mut args = buffers.to_vec();
-            args.extend([
-                Arg::U(bs.trailing_zeros()),
-                u32_arg(layout.row_len(), "row length")?,
-                Arg::F(opts.scale),
-                Arg::U(window),
-                Arg::F(softcap),
-                u32_arg(p.part_size, "partition")?,
-                u32_arg(p.num_splits, "splits")?,
-            ]);
-            self.launch(
-                &format!("paged_attention_decode_{kv_type}_d{d}"),
-                [
-                    b.num_seqs() as u32,
-                    hkv as u32,
-                    u32_arg(p.num_splits, "splits")?.bits() as u32,
-                ],
-                [DEC_THREADS as u32, 1, 1],
-                p.shared_bytes as u32,
-                &args,
-            )?;
-        } else if let Some(plan) = general {
-            let mut args = buffers.to_vec();
-            args.extend([
-                u32_arg(d, "head_dim")?,
-                u32_arg(bs, "block size")?,
-                u32_arg(layout.row_len(), "row length")?,
-                Arg::F(opts.scale),
-                Arg::U(window),
-                Arg::F(softcap),
-                u32_arg(plan.q_tile, "q tile")?,
-                u32_arg(plan.k_tile, "k tile")?,
-                u32_arg(plan.part_size, "partition")?,
-                u32_arg(plan.num_splits, "splits")?,
-            ]);
-            self.launch(
-                &format!("paged_attention_prefill_{kv_type}"),
-                [
-                    u32_arg(plan.num_q_tiles, "query tiles")?.bits() as u32,
-                    b.num_seqs() as u32,
-                    u32_arg(hkv * plan.num_splits, "kv heads x splits")?.bits() as u32,
-                ],
-                [PA_THREADS, 1, 1],
-                plan.shared_bytes as u32,
-                &args,
-            )?;
+        match plan {
+            AttentionLaunch::Decode(p) => {
+                args.extend([
+                    Arg::U(bs.trailing_zeros()),
+                    u32_arg(layout.row_len(), "row length")?,
+                    Arg::F(opts.scale),
+                    Arg::U(window),
+                    Arg::F(softcap),
+                    u32_arg(p.part_size, "partition")?,
+                    u32_arg(p.num_splits, "splits")?,
+                ]);
+                self.launch(
+                    &format!("paged_attention_decode_{kv_type}_d{d}"),
+                    [
+                        b.num_seqs() as u32,
+                        hkv as u32,
+                        u32_arg(p.num_splits, "splits")?.bits() as u32,
+                    ],
+                    [DEC_THREADS as u32, 1, 1],
+                    p.shared_bytes as u32,
+                    &args,
+                )?;
+            }
+            AttentionLaunch::General(plan) => {
+                args.extend([
+                    u32_arg(d, "head_dim")?,
+                    u32_arg(bs, "block size")?,
+                    u32_arg(layout.row_len(), "row length")?,
+                    Arg::F(opts.scale),
+                    Arg::U(window),
+                    Arg::F(softcap),
+                    u32_arg(plan.q_tile, "q tile")?,
+                    u32_arg(plan.k_tile, "k tile")?,
+                    u32_arg(plan.part_size, "partition")?,
+                    u32_arg(plan.num_splits, "splits")?,
+                ]);
+                self.launch(
+                    &format!("paged_attention_prefill_{kv_type}"),
+                    [
+                        u32_arg(plan.num_q_tiles, "query tiles")?.bits() as u32,
+                        b.num_seqs() as u32,
+                        u32_arg(hkv * plan.num_splits, "kv heads x splits")?.bits() as u32,
+                    ],
+                    [PA_THREADS, 1, 1],
+                    plan.shared_bytes as u32,
+                    &args,
+                )?;
+            }
         }
         if split {
             let w = self.rt.warp_size() as usize;
