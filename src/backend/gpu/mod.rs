@@ -10,12 +10,14 @@
 
 pub mod emu;
 pub mod kernels;
+mod plan;
 
 use super::{Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
 use kernels::{Dialect, KernelCache, MATVEC_MAX_ROWS, SOURCES};
+use plan::{AttentionLaunch, DEC_THREADS, plan_attention, plan_decode_attention};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -306,14 +308,8 @@ fn ptr_or_null<R: GpuRuntime>(b: Option<&GpuBuf<R>>) -> Arg {
 }
 
 const ELEMWISE_THREADS: u32 = 256;
-/// Shared memory a block may use without opting in to more.
-const SHARED_LIMIT: usize = 48 * 1024;
 /// Threads of a paged-attention block (PA_THREADS in attention.cu).
 const PA_THREADS: u32 = 128;
-/// Threads of a decode-attention block (DEC_THREADS in attention.cu).
-const DEC_THREADS: usize = 128;
-/// Query heads per kv head that the decode kernel holds in registers (DEC_MAX_REP).
-const DEC_MAX_REP: usize = 8;
 
 /// How matmuls are computed (`PAGODA_GPU_GEMM`): vendor BLAS where there is one (default), or
 /// our kernels only (`kernel`), which is how HIP runs and lets CUDA check those kernels too.
@@ -581,7 +577,6 @@ impl<R: GpuRuntime> GpuBackend<R> {
     }
 }
 
-/// Copies bytes into a vector of `T` (the bytes need not be aligned for `T`).
 /// Float buffer bytes as f32.
 fn widen(elem: Elem, bytes: &[u8]) -> Result<Vec<f32>> {
     Ok(match elem {
@@ -614,6 +609,7 @@ fn narrow(elem: Elem, v: &[f32]) -> Result<std::borrow::Cow<'_, [u8]>> {
     })
 }
 
+/// Copies bytes into a vector of `T` (the bytes need not be aligned for `T`).
 fn from_bytes<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
     let n = bytes.len() / std::mem::size_of::<T>();
     let mut v = vec![T::zeroed(); n];
@@ -632,142 +628,6 @@ fn pack_u32(parts: &[&[u32]]) -> (Vec<u8>, Vec<usize>) {
         bytes.resize(bytes.len().div_ceil(256) * 256, 0);
     }
     (bytes, offsets)
-}
-
-/// The shared memory (bytes) of a paged-attention block; see attention.cu.
-fn attention_shared_bytes(q_tile: usize, rep: usize, d: usize, k_tile: usize) -> usize {
-    let r = q_tile * rep;
-    4 * (2 * r * d + k_tile * (d + 1) + r * k_tile + 3 * r)
-}
-
-/// Launch geometry of one paged-attention call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttentionPlan {
-    pub q_tile: usize,
-    pub k_tile: usize,
-    pub num_q_tiles: usize,
-    pub part_size: usize,
-    pub num_splits: usize,
-    pub shared_bytes: usize,
-}
-
-/// Picks tiles and the context split. A pure decode step gets one query row per block; a step
-/// with prefill chunks gets as many rows per block as shared memory allows (≤ 16), so a K/V
-/// tile serves many queries. The context is split when there are too few blocks to fill the
-/// device (decode of a few long sequences).
-pub fn plan_attention(
-    num_seqs: usize,
-    max_query_len: usize,
-    max_seq_len: usize,
-    rep: usize,
-    head_dim: usize,
-    num_kv_heads: usize,
-    multiprocessors: usize,
-) -> Result<AttentionPlan> {
-    let k_tile = if head_dim <= 128 { 32 } else { 16 };
-    ensure!(
-        attention_shared_bytes(1, rep, head_dim, k_tile) <= SHARED_LIMIT,
-        "paged attention: head_dim {head_dim} with {rep} query heads per kv head needs more shared memory than a block has"
-    );
-    let mut q_tile = if max_query_len <= 1 { 1 } else { 16 };
-    while q_tile > 1 && attention_shared_bytes(q_tile, rep, head_dim, k_tile) > SHARED_LIMIT {
-        q_tile -= 1;
-    }
-    let num_q_tiles = max_query_len.max(1).div_ceil(q_tile);
-    let blocks = num_seqs * num_q_tiles * num_kv_heads;
-    let want = 2 * multiprocessors.max(1);
-    let max_splits = max_seq_len.div_ceil(k_tile).max(1);
-    let splits = want.div_ceil(blocks.max(1)).clamp(1, max_splits);
-    let part_size = max_seq_len.max(1).div_ceil(splits).div_ceil(k_tile) * k_tile;
-    let num_splits = max_seq_len.max(1).div_ceil(part_size);
-    Ok(AttentionPlan {
-        q_tile,
-        k_tile,
-        num_q_tiles,
-        part_size,
-        num_splits,
-        shared_bytes: attention_shared_bytes(q_tile, rep, head_dim, k_tile),
-    })
-}
-
-/// The shared memory (bytes) of a decode-attention block; see attention.cu. `kv_bytes`: the
-/// size of a cache element (16 / kv_bytes elements per 16-byte chunk).
-fn decode_shared_bytes(rep: usize, d: usize, kv_bytes: usize, part_size: usize) -> usize {
-    let groups = DEC_THREADS / (d / (16 / kv_bytes));
-    4 * (rep * part_size + groups * rep * d + 2 * rep)
-}
-
-/// Launch geometry of the decode kernel: the context of every sequence cut in partitions of
-/// `part_size` keys.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DecodePlan {
-    pub part_size: usize,
-    pub num_splits: usize,
-    pub shared_bytes: usize,
-}
-
-/// Which attention kernel a call launches, with its plan.
-enum AttentionLaunch {
-    Decode(DecodePlan),
-    General(AttentionPlan),
-}
-
-impl AttentionLaunch {
-    /// (keys per partition, partitions): the layout of the reduce's inputs.
-    fn split(&self) -> (usize, usize) {
-        match self {
-            AttentionLaunch::Decode(p) => (p.part_size, p.num_splits),
-            AttentionLaunch::General(p) => (p.part_size, p.num_splits),
-        }
-    }
-}
-
-/// Keys a decode partition holds at least: fewer would make a block's fixed costs (loading q,
-/// the softmax, the write) outweigh its reads.
-const DECODE_MIN_PART: usize = 32;
-
-/// The decode kernel's plan for a step whose rows are all decode rows, or `None` where that
-/// kernel does not apply (a head size without an instance, more than `DEC_MAX_REP` query heads
-/// per kv head, a block size that is not a power of two): the general kernel takes those.
-///
-/// NOTE: the context is split until there are 8 blocks per multiprocessor (flash-decoding),
-/// down to partitions of `DECODE_MIN_PART` keys; a partition is at most what shared memory holds.
-#[allow(clippy::too_many_arguments)]
-pub fn plan_decode_attention(
-    num_seqs: usize,
-    max_seq_len: usize,
-    rep: usize,
-    head_dim: usize,
-    num_kv_heads: usize,
-    block_size: usize,
-    kv_bytes: usize,
-    multiprocessors: usize,
-) -> Option<DecodePlan> {
-    if !kernels::DECODE_HEAD_DIMS.contains(&head_dim)
-        || rep == 0
-        || rep > DEC_MAX_REP
-        || !block_size.is_power_of_two()
-    {
-        return None;
-    }
-    let ctx = max_seq_len.max(1);
-    let fixed = decode_shared_bytes(rep, head_dim, kv_bytes, 0);
-    let max_part =
-        (SHARED_LIMIT.checked_sub(fixed)? / (4 * rep)) / DECODE_MIN_PART * DECODE_MIN_PART;
-    if max_part < DECODE_MIN_PART {
-        return None;
-    }
-    let blocks = (num_seqs * num_kv_heads).max(1);
-    let want_splits = (8 * multiprocessors.max(1)).div_ceil(blocks);
-    let part_size = ctx
-        .div_ceil(want_splits)
-        .next_multiple_of(DECODE_MIN_PART)
-        .min(max_part);
-    Some(DecodePlan {
-        part_size,
-        num_splits: ctx.div_ceil(part_size),
-        shared_bytes: decode_shared_bytes(rep, head_dim, kv_bytes, part_size),
-    })
 }
 
 fn u32_arg(v: usize, what: &str) -> Result<Arg> {
@@ -1669,82 +1529,5 @@ mod tests {
         assert_eq!(bytes.len(), 256 + 512);
         assert_eq!(&bytes[..4], &1u32.to_le_bytes());
         assert_eq!(&bytes[256..260], &7u32.to_le_bytes());
-    }
-
-    #[test]
-    fn attention_plans_fit_and_cover_the_context() {
-        for &(seqs, q, ctx, rep, d, hkv) in &[
-            (1, 1, 1000, 4, 64, 8),
-            (1, 1, 1, 4, 64, 8),
-            (256, 1, 700, 4, 64, 8),
-            (4, 512, 512, 4, 64, 8),
-            (2, 100, 5000, 8, 128, 8),
-            (1, 3, 40000, 7, 64, 2),
-            (1, 1, 10, 1, 256, 1),
-        ] {
-            let p = plan_attention(seqs, q, ctx, rep, d, hkv, 132).unwrap();
-            assert!(p.shared_bytes <= SHARED_LIMIT, "{p:?}");
-            assert!(p.q_tile >= 1 && p.num_q_tiles * p.q_tile >= q);
-            assert_eq!(p.part_size % p.k_tile, 0);
-            assert!(p.num_splits * p.part_size >= ctx, "{p:?}");
-            assert!((p.num_splits - 1) * p.part_size < ctx.max(1), "{p:?}");
-            if q == 1 {
-                assert_eq!(p.q_tile, 1);
-            }
-        }
-        // decode of one long sequence is split to fill the device; a full batch is not
-        assert!(
-            plan_attention(1, 1, 4096, 4, 64, 8, 132)
-                .unwrap()
-                .num_splits
-                > 1
-        );
-        assert_eq!(
-            plan_attention(256, 1, 700, 4, 64, 8, 132)
-                .unwrap()
-                .num_splits,
-            1
-        );
-        assert!(plan_attention(1, 1, 10, 64, 512, 1, 132).is_err());
-    }
-
-    #[test]
-    fn decode_plans_fit_fill_the_device_and_cover_the_context() {
-        for &(seqs, ctx, rep, d, hkv, kvb) in &[
-            (1, 1, 4, 64, 8, 4),
-            (1, 4096, 4, 64, 8, 2),
-            (1, 131072, 8, 256, 1, 4),
-            (1, 131072, 8, 256, 1, 2),
-            (256, 700, 4, 64, 8, 2),
-            (32, 2000, 7, 128, 2, 4),
-            (3, 90, 3, 80, 2, 2),
-            (3, 90, 8, 16, 2, 2),
-        ] {
-            let p = plan_decode_attention(seqs, ctx, rep, d, hkv, 16, kvb, 132).unwrap();
-            assert!(p.shared_bytes <= SHARED_LIMIT, "{p:?}");
-            assert_eq!(p.part_size % DECODE_MIN_PART, 0);
-            assert!(p.num_splits * p.part_size >= ctx, "{p:?}");
-            assert!((p.num_splits - 1) * p.part_size < ctx, "{p:?}");
-            // about 8 blocks per multiprocessor (partitions rounded up to whole minimums),
-            // unless partitions would fall below the minimum
-            let blocks = seqs * hkv * p.num_splits;
-            assert!(
-                blocks * (p.part_size + DECODE_MIN_PART) >= 8 * 132 * p.part_size
-                    || p.part_size == DECODE_MIN_PART,
-                "{p:?}: {blocks} blocks"
-            );
-        }
-        // one sequence of 4096 keys over 8 kv heads: split, partitions of the minimum size
-        let p = plan_decode_attention(1, 4096, 4, 64, 8, 16, 4, 132).unwrap();
-        assert_eq!((p.part_size, p.num_splits), (32, 128));
-        // a full batch is not split
-        assert_eq!(
-            plan_decode_attention(256, 700, 4, 64, 8, 16, 4, 132).map(|p| p.num_splits),
-            Some(1)
-        );
-        // no instance for the head size, too many query heads, a block size not a power of two
-        assert!(plan_decode_attention(1, 10, 4, 48, 8, 16, 4, 132).is_none());
-        assert!(plan_decode_attention(1, 10, 9, 64, 1, 16, 4, 132).is_none());
-        assert!(plan_decode_attention(1, 10, 4, 64, 8, 12, 4, 132).is_none());
     }
 }
