@@ -136,6 +136,29 @@ fn batch_with_preemption_equals_each_alone_under_tensor_parallelism() {
     );
 }
 
+/// The same under pipeline parallelism 2, where two steps are in flight at once (each of
+/// half the requests; every eighth prompt is also run alone): preemption, prefix caching and blocks freed and handed over while a
+/// step still runs give every prompt its tokens alone.
+#[test]
+fn batch_with_preemption_equals_each_alone_under_pipeline_parallelism() {
+    let prompts = prompts(64);
+    let max_tokens = |i: usize| 4 + i % 5;
+    let pp2 = ParallelConfig {
+        tensor: 1,
+        pipeline: 2,
+    };
+    let (want, lens) = alone(&prompts, max_tokens, pp2, |i| i % 8 == 1);
+    together(
+        &prompts,
+        &want,
+        &lens,
+        max_tokens,
+        true,
+        PreemptionMode::Recompute,
+        pp2,
+    );
+}
+
 /// All prompts at once in a pool of 2048 tokens (SmolLM2: 46080 bytes of K/V per token).
 fn together(
     prompts: &[String],
@@ -187,6 +210,9 @@ fn together(
         e.stats().preemptions > 0,
         "the pool was meant to be too small: no preemption happened"
     );
+    if parallel.pipeline > 1 {
+        assert!(st.overlapped_steps > 0, "{st:?}");
+    }
     let usage = e.kv_usage();
     assert_eq!(
         usage.blocks_used, 0,

@@ -22,8 +22,16 @@ fn split(tensor: usize, pipeline: usize) -> ParallelConfig {
 }
 
 fn runner(model: &LoadedModel, parallel: ParallelConfig) -> anyhow::Result<Box<dyn ModelRunner>> {
+    runner_on(BackendKind::Cpu, model, parallel)
+}
+
+fn runner_on(
+    backend: BackendKind,
+    model: &LoadedModel,
+    parallel: ParallelConfig,
+) -> anyhow::Result<Box<dyn ModelRunner>> {
     let args = RunnerArgs {
-        backend: BackendKind::Cpu,
+        backend,
         dtype: DType::F32.into(),
         kv_cache_dtype: Default::default(),
         block_size: 16,
@@ -56,8 +64,21 @@ fn check_greedy_on(
     cases: &[(Vec<u32>, Vec<u32>)],
     what: &str,
 ) {
+    check_greedy_with(BackendKind::Cpu, path, parallel, nodes, cases, what)
+}
+
+/// The same, on `backend`'s devices.
+fn check_greedy_with(
+    backend: BackendKind,
+    path: &Path,
+    parallel: ParallelConfig,
+    nodes: NodeConfig,
+    cases: &[(Vec<u32>, Vec<u32>)],
+    what: &str,
+) {
     let mut llm = LLM::new(EngineArgs {
         model: Some(path.to_path_buf()),
+        backend,
         dtype: DType::F32.into(),
         kv_budget: Some(KvBudget::Bytes(256 << 20)),
         block_size: 4,
@@ -96,6 +117,11 @@ fn check_greedy_on(
     // every block came back to the one pool
     let u = llm.engine().kv_usage();
     assert_eq!(u.blocks_used, 0, "{u:?}");
+    // with several stages, the steps overlapped (one stage on a step while the next runs the
+    // one before), given more than one request to keep apart
+    if parallel.pipeline > 1 && cases.len() > 1 {
+        assert!(llm.engine().stats().overlapped_steps > 0, "{parallel:?}");
+    }
 }
 
 /// The top-5 logits of the single device at the end of each prompt, under each split, within
@@ -159,6 +185,21 @@ fn qwen25_tensor_2_and_7_with_kv_heads_replicated_reproduce_the_goldens() {
     check_logits(&model, &splits, &prompts);
 }
 
+/// The tiny model's transformers goldens.
+fn tiny_cases(m: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let text = std::fs::read_to_string(tiny("goldens.json")).unwrap();
+    let goldens: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let cases: Vec<(Vec<u32>, Vec<u32>)> = goldens["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["model"] == m)
+        .map(|e| (ids(&e["prompt_ids"]), ids(&e["generated_ids"])))
+        .collect();
+    assert!(!cases.is_empty(), "{m}");
+    cases
+}
+
 fn tiny(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/tiny")
@@ -171,17 +212,8 @@ fn tiny(name: &str) -> PathBuf {
 /// in parallel): their transformers goldens under tensor 2, pipeline 2 and both.
 #[test]
 fn tiny_families_split_reproduce_their_goldens() {
-    let text = std::fs::read_to_string(tiny("goldens.json")).unwrap();
-    let goldens: serde_json::Value = serde_json::from_str(&text).unwrap();
     for &m in TINY_FAMILIES {
-        let cases: Vec<(Vec<u32>, Vec<u32>)> = goldens["entries"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|e| e["model"] == m)
-            .map(|e| (ids(&e["prompt_ids"]), ids(&e["generated_ids"])))
-            .collect();
-        assert!(!cases.is_empty(), "{m}");
+        let cases = tiny_cases(m);
         for s in [split(2, 1), split(1, 2), split(2, 2)] {
             check_greedy(&tiny(m), s, &cases, m);
         }
@@ -221,15 +253,176 @@ fn splits_that_cannot_work_are_clear_errors_before_loading() {
         .err()
         .expect("an error")
     );
-    assert!(e.contains("CPU backend only"), "{e}");
+    // no CUDA here: the error says why, before any weight is loaded
+    assert!(e.contains("CUDA") || e.contains("cuda"), "{e}");
+    // more workers than devices
+    let e = format!(
+        "{:#}",
+        create_runner(
+            &smol,
+            &RunnerArgs {
+                backend: BackendKind::Emu,
+                dtype: DType::F32.into(),
+                kv_cache_dtype: Default::default(),
+                block_size: 16,
+                kv_budget: None,
+                max_model_len: 1024,
+                max_useful_blocks: 64,
+                parallel: split(3, 3),
+                nodes: NodeConfig::default(),
+            },
+            &mut |_, _| {}
+        )
+        .err()
+        .expect("an error")
+    );
+    assert!(
+        e.contains("needs 9 devices on this node, and this process sees 8"),
+        "{e}"
+    );
+}
+
+/// One worker per emulated GPU (`--backend emu`: the CUDA kernels and the GPU backend's host
+/// code, each worker with its own device memory), exchanging activations through the host.
+#[test]
+fn workers_on_emulated_gpus_reproduce_the_goldens() {
+    let cases = tiny_cases("mistral");
+    for s in [split(2, 1), split(1, 2)] {
+        check_greedy_with(
+            BackendKind::Emu,
+            &tiny("mistral"),
+            s,
+            NodeConfig::default(),
+            &cases,
+            "emu",
+        );
+    }
+}
+
+/// Builds `tests/data/ccl_host.cc`, a library with NCCL's C API over host memory.
+fn build_ccl_host(dir: &Path) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/ccl_host.cc");
+    let lib = dir.join("libccl_host.so");
+    let out = Command::new("c++")
+        .args(["-std=c++17", "-O1", "-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .expect("a C++ compiler (c++)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    lib
+}
+
+/// The NCCL binding (src/parallel/ccl.rs) on the emulated GPUs, through a library with NCCL's
+/// API over host memory: every collective the sharded models use (all-reduce in place, the
+/// pipeline's send and receive) goes through the binding's real calls, and the goldens come
+/// out. A library that is not there is a clear error before any weight is loaded.
+///
+/// NOTE: the library is named in the environment, which the emulator reads when it opens: the
+/// test runs itself again in a child process with it set (tests in one process share theirs).
+#[test]
+fn workers_on_emulated_gpus_through_an_nccl_api_library_reproduce_the_goldens() {
+    const NAME: &str = "workers_on_emulated_gpus_through_an_nccl_api_library_reproduce_the_goldens";
+    let Some(lib) = std::env::var_os("PAGODA_EMU_CCL").map(PathBuf::from) else {
+        let dir = tempfile::tempdir().unwrap();
+        let built = build_ccl_host(dir.path());
+        for lib in [built, dir.path().join("libnccl-missing.so")] {
+            let out = Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+                .env("PAGODA_EMU_CCL", &lib)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "{}: {text}",
+                lib.display()
+            );
+        }
+        return;
+    };
+    let path = tiny("mistral");
+    if !lib.exists() {
+        let model = load_model(&path).unwrap();
+        let args = RunnerArgs {
+            backend: BackendKind::Emu,
+            dtype: DType::F32.into(),
+            kv_cache_dtype: Default::default(),
+            block_size: 16,
+            kv_budget: Some(KvBudget::Bytes(16 << 20)),
+            max_model_len: 256,
+            max_useful_blocks: 64,
+            parallel: split(2, 1),
+            nodes: NodeConfig::default(),
+        };
+        let mut loaded = 0;
+        let e = create_runner(&model, &args, &mut |_, _| loaded += 1)
+            .err()
+            .expect("an error");
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("was not found (tried") && e.contains("libnccl-missing.so"),
+            "{e}"
+        );
+        assert_eq!(loaded, 0, "no layer is loaded before the error");
+        return;
+    }
+    let cases = tiny_cases("mistral");
+    for s in [split(2, 1), split(1, 2), split(2, 2)] {
+        let mut llm = LLM::new(EngineArgs {
+            model: Some(path.clone()),
+            backend: BackendKind::Emu,
+            dtype: DType::F32.into(),
+            kv_budget: Some(KvBudget::Bytes(16 << 20)),
+            block_size: 4,
+            max_num_batched_tokens: Some(64),
+            parallel: s,
+            ..Default::default()
+        })
+        .unwrap();
+        let name = llm.engine().backend_name();
+        assert!(
+            name.contains(&format!(
+                "through the collective library of PAGODA_EMU_CCL {}",
+                lib.display()
+            )),
+            "{name}"
+        );
+        let reqs = cases
+            .iter()
+            .map(|(p, want)| {
+                let params = SamplingParams {
+                    max_tokens: Some(want.len()),
+                    ignore_eos: true,
+                    ..SamplingParams::greedy()
+                };
+                (Prompt::Tokens(p.clone()), params)
+            })
+            .collect();
+        let outs = llm.generate_each(reqs).unwrap();
+        for (i, ((_, want), o)) in cases.iter().zip(&outs).enumerate() {
+            assert_eq!(&o.outputs[0].token_ids, want, "{s:?}: prompt {i}");
+        }
+    }
+    // a failed step aborts the communicators, and the next step makes them anew
+    a_failed_step_leaves_the_workers_usable_on(BackendKind::Emu);
 }
 
 /// A failing step (a position past the RoPE tables, refused by every worker) is an error, and
 /// the workers run the next step as if nothing had happened.
 #[test]
 fn a_failed_step_leaves_the_workers_usable() {
+    a_failed_step_leaves_the_workers_usable_on(BackendKind::Cpu);
+}
+
+fn a_failed_step_leaves_the_workers_usable_on(backend: BackendKind) {
     let model = load_model(&tiny("mistral")).unwrap();
-    let mut r = runner(&model, split(2, 2)).unwrap();
+    let mut r = runner_on(backend, &model, split(2, 2)).unwrap();
     let prompt: Vec<u32> = vec![5, 17, 33, 2, 9];
     let before = prefill(r.as_mut(), &prompt);
     let table: Vec<u32> = (1..64u32).rev().collect();
@@ -238,6 +431,40 @@ fn a_failed_step_leaves_the_workers_usable() {
     let e = format!("{:#}", r.execute(bad).unwrap_err());
     assert!(e.contains("beyond the maximum model length"), "{e}");
     assert!(!e.contains("another worker failed"), "{e}");
+    assert_eq!(prefill(r.as_mut(), &prompt), before);
+}
+
+/// With pipeline parallelism two steps are in flight; the second fails in every worker. The
+/// failure comes back (with the first step's results, or instead of them when the abort
+/// reached the first step's collectives), nothing hangs, and the workers run the next step as
+/// if nothing had happened.
+#[test]
+fn a_failed_step_with_another_in_flight_leaves_the_workers_usable() {
+    let model = load_model(&tiny("mistral")).unwrap();
+    let mut r = runner(&model, split(2, 2)).unwrap();
+    assert_eq!(r.max_in_flight(), 2);
+    let prompt: Vec<u32> = vec![5, 17, 33, 2, 9];
+    let before = prefill(r.as_mut(), &prompt);
+    let table: Vec<u32> = (1..64u32).rev().collect();
+    let good = single_sequence_step(prompt.clone(), 0, &table, 16);
+    let mut bad = good.clone();
+    bad.positions[2] = 1 << 20;
+    r.start(good, false).unwrap();
+    r.start(bad, false).unwrap();
+    let e = match r.finish() {
+        Ok((logits, None)) => {
+            assert_eq!(logits, before);
+            r.finish().unwrap_err()
+        }
+        Ok(_) => panic!("token ids for a step that asked for logits"),
+        Err(e) => {
+            let again = format!("{:#}", r.finish().unwrap_err());
+            assert!(again.contains("no step is in flight"), "{again}");
+            e
+        }
+    };
+    let e = format!("{e:#}");
+    assert!(e.contains("beyond the maximum model length"), "{e}");
     assert_eq!(prefill(r.as_mut(), &prompt), before);
 }
 

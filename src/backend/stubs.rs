@@ -216,6 +216,20 @@ macro_rules! unavailable_backend {
                 }
             }
         }
+        impl crate::parallel::MultiDevice for $name {
+            fn device_count() -> Result<usize> {
+                Self::new().map(|b| match b.0 {})
+            }
+            fn open_device(_device: usize) -> Result<Self> {
+                Self::new()
+            }
+            fn device_groups(
+                _: crate::parallel::ParallelConfig,
+                _: &[usize],
+            ) -> Result<Option<crate::parallel::DeviceGroups<Self>>> {
+                Self::new().map(|b| match b.0 {})
+            }
+        }
     };
 }
 

@@ -21,7 +21,8 @@ use crate::sampling::{
     token_logprob,
 };
 use crate::sched::{
-    FinishReason, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
+    FinishReason, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig, SchedulerOutput,
+    SchedulingPolicy,
 };
 use crate::tensor::WeightDtype;
 use anyhow::{Context, Result};
@@ -300,10 +301,60 @@ pub struct EngineStats {
     pub blocks_swapped_in: u64,
     pub swap_bytes: u64,
     pub step_time_s: f64,
+    /// Steps started while another was in flight (pipeline parallelism).
+    pub overlapped_steps: u64,
+}
+
+/// A scheduled step on its way through the model, and what its results are for.
+struct PendingStep {
+    sched: SchedulerOutput,
+    /// The requests that sample a token, and the logits row of each.
+    sampling: Vec<RequestId>,
+    sample_rows: Vec<usize>,
+    /// The prompt rows asked for by `prompt_logprobs`: (request, position whose next token
+    /// they score, row).
+    prompt_rows: Vec<(RequestId, usize, usize)>,
+    /// Every sampled row is plain greedy: the runner returns token ids, not logits.
+    greedy_only: bool,
+}
+
+/// A structured-output request's allowed tokens for the next step, or why there are none.
+type Masked = std::result::Result<llguidance::toktrie::SimpleVob, String>;
+
+/// The matchers of the constrained requests among `sampling`.
+/// NOTE: nothing is collected in a step without a constrained row (the common case).
+fn constrained_matchers<'a>(
+    states: &'a mut HashMap<RequestId, RequestState>,
+    sampling: &[RequestId],
+) -> Vec<(RequestId, &'a mut llguidance::Matcher)> {
+    if !sampling
+        .iter()
+        .any(|id| states.get(id).is_some_and(|st| st.matcher.is_some()))
+    {
+        return Vec::new();
+    }
+    let wanted: std::collections::HashSet<RequestId> = sampling.iter().copied().collect();
+    states
+        .iter_mut()
+        .filter(|(id, _)| wanted.contains(id))
+        .filter_map(|(id, st)| st.matcher.as_mut().map(|m| (*id, m)))
+        .collect()
+}
+
+fn compute_masks(
+    constrained: Vec<(RequestId, &mut llguidance::Matcher)>,
+) -> HashMap<RequestId, Masked> {
+    constrained
+        .into_iter()
+        .map(|(id, m)| (id, allowed_tokens(m)))
+        .collect()
 }
 
 pub struct Engine {
     runner: Box<dyn ModelRunner>,
+    /// Steps in flight (pipeline parallelism), oldest first, and how many may be.
+    pending: std::collections::VecDeque<PendingStep>,
+    depth: usize,
     scheduler: Scheduler,
     tokenizer: Arc<Tokenizer>,
     config: ModelConfig,
@@ -415,6 +466,15 @@ impl Engine {
                 (host_blocks * block_bytes) >> 20
             );
         }
+        // NOTE: swap preemption's copies go between steps, so it keeps one step in flight.
+        let depth = if args.preemption_mode == PreemptionMode::Swap {
+            1
+        } else {
+            runner.max_in_flight().max(1)
+        };
+        if depth > 1 {
+            tracing::info!("pipeline parallelism: up to {depth} steps in flight");
+        }
         let sched_cfg = SchedulerConfig {
             max_num_batched_tokens: args
                 .max_num_batched_tokens
@@ -423,6 +483,7 @@ impl Engine {
             max_model_len,
             policy: args.scheduling,
             preemption_mode: args.preemption_mode,
+            steps_in_flight: depth,
         };
         let scheduler = Scheduler::new(sched_cfg, kv);
         let eff_len = scheduler.config().max_model_len;
@@ -447,6 +508,8 @@ impl Engine {
             );
         }
         Ok(Engine {
+            pending: Default::default(),
+            depth,
             runner,
             scheduler,
             tokenizer: Arc::new(model.tokenizer),
@@ -722,15 +785,23 @@ impl Engine {
 
     /// One engine step: schedule, execute, update. Returns an output for every request that
     /// produced a token or ended.
+    ///
+    /// NOTE: with pipeline parallelism several steps are in flight (vLLM's virtual engines):
+    /// see [`Engine::step_pipelined`].
     pub fn step(&mut self) -> Result<Vec<StepOutput>> {
+        if self.depth > 1 {
+            return self.step_pipelined();
+        }
         let t0 = Instant::now();
         let sched = self.scheduler.schedule();
         self.stats.preemptions += sched.preempted.len() as u64;
         if !sched.swap_out.is_empty() || !sched.swap_in.is_empty() {
             // NOTE: before the forward, which may write the blocks just swapped out.
-            self.runner
-                .swap_blocks(&sched.swap_out, &sched.swap_in)
-                .inspect_err(|_| self.scheduler.reset_prefix_cache())?;
+            if let Err(e) = self.runner.swap_blocks(&sched.swap_out, &sched.swap_in) {
+                self.scheduler.reset_prefix_cache();
+                self.scheduler.step_failed(&sched);
+                return Err(e);
+            }
             let n = (sched.swap_out.len() + sched.swap_in.len()) as u64;
             self.stats.blocks_swapped_out += sched.swap_out.len() as u64;
             self.stats.blocks_swapped_in += sched.swap_in.len() as u64;
@@ -739,8 +810,127 @@ impl Engine {
         if sched.is_empty() {
             return Ok(Vec::new());
         }
+        let (input, step) = match self.prepare_step(sched) {
+            Ok(x) => x,
+            Err((e, sched)) => {
+                self.scheduler.step_failed(&sched);
+                return Err(e);
+            }
+        };
+        let greedy_only = step.greedy_only;
+        let runner = &mut self.runner;
+        let execute = move || {
+            if greedy_only {
+                runner.execute_greedy(input).map(|g| (Vec::new(), Some(g)))
+            } else {
+                runner.execute(input).map(|l| (l, None))
+            }
+        };
+        // NOTE: the structured-output masks are computed while the model runs (as vLLM
+        // overlaps them): they depend only on each request's output so far.
+        let constrained = constrained_matchers(&mut self.states, &step.sampling);
+        let (executed, masks) = if constrained.is_empty() {
+            (execute(), HashMap::new())
+        } else {
+            // NOTE: the model runs on this thread (a GPU context is bound to it); the masks
+            // on a scoped one.
+            let ids: Vec<RequestId> = constrained.iter().map(|(id, _)| *id).collect();
+            std::thread::scope(|scope| {
+                let masks = scope.spawn(move || compute_masks(constrained));
+                let executed = execute();
+                let masks = masks.join().unwrap_or_else(|_| {
+                    ids.into_iter()
+                        .map(|id| (id, Err("the mask thread panicked".to_string())))
+                        .collect()
+                });
+                (executed, masks)
+            })
+        };
+        let outputs = match executed {
+            Ok((logits, greedy_ids)) => self.complete_step(step, logits, greedy_ids, masks),
+            Err(e) => {
+                // NOTE: blocks registered in the prefix cache this step were not (all)
+                // written: forget every cached prefix rather than let a later request read
+                // them.
+                self.scheduler.reset_prefix_cache();
+                self.scheduler.step_failed(&step.sched);
+                return Err(e);
+            }
+        };
+        self.stats.step_time_s += t0.elapsed().as_secs_f64();
+        outputs
+    }
 
-        // Build the flattened batch (see ARCHITECTURE.md, "One engine step").
+    /// A step of pipeline parallelism: up to `depth` (the stages) steps in flight, each of
+    /// other requests (a request is in one step at a time: its next token needs the last). A
+    /// call schedules and starts a new step while there is room and something to run, and
+    /// returns at once; once the queue is full, or nothing more can be scheduled, it waits for
+    /// the oldest step and returns its outputs. The stages then work on different steps at
+    /// the same time instead of taking turns. Each worker runs its steps in the order they were
+    /// started, so a block freed and handed to a new request is written by the new step only
+    /// after the old one is done with it.
+    fn step_pipelined(&mut self) -> Result<Vec<StepOutput>> {
+        let t0 = Instant::now();
+        let mut started = false;
+        if self.pending.len() < self.depth {
+            let sched = self.scheduler.schedule();
+            self.stats.preemptions += sched.preempted.len() as u64;
+            // NOTE: swap preemption keeps one step in flight (`Engine::new`).
+            debug_assert!(sched.swap_out.is_empty() && sched.swap_in.is_empty());
+            if !sched.is_empty() {
+                let (input, step) = match self.prepare_step(sched) {
+                    Ok(x) => x,
+                    Err((e, sched)) => {
+                        self.scheduler.step_failed(&sched);
+                        return Err(self.fail_pending(e));
+                    }
+                };
+                if let Err(e) = self.runner.start(input, step.greedy_only) {
+                    self.scheduler.step_failed(&step.sched);
+                    return Err(self.fail_pending(e));
+                }
+                self.stats.overlapped_steps += u64::from(!self.pending.is_empty());
+                self.pending.push_back(step);
+                started = true;
+            }
+        }
+        if started && self.pending.len() < self.depth {
+            self.stats.step_time_s += t0.elapsed().as_secs_f64();
+            return Ok(Vec::new());
+        }
+        let Some(step) = self.pending.pop_front() else {
+            return Ok(Vec::new());
+        };
+        // NOTE: the masks are computed while the stages run the steps in flight.
+        let masks = compute_masks(constrained_matchers(&mut self.states, &step.sampling));
+        let outputs = match self.runner.finish() {
+            Ok((logits, greedy_ids)) => self.complete_step(step, logits, greedy_ids, masks),
+            Err(e) => {
+                self.scheduler.step_failed(&step.sched);
+                return Err(self.fail_pending(e));
+            }
+        };
+        self.stats.step_time_s += t0.elapsed().as_secs_f64();
+        outputs
+    }
+
+    /// After a failed step with others in flight: the runner has dropped them all; their
+    /// requests are scheduled again from where they were, and the cached prefixes (whose
+    /// blocks were not all written) are forgotten.
+    fn fail_pending(&mut self, e: anyhow::Error) -> anyhow::Error {
+        for step in std::mem::take(&mut self.pending) {
+            self.scheduler.step_failed(&step.sched);
+        }
+        self.scheduler.reset_prefix_cache();
+        e
+    }
+
+    /// The flattened batch of a schedule (see ARCHITECTURE.md, "One engine step"), and what
+    /// its results are for. On an error the schedule comes back with it.
+    fn prepare_step(
+        &mut self,
+        sched: SchedulerOutput,
+    ) -> std::result::Result<(BatchInput, PendingStep), (anyhow::Error, SchedulerOutput)> {
         let bs = self.scheduler.kv().block_size();
         let max_blocks = sched
             .scheduled
@@ -759,10 +949,9 @@ impl Engine {
         let mut sample_rows = Vec::new();
         let mut prompt_rows: Vec<(RequestId, usize, usize)> = Vec::new();
         for s in &sched.scheduled {
-            let req = self
-                .scheduler
-                .request(s.id)
-                .context("scheduled request is unknown")?;
+            let Some(req) = self.scheduler.request(s.id) else {
+                return Err((anyhow::anyhow!("scheduled request is unknown"), sched));
+            };
             let range = s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens;
             // NOTE: positions whose scores were taken before (a preempted request recomputes
             // its prompt) are not taken again.
@@ -812,63 +1001,43 @@ impl Engine {
                     .get(id)
                     .is_some_and(|st| argmax_suffices(&st.params))
             });
-        let runner = &mut self.runner;
-        let execute = move || {
-            if greedy_only {
-                runner.execute_greedy(input).map(|g| (Vec::new(), Some(g)))
-            } else {
-                runner.execute(input).map(|l| (l, None))
-            }
-        };
-        // NOTE: the structured-output masks are computed while the model runs (as vLLM
-        // overlaps them): they depend only on each request's output so far.
-        // NOTE: nothing is collected in a step without a constrained row (the common case).
-        let any_constrained = sampling
-            .iter()
-            .any(|id| self.states.get(id).is_some_and(|st| st.matcher.is_some()));
-        let constrained: Vec<(RequestId, &mut llguidance::Matcher)> = if any_constrained {
-            let wanted: std::collections::HashSet<RequestId> = sampling.iter().copied().collect();
-            self.states
-                .iter_mut()
-                .filter(|(id, _)| wanted.contains(id))
-                .filter_map(|(id, st)| st.matcher.as_mut().map(|m| (*id, m)))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let (executed, mut masks) = if constrained.is_empty() {
-            (execute(), HashMap::new())
-        } else {
-            // NOTE: the model runs on this thread (a GPU context is bound to it); the masks
-            // on a scoped one.
-            let ids: Vec<RequestId> = constrained.iter().map(|(id, _)| *id).collect();
-            std::thread::scope(|scope| {
-                let masks = scope.spawn(move || {
-                    constrained
-                        .into_iter()
-                        .map(|(id, m)| (id, allowed_tokens(m)))
-                        .collect::<HashMap<_, _>>()
-                });
-                let executed = execute();
-                let masks = masks.join().unwrap_or_else(|_| {
-                    ids.into_iter()
-                        .map(|id| (id, Err("the mask thread panicked".to_string())))
-                        .collect()
-                });
-                (executed, masks)
-            })
-        };
-        // NOTE: blocks registered in the prefix cache this step were not (all) written: forget
-        // every cached prefix rather than let a later request read them.
-        let (logits, greedy_ids) = executed.inspect_err(|_| self.scheduler.reset_prefix_cache())?;
+        Ok((
+            input,
+            PendingStep {
+                sched,
+                sampling,
+                sample_rows,
+                prompt_rows,
+                greedy_only,
+            },
+        ))
+    }
+
+    /// Samples a step's tokens from its results and applies them: the scheduler's update, stop
+    /// strings, detokenization, the outputs.
+    fn complete_step(
+        &mut self,
+        step: PendingStep,
+        logits: Vec<f32>,
+        greedy_ids: Option<Vec<u32>>,
+        mut masks: HashMap<RequestId, Masked>,
+    ) -> Result<Vec<StepOutput>> {
+        let PendingStep {
+            sched,
+            sampling,
+            sample_rows,
+            prompt_rows,
+            ..
+        } = step;
         let vocab = self.config.vocab_size;
 
+        // NOTE: a request aborted while its step was in flight has no state any more: its
+        // results are dropped.
         for &(id, pos, row) in &prompt_rows {
-            let req = self.scheduler.request(id).context("request is unknown")?;
-            let st = self
-                .states
-                .get_mut(&id)
-                .context("request state is missing")?;
+            let (Some(req), Some(st)) = (self.scheduler.request(id), self.states.get_mut(&id))
+            else {
+                continue;
+            };
             let row = &logits[row * vocab..(row + 1) * vocab];
             let next = req.tokens[pos + 1];
             let k = st.params.prompt_logprobs.unwrap_or(0);
@@ -882,14 +1051,10 @@ impl Engine {
                 continue;
             }
             let i = sample_rows[i];
-            let req = self
-                .scheduler
-                .request(*id)
-                .context("sampled request is unknown")?;
-            let st = self
-                .states
-                .get_mut(id)
-                .context("request state is missing")?;
+            let (Some(req), Some(st)) = (self.scheduler.request(*id), self.states.get_mut(id))
+            else {
+                continue;
+            };
             let row = &logits[i * vocab..(i + 1) * vocab];
             let banned = banned_tokens(st, req.output());
             // NOTE: a grammar that fails midway lets the output end (its stop tokens only)
@@ -1009,7 +1174,6 @@ impl Engine {
             self.emit(group, out, cum_logprob, &mut outputs)?;
         }
         self.stats.steps += 1;
-        self.stats.step_time_s += t0.elapsed().as_secs_f64();
         Ok(outputs)
     }
 

@@ -182,7 +182,7 @@ pub(super) fn gather(
 pub(super) fn start(p: Pending, num_blocks: usize, comms: [LocalComm; 2]) -> Result<Worker> {
     let Pending { mut conn, .. } = p;
     conn.send(&Msg::Start(Ok(num_blocks as u64)))?;
-    let Conn { reader, writer } = conn;
+    let Conn { reader, writer, .. } = conn;
     let writer = Arc::new(Mutex::new(writer));
     let (tx, replies) = channel();
     let w = writer.clone();
@@ -247,7 +247,7 @@ fn proxy(
 }
 
 /// A node other than 0: connects its workers to node 0, loads their shards, and runs their
-/// steps until node 0 closes the connections. CPU backend only, as every parallel run for now.
+/// steps until node 0 closes the connections. CPU backend only for now.
 pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
     let pc = args.parallel;
     let nodes = &args.nodes;
@@ -258,8 +258,8 @@ pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
     }
     if args.backend != crate::backend::BackendKind::Cpu {
         bail!(
-            "workers on other nodes run on the CPU backend only for now ({} would need NCCL, \
-             not implemented yet); pass --backend cpu",
+            "workers on other nodes run on the CPU backend only for now ({} would need NCCL's \
+             bootstrap across nodes, not implemented yet); pass --backend cpu",
             args.backend.name()
         );
     }
@@ -294,11 +294,11 @@ pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
             pp: comm(PP, w / pc.tensor, pc.pipeline),
             layers: stage_layers(pc, model.config.num_layers, w),
         };
-        places.push((place, link));
+        places.push((0, place, link));
     }
-    let links: Vec<Arc<Mutex<Conn>>> = places.iter().map(|(_, l)| l.clone()).collect();
+    let links: Vec<Arc<Mutex<Conn>>> = places.iter().map(|(_, _, l)| l.clone()).collect();
     let loaded = load_shards(
-        &|| Ok(CpuBackend::new()),
+        &|_| Ok(CpuBackend::new()),
         model,
         args,
         positions,
@@ -362,7 +362,13 @@ pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
 fn remote_worker(runner: &mut Runner<CpuBackend>, link: &Mutex<Conn>) -> Result<()> {
     loop {
         // NOTE: the lock is not held while the job runs: its collectives use the connection.
-        let msg = read_msg(&mut lock(link).reader)?;
+        let msg = {
+            let mut c = lock(link);
+            match c.queued.pop_front() {
+                Some(m) => Some(m),
+                None => read_msg(&mut c.reader)?,
+            }
+        };
         let job = match msg {
             None => return Ok(()),
             Some(Msg::Execute(input)) => Job::Execute(Arc::new(input)),

@@ -9,7 +9,7 @@ use crate::backend::{
 use crate::models::WeightStats;
 use crate::models::kv_cache::{self, KvCache, KvCacheDtype, LayerKvSpec};
 use crate::models::{CausalLm, LoadedModel, registry};
-use crate::parallel::{NodeConfig, ParallelConfig};
+use crate::parallel::{MultiDevice, NodeConfig, ParallelConfig};
 use crate::tensor::{DType, WeightDtype};
 use anyhow::{Context, Result, bail};
 
@@ -52,6 +52,23 @@ pub trait ModelRunner: Send {
     /// How the model is split over workers (1 and 1: one device).
     fn parallel(&self) -> ParallelConfig {
         ParallelConfig::default()
+    }
+    /// How many steps may be in flight at once ([`Self::start`]): the pipeline's stages; 1
+    /// where steps run one at a time.
+    fn max_in_flight(&self) -> usize {
+        1
+    }
+    /// Starts a step and returns without waiting for it (where [`Self::max_in_flight`] is
+    /// more than 1): [`Self::finish`] returns the results of the steps started, oldest first,
+    /// as `execute` (logits) or, with `greedy`, as `execute_greedy` (token ids) would.
+    fn start(&mut self, input: BatchInput, greedy: bool) -> Result<()> {
+        let _ = (input, greedy);
+        bail!("this runner runs one step at a time")
+    }
+    /// Waits for the oldest step started and returns its logits, or its token ids. After an
+    /// error every step in flight is dropped.
+    fn finish(&mut self) -> Result<(Vec<f32>, Option<Vec<u32>>)> {
+        bail!("this runner runs one step at a time")
     }
 }
 
@@ -260,39 +277,48 @@ pub fn create_runner(
     }
 }
 
-/// Workers for tensor and pipeline parallelism: on the CPU backend only, for now.
+/// Workers for tensor and pipeline parallelism: one per device on CUDA and HIP (NCCL, RCCL),
+/// on the emulated GPU (through the host), and threads sharing the CPU.
 fn create_parallel(
     model: &LoadedModel,
     args: &RunnerArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn ModelRunner>> {
-    let gpu = match args.backend {
-        BackendKind::Cpu => None,
+    use super::workers::build_parallel;
+    let kind = match args.backend {
+        // NOTE: `auto` picks a GPU where there is one, as for one device.
         BackendKind::Auto => {
-            // NOTE: `auto` would pick a GPU where there is one; running on the CPU there
-            // instead would be a silent surprise.
-            if CudaBackend::new().is_ok() {
-                Some("cuda")
-            } else if HipBackend::new().is_ok() {
-                Some("hip")
+            if CudaBackend::device_count().is_ok() {
+                BackendKind::Cuda
+            } else if HipBackend::device_count().is_ok() {
+                BackendKind::Hip
             } else if WgpuBackend::new_hardware().is_ok() {
-                Some("wgpu")
+                BackendKind::Wgpu
             } else {
-                None
+                BackendKind::Cpu
             }
         }
-        k => Some(k.name()),
+        k => k,
     };
-    if let Some(gpu) = gpu {
+    if kind != BackendKind::Cpu && !args.nodes.is_single() {
         bail!(
-            "--tensor-parallel-size {} --pipeline-parallel-size {} runs on the CPU backend only \
-             for now ({gpu} would need a device communicator: NCCL is not implemented yet); \
-             pass --backend cpu",
-            args.parallel.tensor,
-            args.parallel.pipeline
+            "workers on several nodes run on the CPU backend only for now (their activations \
+             go through node 0 over TCP; NCCL's own bootstrap across nodes is not implemented); \
+             pass --backend cpu"
         );
     }
-    super::workers::build_parallel(|| Ok(CpuBackend::new()), model, args, progress)
+    match kind {
+        BackendKind::Cuda => build_parallel::<CudaBackend>(model, args, progress),
+        BackendKind::Hip => build_parallel::<HipBackend>(model, args, progress),
+        BackendKind::Emu => build_parallel::<EmuBackend>(model, args, progress),
+        BackendKind::Wgpu => bail!(
+            "--tensor-parallel-size {} --pipeline-parallel-size {} is not available on wgpu (it \
+             has no way to pass buffers between devices); use cuda, hip or cpu",
+            args.parallel.tensor,
+            args.parallel.pipeline
+        ),
+        _ => build_parallel::<CpuBackend>(model, args, progress),
+    }
 }
 
 /// The KV budget on a device with its own memory, measured after the weights are loaded, as

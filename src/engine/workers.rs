@@ -11,10 +11,10 @@
 //!  ◀── logits [R, vocab]: the last stage's parts side by side
 //! ```
 //!
-//! NOTE: one batch is in flight at a time, so with pipeline parallelism one stage computes
-//! while the others wait (vLLM keeps `pp` micro-batches in flight through virtual engines;
-//! not done here). On the CPU the workers share the cores, so this is a way to test the
-//! sharded model, not a speed-up.
+//! NOTE: with pipeline parallelism up to one step per stage is in flight (vLLM's virtual
+//! engines; the engine keeps them apart, `Engine::step_pipelined`): each worker runs its jobs
+//! in order, so stage 0 starts the next step while stage 1 runs the last. On the CPU the
+//! workers share the cores, so this is a way to test the sharded model more than a speed-up.
 
 use super::nodes;
 use super::runner::{LogitsPart, ModelRunner, Runner, RunnerArgs, kv_spec, plan, pool_blocks};
@@ -22,9 +22,13 @@ use crate::backend::{Backend, BatchInput};
 use crate::models::kv_cache;
 use crate::models::{LoadedModel, WeightStats, registry};
 use crate::parallel::tcp::{Msg, write_msg};
-use crate::parallel::{Communicator, LocalComm, LocalGroup, ParallelConfig, Placement, split_even};
+use crate::parallel::{
+    Communicator, GroupControl, LocalComm, LocalGroup, MultiDevice, ParallelConfig, Placement,
+    split_even,
+};
 use crate::tensor::DType;
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use std::collections::VecDeque;
 use std::io::BufWriter;
 use std::net::TcpStream;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -78,13 +82,20 @@ pub struct ParallelRunner {
     config: ParallelConfig,
     workers: Vec<Worker>,
     /// Every group, to abort and reset after a failed step.
-    groups: Vec<Arc<LocalGroup>>,
+    groups: Vec<Arc<dyn GroupControl>>,
     vocab_size: usize,
     num_blocks: usize,
     kv_bytes: u64,
     kv_dtype: DType,
     stats: WeightStats,
     token_budget: usize,
+    /// Jobs given and not yet collected, oldest first: how many workers got each, and why the
+    /// others could not be given it.
+    given: VecDeque<(usize, Option<anyhow::Error>)>,
+    /// Steps started and not yet finished: their logits rows, and whether greedy.
+    in_flight: VecDeque<(usize, bool)>,
+    /// Steps that may be in flight: the pipeline's stages (`PAGODA_PIPELINE_STEPS` sets fewer).
+    max_in_flight: usize,
 }
 
 /// Runs one job; a panic becomes an error.
@@ -107,7 +118,7 @@ pub(super) fn run_job<B: Backend>(runner: &mut Runner<B>, job: &Job) -> Result<L
 /// aborts the worker's groups, so that no other worker waits for it in a collective.
 fn serve<B: Backend>(
     mut runner: Runner<B>,
-    groups: [Arc<LocalGroup>; 2],
+    groups: [Arc<dyn GroupControl>; 2],
     jobs: Receiver<Job>,
     replies: Sender<Result<LogitsPart>>,
 ) {
@@ -157,41 +168,43 @@ pub(super) fn stage_layers(
 /// A worker's backend, its shard of the model, and what goes with it.
 pub(super) type Loaded<B, E> = (B, Box<dyn crate::models::CausalLm<B>>, E);
 
-/// Loads the shards of `places` (a placement and what goes with it), all at once: the first on this
-/// thread (its layers are the progress shown), the others on threads of their own.
+/// Loads the shards of `places` (a device, a placement and what goes with it), all at once:
+/// the first on this thread (its layers are the progress shown), the others on threads of
+/// their own. `make` opens a device's backend.
 pub(super) fn load_shards<B: Backend, E: Send>(
-    make: &(impl Fn() -> Result<B> + Sync),
+    make: &(impl Fn(usize) -> Result<B> + Sync),
     model: &LoadedModel,
     args: &RunnerArgs,
     positions: usize,
-    places: Vec<(Placement<B>, E)>,
+    places: Vec<(usize, Placement<B>, E)>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<Loaded<B, E>>> {
-    let load = |place: Placement<B>, progress: &mut dyn FnMut(usize, usize)| -> Result<_> {
-        let backend = make()?;
-        let lm = registry::load_shard(
-            &backend,
-            &model.config,
-            model.weights.as_ref(),
-            args.dtype,
-            positions,
-            place,
-            progress,
-        )?;
-        Ok((backend, lm))
-    };
+    let load =
+        |device: usize, place: Placement<B>, progress: &mut dyn FnMut(usize, usize)| -> Result<_> {
+            let backend = make(device)?;
+            let lm = registry::load_shard(
+                &backend,
+                &model.config,
+                model.weights.as_ref(),
+                args.dtype,
+                positions,
+                place,
+                progress,
+            )?;
+            Ok((backend, lm))
+        };
     let mut places = places.into_iter();
-    let Some((place0, extra0)) = places.next() else {
+    let Some((device0, place0, extra0)) = places.next() else {
         return Ok(Vec::new());
     };
     let loaded: Vec<Result<_>> = std::thread::scope(|s| {
         let handles: Vec<_> = places
-            .map(|(place, extra)| {
+            .map(|(device, place, extra)| {
                 let load = &load;
-                s.spawn(move || load(place, &mut |_, _| {}).map(|(b, lm)| (b, lm, extra)))
+                s.spawn(move || load(device, place, &mut |_, _| {}).map(|(b, lm)| (b, lm, extra)))
             })
             .collect();
-        let first = load(place0, progress).map(|(b, lm)| (b, lm, extra0));
+        let first = load(device0, place0, progress).map(|(b, lm)| (b, lm, extra0));
         std::iter::once(first)
             .chain(handles.into_iter().map(|h| {
                 h.join()
@@ -205,12 +218,12 @@ pub(super) fn load_shards<B: Backend, E: Send>(
         .with_context(|| format!("loading {}", model.path.display()))
 }
 
-/// Builds the workers on the CPU backend (`make` makes each worker's backend): checks the
-/// split against the model, loads every shard of this node (all at once, one thread each),
-/// gathers the other nodes' workers (`--nnodes`), sizes one pool for all of them, and starts
-/// their threads.
-pub fn build_parallel<B: Backend>(
-    make: impl Fn() -> Result<B> + Sync,
+/// Builds the workers, one per device of `B` (on the CPU they share the cores): checks the
+/// split against the model and the devices, makes the communicators (NCCL or RCCL where the
+/// backend has one, else through the host), loads every shard of this node (all at once, one
+/// thread each), gathers the other nodes' workers (`--nnodes`), sizes one pool for all of them,
+/// and starts their threads.
+pub fn build_parallel<B: MultiDevice>(
     model: &LoadedModel,
     args: &RunnerArgs,
     progress: &mut dyn FnMut(usize, usize),
@@ -219,7 +232,28 @@ pub fn build_parallel<B: Backend>(
     let cfg = &model.config;
     pc.check(cfg)?;
     args.nodes.check(&pc)?;
-    let probe = make()?;
+    let mine = args.nodes.workers(&pc);
+    let count = B::device_count()?;
+    if mine.len() > count {
+        bail!(
+            "--tensor-parallel-size {} x --pipeline-parallel-size {} needs {} devices on this \
+             node, and this process sees {count} (CUDA_VISIBLE_DEVICES or HIP_VISIBLE_DEVICES \
+             choose them)",
+            pc.tensor,
+            pc.pipeline,
+            mine.len()
+        );
+    }
+    // NOTE: worker `w` of this node runs on the node's device `w - mine.start` (all on the
+    // one CPU).
+    let device_of = |w: usize| {
+        if count == usize::MAX {
+            0
+        } else {
+            w - mine.start
+        }
+    };
+    let probe = B::open_device(0)?;
     let positions = plan(&probe, model, args)?;
     let token_budget = probe.default_token_budget();
     let nodes_text = if args.nodes.is_single() {
@@ -227,37 +261,59 @@ pub fn build_parallel<B: Backend>(
     } else {
         format!(", {} nodes", args.nodes.nnodes)
     };
-    let name = format!(
-        "{} (tensor parallel {}, pipeline parallel {}{nodes_text})",
-        probe.name(),
-        pc.tensor,
-        pc.pipeline
-    );
+    let probe_name = probe.name();
     drop(probe);
 
-    let (comms, groups) = make_groups(pc);
-    let mine = args.nodes.workers(&pc);
-    // NOTE: node 0 listens before it loads, so that a bad address fails at once; the other
-    // nodes' connections wait in the backlog meanwhile.
-    let listener = (!args.nodes.is_single())
-        .then(|| nodes::listen(&args.nodes))
-        .transpose()?;
+    let placement = |[tp, pp]: [Arc<dyn Communicator<B>>; 2], w: usize| Placement::<B> {
+        tp,
+        pp,
+        layers: stage_layers(pc, cfg.num_layers, w),
+    };
     let mut places = Vec::new();
     let mut remote = Vec::new();
-    for (w, [t, p]) in comms.into_iter().enumerate() {
-        if !mine.contains(&w) {
-            remote.push([t, p]);
-            continue;
+    let mut listener = None;
+    let groups: Vec<Arc<dyn GroupControl>>;
+    let devices: Vec<usize> = (0..pc.world_size()).map(device_of).collect();
+    // NOTE: the device communicators are made before any weight is loaded, so that a missing
+    // library fails at once.
+    let mut through = "the host".to_string();
+    match B::device_groups(pc, &devices)? {
+        Some(dg) => {
+            if !args.nodes.is_single() {
+                bail!("workers on several nodes exchange activations through the host only");
+            }
+            for (w, (c, gs)) in dg.workers.into_iter().enumerate() {
+                places.push((device_of(w), placement(c, w), gs));
+            }
+            groups = dg.all;
+            through = dg.library;
         }
-        let gs = [t.group().clone(), p.group().clone()];
-        let place = Placement::<B> {
-            tp: Arc::new(t) as Arc<dyn Communicator<B>>,
-            pp: Arc::new(p) as Arc<dyn Communicator<B>>,
-            layers: stage_layers(pc, cfg.num_layers, w),
-        };
-        places.push((place, gs));
+        None => {
+            let (comms, local) = make_groups(pc);
+            // NOTE: node 0 listens before it loads, so that a bad address fails at once; the
+            // other nodes' connections wait in the backlog meanwhile.
+            listener = (!args.nodes.is_single())
+                .then(|| nodes::listen(&args.nodes))
+                .transpose()?;
+            for (w, [t, p]) in comms.into_iter().enumerate() {
+                if !mine.contains(&w) {
+                    remote.push([t, p]);
+                    continue;
+                }
+                let gs: [Arc<dyn GroupControl>; 2] = [t.group().clone(), p.group().clone()];
+                places.push((device_of(w), placement([Arc::new(t), Arc::new(p)], w), gs));
+            }
+            groups = local
+                .into_iter()
+                .map(|g| g as Arc<dyn GroupControl>)
+                .collect();
+        }
     }
-    let loaded = load_shards(&make, model, args, positions, places, progress)?;
+    let name = format!(
+        "{probe_name} (tensor parallel {}, pipeline parallel {}{nodes_text}, through {through})",
+        pc.tensor, pc.pipeline
+    );
+    let loaded = load_shards(&B::open_device, model, args, positions, places, progress)?;
     let others = match listener {
         Some(l) => nodes::gather(
             l,
@@ -268,25 +324,33 @@ pub fn build_parallel<B: Backend>(
         None => Vec::new(),
     };
 
-    // NOTE: one pool size for every worker (the block manager is one), from the bytes a
-    // block takes over all workers: on the CPU they share the memory, and the budget is the
-    // whole pool's (over every node's workers).
+    // NOTE: one pool size for every worker (the block manager is one). Workers that share
+    // the memory (the CPU) share the budget: it is the whole pool's, from the bytes a block
+    // takes over all workers (of every node); a device's budget is its own, and the pool is
+    // the most blocks every device holds.
     let mut per_block = 0u64;
     let mut stats = WeightStats::default();
     let mut specs = Vec::with_capacity(loaded.len());
+    let mut device_blocks: Option<usize> = None;
     for (backend, lm, _) in &loaded {
         let spec = kv_spec(backend, lm.as_ref(), args.kv_cache_dtype)?;
-        per_block += kv_cache::bytes_per_block(&spec, args.block_size)?;
+        let bytes = kv_cache::bytes_per_block(&spec, args.block_size)?;
+        per_block += bytes;
         stats.absorb(lm.weight_stats());
         specs.push(spec);
+        if backend.device_memory().is_some() {
+            let n = pool_blocks(backend, args, lm.weight_stats().bytes, bytes, positions)?;
+            device_blocks = Some(device_blocks.map_or(n, |m| m.min(n)));
+        }
     }
     for o in &others {
         per_block += o.per_block;
         stats.absorb(&o.stats);
     }
-    let num_blocks = match loaded.first() {
-        Some((b, ..)) => pool_blocks(b, args, stats.bytes, per_block, positions),
-        None => bail!("node 0 holds no worker"),
+    let num_blocks = match (device_blocks, loaded.first()) {
+        (Some(n), _) => Ok(n),
+        (None, Some((b, ..))) => pool_blocks(b, args, stats.bytes, per_block, positions),
+        (None, None) => bail!("node 0 holds no worker"),
     };
     let num_blocks = match num_blocks {
         Ok(n) => n,
@@ -330,51 +394,73 @@ pub fn build_parallel<B: Backend>(
         kv_dtype,
         stats,
         token_budget,
+        given: VecDeque::new(),
+        in_flight: VecDeque::new(),
+        max_in_flight: pipeline_steps(pc)?,
     }))
 }
 
+/// Steps in flight with pipeline parallelism: one per stage, as vLLM's virtual engines;
+/// `PAGODA_PIPELINE_STEPS=1` runs one at a time (the stages take turns), to compare.
+fn pipeline_steps(pc: ParallelConfig) -> Result<usize> {
+    match std::env::var("PAGODA_PIPELINE_STEPS") {
+        Err(_) => Ok(pc.pipeline),
+        Ok(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .map(|n| n.min(pc.pipeline))
+            .with_context(|| format!("PAGODA_PIPELINE_STEPS={v}: expected a count of steps")),
+    }
+}
+
 impl ParallelRunner {
-    /// Gives every worker the job and waits for all of them; after a failure every group is
-    /// reset (each worker has answered, so none is inside a collective) and the error most
-    /// likely to be the cause is returned (not "another worker failed").
-    fn run_all(&mut self, job: Job) -> Result<Vec<LogitsPart>> {
-        // NOTE: a worker that is gone never comes back: no step is started without it (its
+    /// Gives every worker the job without waiting: its replies are collected by
+    /// [`Self::collect`], in the order the jobs were given. A worker that cannot be reached
+    /// fails the job (at its collection) and aborts every group, so that the workers that
+    /// have it do not wait for the one that has not.
+    fn give_all(&mut self, job: Job) {
+        // NOTE: a worker that is gone never comes back: no job is given without it (its
         // group would wait for it forever).
         for w in &self.workers {
             if let Some(why) = w.gone.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-                bail!("{why}");
+                self.given.push_back((0, Some(anyhow!("{why}"))));
+                return;
             }
         }
         let mut given = 0;
-        let mut unreachable = None;
         for w in &self.workers {
             match w.give(&job) {
                 Ok(()) => given += 1,
                 Err(e) => {
-                    // the workers that have the job must not wait for the one that has not
                     *w.gone.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{e:#}"));
                     self.groups.iter().for_each(|g| g.abort());
-                    unreachable = Some(e);
-                    break;
+                    self.given.push_back((given, Some(e)));
+                    return;
                 }
             }
         }
-        let replies: Vec<Result<LogitsPart>> = self.workers[..given]
-            .iter()
-            .map(|w| {
-                w.replies
-                    .recv()
-                    .unwrap_or_else(|_| Err(anyhow!("a worker thread has stopped")))
-            })
-            .collect();
-        if let Some(e) = unreachable {
-            self.groups.iter().for_each(|g| g.reset());
-            return Err(e);
-        }
-        if replies.iter().all(|r| r.is_ok()) {
+        self.given.push_back((given, None));
+    }
+
+    /// Waits for every reply to the oldest job given. After a failure the jobs given since are
+    /// waited for too and dropped, every group is reset (each worker has answered every job,
+    /// so none is inside a collective), and the error most likely to be the cause is returned
+    /// (not "another worker failed").
+    fn collect(&mut self) -> Result<Vec<LogitsPart>> {
+        let (given, unreachable) = self.given.pop_front().context("no step is in flight")?;
+        let replies = self.replies(given);
+        if unreachable.is_none() && replies.iter().all(|r| r.is_ok()) {
             return Ok(replies.into_iter().map(|r| r.unwrap()).collect());
         }
+        while let Some((n, _)) = self.given.pop_front() {
+            self.replies(n);
+        }
+        self.in_flight.clear();
         self.groups.iter().for_each(|g| g.reset());
+        if let Some(e) = unreachable {
+            return Err(e);
+        }
         let mut errs: Vec<anyhow::Error> = replies.into_iter().filter_map(|r| r.err()).collect();
         let cause = errs
             .iter()
@@ -383,11 +469,30 @@ impl ParallelRunner {
         Err(errs.swap_remove(cause))
     }
 
+    /// One reply from each of the first `n` workers.
+    fn replies(&self, n: usize) -> Vec<Result<LogitsPart>> {
+        self.workers[..n]
+            .iter()
+            .map(|w| {
+                w.replies
+                    .recv()
+                    .unwrap_or_else(|_| Err(anyhow!("a worker thread has stopped")))
+            })
+            .collect()
+    }
+
+    /// Runs one job to its end (nothing else in flight).
+    fn run_all(&mut self, job: Job) -> Result<Vec<LogitsPart>> {
+        ensure!(
+            self.given.is_empty(),
+            "a job cannot run alone while steps are in flight"
+        );
+        self.give_all(job);
+        self.collect()
+    }
+
     /// The logits `[R, vocab]` from the last stage's parts.
-    fn logits(&mut self, input: BatchInput) -> Result<Vec<f32>> {
-        let rows = input.logits_rows.len();
-        let input = Arc::new(input);
-        let parts = self.run_all(Job::Execute(input))?;
+    fn logits(&self, rows: usize, parts: Vec<LogitsPart>) -> Result<Vec<f32>> {
         let v = self.vocab_size;
         let mut out = vec![0f32; rows * v];
         let mut covered = 0;
@@ -405,6 +510,13 @@ impl ParallelRunner {
             bail!("the workers' logits cover {covered} of {v} tokens");
         }
         Ok(out)
+    }
+
+    fn greedy(&self, logits: &[f32]) -> Vec<u32> {
+        logits
+            .chunks_exact(self.vocab_size.max(1))
+            .map(|row| crate::backend::argmax(row) as u32)
+            .collect()
     }
 }
 
@@ -431,14 +543,36 @@ impl ModelRunner for ParallelRunner {
         self.config
     }
     fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>> {
-        self.logits(input)
+        let rows = input.logits_rows.len();
+        let parts = self.run_all(Job::Execute(Arc::new(input)))?;
+        self.logits(rows, parts)
     }
     fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>> {
-        let logits = self.logits(input)?;
-        Ok(logits
-            .chunks_exact(self.vocab_size.max(1))
-            .map(|row| crate::backend::argmax(row) as u32)
-            .collect())
+        let logits = self.execute(input)?;
+        Ok(self.greedy(&logits))
+    }
+    fn max_in_flight(&self) -> usize {
+        self.max_in_flight
+    }
+    fn start(&mut self, input: BatchInput, greedy: bool) -> Result<()> {
+        ensure!(
+            self.given.len() < self.max_in_flight,
+            "{} steps are in flight already",
+            self.given.len()
+        );
+        self.in_flight.push_back((input.logits_rows.len(), greedy));
+        self.give_all(Job::Execute(Arc::new(input)));
+        Ok(())
+    }
+    fn finish(&mut self) -> Result<(Vec<f32>, Option<Vec<u32>>)> {
+        let (rows, greedy) = self.in_flight.pop_front().context("no step is in flight")?;
+        let parts = self.collect()?;
+        let logits = self.logits(rows, parts)?;
+        Ok(if greedy {
+            (Vec::new(), Some(self.greedy(&logits)))
+        } else {
+            (logits, None)
+        })
     }
     fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()> {
         let pairs = Arc::new((out.to_vec(), inn.to_vec()));

@@ -9,17 +9,74 @@
 //! output and down projections, each followed by an all-reduce) and a contiguous part of the
 //! vocabulary (embedding and LM head).
 
+pub mod ccl;
 pub mod comm;
 pub mod tcp;
 
 pub use comm::{Communicator, HostCollectives, LocalComm, LocalGroup};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, CpuBackend};
 use crate::models::ModelConfig;
 use anyhow::{Result, bail};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// How a failed step is cleaned up in one group of workers: [`GroupControl::abort`] wakes (or
+/// cancels) every rank waiting in a collective, so that no worker waits for one that failed;
+/// [`GroupControl::reset`] readies the group for the next step once every rank has answered.
+pub trait GroupControl: Send + Sync {
+    fn abort(&self);
+    fn reset(&self);
+}
+
+impl GroupControl for LocalGroup {
+    fn abort(&self) {
+        LocalGroup::abort(self)
+    }
+    fn reset(&self) {
+        LocalGroup::reset(self)
+    }
+}
+
+/// A worker's two communicators (its stage's tensor-parallel group, its rank's pipeline
+/// group), and those groups.
+pub type WorkerComms<B> = ([Arc<dyn Communicator<B>>; 2], [Arc<dyn GroupControl>; 2]);
+
+/// Communicators that pass device buffers from device to device ([`MultiDevice::device_groups`]).
+pub struct DeviceGroups<B: Backend> {
+    /// Every worker's, in worker order.
+    pub workers: Vec<WorkerComms<B>>,
+    /// Every group.
+    pub all: Vec<Arc<dyn GroupControl>>,
+    /// The library, for the runner's name: "NCCL libnccl.so.2 (version 22703)".
+    pub library: String,
+}
+
+/// A backend that runs one worker per device.
+pub trait MultiDevice: Backend + Sized {
+    /// How many devices this process sees (`usize::MAX` where the workers share one, as on
+    /// the CPU).
+    fn device_count() -> Result<usize>;
+    /// The backend on device `device`.
+    fn open_device(device: usize) -> Result<Self>;
+    /// Communicators that pass device buffers from device to device (NCCL, RCCL) between
+    /// workers on `devices` (worker `w` on `devices[w]`), or `None` where buffers go through
+    /// the host ([`LocalGroup`]). An error where the library is needed and missing.
+    fn device_groups(pc: ParallelConfig, devices: &[usize]) -> Result<Option<DeviceGroups<Self>>>;
+}
+
+impl MultiDevice for CpuBackend {
+    fn device_count() -> Result<usize> {
+        Ok(usize::MAX)
+    }
+    fn open_device(_device: usize) -> Result<Self> {
+        Ok(CpuBackend::new())
+    }
+    fn device_groups(_: ParallelConfig, _: &[usize]) -> Result<Option<DeviceGroups<Self>>> {
+        Ok(None)
+    }
+}
 
 /// `--tensor-parallel-size` and `--pipeline-parallel-size`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

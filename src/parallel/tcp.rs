@@ -409,6 +409,9 @@ pub fn read_msg(r: &mut impl Read) -> Result<Option<Msg>> {
 pub struct Conn {
     pub reader: BufReader<TcpStream>,
     pub writer: BufWriter<TcpStream>,
+    /// Jobs (Execute, Swap) that arrived while a collective waited for its answer: with
+    /// pipeline parallelism node 0 sends the next step while this one runs.
+    pub queued: std::collections::VecDeque<Msg>,
 }
 
 impl Conn {
@@ -418,6 +421,7 @@ impl Conn {
         Ok(Conn {
             reader: BufReader::new(stream.try_clone()?),
             writer: BufWriter::new(stream),
+            queued: Default::default(),
         })
     }
 
@@ -482,9 +486,12 @@ impl RemoteComm {
             op,
             data,
         })?;
-        match c.recv()? {
-            Msg::CommDone(r) => r.map_err(|e| anyhow!(e)),
-            m => bail!("node 0 answered a collective with {}", m.name()),
+        loop {
+            match c.recv()? {
+                Msg::CommDone(r) => return r.map_err(|e| anyhow!(e)),
+                m @ (Msg::Execute(_) | Msg::Swap(..)) => c.queued.push_back(m),
+                m => bail!("node 0 answered a collective with {}", m.name()),
+            }
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::kv::{BlockId, CachedPrefix, KvCacheManager};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SchedulingPolicy {
@@ -52,6 +52,10 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     pub policy: SchedulingPolicy,
     pub preemption_mode: PreemptionMode,
+    /// Steps kept in flight at once (pipeline parallelism's stages; 1 otherwise). With more
+    /// than one, a step takes at most its share of the unfinished requests, so that the steps
+    /// in flight split them evenly (as vLLM's virtual engines each hold a share).
+    pub steps_in_flight: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -62,6 +66,7 @@ impl Default for SchedulerConfig {
             max_model_len: 8192,
             policy: SchedulingPolicy::Continuous,
             preemption_mode: PreemptionMode::Recompute,
+            steps_in_flight: 1,
         }
     }
 }
@@ -119,6 +124,10 @@ pub struct Scheduler {
     /// Static policy: the current batch still accepts requests.
     batch_open: bool,
     num_preemptions: usize,
+    /// Requests in a step that was scheduled and whose results are not back yet (pipeline
+    /// parallelism keeps several steps in flight): they are neither scheduled again nor
+    /// preempted until [`Scheduler::update_from_output`] has seen that step.
+    in_flight: HashSet<RequestId>,
 }
 
 impl Scheduler {
@@ -136,6 +145,7 @@ impl Scheduler {
             running: Vec::new(),
             batch_open: true,
             num_preemptions: 0,
+            in_flight: HashSet::new(),
         }
     }
 
@@ -210,10 +220,20 @@ impl Scheduler {
         let mut out = SchedulerOutput::default();
         let mut budget = self.config.max_num_batched_tokens;
         let mut grants: Vec<(RequestId, usize)> = Vec::new();
+        let share = if self.config.steps_in_flight > 1 {
+            let unfinished = self.running.len() + self.waiting.len() + self.swapped.len();
+            unfinished.div_ceil(self.config.steps_in_flight).max(1)
+        } else {
+            usize::MAX
+        };
 
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && budget > 0 && grants.len() < share {
             let id = self.running[i];
+            if self.in_flight.contains(&id) {
+                i += 1;
+                continue;
+            }
             let r = &self.requests[&id];
             let computed = r.num_computed_tokens;
             let n = (r.num_tokens() - computed).min(budget);
@@ -227,7 +247,14 @@ impl Scheduler {
                 }
                 // NOTE: recompute preemption: the victim loses its blocks and starts over later
                 // from its prompt plus its output so far, which gives the same tokens.
-                let victim = self.running.pop().expect("running is not empty");
+                // NOTE: a request in flight is not a victim: its step still uses its blocks.
+                // `id` itself is not in flight, so there is always one.
+                let at = self
+                    .running
+                    .iter()
+                    .rposition(|v| !self.in_flight.contains(v))
+                    .expect("the request being scheduled is running");
+                let victim = self.running.remove(at);
                 self.preempt(victim, &mut out);
                 out.preempted.push(victim);
                 if victim == id {
@@ -254,7 +281,10 @@ impl Scheduler {
         if may_admit {
             // Swapped requests resume first, with their K/V copied back.
             while let Some(&id) = self.swapped.front() {
-                if budget == 0 || self.running.len() >= self.config.max_num_seqs {
+                if budget == 0
+                    || self.running.len() >= self.config.max_num_seqs
+                    || grants.len() >= share
+                {
                     break;
                 }
                 let r = &self.requests[&id];
@@ -273,7 +303,10 @@ impl Scheduler {
         // NOTE: nothing new is admitted while a swapped request waits for blocks.
         if may_admit && self.swapped.is_empty() {
             while let Some(&id) = self.waiting.front() {
-                if budget == 0 || self.running.len() >= self.config.max_num_seqs {
+                if budget == 0
+                    || self.running.len() >= self.config.max_num_seqs
+                    || grants.len() >= share
+                {
                     break;
                 }
                 let r = &self.requests[&id];
@@ -309,6 +342,7 @@ impl Scheduler {
         }
 
         for (id, n) in grants {
+            self.in_flight.insert(id);
             let r = &self.requests[&id];
             out.scheduled.push(ScheduledRequest {
                 id,
@@ -350,6 +384,7 @@ impl Scheduler {
     ) -> Vec<TokenEvent> {
         let mut events = Vec::new();
         for s in &out.scheduled {
+            self.in_flight.remove(&s.id);
             let Some(r) = self.requests.get_mut(&s.id) else {
                 continue;
             };
@@ -382,6 +417,19 @@ impl Scheduler {
             }
         }
         events
+    }
+
+    /// Forgets that `out`'s requests are in flight, after its step failed: they are scheduled
+    /// again from where they were before it.
+    pub fn step_failed(&mut self, out: &SchedulerOutput) {
+        for s in &out.scheduled {
+            self.in_flight.remove(&s.id);
+        }
+    }
+
+    /// Requests in steps whose results are not back yet.
+    pub fn num_in_flight(&self) -> usize {
+        self.in_flight.len()
     }
 
     /// Ends a request now (a stop string, an abort): its blocks return to the pool at once.
@@ -419,6 +467,7 @@ mod tests {
             max_model_len: 10_000,
             policy: SchedulingPolicy::Continuous,
             preemption_mode: PreemptionMode::Recompute,
+            steps_in_flight: 1,
         };
         Scheduler::new(cfg, KvCacheManager::new(blocks, bs, false))
     }
@@ -513,8 +562,59 @@ mod tests {
             "its output is kept for recompute"
         );
         assert_eq!(s.num_preemptions(), 1);
+        // that step is not run: its requests are scheduled again
+        s.step_failed(&out);
         run_to_end(&mut s, 1000);
         assert_eq!(s.kv.pool().num_free(), 6);
+    }
+
+    #[test]
+    fn a_request_in_flight_is_neither_scheduled_again_nor_preempted() {
+        // 6 usable blocks of 4 tokens; prompts of 8 tokens take 2 each
+        let mut s = sched(7, 4, 100, 8);
+        for id in 1..=2 {
+            s.add_request(Request::new(id, vec![5; 8], 4, vec![]))
+                .unwrap();
+        }
+        let a = s.schedule();
+        assert_eq!(a.scheduled.len(), 2);
+        s.add_request(Request::new(3, vec![6; 8], 4, vec![]))
+            .unwrap();
+        // while step a runs, only the new request can go
+        let b = s.schedule();
+        assert_eq!(b.scheduled.iter().map(|r| r.id).collect::<Vec<_>>(), [3]);
+        assert_eq!(s.num_in_flight(), 3);
+        assert!(s.schedule().is_empty(), "everything is in flight");
+        s.update_from_output(&a, &HashMap::from([(1, 1), (2, 2)]));
+        // request 1 needs a third block and none is free: the victim is request 2, the last
+        // admitted one that is not in flight (request 3's step still writes its blocks)
+        let c = s.schedule();
+        assert_eq!(c.preempted, vec![2]);
+        assert_eq!(c.scheduled.iter().map(|r| r.id).collect::<Vec<_>>(), [1]);
+        assert_eq!(s.request(3).unwrap().status, RequestStatus::Running);
+        s.update_from_output(&b, &HashMap::from([(3, 3)]));
+        s.update_from_output(&c, &HashMap::from([(1, 4)]));
+        assert_eq!(s.num_in_flight(), 0);
+        run_to_end(&mut s, 100);
+        assert_eq!(s.kv.pool().num_free(), 6);
+    }
+
+    #[test]
+    fn steps_in_flight_split_the_requests_evenly() {
+        let mut s = sched(100, 4, 100, 8);
+        s.config.steps_in_flight = 2;
+        for id in 1..=5 {
+            s.add_request(Request::new(id, vec![5; 3], 4, vec![]))
+                .unwrap();
+        }
+        let ids = |o: &SchedulerOutput| o.scheduled.iter().map(|r| r.id).collect::<Vec<_>>();
+        let a = s.schedule();
+        let b = s.schedule();
+        assert_eq!((ids(&a), ids(&b)), (vec![1, 2, 3], vec![4, 5]));
+        s.update_from_output(&a, &HashMap::from([(1, 1), (2, 1), (3, 1)]));
+        // the next step takes the requests of step a, while b is in flight
+        let c = s.schedule();
+        assert_eq!(ids(&c), [1, 2, 3]);
     }
 
     #[test]
@@ -543,6 +643,7 @@ mod tests {
         assert_eq!(s.request(3).unwrap().num_computed_tokens, 8);
         assert_eq!(s.request(3).unwrap().status, RequestStatus::Swapped);
         assert_eq!(s.num_swapped(), 1);
+        s.step_failed(&out);
         // it resumes with its blocks copied back and computes only its new token
         let mut resumed = false;
         while s.has_unfinished() {
@@ -610,6 +711,7 @@ mod tests {
             max_model_len: 1000,
             policy: SchedulingPolicy::Static,
             preemption_mode: PreemptionMode::Recompute,
+            steps_in_flight: 1,
         };
         let mut s = Scheduler::new(cfg, KvCacheManager::new(100, 4, false));
         s.add_request(Request::new(1, vec![1; 4], 1, vec![]))
@@ -673,6 +775,7 @@ mod tests {
         // 7 shared full blocks and one partial block each
         assert_eq!(s.kv().usage().blocks_used, 9);
         s.kv().check_invariants();
+        s.step_failed(&out);
         run_to_end(&mut s, 100);
         assert_eq!(s.kv().pool().num_free(), 99);
     }
@@ -724,8 +827,10 @@ mod tests {
             blocks in 14usize..40, bs in 1usize..6, budget in 8usize..64, max_seqs in 1usize..8,
             caching in any::<bool>(),
             host_blocks in proptest::option::of(0usize..30),
+            depth in 1usize..4,
         ) {
             let mut s = sched(blocks, bs, budget, max_seqs);
+            s.config.steps_in_flight = depth;
             s.kv = KvCacheManager::new(blocks, bs, caching);
             if let Some(h) = host_blocks {
                 s.config.preemption_mode = PreemptionMode::Swap;
@@ -735,23 +840,48 @@ mod tests {
                 let req = Request::new(i as u64, vec![3; *p], *m, vec![]);
                 let _ = s.add_request(req.with_cache_root(caching.then_some(0)));
             }
+            // up to `depth` steps in flight (pipeline parallelism), their results applied oldest
+            // first; a request is in one of them at most
+            let mut queue: VecDeque<SchedulerOutput> = VecDeque::new();
             let mut steps = 0;
             while s.has_unfinished() {
                 if steps == 3 {
                     for &a in &aborts { s.finish_request(a, FinishReason::Abort); }
-                    if !s.has_unfinished() { break; }
+                    if !s.has_unfinished() && queue.is_empty() { break; }
                 }
-                let out = s.schedule();
-                prop_assert!(!out.is_empty());
-                prop_assert!(out.num_batched_tokens <= budget);
-                let sampled: HashMap<_, _> = out.scheduled.iter().filter(|r| r.sample)
-                    .map(|r| (r.id, fake_token(r.id, r.num_computed_tokens + r.num_new_tokens)))
-                    .collect();
-                s.update_from_output(&out, &sampled);
+                let mut stalled = true;
+                if queue.len() < depth {
+                    let out = s.schedule();
+                    prop_assert!(out.num_batched_tokens <= budget);
+                    for q in &queue {
+                        for r in &out.scheduled {
+                            prop_assert!(q.scheduled.iter().all(|x| x.id != r.id));
+                        }
+                    }
+                    if !out.is_empty() {
+                        queue.push_back(out);
+                        stalled = false;
+                    } else {
+                        prop_assert!(!queue.is_empty(), "no progress possible");
+                    }
+                }
+                // the oldest step's results come back when the queue is full, or when nothing
+                // more could be scheduled
+                if queue.len() == depth || stalled {
+                    let Some(out) = queue.pop_front() else { continue };
+                    let sampled: HashMap<_, _> = out.scheduled.iter().filter(|r| r.sample)
+                        .map(|r| (r.id, fake_token(r.id, r.num_computed_tokens + r.num_new_tokens)))
+                        .collect();
+                    s.update_from_output(&out, &sampled);
+                }
                 s.kv.check_invariants();
                 steps += 1;
                 prop_assert!(steps < 5000);
             }
+            while let Some(out) = queue.pop_front() {
+                s.update_from_output(&out, &HashMap::new());
+            }
+            prop_assert_eq!(s.num_in_flight(), 0);
             prop_assert_eq!(s.kv.pool().num_free(), blocks - 1);
             for (i, (p, m)) in prompts.iter().enumerate() {
                 let Some(r) = s.request(i as u64) else { continue };

@@ -8,7 +8,7 @@
 //! `catch_unwind`, so that a missing symbol (an old driver) is an error, never an abort.
 
 use super::gpu::kernels::Dialect;
-use super::gpu::{Elem, GpuBackend, GpuRuntime};
+use super::gpu::{CclLibrary, Elem, GpuBackend, GpuRuntime};
 use anyhow::{Context, Result, anyhow, bail};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{result as drv, sys as cu};
@@ -24,24 +24,8 @@ impl GpuBackend<CudaRt> {
     /// (or takes them from the disk cache) and creates the cuBLAS handle. Fails with an error
     /// that says what is missing where there is no driver, no NVRTC, no cuBLAS or no device.
     pub fn new() -> Result<Self> {
-        let rt = std::panic::catch_unwind(CudaRt::open).map_err(|p| {
-            anyhow!(
-                "CUDA: the runtime libraries failed to load: {}",
-                panic_text(&p)
-            )
-        })??;
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            GpuBackend::with_runtime(rt)
-        }))
-        .map_err(|p| anyhow!("CUDA: backend creation failed: {}", panic_text(&p)))?
+        Self::on_device(0)
     }
-}
-
-fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "unknown panic".into())
 }
 
 fn ck<T, E: std::fmt::Debug>(r: std::result::Result<T, E>, what: &str) -> Result<T> {
@@ -169,18 +153,27 @@ pub struct CudaRt {
 unsafe impl Send for CudaRt {}
 unsafe impl Sync for CudaRt {}
 
+/// The devices CUDA sees (after `CUDA_VISIBLE_DEVICES`), at least one.
+fn device_count() -> Result<usize> {
+    check_libraries()?;
+    ck(
+        drv::init(),
+        "cuInit (is an NVIDIA GPU present and its driver loaded?)",
+    )?;
+    let count = ck(drv::device::get_count(), "cuDeviceGetCount")?;
+    if count <= 0 {
+        bail!("CUDA: the driver is present but sees no GPU");
+    }
+    Ok(count as usize)
+}
+
 impl CudaRt {
-    fn open() -> Result<Self> {
-        check_libraries()?;
-        ck(
-            drv::init(),
-            "cuInit (is an NVIDIA GPU present and its driver loaded?)",
-        )?;
-        let count = ck(drv::device::get_count(), "cuDeviceGetCount")?;
-        if count == 0 {
-            bail!("CUDA: the driver is present but sees no GPU");
+    fn open_device(device: usize) -> Result<Self> {
+        let count = device_count()?;
+        if device >= count {
+            bail!("CUDA: there is no device {device} (this process sees {count})");
         }
-        let dev = ck(drv::device::get(0), "cuDeviceGet")?;
+        let dev = ck(drv::device::get(device as i32), "cuDeviceGet")?;
         // SAFETY: `dev` came from cuDeviceGet.
         let ctx = ck(
             unsafe { drv::primary_ctx::retain(dev) },
@@ -240,6 +233,26 @@ impl GpuRuntime for CudaRt {
     type Function = CudaFunction;
     const API: &'static str = "cuda";
     const DIALECT: Dialect = Dialect::Cuda;
+
+    fn open(device: usize) -> Result<Self> {
+        Self::open_device(device)
+    }
+    fn device_count() -> Result<usize> {
+        std::panic::catch_unwind(device_count)
+            .map_err(|_| anyhow!("CUDA: the driver library failed to load"))?
+    }
+    fn ccl_library() -> Option<CclLibrary> {
+        let files = match std::env::var("PAGODA_NCCL_LIBRARY") {
+            Ok(f) if !f.is_empty() => vec![f],
+            _ => vec!["libnccl.so.2".into(), "libnccl.so".into()],
+        };
+        Some(CclLibrary {
+            name: "NCCL",
+            files,
+            hint: "install NCCL (the nvidia-nccl-cu12 or -cu13 wheel has it) and add its lib \
+                   folder to LD_LIBRARY_PATH, or name the file in PAGODA_NCCL_LIBRARY",
+        })
+    }
 
     fn device_name(&self) -> String {
         self.name.clone()

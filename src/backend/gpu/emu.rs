@@ -11,10 +11,12 @@
 //! Settings: `PAGODA_EMU_CXX` (the compiler, default `c++`), `PAGODA_EMU_WARP` (32, or 64 to
 //! run the kernels as on AMD's 64-wide wavefronts), `PAGODA_EMU_THREADS` (OS threads running
 //! blocks, default all cores), `PAGODA_EMU_MEMORY` (the device memory it reports, in MiB,
-//! default 4096).
+//! default 4096), `PAGODA_EMU_DEVICES` (how many devices it shows for tensor and pipeline
+//! parallelism, default 8, each with its own memory), `PAGODA_EMU_CCL` (a library with NCCL's
+//! API for their collectives; without it they go through the host).
 
 use super::kernels::Dialect;
-use super::{GpuBackend, GpuRuntime};
+use super::{CclLibrary, GpuBackend, GpuRuntime};
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_void};
@@ -30,7 +32,7 @@ impl GpuBackend<EmuRt> {
     /// Compiles the kernels with the host's C++ compiler (or takes them from the kernel cache).
     /// Fails with a clear error where there is no C++ compiler.
     pub fn new() -> Result<Self> {
-        GpuBackend::with_runtime(EmuRt::open()?)
+        Self::on_device(0)
     }
 }
 
@@ -157,6 +159,34 @@ impl GpuRuntime for EmuRt {
     type Function = EmuFunction;
     const API: &'static str = "emu";
     const DIALECT: Dialect = Dialect::Emu;
+
+    fn open(_device: usize) -> Result<Self> {
+        // NOTE: every emulated device is its own: memory, kernels, allocation count.
+        Self::open()
+    }
+    fn device_count() -> Result<usize> {
+        match std::env::var("PAGODA_EMU_DEVICES") {
+            Err(_) => Ok(8),
+            Ok(n) => n
+                .parse()
+                .ok()
+                .filter(|&n| n > 0)
+                .with_context(|| format!("PAGODA_EMU_DEVICES={n}: expected a count")),
+        }
+    }
+    fn ccl_library() -> Option<CclLibrary> {
+        // NOTE: there is no collective library for the emulator's devices: their buffers go
+        // through the host unless a library with NCCL's API is named (the tests build one on
+        // host memory, to check the NCCL binding's calls).
+        let f = std::env::var("PAGODA_EMU_CCL")
+            .ok()
+            .filter(|f| !f.is_empty())?;
+        Some(CclLibrary {
+            name: "the collective library of PAGODA_EMU_CCL",
+            files: vec![f],
+            hint: "PAGODA_EMU_CCL must name a library with NCCL's API",
+        })
+    }
 
     fn device_name(&self) -> String {
         format!("kernels emulated on the CPU, warp {}", self.warp)

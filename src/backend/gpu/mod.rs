@@ -63,6 +63,17 @@ pub trait GpuRuntime: Send + Sync + Sized + 'static {
     const API: &'static str;
     const DIALECT: Dialect;
 
+    /// Opens device `device` of this process (the first is 0: `CUDA_VISIBLE_DEVICES` or
+    /// `HIP_VISIBLE_DEVICES` choose which devices the process sees).
+    fn open(device: usize) -> Result<Self>;
+    /// How many devices this process sees.
+    fn device_count() -> Result<usize>;
+    /// The collective library the workers of tensor and pipeline parallelism exchange device
+    /// buffers through (NCCL, RCCL), or `None` where they go through the host.
+    fn ccl_library() -> Option<CclLibrary> {
+        None
+    }
+
     fn device_name(&self) -> String;
     /// The compile target: "sm_90", "gfx90a", ...
     fn arch(&self) -> String;
@@ -140,6 +151,23 @@ pub trait GpuRuntime: Send + Sync + Sized + 'static {
     ) -> Result<()> {
         bail!("{}: no vendor GEMM", Self::API)
     }
+}
+
+/// Where to find a collective library ([`GpuRuntime::ccl_library`]).
+pub struct CclLibrary {
+    /// "NCCL", "RCCL".
+    pub name: &'static str,
+    /// File names to try, in order.
+    pub files: Vec<String>,
+    /// What to do when none loads.
+    pub hint: &'static str,
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 // ---- memory ---------------------------------------------------------------------------------
@@ -373,6 +401,23 @@ impl<R: GpuRuntime> Drop for GpuBackend<R> {
 }
 
 impl<R: GpuRuntime> GpuBackend<R> {
+    /// Opens device `device` and compiles the kernels for it (or takes them from the disk
+    /// cache). A runtime library that panics while it loads (cudarc and cubecl-hip-sys do
+    /// when a library or a symbol is missing) is an error, never an abort.
+    pub fn on_device(device: usize) -> Result<Self> {
+        let rt = std::panic::catch_unwind(|| R::open(device)).map_err(|p| {
+            anyhow::anyhow!(
+                "{}: the runtime libraries failed to load: {}",
+                R::API,
+                panic_text(&p)
+            )
+        })??;
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            GpuBackend::with_runtime(rt)
+        }))
+        .map_err(|p| anyhow::anyhow!("{}: backend creation failed: {}", R::API, panic_text(&p)))?
+    }
+
     /// Compiles (or takes from the disk cache) every kernel file for the device and loads it.
     pub fn with_runtime(rt: R) -> Result<Self> {
         let rt = Arc::new(rt);

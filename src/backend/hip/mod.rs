@@ -8,7 +8,7 @@
 //! runs under `catch_unwind`.
 
 use super::gpu::kernels::Dialect;
-use super::gpu::{GpuBackend, GpuRuntime};
+use super::gpu::{CclLibrary, GpuBackend, GpuRuntime};
 use anyhow::{Context, Result, anyhow, bail};
 use cubecl_hip_sys as hip;
 use std::ffi::{CStr, CString, c_void};
@@ -21,12 +21,7 @@ impl GpuBackend<HipRt> {
     /// Opens HIP device 0 (`HIP_VISIBLE_DEVICES` chooses which) and compiles the kernels for
     /// it. Fails with a clear error where ROCm (libamdhip64, hipRTC) or a device is missing.
     pub fn new() -> Result<Self> {
-        let rt = std::panic::catch_unwind(HipRt::open)
-            .map_err(|_| anyhow!("HIP: the ROCm runtime libraries failed to load"))??;
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            GpuBackend::with_runtime(rt)
-        }))
-        .map_err(|_| anyhow!("HIP: backend creation failed (a ROCm library call panicked)"))?
+        Self::on_device(0)
     }
 }
 
@@ -53,8 +48,32 @@ pub struct HipRt {
 unsafe impl Send for HipRt {}
 unsafe impl Sync for HipRt {}
 
+/// The devices HIP sees (after `HIP_VISIBLE_DEVICES`), at least one.
+fn device_count() -> Result<usize> {
+    if !hip::is_available() {
+        bail!(
+            "HIP: ROCm was not found (libamdhip64.so and libhiprtc.so): install ROCm or set ROCM_PATH"
+        );
+    }
+    let mut count = 0;
+    // SAFETY: plain HIP runtime calls with valid out-pointers.
+    unsafe {
+        ck(hip::hipInit(0), "hipInit")?;
+        ck(hip::hipGetDeviceCount(&mut count), "hipGetDeviceCount")?;
+    }
+    if count <= 0 {
+        bail!("HIP: ROCm is present but sees no GPU");
+    }
+    Ok(count as usize)
+}
+
 impl HipRt {
-    fn open() -> Result<Self> {
+    fn open_device(device: usize) -> Result<Self> {
+        let count = device_count()?;
+        if device >= count {
+            bail!("HIP: there is no device {device} (this process sees {count})");
+        }
+        let device = device as i32;
         if !hip::is_available() {
             bail!(
                 "HIP: ROCm was not found (libamdhip64.so and libhiprtc.so): install ROCm or set ROCM_PATH"
@@ -62,16 +81,10 @@ impl HipRt {
         }
         // SAFETY: plain HIP runtime calls with valid out-pointers.
         unsafe {
-            ck(hip::hipInit(0), "hipInit")?;
-            let mut count = 0;
-            ck(hip::hipGetDeviceCount(&mut count), "hipGetDeviceCount")?;
-            if count == 0 {
-                bail!("HIP: ROCm is present but sees no GPU");
-            }
-            ck(hip::hipSetDevice(0), "hipSetDevice")?;
+            ck(hip::hipSetDevice(device), "hipSetDevice")?;
             let mut prop: hip::hipDeviceProp_tR0600 = std::mem::zeroed();
             ck(
-                hip::hipGetDevicePropertiesR0600(&mut prop, 0),
+                hip::hipGetDevicePropertiesR0600(&mut prop, device),
                 "hipGetDeviceProperties",
             )?;
             let name = CStr::from_ptr(prop.name.as_ptr())
@@ -85,7 +98,7 @@ impl HipRt {
                 bail!("HIP: hipRTC does not answer hiprtcVersion");
             }
             Ok(HipRt {
-                device: 0,
+                device,
                 name,
                 arch,
                 warp: prop.warpSize.max(1) as u32,
@@ -123,6 +136,26 @@ impl GpuRuntime for HipRt {
     type Function = HipFunction;
     const API: &'static str = "hip";
     const DIALECT: Dialect = Dialect::Hip;
+
+    fn open(device: usize) -> Result<Self> {
+        Self::open_device(device)
+    }
+    fn device_count() -> Result<usize> {
+        std::panic::catch_unwind(device_count)
+            .map_err(|_| anyhow!("HIP: the ROCm runtime libraries failed to load"))?
+    }
+    fn ccl_library() -> Option<CclLibrary> {
+        let files = match std::env::var("PAGODA_RCCL_LIBRARY") {
+            Ok(f) if !f.is_empty() => vec![f],
+            _ => vec!["librccl.so.1".into(), "librccl.so".into()],
+        };
+        Some(CclLibrary {
+            name: "RCCL",
+            files,
+            hint: "install RCCL (ROCm's rccl package) and add its lib folder to \
+                   LD_LIBRARY_PATH, or name the file in PAGODA_RCCL_LIBRARY",
+        })
+    }
 
     fn device_name(&self) -> String {
         self.name.clone()
