@@ -136,6 +136,22 @@ step tiny-cuda-f32-chunked 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dty
 step tiny-cuda-f32-greedy 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype f32 > '$RES/tiny-cuda-f32-greedy.jsonl'"
 step tiny-cpu-f32 120 sh -c "'$BIN' ${TINY[*]} --backend cpu --dtype f32 --logprobs 5 > '$RES/tiny-cpu-f32.jsonl'"
 step tiny-cuda-bf16 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype bf16 --logprobs 5 > '$RES/tiny-cuda-bf16.jsonl'"
+# the NCCL path: one worker per device and NCCL between them, at tensor parallel 1 (this
+# machine has one GPU), forced through the workers by PAGODA_PARALLEL_RUNNER; its tokens and
+# log-probabilities must be the single device's. NCCL comes with PyTorch's wheels.
+NCCL=$(python3 - <<'EOF'
+import glob, os, site
+for sp in site.getsitepackages():
+    for f in sorted(glob.glob(os.path.join(sp, "nvidia", "*", "lib", "libnccl.so*"))):
+        print(f)
+        raise SystemExit
+EOF
+)
+if [ -n "$NCCL" ] && [ "$BACKEND" = cuda ]; then
+    step tiny-cuda-f32-nccl 120 sh -c "PAGODA_PARALLEL_RUNNER=1 PAGODA_NCCL_LIBRARY='$NCCL' '$BIN' ${TINY[*]} --backend $BACKEND --dtype f32 --logprobs 5 > '$RES/tiny-cuda-f32-nccl.jsonl' 2> '$RES/tiny-cuda-f32-nccl.err'"
+else
+    printf '%-26s skipped: no libnccl.so in the Python packages (or not cuda)\n' tiny-cuda-f32-nccl | tee -a "$LOG" "$STEPS"
+fi
 [ "${SKIP_HF:-0}" = 1 ] || step compare 240 $PY compare "$WORK" "$RES"
 
 # 3. benchmark on the Llama-3.2-1B-shaped model, bf16, with `pagoda bench`

@@ -303,6 +303,14 @@ def compare(work, out):
         result["cuda-vs-cpu-f32-max-dlogprob"] = dlp
     except Exception as e:
         result["cuda-vs-cpu-f32-identical"] = repr(e)
+    # the NCCL path (workers, tensor parallel 1) against the single device
+    try:
+        a = read_jsonl(os.path.join(out, "tiny-cuda-f32.jsonl"))
+        n = read_jsonl(os.path.join(out, "tiny-cuda-f32-nccl.jsonl"))
+        toks = lambda rows: [x["token_ids"] for x in rows]
+        result["nccl-vs-one-device-identical"] = bool(n) and toks(a) == toks(n)
+    except Exception as e:
+        result["nccl-vs-one-device-identical"] = repr(e)[:200]
     try:
         compare_with_transformers(work, out, result)
     except Exception as e:
@@ -482,6 +490,7 @@ def summary(out):
     if "error" in cmp:
         rows.append(("transformers reference", "ERROR " + cmp["error"][:100]))
     rows.append(("device argmax == host argmax", str(cmp.get("device-argmax-identical", "did not run"))))
+    rows.append(("NCCL workers == one device", str(cmp.get("nccl-vs-one-device-identical", "did not run"))))
     bench = load(os.path.join(out, "pagoda-bench.json"), {})
     hf = load(os.path.join(out, "hf-bench.json"), {})
     bw = hf.get("copy_bandwidth")

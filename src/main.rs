@@ -158,11 +158,12 @@ struct ModelArgs {
     #[arg(long, default_value_t = 4.0)]
     swap_space: f64,
     /// Split every layer's heads and MLP over this many workers (Megatron-style tensor
-    /// parallelism). CPU backend only for now, where the workers share the cores.
+    /// parallelism): one per GPU on cuda/hip (NCCL/RCCL between them); on the CPU the workers
+    /// share the cores.
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
     /// Split the layers into this many pipeline stages, one worker each (times
-    /// --tensor-parallel-size). CPU backend only for now.
+    /// --tensor-parallel-size), with one step per stage in flight.
     #[arg(long, default_value_t = 1)]
     pipeline_parallel_size: usize,
     /// Spread the workers over this many nodes (processes, on one machine or several): node 0

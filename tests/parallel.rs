@@ -323,7 +323,8 @@ fn build_ccl_host(dir: &Path) -> PathBuf {
 /// out. A library that is not there is a clear error before any weight is loaded.
 ///
 /// NOTE: the library is named in the environment, which the emulator reads when it opens: the
-/// test runs itself again in a child process with it set (tests in one process share theirs).
+/// test runs itself again in a child process with it set (tests in one process share theirs),
+/// and with PAGODA_PARALLEL_RUNNER=1, which sends even one device through the workers.
 #[test]
 fn workers_on_emulated_gpus_through_an_nccl_api_library_reproduce_the_goldens() {
     const NAME: &str = "workers_on_emulated_gpus_through_an_nccl_api_library_reproduce_the_goldens";
@@ -334,6 +335,7 @@ fn workers_on_emulated_gpus_through_an_nccl_api_library_reproduce_the_goldens() 
             let out = Command::new(std::env::current_exe().unwrap())
                 .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
                 .env("PAGODA_EMU_CCL", &lib)
+                .env("PAGODA_PARALLEL_RUNNER", "1")
                 .output()
                 .unwrap();
             let text = String::from_utf8_lossy(&out.stdout).into_owned()
@@ -373,7 +375,9 @@ fn workers_on_emulated_gpus_through_an_nccl_api_library_reproduce_the_goldens() 
         return;
     }
     let cases = tiny_cases("mistral");
-    for s in [split(2, 1), split(1, 2), split(2, 2)] {
+    // 1 x 1: through the workers and the library too (PAGODA_PARALLEL_RUNNER=1, as
+    // scripts/gpu-check.sh runs it on a machine with one GPU)
+    for s in [split(1, 1), split(2, 1), split(1, 2), split(2, 2)] {
         let mut llm = LLM::new(EngineArgs {
             model: Some(path.clone()),
             backend: BackendKind::Emu,

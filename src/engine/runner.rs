@@ -244,7 +244,10 @@ pub fn create_runner(
             args.nodes.node_rank
         );
     }
-    if !args.parallel.is_single() || !args.nodes.is_single() {
+    // NOTE: PAGODA_PARALLEL_RUNNER=1 runs even one device through the workers and the device
+    // communicator (NCCL), so that a machine with one GPU checks that path.
+    let forced = std::env::var("PAGODA_PARALLEL_RUNNER").is_ok_and(|v| v == "1");
+    if forced || !args.parallel.is_single() || !args.nodes.is_single() {
         return create_parallel(model, args, progress);
     }
     match args.backend {
