@@ -34,6 +34,10 @@ fn run(cmd: &mut Command) {
 /// A virtual environment with `openai`, `pytest` and `jsonschema` (which validates structured
 /// output independently of the engine's grammar compiler).
 fn venv() -> PathBuf {
+    // NOTE: the tests of this file run at once; the first makes the environment while the
+    // other waits (two `python3 -m venv` into one folder fail).
+    static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _making = MAKING.lock().unwrap_or_else(|e| e.into_inner());
     let dir = cache_dir().join("venv-openai");
     let python = dir.join("bin/python");
     let ready = |p: &Path| {

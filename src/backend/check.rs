@@ -117,6 +117,13 @@ enum Case {
         qw: Vec<f32>,
         kw: Vec<f32>,
     },
+    /// `rope_write_kv`: the rows after RoPE, then the K and V caches (every slot of the pool
+    /// written once, in a shuffled order).
+    RopeWriteKv {
+        rope: Box<Case>,
+        kv: KvLayout,
+        slots: Vec<u32>,
+    },
     Attention {
         layout: QkvLayout,
         kv: KvLayout,
@@ -245,6 +252,38 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
             let (cb, sb) = (be.upload_f32(cos)?, be.upload_f32(sin)?);
             be.rope(&mut xb, &be.upload_u32(pos)?, &cb, &sb, *rows, *layout)?;
             be.download_f32(&xb)?
+        }
+        Case::RopeWriteKv { rope, kv, slots } => {
+            let Case::Rope {
+                rows,
+                layout,
+                x,
+                pos,
+                cos,
+                sin,
+            } = rope.as_ref()
+            else {
+                bail!("rope_write_kv: not a rope case");
+            };
+            let mut xb = be.upload_f32(x)?;
+            let (cb, sb) = (be.upload_f32(cos)?, be.upload_f32(sin)?);
+            let (mut kc, mut vc) = (be.alloc_kv(*kv)?, be.alloc_kv(*kv)?);
+            be.rope_write_kv(
+                &mut xb,
+                &be.upload_u32(pos)?,
+                &cb,
+                &sb,
+                &be.upload_u32(slots)?,
+                *rows,
+                *layout,
+                &mut kc,
+                &mut vc,
+                *kv,
+            )?;
+            let mut v = be.download_f32(&xb)?;
+            v.extend(be.download_f32(&kc)?);
+            v.extend(be.download_f32(&vc)?);
+            v
         }
         Case::QkNorm {
             rows,
@@ -453,6 +492,33 @@ fn reference(case: &Case) -> Vec<f64> {
                 }
             }
             v
+        }
+        Case::RopeWriteKv { rope, kv, slots } => {
+            let Case::Rope { rows, layout, .. } = rope.as_ref() else {
+                return Vec::new();
+            };
+            let rows_after = reference(rope);
+            let (d, rl, hkv) = (layout.head_dim, layout.row_len(), layout.num_kv_heads);
+            let mut caches = vec![0f64; 2 * kv.numel()];
+            for (t, &slot) in slots.iter().enumerate().take(*rows) {
+                let (blk, off) = (slot as usize / kv.block_size, slot as usize % kv.block_size);
+                for (c, part) in [layout.q_len(), layout.q_len() + layout.kv_len()]
+                    .into_iter()
+                    .enumerate()
+                {
+                    for g in 0..hkv {
+                        for i in 0..d {
+                            let x = rows_after[t * rl + part + g * d + i] as f32;
+                            caches[c * kv.numel()
+                                + ((blk * hkv + g) * kv.block_size + off) * d
+                                + i] = rounded(kv.dtype, &[x])[0];
+                        }
+                    }
+                }
+            }
+            let mut out = rows_after;
+            out.extend(caches);
+            out
         }
         Case::QkNorm {
             rows,
@@ -775,20 +841,60 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
                 sin.push(a.sin() as f32);
             }
         }
+        let rope = Case::Rope {
+            rows,
+            layout,
+            x: rand_vec(&mut r, rows * layout.row_len()),
+            pos: (0..rows as u32)
+                .map(|i| (i * 97 + 3) % max_pos as u32)
+                .collect(),
+            cos,
+            sin,
+        };
+        // the same rows through the fused op, into a pool of 4-token blocks with room to
+        // spare, each row at a slot of a shuffled order, for every KV type
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let kv = KvLayout {
+                num_blocks: rows.div_ceil(4) + 3,
+                block_size: 4,
+                num_kv_heads: hkv,
+                head_dim: d,
+                dtype,
+            };
+            let mut slots: Vec<u32> = (0..(kv.num_blocks * 4) as u32).collect();
+            for i in (1..slots.len()).rev() {
+                slots.swap(i, r.next_u32() as usize % (i + 1));
+            }
+            slots.truncate(rows);
+            let Case::Rope {
+                x, pos, cos, sin, ..
+            } = &rope
+            else {
+                unreachable!()
+            };
+            out.push((
+                "rope+write_kv".into(),
+                format!("{} KV, {rows} rows h={h} hkv={hkv} d={d}", dtype.name()),
+                1e-5,
+                Case::RopeWriteKv {
+                    rope: Box::new(Case::Rope {
+                        rows,
+                        layout,
+                        x: x.clone(),
+                        pos: pos.clone(),
+                        cos: cos.clone(),
+                        sin: sin.clone(),
+                    }),
+                    kv,
+                    slots,
+                },
+            ));
+        }
         out.push((
             "rope".into(),
             format!("{rows} rows h={h} hkv={hkv} d={d}"),
             1e-5,
-            Case::Rope {
-                rows,
-                layout,
-                x: rand_vec(&mut r, rows * layout.row_len()),
-                pos: (0..rows as u32)
-                    .map(|i| (i * 97 + 3) % max_pos as u32)
-                    .collect(),
-                cos,
-                sin,
-            },
+            rope,
         ));
     }
     for &(rows, h, hkv, d) in &[(7, 16, 8, 128), (2, 14, 2, 64), (5, 2, 1, 80)] {
@@ -1056,7 +1162,9 @@ impl Case {
     /// The KV cache type a case allocates, if it allocates one.
     fn kv_dtype(&self) -> Option<DType> {
         match self {
-            Case::Attention { kv, .. } | Case::KvBlocks { kv, .. } => Some(kv.dtype),
+            Case::Attention { kv, .. }
+            | Case::KvBlocks { kv, .. }
+            | Case::RopeWriteKv { kv, .. } => Some(kv.dtype),
             _ => None,
         }
     }

@@ -537,6 +537,27 @@ pub trait Backend: Send + Sync + 'static {
         kv: KvLayout,
     ) -> Result<()>;
 
+    /// [`Backend::rope`] then [`Backend::write_kv`]: q and k rotated in place, then K and V
+    /// written at their slots, with the same results. The GPU backends do it in one pass
+    /// over the rows (one launch instead of two, K read once).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_write_kv(
+        &self,
+        qkv: &mut Self::Buf,
+        positions: &Self::Buf,
+        cos: &Self::Buf,
+        sin: &Self::Buf,
+        slot_mapping: &Self::Buf,
+        rows: usize,
+        layout: QkvLayout,
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+        kv: KvLayout,
+    ) -> Result<()> {
+        self.rope(qkv, positions, cos, sin, rows, layout)?;
+        self.write_kv(qkv, slot_mapping, rows, layout, k_cache, v_cache, kv)
+    }
+
     /// Attention of every query row over its sequence's keys `0 ..= position`, read through
     /// the block tables (the cached prefix and this step's own keys alike, causal inside a
     /// chunk), limited to the last `window` keys with a sliding window, scores soft-capped

@@ -370,19 +370,12 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
                 ql.row_len(),
                 &mut qkv,
             )?;
-            backend.rope(
-                &mut qkv,
-                &batch.positions,
-                &self.rope_cos,
-                &self.rope_sin,
-                t,
-                ql,
-            )?;
             attend(
                 backend,
                 kv,
                 j,
-                &qkv,
+                &mut qkv,
+                Some((&self.rope_cos, &self.rope_sin)),
                 batch,
                 ql,
                 c.attention_options(l),

@@ -369,12 +369,12 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
             };
             backend.matmul(&h, &w.wqkv, None, t, hid, ql.row_len(), &mut qkv)?;
             backend.qk_norm(&mut qkv, &w.q_norm, &w.k_norm, t, ql, eps)?;
-            backend.rope(&mut qkv, &batch.positions, cos, sin, t, ql)?;
             attend(
                 backend,
                 kv,
                 j,
-                &qkv,
+                &mut qkv,
+                Some((cos, sin)),
                 batch,
                 ql,
                 c.attention_options(l),

@@ -270,19 +270,12 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
             if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
                 backend.qk_norm(&mut qkv, qn, kn, t, ql, eps)?;
             }
-            backend.rope(
-                &mut qkv,
-                &batch.positions,
-                &self.rope_cos,
-                &self.rope_sin,
-                t,
-                ql,
-            )?;
             attend(
                 backend,
                 kv,
                 j,
-                &qkv,
+                &mut qkv,
+                Some((&self.rope_cos, &self.rope_sin)),
                 batch,
                 ql,
                 c.attention_options(l),

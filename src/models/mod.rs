@@ -507,15 +507,17 @@ pub fn check_positions(positions: &[u32], max_positions: usize) -> Result<()> {
     Ok(())
 }
 
-/// Layer `l`'s attention: this step's K and V (from the fused QKV rows `qkv`) written at the
-/// batch's slots, then every query row attending through the block tables. `out` is
+/// Layer `l`'s attention: RoPE on q and k where the model has it (`rope`: the cos and sin
+/// tables), this step's K and V (from the fused QKV rows `qkv`) written at the batch's slots
+/// (one op with the RoPE), then every query row attending through the block tables. `out` is
 /// `[T, H D]`.
 #[allow(clippy::too_many_arguments)]
 pub fn attend<B: Backend>(
     backend: &B,
     kv: &mut KvCache<B>,
     l: usize,
-    qkv: &B::Buf,
+    qkv: &mut B::Buf,
+    rope: Option<(&B::Buf, &B::Buf)>,
     batch: &DeviceBatch<B>,
     ql: QkvLayout,
     opts: AttentionOptions,
@@ -523,15 +525,22 @@ pub fn attend<B: Backend>(
 ) -> Result<()> {
     let layout = kv.layouts[l];
     let t = batch.host.num_tokens();
-    backend.write_kv(
-        qkv,
-        &batch.slot_mapping,
-        t,
-        ql,
-        &mut kv.k[l],
-        &mut kv.v[l],
-        layout,
-    )?;
+    let (k, v) = (&mut kv.k[l], &mut kv.v[l]);
+    match rope {
+        Some((cos, sin)) => backend.rope_write_kv(
+            qkv,
+            &batch.positions,
+            cos,
+            sin,
+            &batch.slot_mapping,
+            t,
+            ql,
+            k,
+            v,
+            layout,
+        )?,
+        None => backend.write_kv(qkv, &batch.slot_mapping, t, ql, k, v, layout)?,
+    }
     backend.paged_attention(qkv, &kv.k[l], &kv.v[l], batch, ql, layout, opts, out)
 }
 

@@ -72,7 +72,12 @@ pub fn kernel_names(stem: &str) -> Vec<String> {
     let mut names: Vec<String> = fixed.iter().map(|s| s.to_string()).collect();
     match stem {
         "elementwise" => names.extend(WEIGHT_DTYPES.iter().map(|d| format!("embedding_{d}"))),
-        "cache" => names.extend(KV_DTYPES.iter().map(|k| format!("write_kv_{k}"))),
+        "cache" => {
+            for k in KV_DTYPES {
+                names.push(format!("write_kv_{k}"));
+                names.push(format!("rope_write_kv_{k}"));
+            }
+        }
         "attention" => {
             for k in KV_DTYPES {
                 names.push(format!("paged_attention_prefill_{k}"));
