@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole CUDA check on a GPU machine, in one run, most valuable steps first: kernels against
 # the CPU backend; greedy tokens and log-probabilities against transformers on the same random
-# weights; decode of one sequence against the memory roofline, with the time of every kernel in
+# weights, and through the tensor-parallel workers and NCCL where PyTorch's wheels bring it;
+# decode of one sequence against the memory roofline, with the time of every kernel in
 # a decode and a prefill step; throughput with 64 and 256 requests (fixed lengths and a
 # ShareGPT-like mix) beside transformers' generate on the very same lengths. Prints a table
 # last. A global deadline clamps every step, and whatever fails (or runs out of time) the

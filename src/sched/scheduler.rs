@@ -227,6 +227,7 @@ impl Scheduler {
             usize::MAX
         };
 
+        let mut blocked = false;
         let mut i = 0;
         while i < self.running.len() && budget > 0 && grants.len() < share {
             let id = self.running[i];
@@ -254,6 +255,14 @@ impl Scheduler {
                     .iter()
                     .rposition(|v| !self.in_flight.contains(v))
                     .expect("the request being scheduled is running");
+                // NOTE: rather than preempt itself while others are in flight, a request waits
+                // for their steps: they can be preempted (the most recent first) once back.
+                // Preempting itself there lets two requests that do not fit together preempt
+                // each other in turn forever, each admitted while the other was in flight.
+                if self.running[at] == id && !self.in_flight.is_empty() {
+                    blocked = true;
+                    break false;
+                }
                 let victim = self.running.remove(at);
                 self.preempt(victim, &mut out);
                 out.preempted.push(victim);
@@ -269,15 +278,17 @@ impl Scheduler {
             i += 1;
         }
 
-        let may_admit = match self.config.policy {
-            SchedulingPolicy::Continuous => out.preempted.is_empty(),
-            SchedulingPolicy::Static => {
-                if self.running.is_empty() {
-                    self.batch_open = true;
+        // NOTE: nothing is admitted while a running request waits for blocks.
+        let may_admit = !blocked
+            && match self.config.policy {
+                SchedulingPolicy::Continuous => out.preempted.is_empty(),
+                SchedulingPolicy::Static => {
+                    if self.running.is_empty() {
+                        self.batch_open = true;
+                    }
+                    self.batch_open && out.preempted.is_empty()
                 }
-                self.batch_open && out.preempted.is_empty()
-            }
-        };
+            };
         if may_admit {
             // Swapped requests resume first, with their K/V copied back.
             while let Some(&id) = self.swapped.front() {
@@ -597,6 +608,53 @@ mod tests {
         assert_eq!(s.num_in_flight(), 0);
         run_to_end(&mut s, 100);
         assert_eq!(s.kv.pool().num_free(), 6);
+    }
+
+    /// Two requests of 20 tokens cannot be in a pool of 27 blocks together. With two steps in
+    /// flight each was admitted while the other ran, and each then preempted itself for want
+    /// of blocks, forever (found by the proptest below); now the one that needs blocks waits
+    /// for the other's step and preempts it.
+    #[test]
+    fn requests_that_do_not_fit_together_finish_with_steps_in_flight() {
+        for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+            let mut s = sched(28, 1, 9, 3);
+            s.config.steps_in_flight = 2;
+            s.config.preemption_mode = mode;
+            s.kv = KvCacheManager::new(28, 1, false).with_swap_space(14);
+            for (i, (p, m)) in [(13, 3), (9, 1), (11, 1), (20, 1), (20, 1)]
+                .iter()
+                .enumerate()
+            {
+                s.add_request(Request::new(i as u64, vec![3; *p], *m, vec![]))
+                    .unwrap();
+            }
+            let mut queue: VecDeque<SchedulerOutput> = VecDeque::new();
+            let mut steps = 0;
+            while s.has_unfinished() {
+                let out = s.schedule();
+                let stalled = out.is_empty();
+                if !stalled {
+                    queue.push_back(out);
+                }
+                if queue.len() == 2 || stalled {
+                    let out = queue.pop_front().expect("progress");
+                    let sampled: HashMap<_, _> = out
+                        .scheduled
+                        .iter()
+                        .filter(|r| r.sample)
+                        .map(|r| {
+                            (
+                                r.id,
+                                fake_token(r.id, r.num_computed_tokens + r.num_new_tokens),
+                            )
+                        })
+                        .collect();
+                    s.update_from_output(&out, &sampled);
+                }
+                steps += 1;
+                assert!(steps < 200, "{mode:?}: no end after {steps} steps");
+            }
+        }
     }
 
     #[test]

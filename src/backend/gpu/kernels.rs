@@ -286,6 +286,7 @@ mod tests {
                         src.contains(&format!("PAGED_ATTENTION({kv},"))
                     }
                     ["write", "kv", kv] => src.contains(&format!("WRITE_KV({kv},")),
+                    ["rope", "write", "kv", kv] => src.contains(&format!("ROPE_WRITE_KV({kv},")),
                     ["paged", "attention", "decode", kv, d] => {
                         src.contains(&format!("PAGED_ATTENTION_DECODE_ALL_D({kv},"))
                             && src.contains(&format!("PAGED_ATTENTION_DECODE(DT, KV, {})", &d[1..]))
