@@ -546,16 +546,7 @@ fn workers_on_other_nodes_over_tcp_reproduce_the_goldens() {
     wait_ok(child);
     stray.join().unwrap();
 
-    let text = std::fs::read_to_string(tiny("goldens.json")).unwrap();
-    let goldens: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let cases: Vec<(Vec<u32>, Vec<u32>)> = goldens["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["model"] == "gemma3")
-        .map(|e| (ids(&e["prompt_ids"]), ids(&e["generated_ids"])))
-        .collect();
-    assert!(!cases.is_empty());
+    let cases = tiny_cases("gemma3");
     let port = free_port();
     let children: Vec<_> = (1..4)
         .map(|r| spawn_node(&tiny("gemma3"), split(2, 2), 4, r, port, 4))

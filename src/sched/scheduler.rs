@@ -497,6 +497,20 @@ mod tests {
         ((id as usize * 31 + pos * 7) % 50 + 10) as u32
     }
 
+    /// The fake model's token for every sampled request of a step.
+    fn fake_sampled(out: &SchedulerOutput) -> HashMap<RequestId, u32> {
+        out.scheduled
+            .iter()
+            .filter(|r| r.sample)
+            .map(|r| {
+                (
+                    r.id,
+                    fake_token(r.id, r.num_computed_tokens + r.num_new_tokens),
+                )
+            })
+            .collect()
+    }
+
     fn run_to_end(s: &mut Scheduler, max_steps: usize) -> usize {
         let mut steps = 0;
         while s.has_unfinished() {
@@ -504,17 +518,7 @@ mod tests {
             assert!(!out.is_empty(), "no progress possible");
             assert!(out.num_batched_tokens <= s.config.max_num_batched_tokens);
             assert!(out.scheduled.len() <= s.config.max_num_seqs);
-            let sampled: HashMap<_, _> = out
-                .scheduled
-                .iter()
-                .filter(|r| r.sample)
-                .map(|r| {
-                    (
-                        r.id,
-                        fake_token(r.id, r.num_computed_tokens + r.num_new_tokens),
-                    )
-                })
-                .collect();
+            let sampled = fake_sampled(&out);
             s.update_from_output(&out, &sampled);
             s.kv.check_invariants();
             steps += 1;
@@ -638,17 +642,7 @@ mod tests {
                 }
                 if queue.len() == 2 || stalled {
                     let out = queue.pop_front().expect("progress");
-                    let sampled: HashMap<_, _> = out
-                        .scheduled
-                        .iter()
-                        .filter(|r| r.sample)
-                        .map(|r| {
-                            (
-                                r.id,
-                                fake_token(r.id, r.num_computed_tokens + r.num_new_tokens),
-                            )
-                        })
-                        .collect();
+                    let sampled = fake_sampled(&out);
                     s.update_from_output(&out, &sampled);
                 }
                 steps += 1;
@@ -927,9 +921,7 @@ mod tests {
                 // more could be scheduled
                 if queue.len() == depth || stalled {
                     let Some(out) = queue.pop_front() else { continue };
-                    let sampled: HashMap<_, _> = out.scheduled.iter().filter(|r| r.sample)
-                        .map(|r| (r.id, fake_token(r.id, r.num_computed_tokens + r.num_new_tokens)))
-                        .collect();
+                    let sampled = fake_sampled(&out);
                     s.update_from_output(&out, &sampled);
                 }
                 s.kv.check_invariants();
