@@ -30,16 +30,27 @@ fn runner_on(
     model: &LoadedModel,
     parallel: ParallelConfig,
 ) -> anyhow::Result<Box<dyn ModelRunner>> {
+    runner_with(backend, model, parallel, NodeConfig::default(), 1024)
+}
+
+/// Block size 16, `max_model_len` positions.
+fn runner_with(
+    backend: BackendKind,
+    model: &LoadedModel,
+    parallel: ParallelConfig,
+    nodes: NodeConfig,
+    max_model_len: usize,
+) -> anyhow::Result<Box<dyn ModelRunner>> {
     let args = RunnerArgs {
         backend,
         dtype: DType::F32.into(),
         kv_cache_dtype: Default::default(),
         block_size: 16,
         kv_budget: Some(KvBudget::Bytes(256 << 20)),
-        max_model_len: 1024,
+        max_model_len,
         max_useful_blocks: 64,
         parallel,
-        nodes: NodeConfig::default(),
+        nodes,
     };
     create_runner(model, &args, &mut |_, _| {})
 }
@@ -305,7 +316,7 @@ fn build_ccl_host(dir: &Path) -> PathBuf {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/ccl_host.cc");
     let lib = dir.join("libccl_host.so");
     let out = Command::new("c++")
-        .args(["-std=c++17", "-O1", "-shared", "-fPIC", "-o"])
+        .args(["-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-o"])
         .arg(&lib)
         .arg(&src)
         .output()
@@ -389,6 +400,51 @@ fn workers_on_emulated_gpus_through_an_nccl_api_library_reproduce_the_goldens() 
     }
     // a failed step aborts the communicators, and the next step makes them anew
     a_failed_step_leaves_the_workers_usable_on(BackendKind::Emu);
+
+    // workers on two nodes (processes) whose groups are made from node 0's unique ids (NCCL's
+    // own bootstrap): tensor parallelism across the nodes (2 x 1, one worker each), and the
+    // pipeline across them (2 x 2)
+    for s in [split(2, 1), split(2, 2)] {
+        let port = free_port();
+        let child = spawn_node_with(BackendKind::Emu, &path, s, 2, 1, port, 4, &[]);
+        let name = check_greedy_with(
+            BackendKind::Emu,
+            &path,
+            s,
+            nodes(2, port, 120),
+            &cases,
+            "emu + ccl, 2 nodes",
+        );
+        assert!(
+            name.contains("2 nodes") && name.contains("PAGODA_EMU_CCL"),
+            "{name}"
+        );
+        wait_ok(child);
+    }
+    // a failed step across nodes: aborted on both, made again on both from fresh ids
+    let port = free_port();
+    let child = spawn_node_with(
+        BackendKind::Emu,
+        &path,
+        split(2, 2),
+        2,
+        1,
+        port,
+        16,
+        &["--max-model-len", "256"],
+    );
+    let model = load_model(&path).unwrap();
+    let mut r = runner_with(
+        BackendKind::Emu,
+        &model,
+        split(2, 2),
+        nodes(2, port, 120),
+        256,
+    )
+    .unwrap();
+    fail_and_recover(r.as_mut());
+    drop(r);
+    wait_ok(child);
 }
 
 /// A failing step (a position past the RoPE tables, refused by every worker) is an error, and
@@ -401,15 +457,19 @@ fn a_failed_step_leaves_the_workers_usable() {
 fn a_failed_step_leaves_the_workers_usable_on(backend: BackendKind) {
     let model = load_model(&tiny("mistral")).unwrap();
     let mut r = runner_on(backend, &model, split(2, 2)).unwrap();
+    fail_and_recover(r.as_mut());
+}
+
+fn fail_and_recover(r: &mut dyn ModelRunner) {
     let prompt: Vec<u32> = vec![5, 17, 33, 2, 9];
-    let before = prefill(r.as_mut(), &prompt);
+    let before = prefill(r, &prompt);
     let table: Vec<u32> = (1..64u32).rev().collect();
     let mut bad = single_sequence_step(prompt.clone(), 0, &table, 16);
     bad.positions[2] = 1 << 20;
     let e = format!("{:#}", r.execute(bad).unwrap_err());
     assert!(e.contains("beyond the maximum model length"), "{e}");
     assert!(!e.contains("another worker failed"), "{e}");
-    assert_eq!(prefill(r.as_mut(), &prompt), before);
+    assert_eq!(prefill(r, &prompt), before);
 }
 
 /// With pipeline parallelism two steps are in flight; the second fails in every worker. The
@@ -465,9 +525,35 @@ fn spawn_node(
     port: u16,
     block_size: usize,
 ) -> std::process::Child {
+    spawn_node_with(
+        BackendKind::Cpu,
+        path,
+        s,
+        nnodes,
+        rank,
+        port,
+        block_size,
+        &[],
+    )
+}
+
+/// The same on `backend`, with `extra` arguments.
+#[allow(clippy::too_many_arguments)]
+fn spawn_node_with(
+    backend: BackendKind,
+    path: &Path,
+    s: ParallelConfig,
+    nnodes: usize,
+    rank: usize,
+    port: u16,
+    block_size: usize,
+    extra: &[&str],
+) -> std::process::Child {
     let arg = |v: usize| v.to_string();
     Command::new(env!("CARGO_BIN_EXE_pagoda"))
         .arg("info")
+        .args(["--backend", backend.name()])
+        .args(extra)
         .arg("--model")
         .arg(path)
         .args(["--dtype", "f32", "--kv-cache-memory", "256MiB"])

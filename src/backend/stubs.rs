@@ -217,6 +217,9 @@ macro_rules! unavailable_backend {
             }
         }
         impl crate::parallel::MultiDevice for $name {
+            fn kind() -> &'static str {
+                $feature
+            }
             fn device_count() -> Result<usize> {
                 Self::new().map(|b| match b.0 {})
             }
@@ -225,9 +228,12 @@ macro_rules! unavailable_backend {
             }
             fn device_groups(
                 _: crate::parallel::ParallelConfig,
-                _: &[usize],
+                _: &[Option<usize>],
             ) -> Result<Option<crate::parallel::DeviceGroups<Self>>> {
                 Self::new().map(|b| match b.0 {})
+            }
+            fn binder(&self) -> crate::parallel::Binder {
+                match self.0 {}
             }
         }
     };

@@ -424,7 +424,7 @@ fn prepare(args: &EngineArgs) -> Result<(crate::models::LoadedModel, runner::Run
 /// node 0 closes the connections.
 pub fn run_worker_node(args: EngineArgs) -> Result<()> {
     let (model, runner_args) = prepare(&args)?;
-    nodes::serve_node(&model, &runner_args)
+    runner::serve_node(&model, &runner_args)
 }
 
 impl Engine {

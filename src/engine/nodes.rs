@@ -1,7 +1,15 @@
 //! Workers on several nodes (`--nnodes`): node 0 runs the engine and its workers, and for
-//! every worker of another node a proxy thread that runs that worker's collectives on its
-//! handles (see `parallel::tcp`); each other node runs [`serve_node`]: its workers, each with
-//! one connection to node 0, taking steps until node 0 closes it.
+//! every worker of another node a proxy thread that passes on its results (and, where the
+//! activations go through the host, runs its collectives on its handles: see
+//! `parallel::tcp`); each other node runs [`serve_node`]: its workers, each with one
+//! connection to node 0, taking steps until node 0 closes it.
+//!
+//! On GPUs with NCCL (or RCCL) the activations go from device to device, not through node 0:
+//! every group is made with NCCL's own bootstrap once every node has loaded (node 0 makes a
+//! unique id per group and sends them in `Start`; every rank of the group calls
+//! `ncclCommInitRank` with it). node 0 passes a failed step's abort on to every node, and
+//! after it sends fresh ids (`Reset`), from which every node makes the groups again
+//! ([`NodeControl`]).
 //!
 //! ```text
 //!  node 0                                         node n
@@ -14,26 +22,35 @@
 //! ```
 
 use super::runner::{LogitsPart, Runner, RunnerArgs, kv_spec, plan};
-use super::workers::{Job, Sink, Worker, load_shards, run_job, stage_layers};
-use crate::backend::CpuBackend;
+use super::workers::{Job, Sink, Worker, load_shards, node_devices, run_job, stage_layers};
+use crate::backend::Backend;
 use crate::models::{LoadedModel, WeightStats, kv_cache};
+use crate::parallel::ccl::NodeCcl;
 use crate::parallel::tcp::{Conn, Msg, PP, RemoteComm, TP, read_msg, resolve, write_msg};
-use crate::parallel::{Communicator, HostCollectives, LocalComm, NodeConfig, Placement};
+use crate::parallel::{
+    Binder, Communicator, GroupControl, LocalComm, MultiDevice, NodeConfig, Placement,
+};
 use anyhow::{Context, Result, anyhow, bail};
 use std::io::{BufReader, BufWriter, ErrorKind};
-use std::net::{TcpListener, TcpStream};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// What node 0 and every other node must agree on before their shards fit together: the
 /// model's shape, how its weights are stored, the block size, the split, the RoPE positions.
-pub(super) fn fingerprint(model: &LoadedModel, args: &RunnerArgs, positions: usize) -> String {
+pub(super) fn fingerprint(
+    model: &LoadedModel,
+    args: &RunnerArgs,
+    positions: usize,
+    backend: &str,
+) -> String {
     let c = &model.config;
     format!(
         "{} {} layers, {} heads / {} KV heads, hidden {}, vocab {}; --dtype {}, block size {}, \
-         tensor {} x pipeline {} over {} nodes, {positions} positions",
+         tensor {} x pipeline {} over {} nodes, {positions} positions; {backend}",
         c.arch.name(),
         c.num_layers,
         c.num_heads,
@@ -177,20 +194,30 @@ pub(super) fn gather(
     Ok(pending)
 }
 
-/// Starts a pending worker: tells it the pool's size, and runs its proxy thread with its
-/// handles on node 0's groups.
-pub(super) fn start(p: Pending, num_blocks: usize, comms: [LocalComm; 2]) -> Result<Worker> {
+/// Writes to a worker of another node.
+pub(super) type Writer = Arc<Mutex<BufWriter<TcpStream>>>;
+
+/// Starts a pending worker `w`: tells it the pool's size (and the groups' ids, where they go
+/// through NCCL), and runs its proxy thread: with its handles on node 0's groups where the
+/// activations go through the host (`comms`), and `controls` to abort when it fails.
+pub(super) fn start(
+    p: Pending,
+    w: usize,
+    num_blocks: usize,
+    ids: Vec<Vec<u8>>,
+    comms: Option<[LocalComm; 2]>,
+    controls: Vec<Arc<dyn GroupControl>>,
+) -> Result<Worker> {
     let Pending { mut conn, .. } = p;
-    conn.send(&Msg::Start(Ok(num_blocks as u64)))?;
+    conn.send(&Msg::Start(Ok((num_blocks as u64, ids))))?;
     let Conn { reader, writer, .. } = conn;
     let writer = Arc::new(Mutex::new(writer));
     let (tx, replies) = channel();
-    let w = writer.clone();
     let gone = Arc::new(Mutex::new(None));
-    let g = gone.clone();
+    let (wr, g) = (writer.clone(), gone.clone());
     let thread = std::thread::Builder::new()
         .name("pagoda-proxy".into())
-        .spawn(move || proxy(reader, w, comms, tx, g))
+        .spawn(move || proxy(w, reader, wr, comms, controls, tx, g))
         .context("starting a proxy thread")?;
     Ok(Worker {
         sink: Sink::Remote(writer),
@@ -200,31 +227,37 @@ pub(super) fn start(p: Pending, num_blocks: usize, comms: [LocalComm; 2]) -> Res
     })
 }
 
-/// Node 0's side of a remote worker: runs its collectives, passes its results on. When the
-/// connection fails, the worker is marked gone and its groups are aborted, so that no one
-/// waits for it, in this step or a later one.
+/// Node 0's side of remote worker `w`: passes its results on, and runs its collectives where
+/// they go through the host. When the worker fails, or its connection does (then the worker
+/// is marked gone), `controls` are aborted, so that no one waits for it, in this step or a
+/// later one.
 fn proxy(
+    w: usize,
     mut reader: BufReader<TcpStream>,
-    writer: Arc<Mutex<BufWriter<TcpStream>>>,
-    comms: [LocalComm; 2],
+    writer: Writer,
+    comms: Option<[LocalComm; 2]>,
+    controls: Vec<Arc<dyn GroupControl>>,
     replies: Sender<Result<LogitsPart>>,
     gone: Arc<Mutex<Option<String>>>,
 ) {
-    let abort = || comms.iter().for_each(|c| c.group().abort());
-    let worker = HostCollectives::rank(&comms[1]) * HostCollectives::size(&comms[0])
-        + HostCollectives::rank(&comms[0]);
+    let abort = || controls.iter().for_each(|c| c.abort());
     loop {
         let why = match read_msg(&mut reader) {
             Ok(Some(Msg::Comm { group, op, data })) => {
+                let Some(comms) = &comms else {
+                    break_gone(&gone, &replies, w, "it asked node 0 for a collective");
+                    abort();
+                    return;
+                };
                 let c = &comms[usize::from(group == PP)];
                 let done = Msg::CommDone(op.run(c, data).map_err(|e| format!("{e:#}")));
-                let mut w = writer.lock().unwrap_or_else(|e| e.into_inner());
-                match write_msg(&mut *w, &done) {
+                let mut wr = writer.lock().unwrap_or_else(|e| e.into_inner());
+                match write_msg(&mut *wr, &done) {
                     Ok(()) => continue,
                     Err(e) => format!("{e:#}"),
                 }
             }
-            Ok(Some(Msg::Abort)) => {
+            Ok(Some(Msg::Abort(_))) => {
                 abort();
                 continue;
             }
@@ -238,17 +271,107 @@ fn proxy(
             Ok(None) => "it closed the connection".to_string(),
             Err(e) => format!("{e:#}"),
         };
-        let why = format!("worker {worker} on another node is gone: {why}");
-        *gone.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.clone());
+        break_gone(&gone, &replies, w, &why);
         abort();
-        let _ = replies.send(Err(anyhow!(why)));
         return;
     }
 }
 
+/// Marks remote worker `w` gone for good, and fails the step that waits for it.
+fn break_gone(
+    gone: &Mutex<Option<String>>,
+    replies: &Sender<Result<LogitsPart>>,
+    w: usize,
+    why: &str,
+) {
+    let why = format!("worker {w} on another node is gone: {why}");
+    *gone.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.clone());
+    let _ = replies.send(Err(anyhow!(why)));
+}
+
+/// Makes a node's groups from ids (see [`NodeCcl::join`]), each member's device bound by its
+/// worker's backend.
+pub(super) struct NodeDevices {
+    pub(super) ccl: Arc<NodeCcl>,
+    /// Each worker's device here, and its backend's binder.
+    pub(super) binds: Vec<(usize, Binder)>,
+}
+
+impl NodeDevices {
+    pub(super) fn join(&self, ids: &[Vec<u8>]) -> Result<()> {
+        self.ccl.join(ids, &|device| {
+            let (_, b) = self
+                .binds
+                .iter()
+                .find(|(d, _)| *d == device)
+                .context("a device without a worker")?;
+            b()
+        })
+    }
+}
+
+/// Node 0's control of groups that span nodes through NCCL or RCCL: an abort aborts this
+/// node's handles and tells every other node's workers to abort theirs; a reset makes fresh
+/// ids, sends them to every other node's workers, and makes this node's handles from them
+/// (returning when every node has).
+pub(super) struct NodeControl {
+    pub(super) devices: NodeDevices,
+    pub(super) remotes: Mutex<Vec<Writer>>,
+    aborted: AtomicBool,
+}
+
+impl NodeControl {
+    pub(super) fn new(devices: NodeDevices) -> Self {
+        NodeControl {
+            devices,
+            remotes: Mutex::new(Vec::new()),
+            aborted: AtomicBool::new(false),
+        }
+    }
+
+    fn tell(&self, msg: &Msg) -> Result<()> {
+        for r in self
+            .remotes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            let mut w = r.lock().unwrap_or_else(|e| e.into_inner());
+            write_msg(&mut *w, msg).context("a worker on another node is gone")?;
+        }
+        Ok(())
+    }
+}
+
+impl GroupControl for NodeControl {
+    fn abort(&self) {
+        if self.aborted.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // NOTE: a node that cannot be told is gone: its proxy fails its steps.
+        let _ = self.tell(&Msg::Abort(self.devices.ccl.generation()));
+        self.devices.ccl.abort();
+    }
+
+    fn reset(&self) {
+        if !self.aborted.load(Ordering::SeqCst) {
+            return;
+        }
+        let made = (|| {
+            let ids = self.devices.ccl.ids()?;
+            self.tell(&Msg::Reset(ids.clone()))?;
+            self.devices.join(&ids)
+        })();
+        match made {
+            Ok(()) => self.aborted.store(false, Ordering::SeqCst),
+            Err(e) => tracing::error!("the groups across nodes cannot be made again: {e:#}"),
+        }
+    }
+}
+
 /// A node other than 0: connects its workers to node 0, loads their shards, and runs their
-/// steps until node 0 closes the connections. CPU backend only for now.
-pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
+/// steps until node 0 closes the connections.
+pub fn serve_node<B: MultiDevice>(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
     let pc = args.parallel;
     let nodes = &args.nodes;
     pc.check(&model.config)?;
@@ -256,23 +379,25 @@ pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
     if nodes.node_rank == 0 {
         bail!("node 0 runs the engine, not serve_node");
     }
-    if args.backend != crate::backend::BackendKind::Cpu {
-        bail!(
-            "workers on other nodes run on the CPU backend only for now ({} would need NCCL's \
-             bootstrap across nodes, not implemented yet); pass --backend cpu",
-            args.backend.name()
-        );
-    }
-    let positions = plan(&CpuBackend::new(), model, args)?;
-    let fp = fingerprint(model, args, positions);
+    let mine = nodes.workers(&pc);
+    let devices = node_devices::<B>(pc, nodes)?;
+    let device_of = |w: usize| devices[w].unwrap_or(0);
+    // NOTE: the collective library is opened before anything is loaded, so that a missing
+    // one fails at once.
+    let groups = B::device_groups(pc, &devices)?;
+    let positions = plan(&B::open_device(device_of(mine.start))?, model, args)?;
+    let fp = fingerprint(model, args, positions, B::kind());
     let addr = resolve(&nodes.master_addr, nodes.master_port)?;
     let deadline = Instant::now() + nodes.timeout;
-    let mine = nodes.workers(&pc);
     tracing::info!(
         "node {} of {}: workers {mine:?} for the engine at {addr}",
         nodes.node_rank,
         nodes.nnodes
     );
+    let (mut device_comms, ccl) = match groups {
+        Some(g) => (g.workers, g.nodes),
+        None => (Vec::new(), None),
+    };
     let mut places = Vec::new();
     for w in mine.clone() {
         let mut conn = Conn::connect(addr, deadline)?;
@@ -281,24 +406,33 @@ pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
             fingerprint: fp.clone(),
         })?;
         let link = Arc::new(Mutex::new(conn));
-        let comm = |group, rank, size| -> Arc<dyn Communicator<CpuBackend>> {
-            Arc::new(RemoteComm {
-                link: link.clone(),
-                group,
-                rank,
-                size,
-            })
+        let [tp, pp] = match device_comms.get_mut(w).and_then(Option::take) {
+            Some((comms, _)) => comms,
+            None => {
+                let comm = |group, rank, size| -> Arc<dyn Communicator<B>> {
+                    Arc::new(RemoteComm {
+                        link: link.clone(),
+                        group,
+                        rank,
+                        size,
+                    })
+                };
+                [
+                    comm(TP, w % pc.tensor, pc.tensor),
+                    comm(PP, w / pc.tensor, pc.pipeline),
+                ]
+            }
         };
         let place = Placement {
-            tp: comm(TP, w % pc.tensor, pc.tensor),
-            pp: comm(PP, w / pc.tensor, pc.pipeline),
+            tp,
+            pp,
             layers: stage_layers(pc, model.config.num_layers, w),
         };
-        places.push((0, place, link));
+        places.push((device_of(w), place, link));
     }
     let links: Vec<Arc<Mutex<Conn>>> = places.iter().map(|(_, _, l)| l.clone()).collect();
     let loaded = load_shards(
-        &|_| Ok(CpuBackend::new()),
+        &B::open_device,
         model,
         args,
         positions,
@@ -317,6 +451,7 @@ pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
             return Err(e);
         }
     };
+    drop(links);
     // NOTE: every worker reports before any waits for Start: node 0 reads all the reports
     // first, then starts them all.
     let mut specs = Vec::with_capacity(loaded.len());
@@ -326,27 +461,47 @@ pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
         lock(link).send(&Msg::Loaded(Ok((per_block, lm.weight_stats().clone()))))?;
         specs.push(spec);
     }
+    let node = ccl.map(|ccl| NodeDevices {
+        ccl,
+        binds: loaded
+            .iter()
+            .zip(mine.clone())
+            .map(|((b, ..), w)| (device_of(w), b.binder()))
+            .collect(),
+    });
     let mut runners = Vec::new();
+    let mut ids = None;
     for ((backend, lm, link), spec) in loaded.into_iter().zip(specs) {
         let mut c = lock(&link);
         c.read_deadline(Some(deadline))?;
-        let num_blocks = match c.recv().context("waiting for node 0 to start")? {
-            Msg::Start(Ok(n)) => usize::try_from(n)?,
+        let (num_blocks, these) = match c.recv().context("waiting for node 0 to start")? {
+            Msg::Start(Ok((n, ids))) => (usize::try_from(n)?, ids),
             Msg::Start(Err(e)) => bail!("node 0 gave up: {e}"),
             m => bail!("node 0 sent {} instead of Start", m.name()),
         };
         c.read_deadline(None)?;
         drop(c);
+        ids = Some(these);
         runners.push((
             Runner::new(backend, lm, &spec, num_blocks, args.block_size)?,
             link,
         ));
     }
+    if let Some(node) = &node {
+        node.join(ids.as_deref().unwrap_or_default())
+            .context("making the groups across nodes")?;
+    }
     tracing::info!("node {}: workers started", nodes.node_rank);
     let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let node = node.as_ref();
         let hs: Vec<_> = runners
             .into_iter()
-            .map(|(mut runner, link)| s.spawn(move || remote_worker(&mut runner, &link)))
+            .map(|(mut runner, link)| {
+                s.spawn(move || match node {
+                    Some(node) => device_worker(&mut runner, link, node),
+                    None => remote_worker(&mut runner, &link),
+                })
+            })
             .collect();
         hs.into_iter()
             .map(|h| {
@@ -358,8 +513,9 @@ pub fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
     results.into_iter().collect::<Result<Vec<()>>>().map(drop)
 }
 
-/// One worker of another node: takes node 0's jobs until it closes the connection.
-fn remote_worker(runner: &mut Runner<CpuBackend>, link: &Mutex<Conn>) -> Result<()> {
+/// One worker of another node whose collectives go through node 0: takes node 0's jobs
+/// until it closes the connection.
+fn remote_worker<B: Backend>(runner: &mut Runner<B>, link: &Mutex<Conn>) -> Result<()> {
     loop {
         // NOTE: the lock is not held while the job runs: its collectives use the connection.
         let msg = {
@@ -378,10 +534,75 @@ fn remote_worker(runner: &mut Runner<CpuBackend>, link: &Mutex<Conn>) -> Result<
         let reply = run_job(runner, &job);
         let mut c = lock(link);
         if reply.is_err() {
-            c.send(&Msg::Abort)?;
+            c.send(&Msg::Abort(0))?;
         }
         c.send(&Msg::Done(reply.map_err(|e| format!("{e:#}"))))?;
     }
+}
+
+/// One worker of another node whose groups go through NCCL or RCCL: takes node 0's jobs until
+/// it closes the connection. A reader thread takes node 0's messages as they come, so that an
+/// abort reaches the groups while a job waits in them.
+fn device_worker<B: Backend>(
+    runner: &mut Runner<B>,
+    link: Arc<Mutex<Conn>>,
+    node: &NodeDevices,
+) -> Result<()> {
+    let Ok(conn) = Arc::try_unwrap(link).map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
+    else {
+        bail!("a worker's connection is still shared");
+    };
+    let Conn {
+        mut reader,
+        mut writer,
+        ..
+    } = conn;
+    let stream = writer.get_ref().try_clone()?;
+    let (tx, rx) = channel::<Result<Msg>>();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            loop {
+                match read_msg(&mut reader) {
+                    Ok(Some(Msg::Abort(g))) => node.ccl.abort_generation(g),
+                    Ok(Some(m)) => {
+                        if tx.send(Ok(m)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => return,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                }
+            }
+        });
+        let served = (|| {
+            for msg in rx {
+                let job = match msg? {
+                    Msg::Execute(input) => Job::Execute(Arc::new(input)),
+                    Msg::Swap(out, inn) => Job::Swap(Arc::new((out, inn))),
+                    Msg::Reset(ids) => {
+                        node.join(&ids)
+                            .context("making the groups across nodes again")?;
+                        continue;
+                    }
+                    m => bail!("node 0 sent {} between steps", m.name()),
+                };
+                let generation = node.ccl.generation();
+                let reply = run_job(runner, &job);
+                if reply.is_err() {
+                    node.ccl.abort();
+                    write_msg(&mut writer, &Msg::Abort(generation))?;
+                }
+                write_msg(&mut writer, &Msg::Done(reply.map_err(|e| format!("{e:#}"))))?;
+            }
+            Ok(())
+        })();
+        // NOTE: ends the reader thread too, if the worker stopped first.
+        let _ = stream.shutdown(Shutdown::Both);
+        served
+    })
 }
 
 fn lock(link: &Mutex<Conn>) -> MutexGuard<'_, Conn> {

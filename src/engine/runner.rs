@@ -288,8 +288,31 @@ fn create_parallel(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn ModelRunner>> {
     use super::workers::build_parallel;
+    match parallel_backend(args)? {
+        BackendKind::Cuda => build_parallel::<CudaBackend>(model, args, progress),
+        BackendKind::Hip => build_parallel::<HipBackend>(model, args, progress),
+        BackendKind::Emu => build_parallel::<EmuBackend>(model, args, progress),
+        _ => build_parallel::<CpuBackend>(model, args, progress),
+    }
+}
+
+/// A node other than 0 of a run over several nodes: its workers, on the backend chosen as on
+/// node 0.
+pub(super) fn serve_node(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
+    use super::nodes::serve_node;
+    match parallel_backend(args)? {
+        BackendKind::Cuda => serve_node::<CudaBackend>(model, args),
+        BackendKind::Hip => serve_node::<HipBackend>(model, args),
+        BackendKind::Emu => serve_node::<EmuBackend>(model, args),
+        _ => serve_node::<CpuBackend>(model, args),
+    }
+}
+
+/// The backend the workers of tensor and pipeline parallelism run on: `auto` picks a GPU where
+/// there is one, as for one device; wgpu cannot (it has no way to pass buffers between
+/// devices).
+fn parallel_backend(args: &RunnerArgs) -> Result<BackendKind> {
     let kind = match args.backend {
-        // NOTE: `auto` picks a GPU where there is one, as for one device.
         BackendKind::Auto => {
             if CudaBackend::device_count().is_ok() {
                 BackendKind::Cuda
@@ -303,25 +326,15 @@ fn create_parallel(
         }
         k => k,
     };
-    if kind != BackendKind::Cpu && !args.nodes.is_single() {
-        bail!(
-            "workers on several nodes run on the CPU backend only for now (their activations \
-             go through node 0 over TCP; NCCL's own bootstrap across nodes is not implemented); \
-             pass --backend cpu"
-        );
-    }
-    match kind {
-        BackendKind::Cuda => build_parallel::<CudaBackend>(model, args, progress),
-        BackendKind::Hip => build_parallel::<HipBackend>(model, args, progress),
-        BackendKind::Emu => build_parallel::<EmuBackend>(model, args, progress),
+    Ok(match kind {
         BackendKind::Wgpu => bail!(
             "--tensor-parallel-size {} --pipeline-parallel-size {} is not available on wgpu (it \
              has no way to pass buffers between devices); use cuda, hip or cpu",
             args.parallel.tensor,
             args.parallel.pipeline
         ),
-        _ => build_parallel::<CpuBackend>(model, args, progress),
-    }
+        k => k,
+    })
 }
 
 /// The KV budget on a device with its own memory, measured after the weights are loaded, as

@@ -218,6 +218,38 @@ pub(super) fn load_shards<B: Backend, E: Send>(
         .with_context(|| format!("loading {}", model.path.display()))
 }
 
+/// Each worker's device on this node (`None`: a worker of another node): worker `w` of the
+/// node on its device `w - first` (all on device 0 where the workers share one, the CPU); an
+/// error where this process sees fewer devices than the node has workers.
+pub(super) fn node_devices<B: MultiDevice>(
+    pc: ParallelConfig,
+    nodes: &crate::parallel::NodeConfig,
+) -> Result<Vec<Option<usize>>> {
+    let mine = nodes.workers(&pc);
+    let count = B::device_count()?;
+    if count != usize::MAX && mine.len() > count {
+        bail!(
+            "--tensor-parallel-size {} x --pipeline-parallel-size {} needs {} devices on this \
+             node, and this process sees {count} (CUDA_VISIBLE_DEVICES or HIP_VISIBLE_DEVICES \
+             choose them)",
+            pc.tensor,
+            pc.pipeline,
+            mine.len()
+        );
+    }
+    Ok((0..pc.world_size())
+        .map(|w| {
+            mine.contains(&w).then(|| {
+                if count == usize::MAX {
+                    0
+                } else {
+                    w - mine.start
+                }
+            })
+        })
+        .collect())
+}
+
 /// Builds the workers, one per device of `B` (on the CPU they share the cores): checks the
 /// split against the model and the devices, makes the communicators (NCCL or RCCL where the
 /// backend has one, else through the host), loads every shard of this node (all at once, one
@@ -233,26 +265,8 @@ pub fn build_parallel<B: MultiDevice>(
     pc.check(cfg)?;
     args.nodes.check(&pc)?;
     let mine = args.nodes.workers(&pc);
-    let count = B::device_count()?;
-    if mine.len() > count {
-        bail!(
-            "--tensor-parallel-size {} x --pipeline-parallel-size {} needs {} devices on this \
-             node, and this process sees {count} (CUDA_VISIBLE_DEVICES or HIP_VISIBLE_DEVICES \
-             choose them)",
-            pc.tensor,
-            pc.pipeline,
-            mine.len()
-        );
-    }
-    // NOTE: worker `w` of this node runs on the node's device `w - mine.start` (all on the
-    // one CPU).
-    let device_of = |w: usize| {
-        if count == usize::MAX {
-            0
-        } else {
-            w - mine.start
-        }
-    };
+    let devices = node_devices::<B>(pc, &args.nodes)?;
+    let device_of = |w: usize| devices[w].unwrap_or(0);
     let probe = B::open_device(0)?;
     let positions = plan(&probe, model, args)?;
     let token_budget = probe.default_token_budget();
@@ -271,30 +285,24 @@ pub fn build_parallel<B: MultiDevice>(
     };
     let mut places = Vec::new();
     let mut remote = Vec::new();
-    let mut listener = None;
-    let groups: Vec<Arc<dyn GroupControl>>;
-    let devices: Vec<usize> = (0..pc.world_size()).map(device_of).collect();
-    // NOTE: the device communicators are made before any weight is loaded, so that a missing
-    // library fails at once.
+    let mut groups: Vec<Arc<dyn GroupControl>>;
+    // NOTE: the device communicators are made (or, across nodes, their library opened) before
+    // any weight is loaded, so that a missing library fails at once.
     let mut through = "the host".to_string();
+    let mut ccl = None;
     match B::device_groups(pc, &devices)? {
         Some(dg) => {
-            if !args.nodes.is_single() {
-                bail!("workers on several nodes exchange activations through the host only");
-            }
-            for (w, (c, gs)) in dg.workers.into_iter().enumerate() {
-                places.push((device_of(w), placement(c, w), gs));
+            for (w, c) in dg.workers.into_iter().enumerate() {
+                if let Some((c, gs)) = c {
+                    places.push((device_of(w), placement(c, w), gs));
+                }
             }
             groups = dg.all;
             through = dg.library;
+            ccl = dg.nodes;
         }
         None => {
             let (comms, local) = make_groups(pc);
-            // NOTE: node 0 listens before it loads, so that a bad address fails at once; the
-            // other nodes' connections wait in the backlog meanwhile.
-            listener = (!args.nodes.is_single())
-                .then(|| nodes::listen(&args.nodes))
-                .transpose()?;
             for (w, [t, p]) in comms.into_iter().enumerate() {
                 if !mine.contains(&w) {
                     remote.push([t, p]);
@@ -309,6 +317,11 @@ pub fn build_parallel<B: MultiDevice>(
                 .collect();
         }
     }
+    // NOTE: node 0 listens before it loads, so that a bad address fails at once; the other
+    // nodes' connections wait in the backlog meanwhile.
+    let listener = (!args.nodes.is_single())
+        .then(|| nodes::listen(&args.nodes))
+        .transpose()?;
     let name = format!(
         "{probe_name} (tensor parallel {}, pipeline parallel {}{nodes_text}, through {through})",
         pc.tensor, pc.pipeline
@@ -319,7 +332,7 @@ pub fn build_parallel<B: MultiDevice>(
             l,
             &args.nodes,
             mine.end..pc.world_size(),
-            &nodes::fingerprint(model, args, positions),
+            &nodes::fingerprint(model, args, positions, B::kind()),
         )?,
         None => Vec::new(),
     };
@@ -352,8 +365,22 @@ pub fn build_parallel<B: MultiDevice>(
         (None, Some((b, ..))) => pool_blocks(b, args, stats.bytes, per_block, positions),
         (None, None) => bail!("node 0 holds no worker"),
     };
-    let num_blocks = match num_blocks {
-        Ok(n) => n,
+    // NOTE: groups that span nodes are controlled together: a failure anywhere aborts them on
+    // every node, and a reset makes them all again from fresh ids.
+    let control = ccl.map(|ccl| {
+        let binds = loaded
+            .iter()
+            .zip(mine.clone())
+            .map(|((b, ..), w)| (device_of(w), b.binder()))
+            .collect();
+        Arc::new(nodes::NodeControl::new(nodes::NodeDevices { ccl, binds }))
+    });
+    let ids = match &control {
+        Some(c) => c.devices.ccl.ids(),
+        None => Ok(Vec::new()),
+    };
+    let (num_blocks, ids) = match num_blocks.and_then(|n| Ok((n, ids?))) {
+        Ok(v) => v,
         Err(e) => {
             nodes::refuse(others, &format!("{e:#}"));
             return Err(e);
@@ -367,6 +394,10 @@ pub fn build_parallel<B: MultiDevice>(
     let mut workers = Vec::with_capacity(pc.world_size());
     for (w, ((backend, lm, gs), spec)) in loaded.into_iter().zip(specs).enumerate() {
         let runner = Runner::new(backend, lm, &spec, num_blocks, args.block_size)?;
+        let gs = match &control {
+            Some(c) => [c.clone() as Arc<dyn GroupControl>, c.clone()],
+            None => gs,
+        };
         let (jobs, job_rx) = channel();
         let (reply_tx, replies) = channel();
         let thread = std::thread::Builder::new()
@@ -380,8 +411,29 @@ pub fn build_parallel<B: MultiDevice>(
             gone: Arc::default(),
         });
     }
-    for (o, comms) in others.into_iter().zip(remote) {
-        workers.push(nodes::start(o, num_blocks, comms)?);
+    let mut remote = remote.into_iter();
+    for (w, o) in (mine.end..).zip(others) {
+        let comms = remote.next();
+        let controls: Vec<Arc<dyn GroupControl>> = match (&comms, &control) {
+            (_, Some(c)) => vec![c.clone()],
+            (Some([t, p]), None) => vec![t.group().clone(), p.group().clone()],
+            (None, None) => bail!("worker {w} has no groups"),
+        };
+        let worker = nodes::start(o, w, num_blocks, ids.clone(), comms, controls)?;
+        if let (Some(c), Sink::Remote(wr)) = (&control, &worker.sink) {
+            c.remotes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(wr.clone());
+        }
+        workers.push(worker);
+    }
+    if let Some(c) = &control {
+        // NOTE: returns once every node has made its part of every group from the ids.
+        c.devices
+            .join(&ids)
+            .context("making the groups across nodes")?;
+        groups = vec![c.clone()];
     }
     Ok(Box::new(ParallelRunner {
         name,

@@ -15,16 +15,25 @@
 //! its output, with no host synchronisation.
 
 use super::comm::Communicator;
-use super::{DeviceGroups, GroupControl, MultiDevice, ParallelConfig};
+use super::{Binder, DeviceGroups, GroupControl, MultiDevice, ParallelConfig};
 use crate::backend::Backend;
 use crate::backend::gpu::{GpuBackend, GpuBuf, GpuRuntime};
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 type Comm = *mut c_void;
 type Res = c_int;
+
+/// The bytes of an `ncclUniqueId` (`NCCL_UNIQUE_ID_BYTES`, the same in RCCL).
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// `ncclUniqueId`: what rank 0 of a group makes and every rank passes to `ncclCommInitRank`
+/// (it holds the address of rank 0's bootstrap socket).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId([u8; UNIQUE_ID_BYTES]);
 const NCCL_SUCCESS: Res = 0;
 /// `ncclFloat32` and `ncclSum` (the same values in NCCL and RCCL).
 const NCCL_FLOAT32: c_int = 7;
@@ -33,6 +42,9 @@ const NCCL_SUM: c_int = 0;
 type GetVersion = unsafe extern "C" fn(*mut c_int) -> Res;
 type GetErrorString = unsafe extern "C" fn(Res) -> *const c_char;
 type CommInitAll = unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Res;
+type GetUniqueId = unsafe extern "C" fn(*mut UniqueId) -> Res;
+/// `ncclCommInitRank(comm, nranks, id, rank)`: the id is passed by value.
+type CommInitRank = unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> Res;
 type CommFree = unsafe extern "C" fn(Comm) -> Res;
 /// `ncclAllReduce(send, recv, count, type, op, comm, stream)`.
 type AllReduce =
@@ -53,6 +65,8 @@ struct Api {
     get_version: GetVersion,
     get_error_string: GetErrorString,
     comm_init_all: CommInitAll,
+    get_unique_id: GetUniqueId,
+    comm_init_rank: CommInitRank,
     comm_destroy: CommFree,
     comm_abort: CommFree,
     all_reduce: AllReduce,
@@ -115,6 +129,12 @@ impl Library {
                 comm_init_all: std::mem::transmute::<*mut c_void, CommInitAll>(sym(
                     "ncclCommInitAll",
                 )?),
+                get_unique_id: std::mem::transmute::<*mut c_void, GetUniqueId>(sym(
+                    "ncclGetUniqueId",
+                )?),
+                comm_init_rank: std::mem::transmute::<*mut c_void, CommInitRank>(sym(
+                    "ncclCommInitRank",
+                )?),
                 comm_destroy: std::mem::transmute::<*mut c_void, CommFree>(sym("ncclCommDestroy")?),
                 comm_abort: std::mem::transmute::<*mut c_void, CommFree>(sym("ncclCommAbort")?),
                 all_reduce: std::mem::transmute::<*mut c_void, AllReduce>(sym("ncclAllReduce")?),
@@ -174,14 +194,48 @@ impl Library {
         self.check(r, "ncclCommInitAll")?;
         Ok(comms)
     }
+
+    /// A new `ncclUniqueId` (node 0 makes one per group that spans nodes).
+    pub fn unique_id(&self) -> Result<Vec<u8>> {
+        let mut id = UniqueId([0; UNIQUE_ID_BYTES]);
+        // SAFETY: writes one `ncclUniqueId`.
+        self.check(
+            unsafe { (self.api.get_unique_id)(&mut id) },
+            "ncclGetUniqueId",
+        )?;
+        Ok(id.0.to_vec())
+    }
+
+    /// Rank `rank`'s communicator of a group of `size` made from `id`: returns once every rank
+    /// of the group (in any process) has called it. The calling thread's current device is
+    /// the rank's.
+    fn init_rank(&self, size: usize, id: &[u8], rank: usize) -> Result<Comm> {
+        let id =
+            UniqueId(id.try_into().map_err(|_| {
+                anyhow!("a unique id of {} bytes, not {UNIQUE_ID_BYTES}", id.len())
+            })?);
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        let r = unsafe { (self.api.comm_init_rank)(&mut comm, size as c_int, id, rank as c_int) };
+        self.check(r, "ncclCommInitRank")?;
+        Ok(comm)
+    }
 }
 
-/// One group of devices (a tensor-parallel group, or a pipeline's stages): its communicators,
-/// one per rank.
+/// One group of devices (a tensor-parallel group, or a pipeline's stages): the communicators
+/// of its ranks in this process.
 pub struct CclGroup {
     lib: Arc<Library>,
-    devices: Vec<usize>,
+    /// Ranks in the group, in every process.
+    size: usize,
+    /// This process's ranks and their devices, by rank.
+    members: Vec<(usize, usize)>,
+    /// Every rank is here: the handles are made with `ncclCommInitAll` (else with
+    /// `ncclCommInitRank`, by [`NodeCcl::join`]).
+    whole: bool,
+    /// One handle per member (null: not made yet, or aborted).
     comms: Mutex<Vec<Comm>>,
+    /// Set while the handles cannot be used: aborted, or not made yet.
     aborted: AtomicBool,
     /// Calls of the library under way (see [`CclGroup::call`]).
     in_flight: AtomicUsize,
@@ -197,29 +251,53 @@ unsafe impl Send for CclGroup {}
 unsafe impl Sync for CclGroup {}
 
 impl CclGroup {
-    pub fn new(lib: Arc<Library>, devices: Vec<usize>) -> Result<Arc<Self>> {
-        let comms = lib.init_all(&devices)?;
-        Ok(Arc::new(CclGroup {
+    fn with(lib: Arc<Library>, size: usize, members: Vec<(usize, usize)>) -> Self {
+        let whole = members.len() == size;
+        CclGroup {
             lib,
-            devices,
-            comms: Mutex::new(comms),
-            aborted: AtomicBool::new(false),
+            size,
+            comms: Mutex::new(vec![std::ptr::null_mut(); members.len()]),
+            members,
+            whole,
+            aborted: AtomicBool::new(true),
             in_flight: AtomicUsize::new(0),
             meet: Mutex::new((0, 0)),
             met: Condvar::new(),
-        }))
-    }
-
-    /// Rank `rank`'s handle.
-    pub fn comm(self: &Arc<Self>, rank: usize) -> CclComm {
-        CclComm {
-            group: self.clone(),
-            rank,
         }
     }
 
-    /// Runs one call of the library on rank `rank`'s handle.
-    fn call(&self, rank: usize, what: &str, f: impl FnOnce(&Api, Comm) -> Res) -> Result<()> {
+    /// A group whose ranks are all devices of this process: rank `i` on `devices[i]`.
+    pub fn new(lib: Arc<Library>, devices: Vec<usize>) -> Result<Arc<Self>> {
+        let g = Self::with(
+            lib,
+            devices.len(),
+            devices.into_iter().enumerate().collect(),
+        );
+        *g.comms.lock().unwrap_or_else(|e| e.into_inner()) = g.lib.init_all(&g.devices())?;
+        g.aborted.store(false, Ordering::SeqCst);
+        Ok(Arc::new(g))
+    }
+
+    fn devices(&self) -> Vec<usize> {
+        self.members.iter().map(|&(_, d)| d).collect()
+    }
+
+    /// Rank `rank`'s handle (a rank of this process).
+    pub fn comm(self: &Arc<Self>, rank: usize) -> CclComm {
+        let slot = self
+            .members
+            .iter()
+            .position(|&(r, _)| r == rank)
+            .expect("a rank of this process");
+        CclComm {
+            group: self.clone(),
+            rank,
+            slot,
+        }
+    }
+
+    /// Runs one call of the library on the handle of member `slot`.
+    fn call(&self, slot: usize, what: &str, f: impl FnOnce(&Api, Comm) -> Res) -> Result<()> {
         // NOTE: a call counts itself in flight before it looks at the abort flag, and abort
         // sets the flag before it waits for the calls in flight: so either the call sees the
         // flag and stays out, or abort waits for it before freeing the handle it uses.
@@ -227,7 +305,7 @@ impl CclGroup {
         let r = if self.aborted.load(Ordering::SeqCst) {
             None
         } else {
-            let c = self.comms.lock().unwrap_or_else(|e| e.into_inner())[rank];
+            let c = self.comms.lock().unwrap_or_else(|e| e.into_inner())[slot];
             Some(f(&self.lib.api, c))
         };
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -239,10 +317,49 @@ impl CclGroup {
             Some(r) => self.lib.check(r, what),
         }
     }
-}
 
-impl GroupControl for CclGroup {
-    fn abort(&self) {
+    /// Makes this process's handles from `id` (every member on its own thread, its device
+    /// bound by `bind`), returning once every rank of the group, in every process, has.
+    fn join(&self, id: &[u8], bind: &(dyn Fn(usize) -> Result<()> + Sync)) -> Result<()> {
+        // NOTE: a handle crosses threads as an address (it is the library's, not the thread's)
+        let made: Vec<Result<usize>> = std::thread::scope(|s| {
+            let hs: Vec<_> = self
+                .members
+                .iter()
+                .map(|&(rank, device)| {
+                    s.spawn(move || {
+                        bind(device)?;
+                        Ok(self.lib.init_rank(self.size, id, rank)? as usize)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("ncclCommInitRank panicked")))
+                })
+                .collect()
+        });
+        let mut comms = self.comms.lock().unwrap_or_else(|e| e.into_inner());
+        let mut failed = None;
+        for (c, m) in comms.iter_mut().zip(made) {
+            match m {
+                Ok(h) => *c = h as Comm,
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        match failed {
+            // NOTE: the handles made stay (aborted): the next reset frees them
+            Some(e) => Err(e),
+            None => {
+                self.aborted.store(false, Ordering::SeqCst);
+                Ok(())
+            }
+        }
+    }
+
+    /// Cancels what is queued on this process's handles and frees them.
+    fn abort_here(&self) {
         if self.aborted.swap(true, Ordering::SeqCst) {
             return;
         }
@@ -253,25 +370,44 @@ impl GroupControl for CclGroup {
         while self.in_flight.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < until {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        // NOTE: an aborted handle is gone: null marks it, so that it is never used or freed
-        // again.
+        self.free(true);
+    }
+
+    /// Frees every handle (`abort`: with `ncclCommAbort`, else `ncclCommDestroy`); null marks
+    /// a handle gone, so that it is never used or freed again.
+    fn free(&self, abort: bool) {
         let mut comms = self.comms.lock().unwrap_or_else(|e| e.into_inner());
-        for c in comms.iter_mut() {
-            if !c.is_null() {
-                // SAFETY: our handle; abort cancels what is queued on it and frees it.
-                let _ = unsafe { (self.lib.api.comm_abort)(*c) };
-                *c = std::ptr::null_mut();
-            }
+        for c in comms.iter_mut().filter(|c| !c.is_null()) {
+            let f = if abort {
+                self.lib.api.comm_abort
+            } else {
+                self.lib.api.comm_destroy
+            };
+            // SAFETY: our handle, used by no call now.
+            let _ = unsafe { f(*c) };
+            *c = std::ptr::null_mut();
         }
+    }
+}
+
+impl GroupControl for CclGroup {
+    fn abort(&self) {
+        self.abort_here()
     }
 
     fn reset(&self) {
         if !self.aborted.load(Ordering::SeqCst) {
             return;
         }
+        if !self.whole {
+            // NOTE: never reached: workers on several nodes are controlled by their node's
+            // groups ([`NodeCcl`]), which make every group again from node 0's fresh ids.
+            tracing::error!("a group that spans nodes is made again only with a fresh id");
+            return;
+        }
         // NOTE: an aborted communicator cannot be used again: the group is made anew, on the
         // same devices, for the next step.
-        match self.lib.init_all(&self.devices) {
+        match self.lib.init_all(&self.devices()) {
             Ok(fresh) => {
                 *self.comms.lock().unwrap_or_else(|e| e.into_inner()) = fresh;
                 self.aborted.store(false, Ordering::SeqCst);
@@ -285,18 +421,102 @@ impl GroupControl for CclGroup {
 
 impl Drop for CclGroup {
     fn drop(&mut self) {
-        let comms = self.comms.get_mut().unwrap_or_else(|e| e.into_inner());
-        for &c in comms.iter().filter(|c| !c.is_null()) {
-            // SAFETY: our live handles; no worker uses them any more.
-            let _ = unsafe { (self.lib.api.comm_destroy)(c) };
-        }
+        self.free(false);
     }
 }
 
+/// Every group of the split as this process sees it when the workers span nodes: made once
+/// every node has loaded its shards, from one `ncclUniqueId` per group that node 0 makes and
+/// sends (NCCL's own bootstrap: rank 0's address is in the id, and the ranks meet there);
+/// made again, from fresh ids, after a failed step.
+///
+/// NOTE: every rank of every group here is made on its own thread, all at once: each call
+/// returns only when its whole group has come, so making the groups one after the other
+/// could wait forever on a group another process makes later.
+pub struct NodeCcl {
+    lib: Arc<Library>,
+    /// Tensor-parallel groups by stage, then pipeline groups by rank (some may have no rank
+    /// here).
+    groups: Vec<Arc<CclGroup>>,
+    /// How many times the groups were made, and the ids they were last made from.
+    made: Mutex<(u64, Vec<Vec<u8>>)>,
+}
+
+impl NodeCcl {
+    /// A fresh id per group (node 0).
+    pub fn ids(&self) -> Result<Vec<Vec<u8>>> {
+        self.groups.iter().map(|_| self.lib.unique_id()).collect()
+    }
+
+    /// Makes every group's handles here from `ids` (one per group), binding each member's
+    /// device with `bind` first. Nothing to do when they were made from these ids already
+    /// (every worker of a node passes the reset on).
+    pub fn join(&self, ids: &[Vec<u8>], bind: &(dyn Fn(usize) -> Result<()> + Sync)) -> Result<()> {
+        let mut made = self.made.lock().unwrap_or_else(|e| e.into_inner());
+        if made.1 == ids {
+            return Ok(());
+        }
+        if ids.len() != self.groups.len() {
+            bail!(
+                "{} ids for the split's {} groups (are the nodes started with the same sizes?)",
+                ids.len(),
+                self.groups.len()
+            );
+        }
+        for g in &self.groups {
+            g.abort_here();
+            g.free(false);
+        }
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let hs: Vec<_> = self
+                .groups
+                .iter()
+                .zip(ids)
+                .map(|(g, id)| s.spawn(move || g.join(id, bind)))
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("joining a group panicked")))
+                })
+                .collect()
+        });
+        results.into_iter().collect::<Result<Vec<()>>>()?;
+        *made = (made.0 + 1, ids.to_vec());
+        Ok(())
+    }
+
+    /// How many times the groups were made (the same count on every node).
+    pub fn generation(&self) -> u64 {
+        self.made.lock().unwrap_or_else(|e| e.into_inner()).0
+    }
+
+    /// Cancels and frees this process's handles of every group.
+    pub fn abort(&self) {
+        let _made = self.made.lock().unwrap_or_else(|e| e.into_inner());
+        self.groups.iter().for_each(|g| g.abort_here());
+    }
+
+    /// [`Self::abort`] if the groups are still those made `generation` times: an abort that
+    /// arrives late (on another worker's connection, after the reset that followed it) leaves
+    /// the groups made since alone.
+    pub fn abort_generation(&self, generation: u64) {
+        let made = self.made.lock().unwrap_or_else(|e| e.into_inner());
+        if made.0 == generation {
+            self.groups.iter().for_each(|g| g.abort_here());
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        self.lib.describe()
+    }
+}
 /// Rank `rank` of a [`CclGroup`].
 pub struct CclComm {
     group: Arc<CclGroup>,
     rank: usize,
+    /// Its place among the group's members here.
+    slot: usize,
 }
 
 fn prefix<R: GpuRuntime>(buf: &GpuBuf<R>, n: usize, what: &str) -> Result<*mut c_void> {
@@ -311,10 +531,10 @@ fn prefix<R: GpuRuntime>(buf: &GpuBuf<R>, n: usize, what: &str) -> Result<*mut c
 
 impl CclComm {
     fn peer(&self, p: usize, what: &str) -> Result<c_int> {
-        if p >= self.group.devices.len() || p == self.rank {
+        if p >= self.group.size || p == self.rank {
             bail!(
                 "{what}: rank {p} is not another rank of this group of {}",
-                self.group.devices.len()
+                self.group.size
             );
         }
         Ok(p as c_int)
@@ -330,25 +550,25 @@ impl<R: GpuRuntime> Communicator<GpuBackend<R>> for CclComm {
         self.rank
     }
     fn size(&self) -> usize {
-        self.group.devices.len()
+        self.group.size
     }
     fn all_reduce_sum(&self, backend: &GpuBackend<R>, buf: &mut GpuBuf<R>, n: usize) -> Result<()> {
         let p = prefix(buf, n, "all-reduce")?;
         backend.runtime().bind()?;
         // SAFETY: `p[..n]` is device memory of this rank's device; in place is allowed.
         self.group
-            .call(self.rank, "ncclAllReduce", |api, c| unsafe {
+            .call(self.slot, "ncclAllReduce", |api, c| unsafe {
                 (api.all_reduce)(p, p, n, NCCL_FLOAT32, NCCL_SUM, c, STREAM)
             })
     }
     fn all_gather(&self, backend: &GpuBackend<R>, part: &GpuBuf<R>, n: usize) -> Result<GpuBuf<R>> {
         let p = prefix(part, n, "all-gather")?;
-        let out = backend.alloc_scratch_f32(n * self.group.devices.len())?;
-        let q = prefix(&out, n * self.group.devices.len(), "all-gather")?;
+        let out = backend.alloc_scratch_f32(n * self.group.size)?;
+        let q = prefix(&out, n * self.group.size, "all-gather")?;
         backend.runtime().bind()?;
         // SAFETY: `p[..n]` and `q[..size × n]` are device memory of this rank's device.
         self.group
-            .call(self.rank, "ncclAllGather", |api, c| unsafe {
+            .call(self.slot, "ncclAllGather", |api, c| unsafe {
                 (api.all_gather)(p, q, n, NCCL_FLOAT32, c, STREAM)
             })?;
         Ok(out)
@@ -360,7 +580,7 @@ impl<R: GpuRuntime> Communicator<GpuBackend<R>> for CclComm {
         n: usize,
         root: usize,
     ) -> Result<()> {
-        let size = self.group.devices.len();
+        let size = self.group.size;
         if root >= size {
             bail!("broadcast: root {root} is not a rank of this group of {size}");
         }
@@ -368,7 +588,7 @@ impl<R: GpuRuntime> Communicator<GpuBackend<R>> for CclComm {
         backend.runtime().bind()?;
         // SAFETY: `p[..n]` is device memory of this rank's device; in place is allowed.
         self.group
-            .call(self.rank, "ncclBroadcast", |api, c| unsafe {
+            .call(self.slot, "ncclBroadcast", |api, c| unsafe {
                 (api.broadcast)(p, p, n, NCCL_FLOAT32, root as c_int, c, STREAM)
             })
     }
@@ -379,7 +599,7 @@ impl<R: GpuRuntime> Communicator<GpuBackend<R>> for CclComm {
         // NOTE: the buffer may be dropped when this returns: its memory goes back to the pool
         // and is written next by work queued after the send on the same stream.
         // SAFETY: `p[..n]` is device memory of this rank's device.
-        self.group.call(self.rank, "ncclSend", |api, c| unsafe {
+        self.group.call(self.slot, "ncclSend", |api, c| unsafe {
             (api.send)(p, n, NCCL_FLOAT32, peer, c, STREAM)
         })
     }
@@ -389,18 +609,22 @@ impl<R: GpuRuntime> Communicator<GpuBackend<R>> for CclComm {
         let q = prefix(&out, n, "recv")?;
         backend.runtime().bind()?;
         // SAFETY: `q[..n]` is device memory of this rank's device.
-        self.group.call(self.rank, "ncclRecv", |api, c| unsafe {
+        self.group.call(self.slot, "ncclRecv", |api, c| unsafe {
             (api.recv)(q, n, NCCL_FLOAT32, peer, c, STREAM)
         })?;
         Ok(out)
     }
     fn barrier(&self) -> Result<()> {
-        // NOTE: the ranks of a group are threads of this process: they meet on the host.
+        // NOTE: the ranks of a group are threads of this process: they meet on the host. Nothing
+        // calls a barrier across nodes (it would need a device buffer to all-reduce).
         let g = &self.group;
+        if !g.whole {
+            bail!("a barrier between ranks on several nodes is not implemented");
+        }
         let mut m = g.meet.lock().unwrap_or_else(|e| e.into_inner());
         let generation = m.1;
         m.0 += 1;
-        if m.0 == g.devices.len() {
+        if m.0 == g.size {
             *m = (0, generation + 1);
             g.met.notify_all();
             return Ok(());
@@ -425,52 +649,89 @@ impl<R: GpuRuntime> Communicator<GpuBackend<R>> for CclComm {
 
 /// Every worker's communicators on devices: for each stage, a tensor-parallel group over its
 /// ranks' devices; for each tensor rank, a pipeline group over its stages' devices. Worker `w`
-/// (`stage × tensor + rank`) runs on device `devices[w]`.
+/// (`stage × tensor + rank`) runs on device `devices[w]` of this process, or on another node
+/// (`None`): then the groups are made later, by [`NodeCcl::join`].
 fn groups<R: GpuRuntime>(
     lib: &Arc<Library>,
     pc: ParallelConfig,
-    devices: &[usize],
+    devices: &[Option<usize>],
 ) -> Result<DeviceGroups<GpuBackend<R>>> {
-    let dev = |stage: usize, rank: usize| devices[stage * pc.tensor + rank];
+    let spanning = devices.iter().any(Option::is_none);
+    let group = |workers: Vec<usize>| -> Result<Arc<CclGroup>> {
+        let members: Vec<(usize, usize)> = workers
+            .iter()
+            .enumerate()
+            .filter_map(|(rank, &w)| devices[w].map(|d| (rank, d)))
+            .collect();
+        if spanning {
+            Ok(Arc::new(CclGroup::with(
+                lib.clone(),
+                workers.len(),
+                members,
+            )))
+        } else {
+            CclGroup::new(lib.clone(), members.into_iter().map(|(_, d)| d).collect())
+        }
+    };
     let tp: Vec<Arc<CclGroup>> = (0..pc.pipeline)
-        .map(|s| CclGroup::new(lib.clone(), (0..pc.tensor).map(|r| dev(s, r)).collect()))
+        .map(|s| group((0..pc.tensor).map(|r| s * pc.tensor + r).collect()))
         .collect::<Result<_>>()?;
     let pp: Vec<Arc<CclGroup>> = (0..pc.tensor)
-        .map(|r| CclGroup::new(lib.clone(), (0..pc.pipeline).map(|s| dev(s, r)).collect()))
+        .map(|r| group((0..pc.pipeline).map(|s| s * pc.tensor + r).collect()))
         .collect::<Result<_>>()?;
     let mut workers = Vec::with_capacity(pc.world_size());
     for (s, t) in tp.iter().enumerate() {
         for (r, p) in pp.iter().enumerate() {
+            if devices[s * pc.tensor + r].is_none() {
+                workers.push(None);
+                continue;
+            }
             let comms: [Arc<dyn Communicator<GpuBackend<R>>>; 2] =
                 [Arc::new(t.comm(r)), Arc::new(p.comm(s))];
             let controls: [Arc<dyn GroupControl>; 2] = [t.clone(), p.clone()];
-            workers.push((comms, controls));
+            workers.push(Some((comms, controls)));
         }
     }
-    let all = tp
-        .into_iter()
-        .chain(pp)
-        .map(|g| g as Arc<dyn GroupControl>)
-        .collect();
+    let all: Vec<Arc<CclGroup>> = tp.into_iter().chain(pp).collect();
     Ok(DeviceGroups {
         workers,
-        all,
+        all: all
+            .iter()
+            .map(|g| g.clone() as Arc<dyn GroupControl>)
+            .collect(),
         library: lib.describe(),
+        nodes: spanning.then(|| {
+            Arc::new(NodeCcl {
+                lib: lib.clone(),
+                groups: all,
+                made: Mutex::new((0, Vec::new())),
+            })
+        }),
     })
 }
 
 impl<R: GpuRuntime> MultiDevice for GpuBackend<R> {
+    fn kind() -> &'static str {
+        R::API
+    }
     fn device_count() -> Result<usize> {
         R::device_count()
     }
     fn open_device(device: usize) -> Result<Self> {
         GpuBackend::on_device(device)
     }
-    fn device_groups(pc: ParallelConfig, devices: &[usize]) -> Result<Option<DeviceGroups<Self>>> {
+    fn device_groups(
+        pc: ParallelConfig,
+        devices: &[Option<usize>],
+    ) -> Result<Option<DeviceGroups<Self>>> {
         let Some(spec) = R::ccl_library() else {
             return Ok(None);
         };
         let lib = Library::open(spec.name, &spec.files, spec.hint)?;
         groups(&lib, pc, devices).map(Some)
+    }
+    fn binder(&self) -> Binder {
+        let rt = self.runtime_arc();
+        Arc::new(move || rt.bind())
     }
 }

@@ -5,8 +5,7 @@
 //! NOTE: `LocalGroup` (and `tcp::RemoteComm`, its handle in another process) stages every
 //! buffer through the host (`download_f32`, `upload_f32`): they implement [`HostCollectives`],
 //! and [`Communicator`] follows for any backend; on the CPU backend that is one copy each way.
-//! A GPU group would exchange device buffers directly (NCCL); that implementation does not
-//! exist yet.
+//! GPU groups exchange device buffers directly through NCCL or RCCL instead (`ccl.rs`).
 
 use crate::backend::Backend;
 use anyhow::{Result, bail};

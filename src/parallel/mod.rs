@@ -45,36 +45,57 @@ pub type WorkerComms<B> = ([Arc<dyn Communicator<B>>; 2], [Arc<dyn GroupControl>
 
 /// Communicators that pass device buffers from device to device ([`MultiDevice::device_groups`]).
 pub struct DeviceGroups<B: Backend> {
-    /// Every worker's, in worker order.
-    pub workers: Vec<WorkerComms<B>>,
+    /// Every worker's, in worker order (`None`: a worker of another node).
+    pub workers: Vec<Option<WorkerComms<B>>>,
     /// Every group.
     pub all: Vec<Arc<dyn GroupControl>>,
     /// The library, for the runner's name: "NCCL libnccl.so.2 (version 22703)".
     pub library: String,
+    /// Where the groups span nodes: they are made once every node has loaded its shards,
+    /// from ids node 0 makes (until then every collective fails).
+    pub nodes: Option<Arc<ccl::NodeCcl>>,
 }
+
+/// Makes a backend's device the calling thread's current one.
+pub type Binder = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 
 /// A backend that runs one worker per device.
 pub trait MultiDevice: Backend + Sized {
+    /// "cpu", "cuda", "hip", "emu": nodes must agree on it.
+    fn kind() -> &'static str;
     /// How many devices this process sees (`usize::MAX` where the workers share one, as on
     /// the CPU).
     fn device_count() -> Result<usize>;
     /// The backend on device `device`.
     fn open_device(device: usize) -> Result<Self>;
     /// Communicators that pass device buffers from device to device (NCCL, RCCL) between
-    /// workers on `devices` (worker `w` on `devices[w]`), or `None` where buffers go through
-    /// the host ([`LocalGroup`]). An error where the library is needed and missing.
-    fn device_groups(pc: ParallelConfig, devices: &[usize]) -> Result<Option<DeviceGroups<Self>>>;
+    /// workers on `devices` (worker `w` on device `devices[w]` of this process, `None` on
+    /// another node), or `None` where buffers go through the host ([`LocalGroup`]). An error
+    /// where the library is needed and missing.
+    fn device_groups(
+        pc: ParallelConfig,
+        devices: &[Option<usize>],
+    ) -> Result<Option<DeviceGroups<Self>>>;
+    /// Makes this backend's device current on the calling thread (as a collective library's
+    /// set-up needs).
+    fn binder(&self) -> Binder;
 }
 
 impl MultiDevice for CpuBackend {
+    fn kind() -> &'static str {
+        "cpu"
+    }
     fn device_count() -> Result<usize> {
         Ok(usize::MAX)
     }
     fn open_device(_device: usize) -> Result<Self> {
         Ok(CpuBackend::new())
     }
-    fn device_groups(_: ParallelConfig, _: &[usize]) -> Result<Option<DeviceGroups<Self>>> {
+    fn device_groups(_: ParallelConfig, _: &[Option<usize>]) -> Result<Option<DeviceGroups<Self>>> {
         Ok(None)
+    }
+    fn binder(&self) -> Binder {
+        Arc::new(|| Ok(()))
     }
 }
 

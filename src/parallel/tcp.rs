@@ -15,6 +15,10 @@
 //! the same abort when a rank fails. The price is that every byte goes through node 0 (a star,
 //! not NCCL's rings): right for CPU workers and for testing the rendezvous, not a fast path.
 //!
+//! Where the workers' groups go through NCCL or RCCL, the collectives do not come here: the
+//! connection carries the steps, the results, the groups' unique ids (`Start`, `Reset`) and
+//! aborts both ways (see `engine/nodes.rs`).
+//!
 //! A connection is one worker's: it opens with `Hello` (the worker and a fingerprint of the
 //! settings, which must match node 0's), `Loaded` (its shard's KV bytes per block and weights,
 //! or why it failed), and `Start` (the pool size every worker uses, or why node 0 gave up).
@@ -69,8 +73,9 @@ pub enum Msg {
     Hello { worker: u32, fingerprint: String },
     /// worker → node 0: its KV bytes per block and weights, once loaded.
     Loaded(Result<(u64, WeightStats), String>),
-    /// node 0 → worker: the pool's blocks, or why node 0 gave up.
-    Start(Result<u64, String>),
+    /// node 0 → worker: the pool's blocks and, where the groups go through NCCL or RCCL, the
+    /// unique id of every group of the split (`ccl::NodeCcl`); or why node 0 gave up.
+    Start(Result<(u64, Vec<Vec<u8>>), String>),
     /// node 0 → worker: a step.
     Execute(BatchInput),
     /// node 0 → worker: swap preemption's block pairs, out (device, host) and in.
@@ -81,8 +86,13 @@ pub enum Msg {
     Comm { group: u8, op: Op, data: Vec<f32> },
     /// node 0 → worker: the collective's result.
     CommDone(Result<Vec<f32>, String>),
-    /// worker → node 0: it failed in this step; wake everyone waiting for it.
-    Abort,
+    /// worker → node 0: it failed in this step; wake everyone waiting for it. node 0 → a
+    /// worker whose groups go through NCCL or RCCL: abort them, if they are still those made
+    /// the given number of times (`ccl::NodeCcl::generation`; 0 where unused).
+    Abort(u64),
+    /// node 0 → a worker whose groups go through NCCL or RCCL, after a failed step: make
+    /// them again from these ids (one per group).
+    Reset(Vec<Vec<u8>>),
 }
 
 const MAX_FRAME: u64 = 4 << 30;
@@ -111,6 +121,13 @@ impl Enc {
     fn f32s(&mut self, v: &[f32]) {
         self.u64(v.len() as u64);
         v.iter().for_each(|x| self.u32(x.to_bits()));
+    }
+    fn blobs(&mut self, v: &[Vec<u8>]) {
+        self.u64(v.len() as u64);
+        for b in v {
+            self.u64(b.len() as u64);
+            self.0.extend_from_slice(b);
+        }
     }
     fn pairs(&mut self, v: &[(u32, u32)]) {
         self.u64(v.len() as u64);
@@ -176,6 +193,15 @@ impl<'a> Dec<'a> {
         let n = self.len(4)?;
         (0..n).map(|_| self.u32().map(f32::from_bits)).collect()
     }
+    fn blobs(&mut self) -> Result<Vec<Vec<u8>>> {
+        let n = self.len(8)?;
+        (0..n)
+            .map(|_| {
+                let len = self.len(1)?;
+                Ok(self.take(len)?.to_vec())
+            })
+            .collect()
+    }
     fn pairs(&mut self) -> Result<Vec<(u32, u32)>> {
         let n = self.len(8)?;
         (0..n).map(|_| Ok((self.u32()?, self.u32()?))).collect()
@@ -219,7 +245,10 @@ impl Msg {
             }
             Msg::Start(r) => {
                 e.u8(3);
-                e.result(r, |e, n| e.u64(*n));
+                e.result(r, |e, (n, ids)| {
+                    e.u64(*n);
+                    e.blobs(ids);
+                });
             }
             Msg::Execute(b) => {
                 e.u8(4);
@@ -273,7 +302,14 @@ impl Msg {
                 e.u8(8);
                 e.result(r, |e, v| e.f32s(v));
             }
-            Msg::Abort => e.u8(9),
+            Msg::Abort(g) => {
+                e.u8(9);
+                e.u64(*g);
+            }
+            Msg::Reset(ids) => {
+                e.u8(10);
+                e.blobs(ids);
+            }
         }
         e.0
     }
@@ -289,7 +325,8 @@ impl Msg {
             Msg::Done(_) => "Done",
             Msg::Comm { .. } => "Comm",
             Msg::CommDone(_) => "CommDone",
-            Msg::Abort => "Abort",
+            Msg::Abort(_) => "Abort",
+            Msg::Reset(_) => "Reset",
         }
     }
 
@@ -313,7 +350,7 @@ impl Msg {
                 }
                 Ok((per_block, stats))
             })?),
-            3 => Msg::Start(d.result(|d| d.u64())?),
+            3 => Msg::Start(d.result(|d| Ok((d.u64()?, d.blobs()?)))?),
             4 => {
                 let mut v: Vec<Vec<u32>> = (0..7).map(|_| d.u32s()).collect::<Result<_>>()?;
                 let logits_rows = v.pop().unwrap_or_default();
@@ -364,7 +401,8 @@ impl Msg {
                 }
             }
             8 => Msg::CommDone(d.result(|d| d.f32s())?),
-            9 => Msg::Abort,
+            9 => Msg::Abort(d.u64()?),
+            10 => Msg::Reset(d.blobs()?),
             t => bail!("an unknown message {t}"),
         };
         if !d.b.is_empty() {
@@ -542,7 +580,8 @@ mod tests {
             },
             Msg::Loaded(Ok((4096, stats))),
             Msg::Loaded(Err("no such file".into())),
-            Msg::Start(Ok(812)),
+            Msg::Start(Ok((812, vec![]))),
+            Msg::Start(Ok((3, vec![vec![7; 128], vec![0, 1, 2]]))),
             Msg::Start(Err("node 1 differs".into())),
             Msg::Execute(BatchInput {
                 token_ids: vec![5, 6, 7],
@@ -574,7 +613,9 @@ mod tests {
             },
             Msg::CommDone(Ok(vec![3.5; 5])),
             Msg::CommDone(Err("another worker failed".into())),
-            Msg::Abort,
+            Msg::Abort(0),
+            Msg::Abort(3),
+            Msg::Reset(vec![vec![9; 128], vec![]]),
         ]
     }
 
@@ -621,11 +662,11 @@ mod tests {
         assert!(e.contains("a frame of"), "{e}");
         // a frame cut mid-body is an error, not a clean end
         let mut cut = Vec::new();
-        write_msg(&mut cut, &Msg::Abort).unwrap();
-        write_msg(&mut cut, &Msg::Start(Ok(1))).unwrap();
+        write_msg(&mut cut, &Msg::Abort(1)).unwrap();
+        write_msg(&mut cut, &Msg::Start(Ok((1, vec![])))).unwrap();
         cut.pop();
         let mut r = cut.as_slice();
-        assert_eq!(read_msg(&mut r).unwrap(), Some(Msg::Abort));
+        assert_eq!(read_msg(&mut r).unwrap(), Some(Msg::Abort(1)));
         assert!(read_msg(&mut r).is_err());
     }
 }

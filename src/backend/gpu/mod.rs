@@ -214,6 +214,11 @@ impl<R: GpuRuntime> GpuBackend<R> {
         &self.rt
     }
 
+    /// The runtime, to keep beyond the backend's borrow.
+    pub fn runtime_arc(&self) -> Arc<R> {
+        self.rt.clone()
+    }
+
     /// Forces our own GEMM kernels (`GemmPath::Kernel`) or lets vendor BLAS take the larger
     /// products (`GemmPath::Auto`).
     pub fn set_gemm_path(&mut self, p: GemmPath) {
