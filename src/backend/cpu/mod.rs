@@ -657,9 +657,11 @@ struct AttnTask<'a> {
 }
 
 impl AttnTask<'_> {
-    /// NOTE: the same operations in the same order as [`Self::run`]'s portable loops (Rust
-    /// never fuses a multiply and an add by itself, and the intrinsics below do not either), so
-    /// the same bits, with 8-lane vectors.
+    /// NOTE: the same operations in the same order as [`Self::run`]'s portable loops, so the
+    /// same bits, with 8-lane vectors: fused multiply-adds where those call `mul_add` (the
+    /// scores and p·v), separate operations elsewhere (Rust never fuses them by itself). On
+    /// x86 without FMA the portable `mul_add` is a library call: slow, but such CPUs predate
+    /// AVX2, and ARM has the instruction.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run_avx2(&self, scratch: &mut Scratch, task: usize, o: &mut [f32]) {
@@ -719,16 +721,20 @@ impl AttnTask<'_> {
         let scores = &mut scratch.scores;
         scores.clear();
         scores.resize(rep * n_keys, 0.0);
-        for (r, row) in scores.chunks_exact_mut(n_keys.max(1)).enumerate().take(rep) {
-            let q = &qkv[q0 + r * d..q0 + (r + 1) * d];
-            #[cfg(target_arch = "x86_64")]
-            if AVX2 {
-                // SAFETY: AVX2 is available (run_avx2).
-                unsafe { qk_avx2(q, kc, rows, d, row) };
-                continue;
-            }
-            for (sc, &at) in row.iter_mut().zip(rows) {
-                *sc = dot(q, &kc[at..at + d]);
+        let qs = &qkv[q0..q0 + rep * d];
+        #[cfg(target_arch = "x86_64")]
+        if AVX2 {
+            // SAFETY: AVX2 is available (run_avx2).
+            unsafe { qk_avx2(qs, kc, rows, d, n_keys, scores) };
+        }
+        if !AVX2 {
+            for (q, row) in qs
+                .chunks_exact(d)
+                .zip(scores.chunks_exact_mut(n_keys.max(1)))
+            {
+                for (sc, &at) in row.iter_mut().zip(rows) {
+                    *sc = dot_fma(q, &kc[at..at + d]);
+                }
             }
         }
         for row in scores.chunks_mut(n_keys.max(1)) {
@@ -739,81 +745,238 @@ impl AttnTask<'_> {
                 }
             }
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let mut sum = 0.0f32;
-            for sc in row.iter_mut() {
-                *sc = (*sc - max).exp();
-                sum += *sc;
-            }
+            #[cfg(target_arch = "x86_64")]
+            let sum = if AVX2 {
+                // SAFETY: AVX2 is available (run_avx2).
+                unsafe { exp_sum_avx2(row, max) }
+            } else {
+                exp_sum(row, max)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let sum = exp_sum(row, max);
             let inv = 1.0 / sum;
             row.iter_mut().for_each(|p| *p *= inv);
         }
-        // Each output element is 0 + p₀·v₀ + p₁·v₁ + … in key order: head by head, and on AVX2
-        // 64 columns at a time in registers.
-        for (r, o) in o.chunks_exact_mut(d).enumerate().take(rep) {
-            let p = &scores[r * n_keys..(r + 1) * n_keys];
-            let mut c0 = 0;
-            #[cfg(target_arch = "x86_64")]
-            if AVX2 {
-                while c0 + 64 <= d {
-                    // SAFETY: AVX2 is available (run_avx2); c0 + 64 <= d.
-                    unsafe { pv64_avx2(p, vc, rows, c0, &mut o[c0..c0 + 64]) };
-                    c0 += 64;
+        // Each output element is 0 + p₀·v₀ + p₁·v₁ + … in key order. On AVX2, 64 columns at a
+        // time in registers, over blocks of keys whose V rows stay in L1 while every head
+        // passes over them (a head's partial sums wait in `o` between blocks).
+        let mut c_avx2 = 0;
+        #[cfg(target_arch = "x86_64")]
+        if AVX2 && d >= 64 {
+            c_avx2 = d / 64 * 64;
+            for k0 in (0..n_keys).step_by(PV_KEYS) {
+                let k1 = (k0 + PV_KEYS).min(n_keys);
+                for (r, o) in o.chunks_exact_mut(d).enumerate().take(rep) {
+                    let p = &scores[r * n_keys + k0..r * n_keys + k1];
+                    for c0 in (0..c_avx2).step_by(64) {
+                        // SAFETY: AVX2 is available (run_avx2); c0 + 64 <= d.
+                        unsafe {
+                            pv64_avx2(p, vc, &rows[k0..k1], c0, &mut o[c0..c0 + 64], k0 == 0)
+                        };
+                    }
                 }
             }
+        }
+        for (r, o) in o.chunks_exact_mut(d).enumerate().take(rep) {
+            let p = &scores[r * n_keys..(r + 1) * n_keys];
+            let c0 = c_avx2;
             let rest = &mut o[c0..];
             rest.fill(0.0);
             for (&pj, &at) in p.iter().zip(rows) {
                 for (a, v) in rest.iter_mut().zip(&vc[at + c0..at + d]) {
-                    *a += pj * v;
+                    *a = pj.mul_add(*v, *a);
                 }
             }
         }
     }
 }
 
-/// `out[j] = dot(q, k_j)` for the keys whose rows start at `rows[j]`, four keys at a time (the
-/// four share each load of q and run side by side), the last few one by one. Each is
-/// [`dot`]'s lanes, products, sums and reduction.
+/// Keys per block of the AVX2 p·v loop: their V rows (256 bytes each at head size 64) stay
+/// in L1 while every head of the group passes over them.
+const PV_KEYS: usize = 32;
+
+/// `out[r·n_keys + j] = dot_fma(q_r, k_j)` for the `qs.len() / d` query heads `q_r` and the
+/// keys whose rows start at `rows[j]`: four keys against two heads at a time (eight sums side
+/// by side, each load of k used twice and of q four times) while the four K rows sit in L1, the
+/// last few keys one by one. Each is [`dot_fma`]'s lanes, products, sums and reduction.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn qk_avx2(q: &[f32], kc: &[f32], rows: &[usize], d: usize, out: &mut [f32]) {
+fn qk_avx2(qs: &[f32], kc: &[f32], rows: &[usize], d: usize, n_keys: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
     let d8 = d / 8 * 8;
+    let n = rows.len().min(n_keys);
+    let heads = qs.len() / d;
+    // Key u's sum of lanes, then its tail, into `out`.
+    let finish = |acc: __m256, q: &[f32], k: &[f32]| {
+        let mut s = matmul::hsum8(acc);
+        for (x, y) in q[d8..].iter().zip(&k[d8..]) {
+            s = x.mul_add(*y, s);
+        }
+        s
+    };
     let mut j = 0;
-    while j + 4 <= rows.len().min(out.len()) {
+    while j + 4 <= n {
         let k: [&[f32]; 4] = std::array::from_fn(|u| &kc[rows[j + u]..rows[j + u] + d]);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        while i < d8 {
-            // SAFETY: i + 8 <= d8 <= d, the length of q and of every k.
-            unsafe {
-                let x = _mm256_loadu_ps(q.as_ptr().add(i));
-                for (acc, k) in acc.iter_mut().zip(&k) {
-                    let y = _mm256_loadu_ps(k.as_ptr().add(i));
-                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, y));
+        let mut h = 0;
+        while h < heads {
+            let two = h + 1 < heads;
+            let q0 = &qs[h * d..(h + 1) * d];
+            let q1 = if two {
+                &qs[(h + 1) * d..(h + 2) * d]
+            } else {
+                q0
+            };
+            let mut a0 = [_mm256_setzero_ps(); 4];
+            let mut a1 = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i < d8 {
+                // SAFETY: i + 8 <= d8 <= d, the length of each q and k.
+                unsafe {
+                    let x0 = _mm256_loadu_ps(q0.as_ptr().add(i));
+                    let x1 = _mm256_loadu_ps(q1.as_ptr().add(i));
+                    for u in 0..4 {
+                        let y = _mm256_loadu_ps(k[u].as_ptr().add(i));
+                        a0[u] = _mm256_fmadd_ps(x0, y, a0[u]);
+                        if two {
+                            a1[u] = _mm256_fmadd_ps(x1, y, a1[u]);
+                        }
+                    }
+                }
+                i += 8;
+            }
+            for u in 0..4 {
+                out[h * n_keys + j + u] = finish(a0[u], q0, k[u]);
+                if two {
+                    out[(h + 1) * n_keys + j + u] = finish(a1[u], q1, k[u]);
                 }
             }
-            i += 8;
-        }
-        for u in 0..4 {
-            let mut s = matmul::hsum8(acc[u]);
-            for (x, y) in q[d8..].iter().zip(&k[u][d8..]) {
-                s += x * y;
-            }
-            out[j + u] = s;
+            h += if two { 2 } else { 1 };
         }
         j += 4;
     }
-    for (sc, &at) in out[j..].iter_mut().zip(&rows[j..]) {
-        *sc = dot_avx2(q, &kc[at..at + d]);
+    for (q, out) in qs.chunks_exact(d).zip(out.chunks_exact_mut(n_keys.max(1))) {
+        for (sc, &at) in out[j..n].iter_mut().zip(&rows[j..n]) {
+            *sc = dot_fma_avx2(q, &kc[at..at + d]);
+        }
     }
 }
 
-/// [`dot`] on AVX2: the same lanes, products, sums and reduction.
+/// `row[j] = exp(row[j] - max)` ([`exp_approx`]); returns their sum, added in 8 lanes then
+/// reduced in [`matmul::reduce8`]'s order, the tail one by one.
+fn exp_sum(row: &mut [f32], max: f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut chunks = row.chunks_exact_mut(8);
+    for c in &mut chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *x = exp_approx(*x - max);
+            *a += *x;
+        }
+    }
+    let mut s = matmul::reduce8(&acc);
+    for x in chunks.into_remainder() {
+        *x = exp_approx(*x - max);
+        s += *x;
+    }
+    s
+}
+
+/// [`exp_sum`] with 8-lane vectors: the same operations, so the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn exp_sum_avx2(row: &mut [f32], max: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    let m = _mm256_set1_ps(max);
+    let mut chunks = row.chunks_exact_mut(8);
+    for c in &mut chunks {
+        // SAFETY: c holds 8 values.
+        unsafe {
+            let e = exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            acc = _mm256_add_ps(acc, e);
+        }
+    }
+    let mut s = matmul::hsum8(acc);
+    for x in chunks.into_remainder() {
+        *x = exp_approx(*x - max);
+        s += *x;
+    }
+    s
+}
+
+// `exp_approx`'s constants: Cody and Waite's split of ln 2 and Cephes' `expf` polynomial.
+const EXP_LO: f32 = -87.336_55;
+const EXP_HI: f32 = 88.0;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_2e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
+
+/// `eˣ` within 2.5e-7 relative (a few ulp) for `x` in [-87.3, 88] (clamped there): `x = n·ln 2 + r`, a polynomial in
+/// `r`, times `2ⁿ` built in the exponent bits.
+///
+/// NOTE: ours rather than libm's so that the AVX2 attention ([`exp8_avx2`]) computes exactly
+/// the same bits eight at a time: softmax called the scalar `expf` once per score.
+#[inline(always)]
+fn exp_approx(x: f32) -> f32 {
+    // NOTE: not `clamp`, which keeps a NaN; `max` drops it, as `_mm256_max_ps(x, lo)` does.
+    #[allow(clippy::manual_clamp)]
+    let x = x.max(EXP_LO).min(EXP_HI);
+    let n = (x * LOG2E).round_ties_even();
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let mut p = EXP_P[0];
+    for c in &EXP_P[1..] {
+        p = p * r + c;
+    }
+    let y = (p * (r * r) + r) + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// [`exp_approx`] on 8 lanes.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+fn exp8_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let x = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(EXP_LO)),
+        _mm256_set1_ps(EXP_HI),
+    );
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(LOG2E),
+    ));
+    let r = _mm256_sub_ps(
+        _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
+        _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)),
+    );
+    let mut p = _mm256_set1_ps(EXP_P[0]);
+    for c in &EXP_P[1..] {
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(*c));
+    }
+    let y = _mm256_add_ps(
+        _mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r),
+        _mm256_set1_ps(1.0),
+    );
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+}
+
+/// [`dot_fma`] on AVX2: the same lanes, fused products, sums and reduction.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_fma_avx2(a: &[f32], b: &[f32]) -> f32 {
     use std::arch::x86_64::*;
     let n = a.len().min(b.len());
     let n8 = n / 8 * 8;
@@ -824,31 +987,37 @@ fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
         unsafe {
             let x = _mm256_loadu_ps(a.as_ptr().add(i));
             let y = _mm256_loadu_ps(b.as_ptr().add(i));
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+            acc = _mm256_fmadd_ps(x, y, acc);
         }
         i += 8;
     }
     let mut s = matmul::hsum8(acc);
     for (x, y) in a[n8..n].iter().zip(&b[n8..n]) {
-        s += x * y;
+        s = x.mul_add(*y, s);
     }
     s
 }
 
-/// `o[..64] = Σ_j p[j] · v_j[c0 .. c0 + 64]` over the keys in order (`rows[j]`: where key
-/// j's row starts), in eight registers.
+/// `o[..64] (+)= Σ_j p[j] · v_j[c0 .. c0 + 64]` over the keys in order (`rows[j]`: where key
+/// j's row starts), in eight registers; from zero when `first`, else on from `o`'s sums.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn pv64_avx2(p: &[f32], vc: &[f32], rows: &[usize], c0: usize, o: &mut [f32]) {
+fn pv64_avx2(p: &[f32], vc: &[f32], rows: &[usize], c0: usize, o: &mut [f32], first: bool) {
     use std::arch::x86_64::*;
     let mut acc = [_mm256_setzero_ps(); 8];
+    if !first {
+        for (u, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: o holds 64 values.
+            *acc = unsafe { _mm256_loadu_ps(o.as_ptr().add(8 * u)) };
+        }
+    }
     for (&pj, &at) in p.iter().zip(rows) {
         let v = &vc[at + c0..at + c0 + 64];
         let pj = _mm256_set1_ps(pj);
         for (u, acc) in acc.iter_mut().enumerate() {
             // SAFETY: v holds 64 values.
             let x = unsafe { _mm256_loadu_ps(v.as_ptr().add(8 * u)) };
-            *acc = _mm256_add_ps(*acc, _mm256_mul_ps(pj, x));
+            *acc = _mm256_fmadd_ps(pj, x, *acc);
         }
     }
     for (u, acc) in acc.iter().enumerate() {
@@ -888,9 +1057,56 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// [`dot`] with fused multiply-adds (attention's scores: half the operations on CPUs with
+/// FMA, and the AVX2 loops compute the same bits).
+#[inline(always)]
+fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    let mut s = matmul::reduce8(&acc);
+    for (x, y) in ar.iter().zip(br) {
+        s = x.mul_add(*y, s);
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `exp_approx` against f64's `exp` over the range softmax uses (and a little past 0),
+    /// and its clamps; the AVX2 version gives the same bits.
+    #[test]
+    fn exp_approx_is_within_two_ulp_and_the_same_on_avx2() {
+        let xs: Vec<f32> = (0..20_000)
+            .map(|i| -87.0 + 90.0 * i as f32 / 20_000.0)
+            .chain([0.0, -0.0, 1e-8, -1e-8, 88.0, -87.33])
+            .collect();
+        for &x in &xs {
+            let (got, want) = (exp_approx(x), (x as f64).exp());
+            assert!(
+                ((got as f64 - want) / want).abs() < 2.5e-7,
+                "exp({x}) = {got}, not {want}"
+            );
+        }
+        assert_eq!(exp_approx(-1e4), exp_approx(-87.336_55));
+        assert!(exp_approx(-1e4) > 0.0 && exp_approx(-1e4) < 1.2e-38);
+        assert!(exp_approx(1e4).is_finite());
+        if matmul::Path::Avx2.available() {
+            let mut a = xs.clone();
+            let mut b = xs.clone();
+            // SAFETY: AVX2 was detected.
+            let s1 = unsafe { exp_sum_avx2(&mut a, 0.5) };
+            let s2 = exp_sum(&mut b, 0.5);
+            assert_eq!((a, s1), (b, s2));
+        }
+    }
 
     /// The AVX2 attention gives the portable loops' bits: head sizes below, at and past the
     /// 64-column parts (with tails), prefill and decode rows, a window and a soft cap.
@@ -906,13 +1122,16 @@ mod tests {
             seed ^= seed << 17;
             (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
         };
-        let (hkv, rep, bs, num_blocks) = (2, 3, 4, 12);
-        // sequence 0: 9 keys, its last 5 rows in the batch; sequence 1: 30 keys, one row
+        let (hkv, rep, bs, num_blocks) = (2, 3, 4, 16);
+        // sequence 0: 9 keys, its last 5 rows in the batch; sequence 1: 45 keys (more than
+        // one block of PV_KEYS), one row
         let b = crate::backend::BatchInput {
             query_start: vec![0, 5, 6],
-            seq_lens: vec![9, 30],
-            block_tables: vec![3, 1, 7, 0, 0, 0, 0, 0, 2, 4, 5, 6, 8, 9, 10, 11],
-            max_blocks: 8,
+            seq_lens: vec![9, 45],
+            block_tables: vec![
+                3, 1, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15,
+            ],
+            max_blocks: 12,
             ..Default::default()
         };
         let row_seq = [0, 0, 0, 0, 0, 1];

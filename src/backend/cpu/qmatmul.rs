@@ -167,7 +167,13 @@ pub struct QuantizedRows {
 
 /// Quantizes `m` rows of `k` values (`k` a multiple of 32), each row on its own.
 pub fn quantize_rows(x: &[f32], m: usize, k: usize) -> QuantizedRows {
+    quantize_rows_on(path(), x, m, k)
+}
+
+/// The same on a given path (every path gives the same bits; tests force each one).
+pub fn quantize_rows_on(p: Path, x: &[f32], m: usize, k: usize) -> QuantizedRows {
     debug_assert!(k.is_multiple_of(32) && x.len() >= m * k);
+    let simd = p != Path::Portable && Path::Avx2.available();
     let nb = k / 32;
     let nbp = nb.next_multiple_of(2);
     let nm = nb.next_multiple_of(8);
@@ -195,21 +201,18 @@ pub fn quantize_rows(x: &[f32], m: usize, k: usize) -> QuantizedRows {
     );
     let row = |(((((x, q), u), d), d8), s): Row<'_>| {
         for b in 0..nb {
-            let xs = &x[32 * b..32 * b + 32];
-            let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let scale = amax / 127.0;
-            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            let mut sum = 0i32;
-            for ((o, ou), &v) in q[32 * b..32 * b + 32]
-                .iter_mut()
-                .zip(&mut u[32 * b..32 * b + 32])
-                .zip(xs)
-            {
-                let qv = (v * inv).round().clamp(-127.0, 127.0) as i32;
-                *o = qv as i8;
-                *ou = (qv + 128) as u8;
-                sum += qv;
-            }
+            let xs: &[f32; 32] = x[32 * b..32 * b + 32].try_into().expect("32 values");
+            let qb: &mut [i8; 32] = (&mut q[32 * b..32 * b + 32]).try_into().expect("32");
+            let ub: &mut [u8; 32] = (&mut u[32 * b..32 * b + 32]).try_into().expect("32");
+            #[cfg(target_arch = "x86_64")]
+            let (scale, sum) = if simd {
+                // SAFETY: AVX2 was detected above.
+                unsafe { x86::quantize_block(xs, qb, ub) }
+            } else {
+                quantize_block(xs, qb, ub)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let (scale, sum) = quantize_block(xs, qb, ub);
             d[b] = scale;
             d8[8 * b..8 * b + 8].fill(scale);
             s[b] = scale * sum as f32;
@@ -238,6 +241,22 @@ pub fn quantize_rows(x: &[f32], m: usize, k: usize) -> QuantizedRows {
     r
 }
 
+/// One block of 32 activations to 8 bits: `q = round(x / d)` (ties to even, as the SIMD
+/// rounding instruction does) with `d = max|x| / 127`, `u = q + 128`; returns `d` and `Σq`.
+fn quantize_block(x: &[f32; 32], q: &mut [i8; 32], u: &mut [u8; 32]) -> (f32, i32) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let scale = amax / 127.0;
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    let mut sum = 0i32;
+    for ((o, ou), &v) in q.iter_mut().zip(u.iter_mut()).zip(x) {
+        let qv = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i32;
+        *o = qv as i8;
+        *ou = (qv + 128) as u8;
+        sum += qv;
+    }
+    (scale, sum)
+}
+
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
 unsafe impl Send for SendPtr {}
@@ -262,7 +281,7 @@ pub fn qmatmul_on(
     assert!(x.len() >= m * k && out.len() >= m * n);
     assert!(w.k == k && w.rows() == n && k.is_multiple_of(32));
     let p = if p.available() { p } else { Path::Portable };
-    let xq = quantize_rows(x, m, k);
+    let xq = quantize_rows_on(p, x, m, k);
     let tile_rows = if p == Path::Avx512 { MR } else { 4 };
     // NOTE: where x is one tile, each weight row is read once: a few large tasks per thread
     // (fewer hand-offs); otherwise slabs small enough to stay in L2 while the tiles pass.
@@ -759,6 +778,50 @@ mod x86 {
         }
     }
 
+    /// [`super::quantize_block`] with 8-lane vectors: the same maximum, division, products,
+    /// rounding (ties to even) and clamp, so the same bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn quantize_block(
+        x: &[f32; 32],
+        q: &mut [i8; 32],
+        u: &mut [u8; 32],
+    ) -> (f32, i32) {
+        // SAFETY (loads and stores): x, q and u hold 32 values each.
+        unsafe {
+            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(8 * i)));
+            let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+            let a = v.map(|v| _mm256_and_ps(v, abs));
+            let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+            let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            let amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps::<1>(h, h)));
+            let scale = amax / 127.0;
+            let inv = _mm256_set1_ps(if scale > 0.0 { 1.0 / scale } else { 0.0 });
+            let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+            let i = v.map(|v| {
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                    _mm256_mul_ps(v, inv),
+                );
+                _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+            });
+            let s = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)));
+            // packs works within 128-bit lanes: the permute puts the 4-value groups back in
+            // order.
+            let b = _mm256_packs_epi16(
+                _mm256_packs_epi32(i[0], i[1]),
+                _mm256_packs_epi32(i[2], i[3]),
+            );
+            let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, b);
+            let b = _mm256_xor_si256(b, _mm256_set1_epi8(-128));
+            _mm256_storeu_si256(u.as_mut_ptr() as *mut __m256i, b);
+            (scale, sum)
+        }
+    }
+
     pub(super) use super::super::matmul::hsum8 as hsum;
 
     #[inline]
@@ -911,12 +974,13 @@ unsafe fn row_avx512<const T: u8, const R: usize>(
             };
             let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v0), v1);
             let scale = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(s0), s1);
-            // NOTE: dpbusd multiplies unsigned by signed bytes: (q + 128)·v, less 128·Σv.
-            let corr = _mm512_dpbusd_epi32(zero, bias, v);
+            // NOTE: dpbusd multiplies unsigned by signed bytes: (q + 128)·v, less 128·Σv,
+            // which starts each row's sum (exact in integers, so the order does not matter).
+            let neg_corr = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, v));
             for (a, acc) in acc.iter_mut().enumerate() {
                 let u = xs.u.as_ptr().add((x.i + a) * xs.kp + 32 * jp);
                 let u = _mm512_loadu_si512(u as *const __m512i);
-                let isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, u, v), corr);
+                let isum = _mm512_dpbusd_epi32(neg_corr, u, v);
                 let d8 = xs.d8.as_ptr().add((x.i + a) * 8 * xs.nbp + 8 * jp);
                 let f = _mm512_mul_ps(scale, _mm512_loadu_ps(d8));
                 *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), f, *acc);

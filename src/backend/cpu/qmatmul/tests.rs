@@ -233,6 +233,30 @@ fn activation_quantization_round_trips_within_half_a_step() {
     }
 }
 
+/// Every path quantizes activations to the same bits, ties included (they round to even: a
+/// block whose maximum is 127 has the scale 1, so 2.5 and -3.5 are exact ties), and a block of
+/// zeros has a zero scale.
+#[test]
+fn activation_quantization_is_the_same_on_every_path() {
+    let mut rng = Rng(11);
+    let (m, k) = (9, 160);
+    let mut x = random_x(m, k, &mut rng);
+    let ties = [127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -126.5, 126.5];
+    x[..8].copy_from_slice(&ties);
+    x[32..64].fill(0.0);
+    let want = quantize_rows_on(Path::Portable, &x, m, k);
+    assert_eq!(&want.q[..8], &[127, 2, -4, 0, 0, 2, -126, 126]);
+    assert_eq!((want.d[0], want.d[1]), (1.0, 0.0));
+    for p in available_paths() {
+        let got = quantize_rows_on(p, &x, m, k);
+        assert_eq!(got.q, want.q, "{p:?}");
+        assert_eq!(got.u, want.u, "{p:?}");
+        assert_eq!(got.d, want.d, "{p:?}");
+        assert_eq!(got.d8, want.d8, "{p:?}");
+        assert_eq!(got.s, want.s, "{p:?}");
+    }
+}
+
 /// Tensor-parallel shards of a block-format weight (rows, block-aligned columns, a zero row)
 /// hold exactly the values of the same slices of the dequantized weight, parts of several
 /// types included; columns that would split blocks give `None`.
