@@ -3,6 +3,7 @@
 //! reads K and V through the block tables in place, never gathering them into a contiguous copy.
 
 mod attention;
+mod exp;
 pub mod matmul;
 pub mod qmatmul;
 
@@ -442,7 +443,7 @@ impl Backend for CpuBackend {
                 #[cfg(target_arch = "x86_64")]
                 if simd {
                     // SAFETY: AVX2 was detected.
-                    i = unsafe { attention::silu_mul_avx2(g, u, o) };
+                    i = unsafe { exp::silu_mul_avx2(g, u, o) };
                 }
                 for i in i..ffn {
                     o[i] = activation(act, g[i]) * u[i];
@@ -639,8 +640,8 @@ impl Backend for CpuBackend {
 #[inline]
 fn activation(act: Activation, x: f32) -> f32 {
     match act {
-        // NOTE: our exp (attention.rs) rather than libm's: the loops over a row vectorize.
-        Activation::Silu => x / (1.0 + attention::exp_approx(-x)),
+        // NOTE: our exp (exp.rs) rather than libm's: the loops over a row vectorize.
+        Activation::Silu => x / (1.0 + exp::exp_approx(-x)),
         Activation::GeluTanh => {
             0.5 * x * (1.0 + (0.797_884_6_f32 * (x + 0.044715 * x * x * x)).tanh())
         }
