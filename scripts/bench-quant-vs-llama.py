@@ -11,7 +11,8 @@ Q4_1 (the file as shipped) and Qwen2.5-Coder-0.5B Q4_K_M (as shipped); aggregate
 takes the median over rounds; peak RSS of every run is recorded. Pagoda: benches/decode.rs
 (512-token prefill timed to its first token, then 64 greedy tokens per sequence).
 llama.cpp: llama-bench (pp512, tg64) and llama-batched-bench (-npp 32 -ntg 64). llama.cpp
-keeps K/V in f16 (its default), Pagoda in f32.
+keeps K/V in f16 (its default); so does Pagoda for the f16 and quantized files (its
+`--kv-cache-dtype auto`), and in f32 for the f32 file.
 
 Prints a markdown table and writes the raw results to docs/results/quant-vs-llama.json.
 """

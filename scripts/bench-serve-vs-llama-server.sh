@@ -2,12 +2,15 @@
 # `pagoda serve` beside llama.cpp's C++ `llama-server` on the same all-F32 SmolLM2 file, same
 # threads (2), back to back: N concurrent streams (a closed loop), 100-token prompts, 128 output
 # tokens, 4N requests, for each N given (default 16 64), ROUNDS rounds alternating the servers.
-# llama-server runs with N parallel slots, a context of N x 512 and continuous batching.
+# llama-server runs with N parallel slots, a context of N x 512 and continuous batching. Both keep
+# the KV cache in f16 (llama-server's default; `--kv-cache-dtype f16` for Pagoda, whose default
+# for f32 weights is an f32 cache).
 #
 # usage: scripts/bench-serve-vs-llama-server.sh [N ...]
 #   LLAMA_BIN   folder with llama-server (default $PAGODA_CACHE/llama.cpp/bin; build it as
 #               docs/benchmarks.md says)
 #   PAGODA_ARGS extra flags for `pagoda serve` (e.g. "--max-num-batched-tokens 512")
+#   KV_DTYPE    Pagoda's KV cache type (default f16, as llama-server's)
 #   ROUNDS      rounds (default 2); OUT folder for the JSON results (default docs/results)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +47,8 @@ for round in $(seq "$rounds"); do
           --port $port >/tmp/bench-llama-server.log 2>&1 &
       else
         # shellcheck disable=SC2086
-        RAYON_NUM_THREADS=2 "$pagoda" serve --model "$model" --port $port ${PAGODA_ARGS:-} \
+        RAYON_NUM_THREADS=2 "$pagoda" serve --model "$model" --port $port \
+          --kv-cache-dtype "${KV_DTYPE:-f16}" ${PAGODA_ARGS:-} \
           >/tmp/bench-pagoda-serve.log 2>&1 &
       fi
       server=$!

@@ -232,16 +232,6 @@ impl KvLayout {
     }
 }
 
-/// For backends whose KV cache is f32 only: a clear error for any other type.
-pub(crate) fn expect_f32_kv(layout: KvLayout, backend: &str) -> Result<()> {
-    anyhow::ensure!(
-        layout.dtype == DType::F32,
-        "the {backend} backend stores the KV cache in f32 only, not {}",
-        layout.dtype.name()
-    );
-    Ok(())
-}
-
 /// The flattened batch of one engine step, on the host (see ENGINE-STEP in ARCHITECTURE.md).
 ///
 /// ```text

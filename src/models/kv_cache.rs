@@ -13,7 +13,8 @@ use anyhow::{Context, Result, bail};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KvCacheDtype {
     /// The type the model's weights are in (bf16 weights, bf16 cache) where the backend
-    /// stores it, else f32: a model run in f32 keeps an f32 cache and its exact outputs.
+    /// stores it; f16 for weights in quantized blocks (as llama.cpp and vLLM keep a GGUF
+    /// model's cache); else f32: a model run in f32 keeps an f32 cache and its exact outputs.
     #[default]
     Auto,
     Fixed(DType),
@@ -50,14 +51,23 @@ impl KvCacheDtype {
                 list()
             ),
             KvCacheDtype::Auto => {
-                // NOTE: the float type holding most of the weights' bytes; quantized blocks
-                // and f32 norms count for f32.
+                // NOTE: the float type holding most of the weights' bytes, quantized blocks
+                // counting for f16 (their scales are f16, and the activations they meet are
+                // rounded to 8 bits: an f32 cache would keep precision nothing else has).
                 let bytes = |d: DType| weights.by_type.get(d.name()).copied().unwrap_or(0);
-                let half = [DType::BF16, DType::F16]
-                    .into_iter()
-                    .filter(|&d| bytes(d) > bytes(DType::F32) && supported.contains(&d))
-                    .max_by_key(|&d| bytes(d));
-                Ok(half.unwrap_or(DType::F32))
+                let floats = [DType::F32, DType::F16, DType::BF16];
+                let quant: u64 = (weights.by_type.iter())
+                    .filter(|(t, _)| floats.iter().all(|d| d.name() != t.as_str()))
+                    .map(|(_, b)| b)
+                    .sum();
+                let half = [
+                    (DType::BF16, bytes(DType::BF16)),
+                    (DType::F16, bytes(DType::F16) + quant),
+                ]
+                .into_iter()
+                .filter(|&(d, b)| b > bytes(DType::F32) && supported.contains(&d))
+                .max_by_key(|&(_, b)| b);
+                Ok(half.map_or(DType::F32, |(d, _)| d))
             }
         }
     }
@@ -195,19 +205,22 @@ mod tests {
         let auto = KvCacheDtype::Auto;
         assert_eq!(auto.resolve(&gpu, &bf16, "cuda").unwrap(), DType::BF16);
         assert_eq!(auto.resolve(&gpu, &f32, "cuda").unwrap(), DType::F32);
-        assert_eq!(auto.resolve(&gpu, &q, "cuda").unwrap(), DType::F32);
-        assert_eq!(
-            auto.resolve(&[DType::F32], &bf16, "cpu").unwrap(),
-            DType::F32
-        );
+        assert_eq!(auto.resolve(&gpu, &q, "cpu").unwrap(), DType::F16);
+        let f16w = stats(&[("f16", 1000), ("Q8_0", 100), ("f32", 10)]);
+        assert_eq!(auto.resolve(&gpu, &f16w, "cpu").unwrap(), DType::F16);
+        let mixed = stats(&[("bf16", 400), ("Q8_0", 500), ("f32", 10)]);
+        assert_eq!(auto.resolve(&gpu, &mixed, "cpu").unwrap(), DType::F16);
+        for w in [&bf16, &q, &f32] {
+            assert_eq!(auto.resolve(&[DType::F32], w, "wgpu").unwrap(), DType::F32);
+        }
         let f16 = KvCacheDtype::Fixed(DType::F16);
         assert_eq!(f16.resolve(&gpu, &f32, "cuda").unwrap(), DType::F16);
         let e = f16
-            .resolve(&[DType::F32], &f32, "cpu")
+            .resolve(&[DType::F32], &f32, "wgpu")
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("cpu backend stores the KV cache in f32 only"),
+            e.contains("wgpu backend stores the KV cache in f32 only"),
             "{e}"
         );
         for (s, want) in [

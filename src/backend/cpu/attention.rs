@@ -15,7 +15,7 @@
 use super::exp::exp_approx;
 #[cfg(target_arch = "x86_64")]
 use super::exp::{exp8, exp16};
-use super::matmul::{self, Path, reduce8};
+use super::matmul::{self, Elem, Path, reduce8};
 use crate::backend::{AttentionOptions, BatchInput};
 
 /// A thread's buffers for its attention tasks: where each key's row starts in the cache, and
@@ -26,14 +26,13 @@ pub(super) struct Scratch {
     scores: Vec<f32>,
 }
 
-/// One attention task: the `rep` query heads of one kv head for one row.
-pub(super) struct AttnTask<'a> {
+/// A step's attention, whatever the cache's element type.
+#[derive(Clone, Copy)]
+pub(super) struct AttnArgs<'a> {
     pub row_seq: &'a [usize],
     pub b: &'a BatchInput,
     pub opts: AttentionOptions,
     pub qkv: &'a [f32],
-    pub kc: &'a [f32],
-    pub vc: &'a [f32],
     pub scale: f32,
     pub softcap: f32,
     pub d: usize,
@@ -41,6 +40,14 @@ pub(super) struct AttnTask<'a> {
     pub rep: usize,
     pub bs: usize,
     pub stride: usize,
+}
+
+/// One attention task: the `rep` query heads of one kv head for one row, over a cache of `T`
+/// (f32, or f16/bf16 widened exactly as they are loaded).
+pub(super) struct AttnTask<'a, T> {
+    pub args: AttnArgs<'a>,
+    pub kc: &'a [T],
+    pub vc: &'a [T],
 }
 
 // Path codes for the const-generic body.
@@ -52,7 +59,7 @@ const AVX512: u8 = 2;
 /// L1 while every head of the group passes over them.
 const PV_KEYS: usize = 32;
 
-impl AttnTask<'_> {
+impl<T: Elem> AttnTask<'_, T> {
     /// Task `task` (row `task / hkv`, kv head `task mod hkv`) into `o` (`[rep, d]`), on path
     /// `p` (the portable one where the CPU lacks it).
     pub(super) fn run_on(&self, p: Path, scratch: &mut Scratch, task: usize, o: &mut [f32]) {
@@ -80,13 +87,12 @@ impl AttnTask<'_> {
 
     #[inline(always)]
     fn run<const P: u8>(&self, scratch: &mut Scratch, task: usize, o: &mut [f32]) {
-        let AttnTask {
+        let (kc, vc) = (self.kc, self.vc);
+        let AttnArgs {
             row_seq,
             b,
             opts,
             qkv,
-            kc,
-            vc,
             scale,
             softcap,
             d,
@@ -94,7 +100,7 @@ impl AttnTask<'_> {
             rep,
             bs,
             stride,
-        } = *self;
+        } = self.args;
         let (t, g) = (task / hkv, task % hkv);
         let s = row_seq[t];
         let q_end = b.query_start[s + 1] as usize;
@@ -187,7 +193,7 @@ impl AttnTask<'_> {
             rest.fill(0.0);
             for (&pj, &at) in p.iter().zip(rows) {
                 for (a, v) in rest.iter_mut().zip(&vc[at + c_simd..at + d]) {
-                    *a = pj.mul_add(*v, *a);
+                    *a = pj.mul_add(v.f32(), *a);
                 }
             }
         }
@@ -203,18 +209,18 @@ fn reduce16(l: &[f32; 16]) -> f32 {
 /// The canonical score: `Σ a·b` in 16 lanes of fused multiply-adds, [`reduce16`], then the
 /// tail one by one.
 #[inline(always)]
-fn dot16(a: &[f32], b: &[f32]) -> f32 {
+fn dot16<T: Elem>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = [0f32; 16];
     let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
     let (ar, br) = (ac.remainder(), bc.remainder());
     for (x, y) in ac.zip(bc) {
         for l in 0..16 {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
+            acc[l] = x[l].mul_add(y[l].f32(), acc[l]);
         }
     }
     let mut s = reduce16(&acc);
     for (x, y) in ar.iter().zip(br) {
-        s = x.mul_add(*y, s);
+        s = x.mul_add(y.f32(), s);
     }
     s
 }
@@ -283,12 +289,12 @@ mod x86 {
     /// Keys `j .. j + 4`'s tails added to their sums, into `out[..4]`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn finish4(sums: [f32; 4], q: &[f32], k: &[&[f32]; 4], from: usize, out: &mut [f32]) {
+    fn finish4<T: Elem>(sums: [f32; 4], q: &[f32], k: &[&[T]; 4], from: usize, out: &mut [f32]) {
         for ((o, s), k) in out.iter_mut().zip(sums).zip(k) {
             *o = q[from..]
                 .iter()
                 .zip(&k[from..])
-                .fold(s, |s, (x, y)| x.mul_add(*y, s));
+                .fold(s, |s, (x, y)| x.mul_add(y.f32(), s));
         }
     }
 
@@ -296,9 +302,9 @@ mod x86 {
     /// rows start at `rows[j]`: four keys at a time, for every head while the four K rows sit
     /// in L1 (each load of q serves four keys); the last few keys one by one.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn qk_avx2(
+    pub(super) fn qk_avx2<T: Elem>(
         qs: &[f32],
-        kc: &[f32],
+        kc: &[T],
         rows: &[usize],
         d: usize,
         nk: usize,
@@ -308,7 +314,7 @@ mod x86 {
         let n = rows.len().min(nk);
         let mut j = 0;
         while j + 4 <= n {
-            let k: [&[f32]; 4] = std::array::from_fn(|u| &kc[rows[j + u]..rows[j + u] + d]);
+            let k: [&[T]; 4] = std::array::from_fn(|u| &kc[rows[j + u]..rows[j + u] + d]);
             for (q, out) in qs.chunks_exact(d).zip(out.chunks_exact_mut(nk)) {
                 let mut lo = [_mm256_setzero_ps(); 4];
                 let mut hi = [_mm256_setzero_ps(); 4];
@@ -319,8 +325,8 @@ mod x86 {
                         let x0 = _mm256_loadu_ps(q.as_ptr().add(i));
                         let x1 = _mm256_loadu_ps(q.as_ptr().add(i + 8));
                         for u in 0..4 {
-                            let y0 = _mm256_loadu_ps(k[u].as_ptr().add(i));
-                            let y1 = _mm256_loadu_ps(k[u].as_ptr().add(i + 8));
+                            let y0 = T::load8(k[u].as_ptr().add(i));
+                            let y1 = T::load8(k[u].as_ptr().add(i + 8));
                             lo[u] = _mm256_fmadd_ps(x0, y0, lo[u]);
                             hi[u] = _mm256_fmadd_ps(x1, y1, hi[u]);
                         }
@@ -341,9 +347,9 @@ mod x86 {
     /// [`qk_avx2`] with one 16-lane register per sum, four keys against two heads at a time
     /// (eight sums side by side).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
-    pub(super) fn qk_avx512(
+    pub(super) fn qk_avx512<T: Elem>(
         qs: &[f32],
-        kc: &[f32],
+        kc: &[T],
         rows: &[usize],
         d: usize,
         nk: usize,
@@ -360,7 +366,7 @@ mod x86 {
         };
         let mut j = 0;
         while j + 4 <= n {
-            let k: [&[f32]; 4] = std::array::from_fn(|u| &kc[rows[j + u]..rows[j + u] + d]);
+            let k: [&[T]; 4] = std::array::from_fn(|u| &kc[rows[j + u]..rows[j + u] + d]);
             let mut h = 0;
             while h < heads {
                 let two = h + 1 < heads;
@@ -379,7 +385,7 @@ mod x86 {
                         let x0 = _mm512_loadu_ps(q0.as_ptr().add(i));
                         let x1 = _mm512_loadu_ps(q1.as_ptr().add(i));
                         for u in 0..4 {
-                            let y = _mm512_loadu_ps(k[u].as_ptr().add(i));
+                            let y = T::load16(k[u].as_ptr().add(i));
                             a0[u] = _mm512_fmadd_ps(x0, y, a0[u]);
                             if two {
                                 a1[u] = _mm512_fmadd_ps(x1, y, a1[u]);
@@ -484,9 +490,9 @@ mod x86 {
     /// `o[..64] (+)= Σ_j p[j] · v_j[c0 .. c0 + 64]` over the keys in order (`rows[j]`: where
     /// key j's row starts), in eight registers; from zero when `first`, else on from `o`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn pv64_avx2(
+    pub(super) fn pv64_avx2<T: Elem>(
         p: &[f32],
-        vc: &[f32],
+        vc: &[T],
         rows: &[usize],
         c0: usize,
         o: &mut [f32],
@@ -504,7 +510,7 @@ mod x86 {
             let pj = _mm256_set1_ps(pj);
             for (u, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: v holds 64 values.
-                let x = unsafe { _mm256_loadu_ps(v.as_ptr().add(8 * u)) };
+                let x = unsafe { T::load8(v.as_ptr().add(8 * u)) };
                 *acc = _mm256_fmadd_ps(pj, x, *acc);
             }
         }
@@ -520,11 +526,11 @@ mod x86 {
     // NOTE: indices, not iterators: the two heads' registers are used in lockstep.
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
-    pub(super) fn pv64_avx512(
+    pub(super) fn pv64_avx512<T: Elem>(
         p: &[f32],
         nk: usize,
         keys: std::ops::Range<usize>,
-        vc: &[f32],
+        vc: &[T],
         rows: &[usize],
         c0: usize,
         d: usize,
@@ -559,7 +565,7 @@ mod x86 {
                 let (a, b) = (_mm512_set1_ps(a), _mm512_set1_ps(b));
                 for u in 0..4 {
                     // SAFETY: v holds 64 values.
-                    let x = unsafe { _mm512_loadu_ps(v.as_ptr().add(16 * u)) };
+                    let x = unsafe { T::load16(v.as_ptr().add(16 * u)) };
                     acc[0][u] = _mm512_fmadd_ps(a, x, acc[0][u]);
                     if two {
                         acc[1][u] = _mm512_fmadd_ps(b, x, acc[1][u]);
@@ -583,6 +589,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::{bf16, f16};
 
     fn paths() -> Vec<Path> {
         [Path::Avx2, Path::Avx512]
@@ -626,7 +633,8 @@ mod tests {
 
     /// Every SIMD path gives the portable loops' bits: head sizes below, at and past the 16-
     /// and 64-column parts (with tails), prefill and decode rows, more keys than a p·v block,
-    /// odd and even counts of heads per kv head, a window and a soft cap.
+    /// odd and even counts of heads per kv head, a window and a soft cap; over f32, f16 and
+    /// bf16 caches.
     #[test]
     fn attention_on_every_path_matches_the_portable_loops_to_the_bit() {
         let mut seed = 0x5eed_a77e_u64;
@@ -662,8 +670,12 @@ mod tests {
             let qkv: Vec<f32> = (0..6 * stride).map(|_| rnd()).collect();
             let kc: Vec<f32> = (0..num_blocks * hkv * bs * d).map(|_| rnd()).collect();
             let vc: Vec<f32> = (0..num_blocks * hkv * bs * d).map(|_| rnd()).collect();
+            let kh: Vec<f16> = kc.iter().map(|&x| f16::from_f32(x)).collect();
+            let vh: Vec<f16> = vc.iter().map(|&x| f16::from_f32(x)).collect();
+            let kb: Vec<bf16> = kc.iter().map(|&x| bf16::from_f32(x)).collect();
+            let vb: Vec<bf16> = vc.iter().map(|&x| bf16::from_f32(x)).collect();
             for (window, softcap) in [(None, 0.0), (Some(7), 1.5)] {
-                let task = AttnTask {
+                let args = AttnArgs {
                     row_seq: &row_seq,
                     b: &b,
                     opts: AttentionOptions {
@@ -672,8 +684,6 @@ mod tests {
                         logit_softcap: None,
                     },
                     qkv: &qkv,
-                    kc: &kc,
-                    vc: &vc,
                     scale: 0.3,
                     softcap,
                     d,
@@ -682,17 +692,80 @@ mod tests {
                     bs,
                     stride,
                 };
-                for t in 0..row_seq.len() * hkv {
-                    let mut want = vec![f32::NAN; rep * d];
-                    task.run_on(Path::Portable, &mut Scratch::default(), t, &mut want);
-                    assert!(want.iter().all(|v| v.is_finite()), "d={d} task {t}");
-                    for p in paths() {
-                        let mut got = vec![f32::NAN; rep * d];
-                        task.run_on(p, &mut Scratch::default(), t, &mut got);
-                        assert_eq!(got, want, "{p:?} d={d} task {t} window {window:?}");
-                    }
-                }
+                let what = format!("d={d} window {window:?}");
+                let f32_cache = same_on_every_path(
+                    &AttnTask {
+                        args,
+                        kc: &kc,
+                        vc: &vc,
+                    },
+                    &what,
+                );
+                // a half cache is widened exactly: the f32 cache holding its values gives the
+                // same bits
+                let widen = |c: &[f16]| c.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+                let (kw, vw) = (widen(&kh), widen(&vh));
+                let f16_cache = same_on_every_path(
+                    &AttnTask {
+                        args,
+                        kc: &kh,
+                        vc: &vh,
+                    },
+                    &what,
+                );
+                assert_eq!(
+                    f16_cache,
+                    same_on_every_path(
+                        &AttnTask {
+                            args,
+                            kc: &kw,
+                            vc: &vw
+                        },
+                        &what
+                    )
+                );
+                assert_ne!(f16_cache, f32_cache, "{what}: the f16 cache rounds");
+                let widen = |c: &[bf16]| c.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+                let (kw, vw) = (widen(&kb), widen(&vb));
+                let bf16_cache = same_on_every_path(
+                    &AttnTask {
+                        args,
+                        kc: &kb,
+                        vc: &vb,
+                    },
+                    &what,
+                );
+                assert_eq!(
+                    bf16_cache,
+                    same_on_every_path(
+                        &AttnTask {
+                            args,
+                            kc: &kw,
+                            vc: &vw
+                        },
+                        &what
+                    )
+                );
             }
         }
+    }
+
+    /// Every task's output on the portable path, after checking that every SIMD path gives
+    /// the same bits.
+    fn same_on_every_path<T: Elem>(task: &AttnTask<T>, what: &str) -> Vec<Vec<f32>> {
+        let (rep, d) = (task.args.rep, task.args.d);
+        (0..task.args.row_seq.len() * task.args.hkv)
+            .map(|t| {
+                let mut want = vec![f32::NAN; rep * d];
+                task.run_on(Path::Portable, &mut Scratch::default(), t, &mut want);
+                assert!(want.iter().all(|v| v.is_finite()), "{what} task {t}");
+                for p in paths() {
+                    let mut got = vec![f32::NAN; rep * d];
+                    task.run_on(p, &mut Scratch::default(), t, &mut got);
+                    assert_eq!(got, want, "{p:?} {what} task {t}");
+                }
+                want
+            })
+            .collect()
     }
 }

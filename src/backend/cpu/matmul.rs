@@ -353,12 +353,20 @@ impl Path {
 pub trait Elem: Copy + Send + Sync {
     const ZERO: Self;
     fn f32(self) -> f32;
+    /// The nearest value (ties to even), as a KV cache stores what it is given.
+    fn from_f32(x: f32) -> Self;
     /// 8 values from `p`, widened.
     ///
     /// # Safety
     /// `p` points at 8 values; the CPU has AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// 16 values from `p`, widened.
+    ///
+    /// # Safety
+    /// `p` points at 16 values; the CPU has AVX2, FMA, F16C, AVX-512F and AVX-512DQ.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl Elem for f32 {
@@ -367,11 +375,21 @@ impl Elem for f32 {
     fn f32(self) -> f32 {
         self
     }
+    #[inline(always)]
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
         // SAFETY: as the caller promises.
         unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: as the caller promises.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
 }
 
@@ -381,12 +399,23 @@ impl Elem for f16 {
     fn f32(self) -> f32 {
         self.to_f32()
     }
+    #[inline(always)]
+    fn from_f32(x: f32) -> f16 {
+        f16::from_f32(x)
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
         // SAFETY: as the caller promises.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: as the caller promises.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
     }
 }
 
@@ -396,6 +425,10 @@ impl Elem for bf16 {
     fn f32(self) -> f32 {
         self.to_f32()
     }
+    #[inline(always)]
+    fn from_f32(x: f32) -> bf16 {
+        bf16::from_f32(x)
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
@@ -404,6 +437,16 @@ impl Elem for bf16 {
         unsafe {
             let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: as the caller promises.
+        unsafe {
+            let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
         }
     }
 }
@@ -480,11 +523,7 @@ unsafe fn tile_avx512<T: Elem, const MR: usize, const NP: usize>(
         unsafe {
             let mut wv = [_mm512_setzero_ps(); NP];
             for b in 0..NP {
-                let p = wp[b].add(kk * PANEL);
-                wv[b] = _mm512_insertf32x8::<1>(
-                    _mm512_castps256_ps512(T::load8(p)),
-                    T::load8(p.add(8)),
-                );
+                wv[b] = T::load16(wp[b].add(kk * PANEL));
             }
             for a in 0..MR {
                 let xv = _mm512_set1_ps(*xp.add(a * ldx + kk));

@@ -7,8 +7,8 @@ mod exp;
 pub mod matmul;
 pub mod qmatmul;
 
-use attention::{AttnTask, Scratch};
-use matmul::{Packed, Weights};
+use attention::{AttnArgs, AttnTask, Scratch};
+use matmul::{Elem, Packed, Weights};
 
 use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
 use crate::quant::QuantTensor;
@@ -21,6 +21,9 @@ use rayon::prelude::*;
 pub enum CpuBuf {
     F32(Vec<f32>),
     U32(Vec<u32>),
+    /// A KV cache in half precision (`--kv-cache-dtype f16|bf16`).
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
     /// A dense weight matrix in panels (see matmul.rs), in its storage type.
     PackedF32(Packed<f32>),
     PackedF16(Packed<f16>),
@@ -61,6 +64,8 @@ impl CpuBuf {
         match self {
             CpuBuf::F32(v) => v.len(),
             CpuBuf::U32(v) => v.len(),
+            CpuBuf::F16(v) => v.len(),
+            CpuBuf::BF16(v) => v.len(),
             CpuBuf::PackedF32(p) => p.numel(),
             CpuBuf::PackedF16(p) => p.numel(),
             CpuBuf::PackedBF16(p) => p.numel(),
@@ -71,21 +76,119 @@ impl CpuBuf {
 
 /// A zero-filled vector from the allocator's zeroed pages: a large KV pool costs nothing until
 /// it is written, and a failed allocation is an error instead of an abort.
-fn zeroed_f32(n: usize) -> Result<Vec<f32>> {
+fn zeroed<T: bytemuck::Zeroable>(n: usize) -> Result<Vec<T>> {
     if n == 0 {
         return Ok(Vec::new());
     }
-    let layout = std::alloc::Layout::array::<f32>(n)
-        .map_err(|_| anyhow::anyhow!("cpu backend: {n} floats is too large an allocation"))?;
-    // SAFETY: the layout is non-zero-sized and is that of `[f32; n]`; all-zero bytes are a valid
-    // f32 (0.0); the Vec takes ownership with the same layout, capacity and length.
+    let size = std::mem::size_of::<T>();
+    let layout = std::alloc::Layout::array::<T>(n)
+        .map_err(|_| anyhow::anyhow!("cpu backend: {n} values is too large an allocation"))?;
+    // SAFETY: the layout is non-zero-sized and is that of `[T; n]`; all-zero bytes are a valid
+    // T (Zeroable); the Vec takes ownership with the same layout, capacity and length.
     unsafe {
-        let p = std::alloc::alloc_zeroed(layout) as *mut f32;
+        let p = std::alloc::alloc_zeroed(layout) as *mut T;
         if p.is_null() {
-            bail!("cpu backend: cannot allocate {} MiB", (n * 4) >> 20);
+            bail!("cpu backend: cannot allocate {} MiB", (n * size) >> 20);
         }
         Ok(Vec::from_raw_parts(p, n, n))
     }
+}
+
+/// A layer's K or V cache as a slice of its element type.
+enum KvSlice<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl CpuBuf {
+    fn kv(&self) -> Result<KvSlice<'_>> {
+        Ok(match self {
+            CpuBuf::F32(v) => KvSlice::F32(v),
+            CpuBuf::F16(v) => KvSlice::F16(v),
+            CpuBuf::BF16(v) => KvSlice::BF16(v),
+            _ => bail!("cpu backend: expected a KV cache"),
+        })
+    }
+}
+
+/// Blocks `blocks` (`block_len` values each) of a cache, widened to f32, in the order given.
+fn read_blocks<T: Elem>(c: &[T], block_len: usize, blocks: &[u32]) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(blocks.len() * block_len);
+    for &b in blocks {
+        let at = b as usize * block_len;
+        let src = c
+            .get(at..at + block_len)
+            .with_context(|| format!("read_kv_blocks: block {b} is outside the cache"))?;
+        out.extend(src.iter().map(|x| x.f32()));
+    }
+    Ok(out)
+}
+
+/// `data` written over blocks `blocks` of a cache, rounded to its element type.
+fn write_blocks<T: Elem>(
+    c: &mut [T],
+    block_len: usize,
+    blocks: &[u32],
+    data: &[f32],
+) -> Result<()> {
+    super::check_kv_blocks_data(data, blocks, block_len)?;
+    for (&b, src) in blocks.iter().zip(data.chunks_exact(block_len)) {
+        let at = b as usize * block_len;
+        let dst = c
+            .get_mut(at..at + block_len)
+            .with_context(|| format!("write_kv_blocks: block {b} is outside the cache"))?;
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, &x)| *d = T::from_f32(x));
+    }
+    Ok(())
+}
+
+/// Each row's K and V (from the fused QKV rows, `stride` apart) at its slot in the caches,
+/// rounded to their element type.
+fn write_rows<T: Elem>(
+    qkv: &[f32],
+    slots: &[u32],
+    rows: usize,
+    layout: QkvLayout,
+    kc: &mut [T],
+    vc: &mut [T],
+    kv: KvLayout,
+) -> Result<()> {
+    let (d, hkv, bs) = (layout.head_dim, layout.num_kv_heads, kv.block_size);
+    let stride = layout.row_len();
+    ensure!(
+        kc.len() == kv.numel() && vc.len() == kv.numel(),
+        "write_kv: cache size mismatch"
+    );
+    ensure!(
+        slots.len() >= rows && qkv.len() >= rows * stride,
+        "write_kv: {rows} rows, {} slots",
+        slots.len()
+    );
+    let store = |dst: &mut [T], src: &[f32]| {
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, &x)| *d = T::from_f32(x));
+    };
+    for t in 0..rows {
+        let slot = slots[t] as usize;
+        let (block, off) = (slot / bs, slot % bs);
+        ensure!(
+            block < kv.num_blocks,
+            "write_kv: slot {slot} outside the pool"
+        );
+        let row = &qkv[t * stride..(t + 1) * stride];
+        let k = &row[layout.q_len()..layout.q_len() + layout.kv_len()];
+        let v = &row[layout.q_len() + layout.kv_len()..];
+        for g in 0..hkv {
+            let dst = ((block * hkv + g) * bs + off) * d;
+            store(&mut kc[dst..dst + d], &k[g * d..(g + 1) * d]);
+            store(&mut vc[dst..dst + d], &v[g * d..(g + 1) * d]);
+        }
+    }
+    Ok(())
 }
 
 pub struct CpuBackend {
@@ -170,12 +273,23 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_f32(&self, n: usize) -> Result<CpuBuf> {
-        Ok(CpuBuf::F32(zeroed_f32(n)?))
+        Ok(CpuBuf::F32(zeroed(n)?))
+    }
+
+    /// NOTE: a half cache halves the bytes decode attention reads every step (as llama.cpp's
+    /// default f16 cache); values are widened exactly as they are loaded, so only the rounding
+    /// at the write differs from an f32 cache.
+    fn kv_cache_dtypes(&self) -> &'static [DType] {
+        &[DType::F32, DType::F16, DType::BF16]
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<CpuBuf> {
-        super::expect_f32_kv(layout, "cpu")?;
-        self.alloc_f32(layout.numel())
+        let n = layout.numel();
+        Ok(match layout.dtype {
+            DType::F32 => CpuBuf::F32(zeroed(n)?),
+            DType::F16 => CpuBuf::F16(zeroed(n)?),
+            DType::BF16 => CpuBuf::BF16(zeroed(n)?),
+        })
     }
 
     fn download_f32(&self, buf: &CpuBuf) -> Result<Vec<f32>> {
@@ -185,23 +299,18 @@ impl Backend for CpuBackend {
             CpuBuf::PackedF16(p) => p.unpack(),
             CpuBuf::PackedBF16(p) => p.unpack(),
             CpuBuf::U32(v) => v.iter().map(|&x| x as f32).collect(),
+            CpuBuf::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            CpuBuf::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
             CpuBuf::Quant(q) => q.dequantize()?,
         })
     }
 
     fn read_kv_blocks(&self, cache: &CpuBuf, block_len: usize, blocks: &[u32]) -> Result<Vec<f32>> {
-        let CpuBuf::F32(c) = cache else {
-            bail!("read_kv_blocks: the KV cache is not f32");
-        };
-        let mut out = Vec::with_capacity(blocks.len() * block_len);
-        for &b in blocks {
-            let at = b as usize * block_len;
-            let src = c
-                .get(at..at + block_len)
-                .with_context(|| format!("read_kv_blocks: block {b} is outside the cache"))?;
-            out.extend_from_slice(src);
+        match cache.kv()? {
+            KvSlice::F32(c) => read_blocks(c, block_len, blocks),
+            KvSlice::F16(c) => read_blocks(c, block_len, blocks),
+            KvSlice::BF16(c) => read_blocks(c, block_len, blocks),
         }
-        Ok(out)
     }
 
     fn write_kv_blocks(
@@ -211,17 +320,12 @@ impl Backend for CpuBackend {
         blocks: &[u32],
         data: &[f32],
     ) -> Result<()> {
-        let CpuBuf::F32(c) = cache else {
-            bail!("write_kv_blocks: the KV cache is not f32");
-        };
-        super::check_kv_blocks_data(data, blocks, block_len)?;
-        for (&b, src) in blocks.iter().zip(data.chunks_exact(block_len)) {
-            let at = b as usize * block_len;
-            c.get_mut(at..at + block_len)
-                .with_context(|| format!("write_kv_blocks: block {b} is outside the cache"))?
-                .copy_from_slice(src);
+        match cache {
+            CpuBuf::F32(c) => write_blocks(c, block_len, blocks, data),
+            CpuBuf::F16(c) => write_blocks(c, block_len, blocks, data),
+            CpuBuf::BF16(c) => write_blocks(c, block_len, blocks, data),
+            _ => bail!("write_kv_blocks: not a KV cache"),
         }
-        Ok(())
     }
 
     fn len(&self, buf: &CpuBuf) -> usize {
@@ -257,7 +361,9 @@ impl Backend for CpuBackend {
                         .context("embedding: row outside the table")?;
                     crate::quant::dequantize_into(ty, row, dst)?;
                 }
-                CpuBuf::U32(_) => bail!("embedding: table must be a float buffer"),
+                CpuBuf::U32(_) | CpuBuf::F16(_) | CpuBuf::BF16(_) => {
+                    bail!("embedding: the table must be a weight matrix or f32")
+                }
             }
         }
         Ok(())
@@ -291,7 +397,7 @@ impl Backend for CpuBackend {
             CpuBuf::PackedF16(w) => Weights::F16(w),
             CpuBuf::PackedBF16(w) => Weights::BF16(w),
             CpuBuf::Quant(q) => Weights::Quant(q),
-            CpuBuf::F32(_) | CpuBuf::U32(_) => {
+            CpuBuf::F32(_) | CpuBuf::U32(_) | CpuBuf::F16(_) | CpuBuf::BF16(_) => {
                 bail!("matmul: the weight must be a matrix uploaded with upload_weight")
             }
         };
@@ -539,32 +645,13 @@ impl Backend for CpuBackend {
         v_cache: &mut CpuBuf,
         kv: KvLayout,
     ) -> Result<()> {
-        let qkv = qkv.f32()?;
-        let slots = slot_mapping.u32()?;
-        let (kc, vc) = (k_cache.f32_mut()?, v_cache.f32_mut()?);
-        let (d, hkv, bs) = (layout.head_dim, layout.num_kv_heads, kv.block_size);
-        let stride = layout.row_len();
-        ensure!(
-            kc.len() == kv.numel() && vc.len() == kv.numel(),
-            "write_kv: cache size mismatch"
-        );
-        for t in 0..rows {
-            let slot = slots[t] as usize;
-            let (block, off) = (slot / bs, slot % bs);
-            ensure!(
-                block < kv.num_blocks,
-                "write_kv: slot {slot} outside the pool"
-            );
-            let row = &qkv[t * stride..(t + 1) * stride];
-            let k = &row[layout.q_len()..layout.q_len() + layout.kv_len()];
-            let v = &row[layout.q_len() + layout.kv_len()..];
-            for g in 0..hkv {
-                let dst = ((block * hkv + g) * bs + off) * d;
-                kc[dst..dst + d].copy_from_slice(&k[g * d..(g + 1) * d]);
-                vc[dst..dst + d].copy_from_slice(&v[g * d..(g + 1) * d]);
-            }
+        let (qkv, slots) = (qkv.f32()?, slot_mapping.u32()?);
+        match (k_cache, v_cache) {
+            (CpuBuf::F32(k), CpuBuf::F32(v)) => write_rows(qkv, slots, rows, layout, k, v, kv),
+            (CpuBuf::F16(k), CpuBuf::F16(v)) => write_rows(qkv, slots, rows, layout, k, v, kv),
+            (CpuBuf::BF16(k), CpuBuf::BF16(v)) => write_rows(qkv, slots, rows, layout, k, v, kv),
+            _ => bail!("write_kv: K and V caches of one type expected"),
         }
-        Ok(())
     }
 
     fn paged_attention(
@@ -581,7 +668,6 @@ impl Backend for CpuBackend {
         let (scale, softcap) = (opts.scale, opts.softcap_f32()?);
         opts.window_u32()?;
         let qkv = qkv.f32()?;
-        let (kc, vc) = (k_cache.f32()?, v_cache.f32()?);
         let out = out.f32_mut()?;
         let b = &batch.host;
         let (d, h, hkv, bs) = (
@@ -608,13 +694,11 @@ impl Backend for CpuBackend {
             );
             row_seq[q0..q1].iter_mut().for_each(|x| *x = s);
         }
-        let args = AttnTask {
+        let args = AttnArgs {
             row_seq: &row_seq,
             b,
             opts,
             qkv,
-            kc,
-            vc,
             scale,
             softcap,
             d,
@@ -623,17 +707,33 @@ impl Backend for CpuBackend {
             bs,
             stride,
         };
-        let path = matmul::Path::detect();
-        // NOTE: one task per (row, kv head): decode of a single sequence still uses every thread
-        // when there are several kv heads, and each task reads its K/V block by block.
-        out[..t_rows * h * d]
-            .par_chunks_mut(rep * d)
-            .enumerate()
-            .for_each_init(Scratch::default, |scratch, (task, o)| {
-                args.run_on(path, scratch, task, o)
-            });
-        Ok(())
+        let out = &mut out[..t_rows * h * d];
+        match (k_cache.kv()?, v_cache.kv()?) {
+            (KvSlice::F32(k), KvSlice::F32(v)) => attend(AttnTask { args, kc: k, vc: v }, kv, out),
+            (KvSlice::F16(k), KvSlice::F16(v)) => attend(AttnTask { args, kc: k, vc: v }, kv, out),
+            (KvSlice::BF16(k), KvSlice::BF16(v)) => {
+                attend(AttnTask { args, kc: k, vc: v }, kv, out)
+            }
+            _ => bail!("paged_attention: K and V caches of one type expected"),
+        }
     }
+}
+
+/// Every attention task of a step into `out` (`[T, H·D]`).
+fn attend<T: Elem>(task: AttnTask<T>, kv: KvLayout, out: &mut [f32]) -> Result<()> {
+    ensure!(
+        task.kc.len() == kv.numel() && task.vc.len() == kv.numel(),
+        "paged_attention: cache size mismatch"
+    );
+    let path = matmul::Path::detect();
+    // NOTE: one task per (row, kv head): decode of a single sequence still uses every thread
+    // when there are several kv heads, and each task reads its K/V block by block.
+    out.par_chunks_mut(task.args.rep * task.args.d)
+        .enumerate()
+        .for_each_init(Scratch::default, |scratch, (i, o)| {
+            task.run_on(path, scratch, i, o)
+        });
+    Ok(())
 }
 
 /// An activation in f32 (see [`Activation`]).

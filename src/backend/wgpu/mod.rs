@@ -555,7 +555,11 @@ impl Backend for WgpuBackend {
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<WgpuBuf> {
-        crate::backend::expect_f32_kv(layout, "wgpu")?;
+        anyhow::ensure!(
+            layout.dtype == DType::F32,
+            "the wgpu backend stores the KV cache in f32 only, not {}",
+            layout.dtype.name()
+        );
         let block = layout.block_len();
         let block_bytes = block as u64 * 4;
         let per = (self.gpu.max_binding / block_bytes.max(1)) as usize;
