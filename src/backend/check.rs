@@ -1111,8 +1111,9 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             attention_case(&mut r, layout, bs, seqs, opts, dtype),
         ));
     }
-    // argmax: random rows, plus a row of ties and a row with NaN and -inf
-    let (rows, cols) = (4, 50_000);
+    // argmax: random rows, plus a row of ties, a row with NaN and -inf, and a row where
+    // nothing beats -inf
+    let (rows, cols) = (5, 50_000);
     let mut logits = rand_vec(&mut r, rows * cols);
     for v in &mut logits[cols..2 * cols] {
         *v = 1.0;
@@ -1120,6 +1121,13 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
     logits[2 * cols] = f32::NAN;
     logits[2 * cols + 1] = f32::NEG_INFINITY;
     logits[3 * cols - 2] = 7.0;
+    for (i, v) in logits[4 * cols..].iter_mut().enumerate() {
+        *v = if i % 3 == 1 {
+            f32::NAN
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
     out.push((
         "argmax".into(),
         format!("{rows}x{cols} (ties, NaN)"),

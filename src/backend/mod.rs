@@ -576,7 +576,6 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
-/// Ties go to the lowest index; NaN never wins.
 /// Checks a `write_kv_blocks` call's sizes: `data` holds `blocks.len()` blocks of `block_len`.
 pub fn check_kv_blocks_data(data: &[f32], blocks: &[u32], block_len: usize) -> Result<()> {
     anyhow::ensure!(
@@ -588,6 +587,8 @@ pub fn check_kv_blocks_data(data: &[f32], blocks: &[u32], block_len: usize) -> R
     Ok(())
 }
 
+/// Index of the largest value: ties go to the lowest index; NaN never wins (0 when nothing
+/// beats -inf). The reference every backend's `argmax_rows` is checked against.
 pub fn argmax(v: &[f32]) -> usize {
     let mut best = 0;
     let mut best_v = f32::NEG_INFINITY;

@@ -654,6 +654,16 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn argmax_rows(&self, logits: &CpuBuf, rows: usize, cols: usize) -> Result<Vec<u32>> {
+        let v = logits.f32()?;
+        ensure!(v.len() >= rows * cols, "argmax_rows: buffer too small");
+        // NOTE: in place (the default copies every logit first) and a row per task.
+        Ok(v[..rows * cols]
+            .par_chunks(cols.max(1))
+            .map(|row| argmax_row(row) as u32)
+            .collect())
+    }
+
     fn paged_attention(
         &self,
         qkv: &CpuBuf,
@@ -766,4 +776,23 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         s += x * y;
     }
     s
+}
+
+/// [`crate::backend::argmax`] in two passes that vectorize: the largest value (`x > m`
+/// keeps `m` when `x` is NaN, as `maxps` does), then where it first is.
+fn argmax_row(v: &[f32]) -> usize {
+    let m = v
+        .chunks(16)
+        .fold([f32::NEG_INFINITY; 16], |mut m, c| {
+            for (m, &x) in m.iter_mut().zip(c) {
+                *m = if x > *m { x } else { *m };
+            }
+            m
+        })
+        .into_iter()
+        .fold(f32::NEG_INFINITY, |a, x| if x > a { x } else { a });
+    if m == f32::NEG_INFINITY {
+        return 0;
+    }
+    v.iter().position(|&x| x == m).unwrap_or(0)
 }

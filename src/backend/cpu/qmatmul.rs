@@ -31,7 +31,7 @@
 //! except on AVX2 with more than one tile, where the slab is decoded once into [`Decoded`] and
 //! every tile reads the values from there.
 
-use super::matmul::reduce8;
+use super::matmul::{PREFETCH_BYTES, prefetch_lines, reduce8};
 use crate::quant::{GgmlType, QuantTensor};
 use half::f16;
 use rayon::prelude::*;
@@ -323,6 +323,12 @@ pub fn qmatmul_on(
                 let mr = tile_rows.min(m - i);
                 let tile = Tile { x: xq, i };
                 for jj in 0..nj {
+                    // NOTE: the first tile streams the weights from memory: ask for them
+                    // ahead (see matmul's PREFETCH_BYTES); the others find them in cache.
+                    if i == 0 && !predecode {
+                        let at = rows.as_ptr().wrapping_add(jj * rb + PREFETCH_BYTES);
+                        prefetch_lines(at, rb);
+                    }
                     let mut r = [0f32; MR];
                     if predecode {
                         dec.run(t, jj, mr, tile, &mut r);
