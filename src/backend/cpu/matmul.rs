@@ -284,7 +284,8 @@ unsafe fn task<T: Elem>(
 
 /// One tile: `s[a][16b + c] = Σ_{kk < kc} x[a][kk] · panel_b[kk][c]`, one FMA after another,
 /// stored at `dst[a · ldd + 16b + c]` (`store`) or added to it. `x` holds MR rows of stride
-/// `ldx`; `blocks` the first and the last of the NP panel blocks (NP ≤ 2).
+/// `ldx`; `blocks` the first and the last of the NP panel blocks (NP ≤ 2). With `prefetch`,
+/// it asks for the panels' values `PREFETCH_BYTES` ahead as it goes.
 ///
 /// # Safety
 /// `dst` holds MR rows of stride `ldd` with NP · 16 values each.
@@ -320,7 +321,8 @@ unsafe fn tile<T: Elem, const MR: usize, const NP: usize>(
     }
 }
 
-/// Where a tile's sums go: stored (the first block of k) or added to what is there.
+/// Where a tile's sums go: stored (the first block of k) or added to what is there; and
+/// whether the tile asks for its panels' next values ahead (the first tile over a block).
 #[derive(Clone, Copy)]
 struct Dst {
     p: *mut f32,
