@@ -434,7 +434,9 @@ impl GgufFile {
         let Some(info) = self.tensor_info(&gguf_name) else {
             return Ok(None);
         };
-        load(info, fix).map(Some).map_err(|e| {
+        let out = load(info, fix);
+        self.release(info);
+        out.map(Some).map_err(|e| {
             anyhow!(
                 "{}: tensor '{}' ({hf_name}): {e:#}",
                 self.path.display(),
@@ -590,7 +592,11 @@ impl GgufFile {
     /// like, which have no HF name); `Ok(None)` if the file has no such tensor.
     pub fn gguf_tensor_f32(&self, gguf_name: &str) -> Result<Option<Vec<f32>>> {
         match self.tensor_info(gguf_name) {
-            Some(info) => self.load_gguf_tensor(info).map(Some),
+            Some(info) => {
+                let out = self.load_gguf_tensor(info);
+                self.release(info);
+                out.map(Some)
+            }
             None => Ok(None),
         }
     }
@@ -598,6 +604,13 @@ impl GgufFile {
     fn load_gguf_tensor(&self, info: &TensorInfo) -> Result<Vec<f32>> {
         let n = usize::try_from(info.n_elements())?;
         dequantize(info.ty, self.raw_bytes(info)?, n)
+    }
+
+    /// Lets the tensor's pages go once it has been read (see `loader::release`).
+    fn release(&self, info: &TensorInfo) {
+        if let Ok(bytes) = self.raw_bytes(info) {
+            super::loader::release(&self.mmap, bytes);
+        }
     }
 
     /// The bytes of a tensor in the file.
