@@ -657,9 +657,12 @@ impl Backend for CpuBackend {
     fn argmax_rows(&self, logits: &CpuBuf, rows: usize, cols: usize) -> Result<Vec<u32>> {
         let v = logits.f32()?;
         ensure!(v.len() >= rows * cols, "argmax_rows: buffer too small");
+        if cols == 0 {
+            return Ok(vec![0; rows]);
+        }
         // NOTE: in place (the default copies every logit first) and a row per task.
         Ok(v[..rows * cols]
-            .par_chunks(cols.max(1))
+            .par_chunks(cols)
             .map(|row| argmax_row(row) as u32)
             .collect())
     }
