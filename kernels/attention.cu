@@ -1,11 +1,14 @@
-// Paged attention over block tables, `paged_attention_prefill_<kv>`: prefill chunks (many
-// rows, causal inside the chunk, after a cached prefix) and mixed steps (prefill chunks and
-// decode rows together); a step of decode rows only goes to paged_attention_decode_<kv>_d<D>
-// below where it has an instance. Grouped-query: the `rep = H / Hkv` query heads of one kv
-// head share each K/V tile that a block loads. <kv> is the cache's type (f32, bf16, f16),
-// widened to f32 as it is loaded.
+// Paged attention over block tables. Three kernels, by what a step holds:
+//   - paged_attention_<kv>: the general one (SIMT, any head size, any warp width): prefill
+//     chunks (many rows, causal inside the chunk, after a cached prefix) and mixed steps
+//     (prefill chunks and decode rows together), over any cache type;
+//   - paged_attention_prefill_<kv>_d<D> (below): the same steps on tensor cores, for bf16 and
+//     f16 caches where the device has them; the general kernel keeps the rest;
+//   - paged_attention_decode_<kv>_d<D> (below): steps of decode rows only.
+// Grouped-query: the `rep = H / Hkv` query heads of one kv head share each K/V tile that a
+// block loads. <kv> is the cache's type (f32, bf16, f16).
 //
-// One block = (a tile of up to q_tile consecutive query rows of one sequence) × (one kv head)
+// The general kernel widens K and V to f32 as it loads them. One block = (a tile of up to q_tile consecutive query rows of one sequence) × (one kv head)
 // × (one partition of the context). The block walks its partition in tiles of k_tile keys
 // with an online softmax (running max m, running sum l, unnormalised accumulator):
 //
@@ -183,7 +186,7 @@ __device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, c
 }
 
 #define PAGED_ATTENTION(DT, KV)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_prefill_##DT(                      \
+    extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_##DT(                              \
         const float* qkv, const KV* k_cache, const KV* v_cache, const u32* query_start, const u32* seq_lens,    \
         const u32* block_tables, float* out, float* part_acc, float* part_ml, u32 max_blocks, u32 num_heads,   \
         u32 num_kv_heads, u32 head_dim, u32 block_size, u32 row_len, float scale, u32 window, float softcap,   \
@@ -195,6 +198,244 @@ __device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, c
 PAGED_ATTENTION(f32, float)
 PAGED_ATTENTION(bf16, bf16_t)
 PAGED_ATTENTION(f16, f16_t)
+
+// ---- prefill on tensor cores ----------------------------------------------------------------
+//
+// `paged_attention_prefill_<kv>_d<D>`, kv bf16 or f16: the block and grid of the kernel above
+// (query tile × sequence × kv head and partition, the same causal and window masks, the same
+// partial results for attention_reduce_f32), with FlashAttention-2's inner loop on mma.sync.
+// The block's R = q_tile * rep local rows (lr = r * rep + j, as above) are cut in slices of 16,
+// one per warp; per tile of KT keys:
+//
+//   K tile  → k_s [KT][D + 8]    16-byte loads, kept as the cache's 16-bit type
+//   V tile  → vt_s[D][KT + 8]    transposed: P·V's B operand is two keys of one dimension
+//   S = Q·Kᵀ      D/16 MMAs per 8 keys, in registers; masked, scaled, soft-capped
+//   softmax       online, in registers: a row's values sit in the 4 lanes of a quad
+//   O += P·V      P re-packed from S's accumulators as the A operand (no trip through shared
+//                 memory); O is D/8 accumulator tiles per warp, rescaled by exp(m_old - m_new)
+//
+// Q is rounded to the cache's type once (q_s [16 * warps][D + 8]), P before each P·V; scores,
+// the softmax and O stay f32. Rows are padded by 8 values so that the 8 rows a fragment reads at
+// once fall in different banks.
+//
+// NOTE: an f32 cache keeps the kernel above: tensor cores would round its Q, K, P and V to 16
+// bits, and the f32 path is the one that reproduces the reference exactly.
+#if defined(PG_TENSOR_CORES)
+// Keys per tile: S and O must fit in registers with Q and K in shared memory (MMA_KT in
+// src/backend/gpu/plan.rs).
+#define MMA_KT(D) ((D) <= 64 ? 64 : (D) <= 128 ? 32 : 16)
+
+template <typename T, u32 D>
+__device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qkv, const T* __restrict__ k_cache,
+                                                    const T* __restrict__ v_cache, const u32* __restrict__ query_start,
+                                                    const u32* __restrict__ seq_lens,
+                                                    const u32* __restrict__ block_tables, float* __restrict__ out,
+                                                    float* __restrict__ part_acc, float* __restrict__ part_ml,
+                                                    u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_size,
+                                                    u32 row_len, float scale, u32 window, float softcap, u32 q_tile,
+                                                    u32 part_size, u32 num_splits) {
+    constexpr u32 KT = MMA_KT(D), DP = D + 8, KP = KT + 8;
+    constexpr u32 NT = KT / 8, ND = D / 8;  // accumulator tiles of S and of O
+    constexpr u32 CPR = D / 8;              // 16-byte chunks per K or V row
+    PG_DYNAMIC_SHARED(uint4, mma_smem);
+    const u32 s = blockIdx.y;
+    const u32 q0 = query_start[s], nq = query_start[s + 1] - q0;
+    const u32 tile0 = blockIdx.x * q_tile;
+    if (tile0 >= nq) return;
+    const u32 rows_here = min(q_tile, nq - tile0);
+    const u32 ctx = seq_lens[s];
+    const u32 split = blockIdx.z % num_splits, g = blockIdx.z / num_splits;
+    const u32 rep = num_heads / num_kv_heads;
+    const u32 base_keys = ctx - (nq - 1 - tile0);
+    const u32 kmax = base_keys + rows_here - 1;
+    const u32 k_begin = split * part_size;
+    if (k_begin >= kmax) return;
+    const u32 k_end = min(kmax, k_begin + part_size);
+    const u32 nr = rows_here * rep;
+    const u32 warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 qd = lane / 4, qt = lane % 4;  // the fragment's row (and row + 8) and column pair
+    u16* q_s = reinterpret_cast<u16*>(mma_smem);
+    u16* k_s = q_s + 16 * warps * DP;
+    u16* vt_s = k_s + KT * DP;
+    const u32* table = block_tables + (u64)s * max_blocks;
+    const T* tag = nullptr;
+
+    // Q, rounded; rows past the tile's are zero
+    for (u32 e = threadIdx.x; e < 16 * warps * (D / 4); e += blockDim.x) {
+        const u32 lr = e / (D / 4), i = e % (D / 4) * 4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (lr < nr) {
+            const u32 r = lr / rep, j = lr % rep;
+            v = __ldg(reinterpret_cast<const float4*>(qkv + (u64)(q0 + tile0 + r) * row_len + (u64)(g * rep + j) * D + i));
+        }
+        *reinterpret_cast<uint2*>(q_s + lr * DP + i) = make_uint2(pack2(v.x, v.y, tag), pack2(v.z, v.w, tag));
+    }
+
+    // this lane's two rows: the warp's slice, rows qd and qd + 8; a row past the tile sees no key
+    u32 row_keys[2];
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        const u32 lr = warp * 16 + qd + 8 * h;
+        row_keys[h] = lr < nr ? base_keys + lr / rep : 0;
+    }
+    const bool active = warp * 16 < nr;  // the same for every lane of a warp
+    float o[ND][4];
+#pragma unroll
+    for (u32 n = 0; n < ND; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {PG_NEG_INF, PG_NEG_INF}, l[2] = {0.0f, 0.0f};
+
+    const u32 k_first = (window > 0 && base_keys > window) ? base_keys - window : 0;
+    for (u32 kt0 = max(k_begin, k_first); kt0 < k_end; kt0 += KT) {
+        const u32 nk = min(KT, k_end - kt0);
+        // NOTE: __syncthreads at the loop's end and after Q: this overwrites tiles no warp reads.
+        // Keys past nk are zero, never garbage: P·V multiplies them by p = 0, and 0·NaN is NaN.
+        for (u32 e = threadIdx.x; e < KT * CPR; e += blockDim.x) {
+            const u32 jj = e / CPR, c = e % CPR;
+            uint4 kw = make_uint4(0, 0, 0, 0), vw = make_uint4(0, 0, 0, 0);
+            if (jj < nk) {
+                const u32 key = kt0 + jj;
+                const u64 at = ((u64)table[key / block_size] * num_kv_heads + g) * block_size + key % block_size;
+                kw = __ldg(reinterpret_cast<const uint4*>(k_cache + at * D + c * 8));
+                vw = __ldg(reinterpret_cast<const uint4*>(v_cache + at * D + c * 8));
+            }
+            *reinterpret_cast<uint4*>(k_s + jj * DP + c * 8) = kw;
+            const u32 w[4] = {vw.x, vw.y, vw.z, vw.w};
+#pragma unroll
+            for (u32 x = 0; x < 4; ++x) {
+                vt_s[(c * 8 + 2 * x) * KP + jj] = (u16)(w[x] & 0xffffu);
+                vt_s[(c * 8 + 2 * x + 1) * KP + jj] = (u16)(w[x] >> 16);
+            }
+        }
+        __syncthreads();
+        if (active) {
+            // S = Q·Kᵀ: sc[n] is the 16 × 8 tile of keys kt0 + 8n ..
+            float sc[NT][4];
+#pragma unroll
+            for (u32 n = 0; n < NT; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+            for (u32 kk = 0; kk < D / 16; ++kk) {
+                const u16* qa = q_s + (warp * 16 + qd) * DP + kk * 16 + 2 * qt;
+                const u32 a[4] = {*reinterpret_cast<const u32*>(qa), *reinterpret_cast<const u32*>(qa + 8 * DP),
+                                  *reinterpret_cast<const u32*>(qa + 8),
+                                  *reinterpret_cast<const u32*>(qa + 8 * DP + 8)};
+#pragma unroll
+                for (u32 n = 0; n < NT; ++n) {
+                    const u16* kb = k_s + (n * 8 + qd) * DP + kk * 16 + 2 * qt;
+                    const u32 b[2] = {*reinterpret_cast<const u32*>(kb), *reinterpret_cast<const u32*>(kb + 8)};
+                    mma_16816(sc[n], a, b, tag);
+                }
+            }
+            // masks, scale, soft cap; each row's maximum over the quad
+            float mx[2] = {PG_NEG_INF, PG_NEG_INF};
+#pragma unroll
+            for (u32 n = 0; n < NT; ++n) {
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) {
+                    const u32 h = i / 2, key = kt0 + n * 8 + 2 * qt + i % 2;
+                    float v = sc[n][i] * scale;
+                    if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
+                    const bool seen = key < kt0 + nk && key < row_keys[h] && (window == 0 || key + window >= row_keys[h]);
+                    sc[n][i] = seen ? v : PG_NEG_INF;
+                    mx[h] = fmaxf(mx[h], sc[n][i]);
+                }
+            }
+            float corr[2];
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], PG_SHFL_XOR(mx[h], 1));
+                mx[h] = fmaxf(mx[h], PG_SHFL_XOR(mx[h], 2));
+                const float m_new = fmaxf(m[h], mx[h]);
+                corr[h] = m_new == PG_NEG_INF ? 1.0f : expf(m[h] - m_new);
+                m[h] = m_new;
+                l[h] *= corr[h];  // this lane's share of the row's sum; the quad's are added at the end
+            }
+#pragma unroll
+            for (u32 n = 0; n < NT; ++n) {
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) {
+                    const u32 h = i / 2;
+                    const float p = m[h] == PG_NEG_INF ? 0.0f : expf(sc[n][i] - m[h]);
+                    sc[n][i] = p;
+                    l[h] += p;
+                }
+            }
+#pragma unroll
+            for (u32 n = 0; n < ND; ++n) {
+                o[n][0] *= corr[0];
+                o[n][1] *= corr[0];
+                o[n][2] *= corr[1];
+                o[n][3] *= corr[1];
+            }
+            // O += P·V over 16 keys at a time: S tiles 2kk and 2kk + 1 are P's A fragment
+#pragma unroll
+            for (u32 kk = 0; kk < KT / 16; ++kk) {
+                const u32 a[4] = {pack2(sc[2 * kk][0], sc[2 * kk][1], tag), pack2(sc[2 * kk][2], sc[2 * kk][3], tag),
+                                  pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1], tag),
+                                  pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3], tag)};
+#pragma unroll
+                for (u32 n = 0; n < ND; ++n) {
+                    const u16* vb = vt_s + (n * 8 + qd) * KP + kk * 16 + 2 * qt;
+                    const u32 b[2] = {*reinterpret_cast<const u32*>(vb), *reinterpret_cast<const u32*>(vb + 8)};
+                    mma_16816(o[n], a, b, tag);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    if (!active) return;
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        l[h] += PG_SHFL_XOR(l[h], 1);
+        l[h] += PG_SHFL_XOR(l[h], 2);
+    }
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        const u32 lr = warp * 16 + qd + 8 * h;
+        if (lr >= nr) continue;
+        const u32 r = lr / rep, j = lr % rep;
+        const u64 t = q0 + tile0 + r;
+        const u32 head = g * rep + j;
+        if (num_splits == 1) {
+            const float inv = 1.0f / l[h];
+#pragma unroll
+            for (u32 n = 0; n < ND; ++n)
+                *reinterpret_cast<float2*>(out + (t * num_heads + head) * D + n * 8 + 2 * qt) =
+                    make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+        } else if (k_begin < base_keys + r) {  // rows with no key in this partition write nothing
+            const u64 pi = (t * num_heads + head) * num_splits + split;
+#pragma unroll
+            for (u32 n = 0; n < ND; ++n)
+                *reinterpret_cast<float2*>(part_acc + pi * D + n * 8 + 2 * qt) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+            if (qt == 0) {
+                part_ml[pi * 2] = m[h];
+                part_ml[pi * 2 + 1] = l[h];
+            }
+        }
+    }
+}
+
+#define PAGED_ATTENTION_MMA(DT, KV, D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) paged_attention_prefill_##DT##_d##D(                         \
+        const float* qkv, const KV* k_cache, const KV* v_cache, const u32* query_start, const u32* seq_lens,       \
+        const u32* block_tables, float* out, float* part_acc, float* part_ml, u32 max_blocks, u32 num_heads,      \
+        u32 num_kv_heads, u32 block_size, u32 row_len, float scale, u32 window, float softcap, u32 q_tile,        \
+        u32 part_size, u32 num_splits) {                                                                           \
+        paged_attention_mma<KV, D>(qkv, k_cache, v_cache, query_start, seq_lens, block_tables, out, part_acc,     \
+                                   part_ml, max_blocks, num_heads, num_kv_heads, block_size, row_len, scale,      \
+                                   window, softcap, q_tile, part_size, num_splits);                               \
+    }
+// The head sizes of the decode kernels (DECODE_HEAD_DIMS in src/backend/gpu/kernels.rs).
+#define PAGED_ATTENTION_MMA_ALL_D(DT, KV) \
+    PAGED_ATTENTION_MMA(DT, KV, 16)       \
+    PAGED_ATTENTION_MMA(DT, KV, 32)       \
+    PAGED_ATTENTION_MMA(DT, KV, 64)       \
+    PAGED_ATTENTION_MMA(DT, KV, 80)       \
+    PAGED_ATTENTION_MMA(DT, KV, 96)       \
+    PAGED_ATTENTION_MMA(DT, KV, 128)      \
+    PAGED_ATTENTION_MMA(DT, KV, 256)
+PAGED_ATTENTION_MMA_ALL_D(bf16, bf16_t)
+PAGED_ATTENTION_MMA_ALL_D(f16, f16_t)
+#endif  // PG_TENSOR_CORES
 
 // ---- decode: one query row per sequence ------------------------------------------------------
 //

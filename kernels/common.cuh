@@ -117,3 +117,52 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     for (int w = 0; w < nwarps; ++w) s += scratch[w];
     return s;
 }
+
+// ---- tensor cores ----------------------------------------------------------------------------
+//
+// PG_TENSOR_CORES is defined by the host (-DPG_TENSOR_CORES=1) where the device has mma.sync
+// with 16-bit inputs (sm_80 and later, and the emulator with 32-lane warps); the kernels that
+// use it exist only then, and the host launches them only then.
+//
+// mma_16816(c, a, b): c[16×8] += a[16×16] · b[16×8] over one warp, inputs bf16 or f16 (the tag
+// picks), accumulators f32. Lane l holds, with g = l / 4 and t = l % 4 (two 16-bit values per
+// word, the lower column or row in the low half):
+//   a[0]: A[g][2t, 2t+1]   a[1]: A[g+8][2t, 2t+1]   a[2]: A[g][2t+8, 2t+9]   a[3]: A[g+8][2t+8, 2t+9]
+//   b[0]: B[2t, 2t+1][g]   b[1]: B[2t+8, 2t+9][g]
+//   c[0], c[1]: C[g][2t, 2t+1]                      c[2], c[3]: C[g+8][2t, 2t+1]
+// pack2(lo, hi): two floats rounded (to nearest even) into one word of the tag's type.
+#if defined(PG_TENSOR_CORES) && !defined(PG_EMU)
+__device__ __forceinline__ void mma_16816(float* c, const u32* a, const u32* b, const bf16_t*) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_16816(float* c, const u32* a, const u32* b, const f16_t*) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// NOTE: cvt's first source goes to the upper half.
+__device__ __forceinline__ u32 pack2(float lo, float hi, const bf16_t*) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ u32 pack2(float lo, float hi, const f16_t*) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#elif defined(PG_TENSOR_CORES)
+// the emulator's mma_16816 is in emu.h
+__device__ __forceinline__ u32 pack2(float lo, float hi, const bf16_t*) {
+    return (u32)f32_to_bf16_bits(lo) | ((u32)f32_to_bf16_bits(hi) << 16);
+}
+__device__ __forceinline__ u32 pack2(float lo, float hi, const f16_t*) {
+    return (u32)f32_to_f16_bits(lo) | ((u32)f32_to_f16_bits(hi) << 16);
+}
+#endif

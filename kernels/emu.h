@@ -75,6 +75,7 @@ struct Fiber {
 struct Block {
     std::vector<Fiber> fibers;
     std::vector<unsigned long long> xchg;  // one slot per thread, for the shuffles
+    std::vector<unsigned> frags;           // six words per thread, for mma_16816
     std::vector<float4> dyn;               // dynamic shared memory, 16-byte aligned
     jmp_buf sched;
     unsigned cur = 0, n = 0;
@@ -230,6 +231,7 @@ static int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const 
         b.arg = arg;
         b.fibers.resize(n);
         b.xchg.assign(n, 0);
+        b.frags.assign(6 * (size_t)n, 0);
         b.dyn.resize((shared + 15) / 16 + 1);
         std::vector<char*> stacks = take_stacks(n);
         for (unsigned i = 0; i < n; ++i) b.fibers[i].stack = stacks[i];
@@ -302,6 +304,43 @@ static inline T shfl(T v, unsigned src_lane_of(unsigned lane, unsigned arg), uns
     return r;
 }
 
+// mma.sync.m16n8k16 (row, col) with f32 accumulators, for the warp of the calling thread: each
+// lane hands in its A and B fragments (common.cuh has the layout), waits for the whole warp,
+// computes its own four outputs from everyone's fragments, and waits again before anyone's
+// fragments are overwritten. `half` widens one 16-bit value. Products are summed in f32 in k
+// order (the hardware's order is unspecified; the tolerance of the tests covers either).
+static inline void mma_16816(float* c, const unsigned* a, const unsigned* b, float (*half)(unsigned)) {
+    Block* bk = cur_block;
+    const unsigned t = bk->cur, lane = t % PG_WARP_SIZE, base = t - lane;
+    if (PG_WARP_SIZE != 32 || base + 32 > bk->n) {
+        std::fprintf(stderr, "pg_emu: mma_16816 needs a full warp of 32 lanes\n");
+        std::abort();
+    }
+    unsigned* mine = &bk->frags[6 * (size_t)t];
+    for (int i = 0; i < 4; ++i) mine[i] = a[i];
+    mine[4] = b[0];
+    mine[5] = b[1];
+    wait_at(St::BarWarp);
+    const unsigned* f = &bk->frags[6 * (size_t)base];
+    auto elem = [&](unsigned l, unsigned word, unsigned k) {
+        const unsigned w = f[6 * l + word];
+        return half(k % 2 ? w >> 16 : w & 0xffffu);
+    };
+    float d[4];
+    for (unsigned i = 0; i < 4; ++i) {
+        const unsigned row = lane / 4 + 8 * (i / 2), col = 2 * (lane % 4) + i % 2;
+        float s = c[i];
+        for (unsigned k = 0; k < 16; ++k) {
+            const float x = elem((row % 8) * 4 + (k % 8) / 2, (row / 8) + 2 * (k / 8), k);
+            const float y = elem(col * 4 + (k % 8) / 2, 4 + k / 8, k);
+            s += x * y;
+        }
+        d[i] = s;
+    }
+    wait_at(St::BarWarp);
+    for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+
 }  // namespace pg_emu
 
 #define threadIdx pg_emu::tidx
@@ -366,3 +405,14 @@ static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __A
 // Half precision through the compiler's _Float16 (round to nearest even, as cvt.rn).
 static inline float f16_bits_to_f32(unsigned bits) { return (float)pg_bits<_Float16>((unsigned short)bits); }
 static inline unsigned short f32_to_f16_bits(float f) { return pg_bits<unsigned short>((_Float16)f); }
+
+// The tensor-core instruction of common.cuh; the tag types are complete only there.
+struct bf16_t;
+struct f16_t;
+static inline float pg_emu_bf16(unsigned bits) { return pg_bits<float>(bits << 16); }
+static inline void mma_16816(float* c, const unsigned* a, const unsigned* b, const bf16_t*) {
+    pg_emu::mma_16816(c, a, b, pg_emu_bf16);
+}
+static inline void mma_16816(float* c, const unsigned* a, const unsigned* b, const f16_t*) {
+    pg_emu::mma_16816(c, a, b, f16_bits_to_f32);
+}

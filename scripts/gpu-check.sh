@@ -163,6 +163,8 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
         --output-len "$DECODE_LEN" --num-iters 3 --output-json "$RES/bench-latency.json"
     # the time of every kernel in prefill (one prompt of PROMPT_LEN tokens) and in decode steps
     step ops-prefill 120 sh -c "PAGODA_PROFILE_OPS=1 '$BIN' bench latency ${M[*]} --batch-size 1 --input-len $PROMPT_LEN --output-len 1 --num-iters 1 --num-iters-warmup 1 > '$RES/ops-prefill.txt' 2>&1"
+    # the same prefill with attention on the SIMT kernel: what the tensor-core kernel gains
+    step ops-prefill-simt 120 sh -c "PAGODA_GPU_ATTENTION=general PAGODA_PROFILE_OPS=1 '$BIN' bench latency ${M[*]} --batch-size 1 --input-len $PROMPT_LEN --output-len 1 --num-iters 1 --num-iters-warmup 1 > '$RES/ops-prefill-simt.txt' 2>&1"
     step ops-decode 120 sh -c "PAGODA_PROFILE_OPS=1 '$BIN' bench latency ${M[*]} --batch-size 1 --input-len 16 --output-len 64 --num-iters 1 --num-iters-warmup 1 > '$RES/ops-decode.txt' 2>&1"
     # throughput: all requests at once, fixed lengths and a ShareGPT-like mix (medians half
     # the fixed lengths, long tails); the drawn lengths go to transformers too

@@ -453,6 +453,17 @@ def op_profile_top(path, n=6):
     return lines[i], [(r[0], r[-1]) for r in rows if len(r) >= 5]
 
 
+def kernel_ms(path, prefix):
+    """Total ms of the kernels named `prefix`... in a PAGODA_PROFILE_OPS table, or None."""
+    try:
+        lines = open(path).read().splitlines()
+    except Exception:
+        return None
+    rows = [l.split() for l in lines]
+    ms = [float(r[2]) for r in rows if len(r) == 5 and r[0].startswith(prefix)]
+    return sum(ms) if ms else None
+
+
 def summary(out):
     """Reads what the steps left in OUT and prints the table."""
     rows = []
@@ -505,10 +516,15 @@ def summary(out):
         rows.append(("decode bs=1 bf16 1B", line))
     elif d:
         rows.append(("decode bs=1 bf16 1B", "ERROR " + str(d.get("error"))[:100]))
-    for kind in ("prefill", "decode"):
+    for kind in ("prefill", "prefill-simt", "decode"):
         top = op_profile_top(os.path.join(out, f"ops-{kind}.txt"))
         if top:
             rows.append((f"ops {kind}", top[0].split(": ", 1)[-1] + ": " + ", ".join(f"{k} {v}" for k, v in top[1])))
+    # the tensor-core prefill attention against the general SIMT kernel, on the same prompt
+    mma = kernel_ms(os.path.join(out, "ops-prefill.txt"), "paged_attention_prefill_")
+    simt = kernel_ms(os.path.join(out, "ops-prefill-simt.txt"), "paged_attention_bf16")
+    if mma and simt:
+        rows.append(("prefill attention", f"tensor cores {mma:.3f} ms, SIMT {simt:.3f} ms -> {simt / mma:.1f}x"))
     shape = f"{os.environ.get('PROMPT_LEN', 512)}+{os.environ.get('GEN_LEN', 256)}"
     for kind, hf_key, label, goal in [("throughput", "batches", shape, "> 1x"), ("sharegpt", "sharegpt", "sharegpt", ">= 10x")]:
         for bsz, v in sorted(bench.get(kind, {}).items(), key=lambda kv: int(kv[0])):

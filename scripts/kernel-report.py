@@ -15,7 +15,10 @@ to shared memory (LDGSTS) and tensor-core instructions (HMMA).
   - a decode kernel (the matvecs, paged attention) loads its weights and K/V 16 bytes at a
     time: it has 16-byte global loads, and no more narrower float loads than 16-byte ones
     (the narrow ones left are scalars: block tables, lengths, scales);
-  - a prefill attention kernel uses tensor cores (HMMA); today paged attention serves prefill.
+  - a prefill attention kernel (paged_attention_prefill_*) uses tensor cores (HMMA), and each
+    16-bit KV cache type (bf16, f16) has one on every architecture with tensor cores. The
+    general kernel (paged_attention_<kv>) stays SIMT: it serves the f32 cache (the exact path),
+    head sizes without an instance, and devices without mma.sync.
 Known violations, the debt issue 11 is paying off, are listed in scripts/kernel-report.known
 ("kernel rule" per line, a # comment saying why): they are reported but do not fail, and an
 entry that no longer fails is an error too, so that the list only shrinks.
@@ -52,6 +55,8 @@ def compile_cubin(name, src, arch):
     assert rc == 0, rc
     # NOTE: the CUDA backend's nvrtc_options (src/backend/cuda/mod.rs), plus the report
     opts = [f"--gpu-architecture={arch}", "--std=c++17", "-DPG_WARP_SIZE=32", "--ptxas-options=-v"]
+    if tensor_cores(arch):
+        opts.append("-DPG_TENSOR_CORES=1")
     arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
     n = ctypes.c_size_t()
@@ -124,14 +129,20 @@ def sass_counts(cubin):
     return out
 
 
+def tensor_cores(arch):
+    """mma.sync with bf16 and f16 inputs: sm_80 on (arch_has_tensor_cores in the backend)."""
+    return int(re.sub(r"\D", "", arch)) >= 80
+
+
 def decode_kernel(k):
-    return k.startswith("matvec_") or (k.startswith("paged_attention") and "prefill" not in k)
+    return k.startswith("matvec_") or k.startswith("paged_attention_decode_")
 
 
 def prefill_attention(k):
-    # NOTE: the paged attention kernel serves prefill too until a kernel of its own does
-    # (then named *_decode / *_prefill)
-    return k.startswith("paged_attention") and "decode" not in k
+    return k.startswith("paged_attention_prefill_")
+
+
+MMA_KV_TYPES = ("bf16", "f16")
 
 
 rows, violations = [], set()
@@ -155,6 +166,10 @@ for arch in args.arch.split(","):
                 violations.add((k, "narrow-loads"))
             if prefill_attention(k) and c.get("hmma", 0) == 0:
                 violations.add((k, "no-hmma"))
+        if arch == "sm_90" and name == "attention.cu":
+            for kv in MMA_KV_TYPES:
+                if not any(prefill_attention(k) and f"_{kv}_" in k for k in regs):
+                    violations.add((f"paged_attention_prefill_{kv}", "missing"))
 
 print("| arch | file | kernel | registers | spills (B, st / ld) | smem (B) | LDG 16 B | 8 B | 4 B | 2 / 1 B | LDGSTS | HMMA |")
 print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

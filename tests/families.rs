@@ -204,53 +204,72 @@ fn gguf_family(m: &str) -> &str {
 #[test]
 fn first_logits_match_transformers() {
     for &m in TINY_FAMILIES {
-        let model = load_model(&tiny(m)).unwrap();
-        let be = CpuBackend::new();
-        let lm = registry::load(
-            &be,
-            &model.config,
-            model.weights.as_ref(),
-            DType::F32.into(),
-            256,
-            &mut |_, _| {},
-        )
-        .unwrap();
-        let bs = 4;
-        let mut kv = KvCache::new(&be, &lm.kv_spec(), 80, bs).unwrap();
-        let table: Vec<u32> = (1..80u32).rev().collect();
-        for e in entries(m) {
-            let prompt = ids(&e["prompt_ids"]);
-            let generated = ids(&e["generated_ids"]);
-            let mut done = 0;
-            for (step, want) in e["first_steps"].as_array().unwrap().iter().enumerate() {
-                let toks = if step == 0 {
-                    prompt.clone()
-                } else {
-                    vec![generated[step - 1]]
-                };
-                let n = toks.len();
-                let input = single_sequence_step(toks, done, &table, bs);
-                done += n;
-                let batch = DeviceBatch::upload(&be, input).unwrap();
-                let logits = pagoda::backend::Backend::download_f32(
-                    &be,
-                    &lm.forward(&be, &batch, &mut kv).unwrap(),
-                )
+        let err = first_logits_error(&CpuBackend::new(), m, DType::F32);
+        assert!(err < 1e-4, "{m}: {err:e}");
+    }
+}
+
+/// Prefill over bf16 and f16 caches on the emulated GPU, where it runs on (emulated) tensor
+/// cores: K and V are stored rounded, and Q and the probabilities are rounded to the cache's
+/// type, so the logits stay within half precision of transformers' f32 ones, not f32's.
+#[test]
+fn first_logits_over_half_caches_on_the_emulated_gpu() {
+    let be = pagoda::backend::EmuBackend::new().unwrap();
+    for &m in TINY_FAMILIES {
+        // NOTE: measured 2026-12-03 at most 3.1e-2 (falcon) and 2.2e-3 (phi3-longrope); the
+        // cache's rounding alone, on the CPU, gives 1.2e-2 and 2.6e-3 on those two
+        for (dtype, tol) in [(DType::BF16, 5e-2), (DType::F16, 5e-3)] {
+            let err = first_logits_error(&be, m, dtype);
+            assert!(err < tol, "{m} {dtype:?}: {err:e}");
+        }
+    }
+}
+
+/// The largest relative error of the top-5 logits of the golden's first steps (the prompt,
+/// then a few decode steps), `max(|got - want| / max(|want|, 1))`, with f32 weights and a
+/// `kv_dtype` cache.
+fn first_logits_error<B: pagoda::backend::Backend>(be: &B, m: &str, kv_dtype: DType) -> f64 {
+    let model = load_model(&tiny(m)).unwrap();
+    let lm = registry::load(
+        be,
+        &model.config,
+        model.weights.as_ref(),
+        DType::F32.into(),
+        256,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let bs = 4;
+    let spec = pagoda::models::kv_cache::in_dtype(lm.kv_spec(), kv_dtype);
+    let mut kv = KvCache::new(be, &spec, 80, bs).unwrap();
+    let table: Vec<u32> = (1..80u32).rev().collect();
+    let mut worst = 0f64;
+    for e in entries(m) {
+        let prompt = ids(&e["prompt_ids"]);
+        let generated = ids(&e["generated_ids"]);
+        let mut done = 0;
+        for (step, want) in e["first_steps"].as_array().unwrap().iter().enumerate() {
+            let toks = if step == 0 {
+                prompt.clone()
+            } else {
+                vec![generated[step - 1]]
+            };
+            let n = toks.len();
+            let input = single_sequence_step(toks, done, &table, bs);
+            done += n;
+            let batch = DeviceBatch::upload(be, input).unwrap();
+            let logits = be
+                .download_f32(&lm.forward(be, &batch, &mut kv).unwrap())
                 .unwrap();
-                for pair in want["top5"].as_array().unwrap() {
-                    let (id, gold) = (
-                        pair[0].as_u64().unwrap() as usize,
-                        pair[1].as_f64().unwrap(),
-                    );
-                    let got = logits[id] as f64;
-                    let rel = (got - gold).abs() / gold.abs().max(1.0);
-                    assert!(
-                        rel < 1e-4,
-                        "{m} {:?} step {step} token {id}: {got} vs transformers {gold}",
-                        e["prompt"]
-                    );
-                }
+            for pair in want["top5"].as_array().unwrap() {
+                let (id, gold) = (
+                    pair[0].as_u64().unwrap() as usize,
+                    pair[1].as_f64().unwrap(),
+                );
+                let rel = (logits[id] as f64 - gold).abs() / gold.abs().max(1.0);
+                worst = worst.max(if rel.is_nan() { f64::INFINITY } else { rel });
             }
         }
     }
+    worst
 }

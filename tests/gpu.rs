@@ -53,8 +53,10 @@ fn check_backend_without_the_backend_is_an_error() {
 #[cfg(feature = "cuda")]
 #[test]
 fn kernels_compile_with_nvrtc() {
-    use pagoda::backend::cuda::{nvrtc_compile, nvrtc_options, nvrtc_version};
-    use pagoda::backend::gpu::kernels::{Dialect, SOURCES, prepare};
+    use pagoda::backend::cuda::{
+        arch_has_tensor_cores, nvrtc_compile, nvrtc_options, nvrtc_version,
+    };
+    use pagoda::backend::gpu::kernels::{Dialect, SOURCES, kernel_names, prepare};
     let Some((major, minor)) = nvrtc_version() else {
         println!(
             "skipped: NVRTC (libnvrtc.so) not found; install nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH to compile the kernels here"
@@ -62,13 +64,22 @@ fn kernels_compile_with_nvrtc() {
         return;
     };
     println!("NVRTC {major}.{minor}");
-    // Ampere, Ada and Hopper: real cubins, the same options the backend uses.
+    // Ampere, Ada and Hopper (all with tensor cores): real cubins, the backend's options.
     for arch in ["sm_80", "sm_89", "sm_90"] {
         for (stem, src) in SOURCES {
-            let source = prepare(stem, src, Dialect::Cuda);
+            let tc = arch_has_tensor_cores(arch);
+            let source = prepare(stem, src, Dialect::Cuda, tc);
             let bin = nvrtc_compile(&format!("{stem}.cu"), &source, &nvrtc_options(arch))
                 .unwrap_or_else(|e| panic!("{e:#}"));
             assert_eq!(&bin[..4], b"\x7fELF", "{stem} for {arch}: not a cubin");
+            // every kernel the backend will look up is in the cubin's symbols
+            for k in kernel_names(stem, tc) {
+                let sym = format!("\0{k}\0");
+                assert!(
+                    bin.windows(sym.len()).any(|w| w == sym.as_bytes()),
+                    "{stem} for {arch}: no kernel {k}"
+                );
+            }
         }
     }
 }

@@ -574,6 +574,17 @@ fn reference(case: &Case) -> Vec<f64> {
     }
 }
 
+/// The tolerance of an attention case: f32's, but where tensor cores may run the prefill of a
+/// half cache (rows with more than one query), that half type's (Q and P rounded to it).
+fn attention_tolerance(kv: DType, seqs: &[(usize, usize)]) -> f64 {
+    match kv {
+        _ if seqs.iter().all(|&(_, q)| q <= 1) => 1e-5,
+        DType::BF16 => 1e-2,
+        DType::F16 => 2e-3,
+        _ => 1e-5,
+    }
+}
+
 /// Plain causal attention over each sequence's rows in position order (its cached prefix, then
 /// this step's rows), keys limited to the window and scores soft-capped as asked; then the K
 /// cache as `write_kv` must leave it.
@@ -1041,7 +1052,8 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         ),
     ];
     // the same kernels over bf16 and f16 caches (the GPU backends' `--kv-cache-dtype`); the
-    // reference reads K and V rounded to the cache's type, so the tolerance stays f32's
+    // reference reads K and V rounded to the cache's type. Prefill on tensor cores rounds Q and
+    // the probabilities to the cache's type too: half precision's tolerance
     let half: &[(AttnCase, Option<usize>, DType)] = &[
         (
             ("mixed gqa", 16, 32, 8, 64, &[(0, 40), (20, 1), (7, 9)]),
@@ -1086,9 +1098,38 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             DType::F16,
         ),
     ];
+    // prefill on tensor cores at each key tile (64, 32, 16 keys by head size), one to three
+    // warps, rows of a tile left empty (rep 20), the soft cap, and a window across partitions
+    let half_prefill: &[(AttnCase, Option<usize>, Option<f32>, DType)] = &[
+        (
+            ("prefill d=128, cap 30", 16, 8, 2, 128, &[(5, 70), (0, 33)]),
+            None,
+            Some(30.0),
+            DType::F16,
+        ),
+        (
+            ("prefill d=256, window 50", 16, 4, 2, 256, &[(20, 90)]),
+            Some(50),
+            None,
+            DType::BF16,
+        ),
+        (
+            ("mixed d=96", 16, 6, 2, 96, &[(0, 20), (50, 1), (10, 5)]),
+            None,
+            None,
+            DType::F16,
+        ),
+        (
+            ("prefill d=32 rep 20", 8, 20, 1, 32, &[(3, 17)]),
+            None,
+            None,
+            DType::BF16,
+        ),
+    ];
     let plain = attn.iter().map(|c| (c, None, None, DType::F32));
     let windowed = windowed.iter().map(|(c, w, s)| (c, *w, *s, DType::F32));
     let half = half.iter().map(|(c, w, t)| (c, *w, None, *t));
+    let half = half.chain(half_prefill.iter().map(|(c, w, s, t)| (c, *w, *s, *t)));
     for (&(name, bs, h, hkv, d, seqs), window, cap, dtype) in plain.chain(windowed).chain(half) {
         let layout = QkvLayout {
             num_heads: h,
@@ -1107,7 +1148,7 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         out.push((
             "write_kv+attention".into(),
             format!("{kv}{name}: bs={bs} h={h} hkv={hkv} d={d}"),
-            1e-5,
+            attention_tolerance(dtype, seqs),
             attention_case(&mut r, layout, bs, seqs, opts, dtype),
         ));
     }

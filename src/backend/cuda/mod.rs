@@ -125,13 +125,24 @@ pub fn nvrtc_compile(name: &str, source: &str, options: &[String]) -> Result<Vec
     }
 }
 
+/// Whether `arch` ("sm_90") has mma.sync with bf16 and f16 inputs: compute capability 8.0 on.
+pub fn arch_has_tensor_cores(arch: &str) -> bool {
+    arch.strip_prefix("sm_")
+        .and_then(|v| v.trim_end_matches(char::is_alphabetic).parse::<u32>().ok())
+        .is_some_and(|v| v >= 80)
+}
+
 /// NVRTC options for a device of compute capability `arch` ("sm_90").
 pub fn nvrtc_options(arch: &str) -> Vec<String> {
-    vec![
+    let mut o = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".into(),
         "-DPG_WARP_SIZE=32".into(),
-    ]
+    ];
+    if arch_has_tensor_cores(arch) {
+        o.push(crate::backend::gpu::kernels::TENSOR_CORES_DEFINE.into());
+    }
+    o
 }
 
 /// The CUDA half of the CUDA backend: a device's primary context, the kernels' modules and a
@@ -259,6 +270,9 @@ impl GpuRuntime for CudaRt {
     }
     fn arch(&self) -> String {
         self.arch.clone()
+    }
+    fn tensor_cores(&self) -> bool {
+        arch_has_tensor_cores(&self.arch)
     }
     fn warp_size(&self) -> u32 {
         32

@@ -197,6 +197,10 @@ impl GpuRuntime for EmuRt {
     fn warp_size(&self) -> u32 {
         self.warp
     }
+    fn tensor_cores(&self) -> bool {
+        // NOTE: the fragments of mma.sync are laid out over 32 lanes.
+        self.warp == 32
+    }
     fn multiprocessors(&self) -> u32 {
         // NOTE: as many as a small GPU, so that launch plans split work as they would there.
         16
@@ -278,6 +282,10 @@ impl GpuRuntime for EmuRt {
         .iter()
         .map(|s| s.to_string())
         .chain([format!("-DPG_WARP_SIZE={}", self.warp)])
+        .chain(
+            self.tensor_cores()
+                .then(|| super::kernels::TENSOR_CORES_DEFINE.to_string()),
+        )
         .collect()
     }
     fn compile(&self, name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {

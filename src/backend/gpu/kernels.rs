@@ -37,15 +37,23 @@ pub const WEIGHT_DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
 /// KV cache types as they appear in kernel names.
 pub const KV_DTYPES: [&str; 3] = ["f32", "bf16", "f16"];
 
-/// Head sizes with a `paged_attention_decode_<kv dtype>_d<D>` kernel (attention.cu); others
-/// decode through the general kernel.
+/// KV cache types whose prefill attention runs on tensor cores (`PG_TENSOR_CORES`).
+pub const MMA_KV_DTYPES: [&str; 2] = ["bf16", "f16"];
+
+/// The compile option that defines the tensor-core kernels (common.cuh, attention.cu).
+pub const TENSOR_CORES_DEFINE: &str = "-DPG_TENSOR_CORES=1";
+
+/// Head sizes with a `paged_attention_decode_<kv dtype>_d<D>` kernel (attention.cu), and with
+/// a `paged_attention_prefill_<kv dtype>_d<D>` one where there are tensor cores; others go
+/// through the general kernel.
 pub const DECODE_HEAD_DIMS: [usize; 7] = [16, 32, 64, 80, 96, 128, 256];
 
 /// Largest row count served by the `matvec_<dtype>_<M>` kernels.
 pub const MATVEC_MAX_ROWS: usize = 8;
 
-/// The `extern "C"` kernels that each file defines (those stamped out by macros included).
-pub fn kernel_names(stem: &str) -> Vec<String> {
+/// The `extern "C"` kernels that each file defines (those stamped out by macros included);
+/// `tensor_cores`: compiled with [`TENSOR_CORES_DEFINE`].
+pub fn kernel_names(stem: &str, tensor_cores: bool) -> Vec<String> {
     let fixed: &[&str] = match stem {
         "elementwise" => &[
             "add_assign_f32",
@@ -80,9 +88,16 @@ pub fn kernel_names(stem: &str) -> Vec<String> {
         }
         "attention" => {
             for k in KV_DTYPES {
-                names.push(format!("paged_attention_prefill_{k}"));
+                names.push(format!("paged_attention_{k}"));
                 for d in DECODE_HEAD_DIMS {
                     names.push(format!("paged_attention_decode_{k}_d{d}"));
+                }
+            }
+            if tensor_cores {
+                for k in MMA_KV_DTYPES {
+                    for d in DECODE_HEAD_DIMS {
+                        names.push(format!("paged_attention_prefill_{k}_d{d}"));
+                    }
                 }
             }
         }
@@ -110,8 +125,9 @@ pub enum Dialect {
 
 /// The source as one self-contained translation unit: `#include "common.cuh"` is replaced by
 /// the header (after hip_compat.h for HIP, after emu.h for the emulator), so the compiler needs no include path and no
-/// header from a toolkit. For the emulator, the file's launchers follow (see `gpu/emu.rs`).
-pub fn prepare(stem: &str, source: &str, dialect: Dialect) -> String {
+/// header from a toolkit. For the emulator, the file's launchers follow (see `gpu/emu.rs`), for
+/// the kernels it defines with or without `tensor_cores`.
+pub fn prepare(stem: &str, source: &str, dialect: Dialect, tensor_cores: bool) -> String {
     let strip = |s: &str| {
         s.lines()
             .filter(|l| l.trim() != "#pragma once")
@@ -138,7 +154,7 @@ pub fn prepare(stem: &str, source: &str, dialect: Dialect) -> String {
     if dialect == Dialect::Emu {
         // `int pg_emu_launch_<kernel>(args, grid, block, shared bytes, error, error length)`;
         // emu.h's `launch` deduces the kernel's parameter types.
-        for k in kernel_names(stem) {
+        for k in kernel_names(stem, tensor_cores) {
             out.push_str(&format!(
                 "extern \"C\" int pg_emu_launch_{k}(void** a, const unsigned* g, const unsigned* b, \
                  unsigned s, char* e, unsigned n) {{ return pg_emu::launch(&{k}, a, g, b, s, e, n); }}\n"
@@ -253,7 +269,7 @@ mod tests {
     fn prepared_sources_are_self_contained() {
         for (stem, src) in SOURCES {
             for d in [Dialect::Cuda, Dialect::Hip, Dialect::Emu] {
-                let p = prepare(stem, src, d);
+                let p = prepare(stem, src, d, false);
                 // NOTE: the emulator's header includes the C++ standard library.
                 assert!(!p.contains("#include \""), "{stem}: an include is left");
                 assert!(!p.contains("#pragma once"), "{stem}: #pragma once is left");
@@ -270,7 +286,7 @@ mod tests {
     #[test]
     fn every_listed_kernel_is_defined_in_its_file() {
         for (stem, src) in SOURCES {
-            let names = kernel_names(stem);
+            let names = kernel_names(stem, true);
             assert!(!names.is_empty(), "{stem}: no kernels listed");
             for n in names {
                 // Macro-stamped names are checked through their macro's invocation.
@@ -282,8 +298,10 @@ mod tests {
                         src.contains(&format!("MATVEC_ALL_M({d},"))
                             && src.contains(&format!("MATVEC(DT, W, {m})"))
                     }
-                    ["paged", "attention", "prefill", kv] => {
-                        src.contains(&format!("PAGED_ATTENTION({kv},"))
+                    ["paged", "attention", kv] => src.contains(&format!("PAGED_ATTENTION({kv},")),
+                    ["paged", "attention", "prefill", kv, d] => {
+                        src.contains(&format!("PAGED_ATTENTION_MMA_ALL_D({kv},"))
+                            && src.contains(&format!("PAGED_ATTENTION_MMA(DT, KV, {})", &d[1..]))
                     }
                     ["write", "kv", kv] => src.contains(&format!("WRITE_KV({kv},")),
                     ["rope", "write", "kv", kv] => src.contains(&format!("ROPE_WRITE_KV({kv},")),
@@ -303,7 +321,7 @@ mod tests {
     #[test]
     fn every_kernel_defined_in_a_file_is_listed() {
         for (stem, src) in SOURCES {
-            let names = kernel_names(stem);
+            let names = kernel_names(stem, true);
             for def in src.split("extern \"C\" __global__ void").skip(1) {
                 let head = def.split('(').collect::<Vec<_>>();
                 // `__launch_bounds__(N) name(` or `name(`

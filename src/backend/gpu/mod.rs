@@ -23,7 +23,9 @@ use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
 use kernels::{KernelCache, MATVEC_MAX_ROWS, SOURCES};
 use memory::Pool;
-use plan::{AttentionLaunch, DEC_THREADS, plan_attention, plan_decode_attention};
+use plan::{
+    AttentionLaunch, DEC_THREADS, plan_attention, plan_decode_attention, plan_prefill_attention_mma,
+};
 use runtime::panic_text;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -55,8 +57,6 @@ fn ptr_or_null<R: GpuRuntime>(b: Option<&GpuBuf<R>>) -> Arg {
 }
 
 const ELEMWISE_THREADS: u32 = 256;
-/// Threads of a paged-attention block (PA_THREADS in attention.cu).
-const PA_THREADS: u32 = 128;
 
 /// How matmuls are computed (`PAGODA_GPU_GEMM`): vendor BLAS where there is one (default), or
 /// our kernels only (`kernel`), which is how HIP runs and lets CUDA check those kernels too.
@@ -70,6 +70,9 @@ pub struct GpuBackend<R: GpuRuntime> {
     rt: Arc<R>,
     pool: Arc<Pool<R>>,
     funcs: HashMap<String, R::Function>,
+    /// prefill attention on tensor cores ([`GpuRuntime::tensor_cores`]), unless
+    /// `PAGODA_GPU_ATTENTION=general` keeps it on the SIMT kernel (to measure one against the other)
+    mma_attention: bool,
     gemm_path: GemmPath,
     profile: Option<OpProfile>,
 }
@@ -143,7 +146,13 @@ impl<R: GpuRuntime> GpuBackend<R> {
         rt.bind()?;
         let cache = KernelCache::from_env();
         let arch = rt.arch();
+        let tensor_cores = rt.tensor_cores();
         let opts = rt.compile_options();
+        ensure!(
+            opts.iter().any(|o| o == kernels::TENSOR_CORES_DEFINE) == tensor_cores,
+            "{}: the kernels' compile options disagree with the device about tensor cores",
+            R::API
+        );
         let compiler = rt.compiler_id();
         let t0 = std::time::Instant::now();
         // NOTE: files compile in parallel; a cold start is then as long as the slowest file.
@@ -153,7 +162,7 @@ impl<R: GpuRuntime> GpuBackend<R> {
                 .map(|(stem, src)| {
                     let (rt, cache, arch, opts, compiler) = (&rt, &cache, &arch, &opts, &compiler);
                     s.spawn(move || -> Result<(&str, Vec<u8>, bool)> {
-                        let source = kernels::prepare(stem, src, R::DIALECT);
+                        let source = kernels::prepare(stem, src, R::DIALECT, tensor_cores);
                         let key = kernels::cache_key(R::API, compiler, arch, opts, &source);
                         let (bin, cached) =
                             cache.get_or_compile(stem, arch, &key, rt.binary_ext(), || {
@@ -176,7 +185,7 @@ impl<R: GpuRuntime> GpuBackend<R> {
         for r in results {
             let (stem, bin, cached) = r?;
             compiled += usize::from(!cached);
-            let names = kernels::kernel_names(stem);
+            let names = kernels::kernel_names(stem, tensor_cores);
             let fs = rt
                 .load(&bin, &names)
                 .with_context(|| format!("loading kernels/{stem}.cu for {arch}"))?;
@@ -205,6 +214,8 @@ impl<R: GpuRuntime> GpuBackend<R> {
             }),
             rt,
             funcs,
+            mma_attention: tensor_cores
+                && std::env::var("PAGODA_GPU_ATTENTION").as_deref() != Ok("general"),
             gemm_path,
             profile,
         })
@@ -1196,9 +1207,26 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 )
             })
             .flatten();
-        let plan = match decode {
-            Some(p) => AttentionLaunch::Decode(p),
-            None => AttentionLaunch::General(plan_attention(
+        // NOTE: prefill on tensor cores rounds Q and P to the cache's 16-bit type; an f32 cache
+        // stays on the general kernel, the exact one.
+        let mma =
+            (decode.is_none() && self.mma_attention && kernels::MMA_KV_DTYPES.contains(&kv_type))
+                .then(|| {
+                    plan_prefill_attention_mma(
+                        b.num_seqs(),
+                        max_q,
+                        b.max_seq_len(),
+                        h / hkv,
+                        d,
+                        hkv,
+                        self.rt.multiprocessors() as usize,
+                    )
+                })
+                .flatten();
+        let plan = match (decode, mma) {
+            (Some(p), _) => AttentionLaunch::Decode(p),
+            (None, Some(p)) => AttentionLaunch::Prefill(p),
+            (None, None) => AttentionLaunch::General(plan_attention(
                 b.num_seqs(),
                 max_q,
                 b.max_seq_len(),
@@ -1209,6 +1237,8 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             )?),
         };
         let (part_size, num_splits) = plan.split();
+        let mma_kernel = matches!(plan, AttentionLaunch::Prefill(_))
+            .then(|| format!("paged_attention_prefill_{kv_type}_d{d}"));
         let split = num_splits > 1;
         let parts = if split {
             let n = t_rows * h * num_splits;
@@ -1260,28 +1290,36 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                     &args,
                 )?;
             }
-            AttentionLaunch::General(plan) => {
+            AttentionLaunch::Prefill(p) | AttentionLaunch::General(p) => {
+                // NOTE: the tensor-core kernel has its head size and key tile built in.
+                let general = mma_kernel.is_none();
+                if general {
+                    args.push(u32_arg(d, "head_dim")?);
+                }
                 args.extend([
-                    u32_arg(d, "head_dim")?,
                     u32_arg(bs, "block size")?,
                     u32_arg(layout.row_len(), "row length")?,
                     Arg::F(opts.scale),
                     Arg::U(window),
                     Arg::F(softcap),
-                    u32_arg(plan.q_tile, "q tile")?,
-                    u32_arg(plan.k_tile, "k tile")?,
-                    u32_arg(plan.part_size, "partition")?,
-                    u32_arg(plan.num_splits, "splits")?,
+                    u32_arg(p.q_tile, "q tile")?,
+                ]);
+                if general {
+                    args.push(u32_arg(p.k_tile, "k tile")?);
+                }
+                args.extend([
+                    u32_arg(p.part_size, "partition")?,
+                    u32_arg(p.num_splits, "splits")?,
                 ]);
                 self.launch(
-                    &format!("paged_attention_prefill_{kv_type}"),
+                    &mma_kernel.unwrap_or_else(|| format!("paged_attention_{kv_type}")),
                     [
-                        u32_arg(plan.num_q_tiles, "query tiles")?.bits() as u32,
+                        u32_arg(p.num_q_tiles, "query tiles")?.bits() as u32,
                         b.num_seqs() as u32,
-                        u32_arg(hkv * plan.num_splits, "kv heads x splits")?.bits() as u32,
+                        u32_arg(hkv * p.num_splits, "kv heads x splits")?.bits() as u32,
                     ],
-                    [PA_THREADS, 1, 1],
-                    plan.shared_bytes as u32,
+                    [p.threads as u32, 1, 1],
+                    p.shared_bytes as u32,
                     &args,
                 )?;
             }

@@ -8,6 +8,10 @@ use anyhow::{Result, ensure};
 pub(super) const SHARED_LIMIT: usize = 48 * 1024;
 /// Threads of a decode-attention block (DEC_THREADS in attention.cu).
 pub(super) const DEC_THREADS: usize = 128;
+/// Threads of a general paged-attention block (PA_THREADS in attention.cu).
+const PA_THREADS: usize = 128;
+/// Warps of a tensor-core prefill block at most (its launch bounds: 128 threads).
+const MMA_MAX_WARPS: usize = 4;
 /// Query heads per kv head that the decode kernel holds in registers (DEC_MAX_REP).
 const DEC_MAX_REP: usize = 8;
 
@@ -17,7 +21,7 @@ fn attention_shared_bytes(q_tile: usize, rep: usize, d: usize, k_tile: usize) ->
     4 * (2 * r * d + k_tile * (d + 1) + r * k_tile + 3 * r)
 }
 
-/// Launch geometry of one paged-attention call.
+/// Launch geometry of one paged-attention call (the general kernel or the tensor-core one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionPlan {
     pub q_tile: usize,
@@ -26,6 +30,22 @@ pub struct AttentionPlan {
     pub part_size: usize,
     pub num_splits: usize,
     pub shared_bytes: usize,
+    pub threads: usize,
+}
+
+/// (keys per partition, partitions): the context cut so that there are about twice as many
+/// blocks as multiprocessors, in whole tiles of `k_tile` keys.
+fn split_context(
+    blocks: usize,
+    max_seq_len: usize,
+    k_tile: usize,
+    multiprocessors: usize,
+) -> (usize, usize) {
+    let want = 2 * multiprocessors.max(1);
+    let max_splits = max_seq_len.div_ceil(k_tile).max(1);
+    let splits = want.div_ceil(blocks.max(1)).clamp(1, max_splits);
+    let part_size = max_seq_len.max(1).div_ceil(splits).div_ceil(k_tile) * k_tile;
+    (part_size, max_seq_len.max(1).div_ceil(part_size))
 }
 
 /// Picks tiles and the context split. A pure decode step gets one query row per block; a step
@@ -52,11 +72,7 @@ pub fn plan_attention(
     }
     let num_q_tiles = max_query_len.max(1).div_ceil(q_tile);
     let blocks = num_seqs * num_q_tiles * num_kv_heads;
-    let want = 2 * multiprocessors.max(1);
-    let max_splits = max_seq_len.div_ceil(k_tile).max(1);
-    let splits = want.div_ceil(blocks.max(1)).clamp(1, max_splits);
-    let part_size = max_seq_len.max(1).div_ceil(splits).div_ceil(k_tile) * k_tile;
-    let num_splits = max_seq_len.max(1).div_ceil(part_size);
+    let (part_size, num_splits) = split_context(blocks, max_seq_len, k_tile, multiprocessors);
     Ok(AttentionPlan {
         q_tile,
         k_tile,
@@ -64,6 +80,61 @@ pub fn plan_attention(
         part_size,
         num_splits,
         shared_bytes: attention_shared_bytes(q_tile, rep, head_dim, k_tile),
+        threads: PA_THREADS,
+    })
+}
+
+/// Keys per tile of the tensor-core prefill kernel (MMA_KT in attention.cu): S and O live in
+/// registers, so the wider the head, the fewer keys.
+fn mma_k_tile(head_dim: usize) -> usize {
+    match head_dim {
+        0..=64 => 64,
+        65..=128 => 32,
+        _ => 16,
+    }
+}
+
+/// The shared memory (bytes) of a tensor-core prefill block: the Q, K and Vᵀ tiles of 16-bit
+/// values, rows padded by 8; see attention.cu.
+fn mma_shared_bytes(warps: usize, d: usize, k_tile: usize) -> usize {
+    2 * ((16 * warps + k_tile) * (d + 8) + d * (k_tile + 8))
+}
+
+/// The tensor-core prefill kernel's plan (`paged_attention_prefill_<kv>_d<D>`), or `None`
+/// where it does not apply: a head size without an instance, or more query heads per kv head
+/// than a block's rows. A warp takes 16 rows (query rows × the kv head's query heads); a block
+/// as many warps as the longest query needs, up to 4, and fewer where shared memory is short.
+pub fn plan_prefill_attention_mma(
+    num_seqs: usize,
+    max_query_len: usize,
+    max_seq_len: usize,
+    rep: usize,
+    head_dim: usize,
+    num_kv_heads: usize,
+    multiprocessors: usize,
+) -> Option<AttentionPlan> {
+    if !kernels::DECODE_HEAD_DIMS.contains(&head_dim) || rep == 0 {
+        return None;
+    }
+    let k_tile = mma_k_tile(head_dim);
+    let need = (max_query_len.max(1) * rep)
+        .div_ceil(16)
+        .clamp(1, MMA_MAX_WARPS);
+    let warps = (1..=need)
+        .rev()
+        .find(|&w| 16 * w >= rep && mma_shared_bytes(w, head_dim, k_tile) <= SHARED_LIMIT)?;
+    let q_tile = 16 * warps / rep;
+    let num_q_tiles = max_query_len.max(1).div_ceil(q_tile);
+    let blocks = num_seqs * num_q_tiles * num_kv_heads;
+    let (part_size, num_splits) = split_context(blocks, max_seq_len, k_tile, multiprocessors);
+    Some(AttentionPlan {
+        q_tile,
+        k_tile,
+        num_q_tiles,
+        part_size,
+        num_splits,
+        shared_bytes: mma_shared_bytes(warps, head_dim, k_tile),
+        threads: 32 * warps,
     })
 }
 
@@ -86,6 +157,8 @@ pub struct DecodePlan {
 /// Which attention kernel a call launches, with its plan.
 pub(super) enum AttentionLaunch {
     Decode(DecodePlan),
+    /// the tensor-core kernel for prefill chunks and mixed steps
+    Prefill(AttentionPlan),
     General(AttentionPlan),
 }
 
@@ -94,7 +167,9 @@ impl AttentionLaunch {
     pub(super) fn split(&self) -> (usize, usize) {
         match self {
             AttentionLaunch::Decode(p) => (p.part_size, p.num_splits),
-            AttentionLaunch::General(p) => (p.part_size, p.num_splits),
+            AttentionLaunch::Prefill(p) | AttentionLaunch::General(p) => {
+                (p.part_size, p.num_splits)
+            }
         }
     }
 }
@@ -186,6 +261,56 @@ mod tests {
             1
         );
         assert!(plan_attention(1, 1, 10, 64, 512, 1, 132).is_err());
+    }
+
+    #[test]
+    fn tensor_core_plans_fit_and_cover_the_rows_and_the_context() {
+        for &(seqs, q, ctx, rep, d, hkv) in &[
+            (1, 1, 1, 1, 16, 1),
+            (4, 512, 512, 4, 64, 8),
+            (2, 100, 5000, 8, 128, 8),
+            (1, 3, 40000, 7, 64, 2),
+            (3, 2000, 2000, 2, 256, 4),
+            (1, 7, 300, 20, 80, 1),
+            (64, 1, 900, 3, 96, 3),
+        ] {
+            let p = plan_prefill_attention_mma(seqs, q, ctx, rep, d, hkv, 132).unwrap();
+            let warps = p.threads / 32;
+            assert!(
+                p.threads.is_multiple_of(32) && (1..=MMA_MAX_WARPS).contains(&warps),
+                "{p:?}"
+            );
+            assert!(p.shared_bytes <= SHARED_LIMIT, "{p:?}");
+            assert_eq!(p.shared_bytes, mma_shared_bytes(warps, d, p.k_tile));
+            // a tile's rows fit its warps' 16 rows each, and the tiles cover the query
+            assert!(p.q_tile >= 1 && p.q_tile * rep <= 16 * warps, "{p:?}");
+            assert!(p.num_q_tiles * p.q_tile >= q, "{p:?}");
+            assert_eq!(p.part_size % p.k_tile, 0);
+            assert!(p.num_splits * p.part_size >= ctx, "{p:?}");
+            assert!((p.num_splits - 1) * p.part_size < ctx.max(1), "{p:?}");
+        }
+        // a short query takes one warp; a long one four, or what shared memory allows
+        assert_eq!(
+            plan_prefill_attention_mma(8, 1, 100, 4, 64, 8, 132)
+                .unwrap()
+                .threads,
+            32
+        );
+        assert_eq!(
+            plan_prefill_attention_mma(1, 500, 500, 4, 64, 8, 132)
+                .unwrap()
+                .threads,
+            128
+        );
+        assert_eq!(
+            plan_prefill_attention_mma(1, 500, 500, 4, 256, 1, 132)
+                .unwrap()
+                .threads,
+            96
+        );
+        // no instance for the head size; more query heads than 4 warps' rows
+        assert!(plan_prefill_attention_mma(1, 10, 10, 4, 48, 8, 132).is_none());
+        assert!(plan_prefill_attention_mma(1, 10, 10, 65, 64, 1, 132).is_none());
     }
 
     #[test]

@@ -63,6 +63,12 @@ pub trait GpuRuntime: Send + Sync + Sized + 'static {
     /// The compile target: "sm_90", "gfx90a", ...
     fn arch(&self) -> String;
     fn warp_size(&self) -> u32;
+    /// Whether the kernels may use warp-wide 16-bit matrix instructions (mma.sync m16n8k16:
+    /// sm_80 and later); then [`Self::compile_options`] defines `PG_TENSOR_CORES`, and the
+    /// host launches the kernels it brings.
+    fn tensor_cores(&self) -> bool {
+        false
+    }
     fn multiprocessors(&self) -> u32;
     /// (free, total) bytes of device memory.
     fn mem_info(&self) -> Result<(u64, u64)>;
