@@ -198,23 +198,24 @@ __device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, c
 PAGED_ATTENTION(f32, float)
 PAGED_ATTENTION(bf16, bf16_t)
 PAGED_ATTENTION(f16, f16_t)
+PAGED_ATTENTION(fp8, fp8_t)
 
 // ---- prefill on tensor cores ----------------------------------------------------------------
 //
-// `paged_attention_prefill_<kv>_d<D>`, kv bf16 or f16: the block and grid of the kernel above
+// `paged_attention_prefill_<kv>_d<D>`, kv bf16, f16 or fp8: the block and grid of the kernel above
 // (query tile × sequence × kv head and partition, the same causal and window masks, the same
 // partial results for attention_reduce_f32), with FlashAttention-2's inner loop on mma.sync.
 // The block's R = q_tile * rep local rows (lr = r * rep + j, as above) are cut in slices of 16,
 // one per warp; per tile of KT keys:
 //
-//   K tile  → k_s [KT][D + 8]    16-byte loads, kept as the cache's 16-bit type
+//   K tile  → k_s [KT][D + 8]    16-byte loads, kept as the cache's 16-bit type (fp8: f16)
 //   V tile  → vt_s[D][KT + 8]    transposed: P·V's B operand is two keys of one dimension
 //   S = Q·Kᵀ      D/16 MMAs per 8 keys, in registers; masked, scaled, soft-capped
 //   softmax       online, in registers: a row's values sit in the 4 lanes of a quad
 //   O += P·V      P re-packed from S's accumulators as the A operand (no trip through shared
 //                 memory); O is D/8 accumulator tiles per warp, rescaled by exp(m_old - m_new)
 //
-// Q is rounded to the cache's type once (q_s [16 * warps][D + 8]), P before each P·V; scores,
+// Q is rounded to the MMA's type once (q_s [16 * warps][D + 8]), P before each P·V; scores,
 // the softmax and O stay f32. Rows are padded by 8 values so that the 8 rows a fragment reads at
 // once fall in different banks.
 //
@@ -225,9 +226,20 @@ PAGED_ATTENTION(f16, f16_t)
 // src/backend/gpu/plan.rs).
 #define MMA_KT(D) ((D) <= 64 ? 64 : (D) <= 128 ? 32 : 16)
 
-template <typename T, u32 D>
-__device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qkv, const T* __restrict__ k_cache,
-                                                    const T* __restrict__ v_cache, const u32* __restrict__ query_start,
+// The MMA's input type for a cache type: a 16-bit cache its own; fp8 widened to f16 as the
+// tiles are loaded (exactly: every E4M3 value is an f16 one), so Q and P are rounded to f16.
+template <typename C>
+struct MmaInput {
+    typedef C T;
+};
+template <>
+struct MmaInput<fp8_t> {
+    typedef f16_t T;
+};
+
+template <typename C, u32 D>
+__device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qkv, const C* __restrict__ k_cache,
+                                                    const C* __restrict__ v_cache, const u32* __restrict__ query_start,
                                                     const u32* __restrict__ seq_lens,
                                                     const u32* __restrict__ block_tables, float* __restrict__ out,
                                                     float* __restrict__ part_acc, float* __restrict__ part_ml,
@@ -236,7 +248,9 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
                                                     u32 part_size, u32 num_splits) {
     constexpr u32 KT = MMA_KT(D), DP = D + 8, KP = KT + 8;
     constexpr u32 NT = KT / 8, ND = D / 8;  // accumulator tiles of S and of O
-    constexpr u32 CPR = D / 8;              // 16-byte chunks per K or V row
+    constexpr u32 EPC = 16 / sizeof(C);     // cache elements per 16-byte chunk
+    constexpr u32 CPR = D / EPC;            // chunks per K or V row
+    typedef typename MmaInput<C>::T T;
     PG_DYNAMIC_SHARED(uint4, mma_smem);
     const u32 s = blockIdx.y;
     const u32 q0 = query_start[s], nq = query_start[s + 1] - q0;
@@ -295,15 +309,32 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
             if (jj < nk) {
                 const u32 key = kt0 + jj;
                 const u64 at = ((u64)table[key / block_size] * num_kv_heads + g) * block_size + key % block_size;
-                kw = __ldg(reinterpret_cast<const uint4*>(k_cache + at * D + c * 8));
-                vw = __ldg(reinterpret_cast<const uint4*>(v_cache + at * D + c * 8));
+                kw = __ldg(reinterpret_cast<const uint4*>(k_cache + at * D + c * EPC));
+                vw = __ldg(reinterpret_cast<const uint4*>(v_cache + at * D + c * EPC));
             }
-            *reinterpret_cast<uint4*>(k_s + jj * DP + c * 8) = kw;
-            const u32 w[4] = {vw.x, vw.y, vw.z, vw.w};
+            if constexpr (sizeof(C) == 2) {
+                *reinterpret_cast<uint4*>(k_s + jj * DP + c * 8) = kw;
+                const u32 w[4] = {vw.x, vw.y, vw.z, vw.w};
 #pragma unroll
-            for (u32 x = 0; x < 4; ++x) {
-                vt_s[(c * 8 + 2 * x) * KP + jj] = (u16)(w[x] & 0xffffu);
-                vt_s[(c * 8 + 2 * x + 1) * KP + jj] = (u16)(w[x] >> 16);
+                for (u32 x = 0; x < 4; ++x) {
+                    vt_s[(c * 8 + 2 * x) * KP + jj] = (u16)(w[x] & 0xffffu);
+                    vt_s[(c * 8 + 2 * x + 1) * KP + jj] = (u16)(w[x] >> 16);
+                }
+            } else {  // 16 fp8 values, widened
+                float kf[16], vf[16];
+                unpack16(kw, kf, (const C*)0);
+                unpack16(vw, vf, (const C*)0);
+                uint4* kd = reinterpret_cast<uint4*>(k_s + jj * DP + c * 16);
+                kd[0] = make_uint4(pack2(kf[0], kf[1], tag), pack2(kf[2], kf[3], tag), pack2(kf[4], kf[5], tag),
+                                   pack2(kf[6], kf[7], tag));
+                kd[1] = make_uint4(pack2(kf[8], kf[9], tag), pack2(kf[10], kf[11], tag), pack2(kf[12], kf[13], tag),
+                                   pack2(kf[14], kf[15], tag));
+#pragma unroll
+                for (u32 x = 0; x < 16; x += 2) {
+                    const u32 w = pack2(vf[x], vf[x + 1], tag);
+                    vt_s[(c * 16 + x) * KP + jj] = (u16)(w & 0xffffu);
+                    vt_s[(c * 16 + x + 1) * KP + jj] = (u16)(w >> 16);
+                }
             }
         }
         __syncthreads();
@@ -435,6 +466,7 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
     PAGED_ATTENTION_MMA(DT, KV, 256)
 PAGED_ATTENTION_MMA_ALL_D(bf16, bf16_t)
 PAGED_ATTENTION_MMA_ALL_D(f16, f16_t)
+PAGED_ATTENTION_MMA_ALL_D(fp8, fp8_t)
 #endif  // PG_TENSOR_CORES
 
 // ---- decode: one query row per sequence ------------------------------------------------------
@@ -452,11 +484,14 @@ PAGED_ATTENTION_MMA_ALL_D(f16, f16_t)
 //        s_s[j][key] = q_j·k · scale (soft-capped; keys before the window are skipped)
 //   2. softmax, one warp per query head j: m_j, l_j, and s_s[j][:] = exp(s - m_j)
 //   3. values: G groups of C lanes (one chunk each); group γ takes keys γ, γ+G, ... and keeps
-//      acc[j][EPL] in registers; the groups' sums are added in order through shared memory.
+//      acc[j][EPL] in registers; where a warp holds several whole groups (C divides the warp)
+//      their sums are added with shuffles first, then the warps' (or groups') sums in order
+//      through shared memory.
 // With one partition the block writes the normalised output; with several it writes (m, l,
 // acc) of its partition for attention_reduce_f32, as the prefill kernel does.
 //
-// Shared memory (floats): s_s [rep][part_size] | red [G][rep][D] | m_s, l_s [rep]
+// Shared memory (floats): s_s [rep][part_size] | red [RG][rep][D] | m_s, l_s [rep], RG = warps
+// or groups
 // (decode_shared_bytes in src/backend/gpu/mod.rs computes the same).
 
 #define DEC_THREADS 128
@@ -480,6 +515,9 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
     constexpr int CH = (C + TPK - 1) / TPK;  // chunks per lane in the scores
     constexpr int KPW = PG_WARP_SIZE / TPK;  // keys per warp step
     constexpr u32 G = DEC_THREADS / C;       // value groups
+    // several whole groups per warp: summed in the warp, one partial sum per warp
+    constexpr bool WARP_SUM = C < PG_WARP_SIZE && PG_WARP_SIZE % C == 0;
+    constexpr u32 RG = WARP_SUM ? DEC_WARPS : G;  // partial sums in shared memory
     static_assert(D % EPL == 0 && C <= DEC_THREADS, "head size");
     PG_DYNAMIC_SHARED(float, smem);
 
@@ -495,7 +533,7 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
     const u32 k0 = max(k_begin, k_lo), k1 = min(ctx, k_begin + part_size);
     float* s_s = smem;
     float* red = s_s + rep * part_size;
-    float* m_s = red + G * rep * D;
+    float* m_s = red + RG * rep * D;
     float* l_s = m_s + rep;
     const u32* table = block_tables + (u64)s * max_blocks;
     const u32 warp = threadIdx.x / PG_WARP_SIZE, lane = threadIdx.x % PG_WARP_SIZE;
@@ -610,17 +648,31 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
                 }
             }
         }
+        if constexpr (WARP_SUM) {
+            // NOTE: every thread is in a group here (C divides DEC_THREADS), so every lane
+            // takes part in the shuffles; lanes of one chunk are C apart.
 #pragma unroll
-        for (int j = 0; j < DEC_MAX_REP; ++j)
-            if (j < rep)
+            for (int j = 0; j < DEC_MAX_REP; ++j)
+                if (j < rep)
 #pragma unroll
-                for (int e = 0; e < EPL; ++e) red[(grp * rep + j) * D + chunk * EPL + e] = acc[j][e];
+                    for (int e = 0; e < EPL; ++e)
+#pragma unroll
+                        for (u32 m = C; m < PG_WARP_SIZE; m <<= 1) acc[j][e] += PG_SHFL_XOR(acc[j][e], m);
+        }
+        const u32 slot = WARP_SUM ? threadIdx.x / PG_WARP_SIZE : grp;
+        if (!WARP_SUM || threadIdx.x % PG_WARP_SIZE < C) {
+#pragma unroll
+            for (int j = 0; j < DEC_MAX_REP; ++j)
+                if (j < rep)
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) red[(slot * rep + j) * D + chunk * EPL + e] = acc[j][e];
+        }
     }
     __syncthreads();
     for (u32 x = threadIdx.x; x < rep * D; x += DEC_THREADS) {
         const u32 j = x / D, i = x % D;
         float a = 0.0f;
-        for (u32 gg = 0; gg < G; ++gg) a += red[(gg * rep + j) * D + i];
+        for (u32 gg = 0; gg < RG; ++gg) a += red[(gg * rep + j) * D + i];
         const u64 h = g * rep + j;
         if (num_splits == 1) {
             out[((u64)t * num_heads + h) * D + i] = a / l_s[j];
@@ -657,6 +709,7 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
 PAGED_ATTENTION_DECODE_ALL_D(f32, float)
 PAGED_ATTENTION_DECODE_ALL_D(bf16, bf16_t)
 PAGED_ATTENTION_DECODE_ALL_D(f16, f16_t)
+PAGED_ATTENTION_DECODE_ALL_D(fp8, fp8_t)
 
 // Merges the partitions of each (row, head): out = Σ acc_p e^(m_p − M) / Σ l_p e^(m_p − M).
 // grid = (T, H); a row uses the first ceil(n_keys / part_size) partitions.

@@ -7,8 +7,9 @@
 // One thread per (row, kv head, element): consecutive threads write consecutive addresses.
 #include "common.cuh"
 
-// The cache's element type: f32, or bf16/f16 rounded to nearest even.
+// The cache's element type: f32, or bf16/f16/fp8 rounded to nearest even (fp8 saturated).
 __device__ __forceinline__ void store_kv(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_kv(fp8_t* p, float v) { p->x = (unsigned char)f32_to_fp8_bits(v); }
 __device__ __forceinline__ void store_kv(bf16_t* p, float v) { p->x = f32_to_bf16_bits(v); }
 __device__ __forceinline__ void store_kv(f16_t* p, float v) { p->x = f32_to_f16_bits(v); }
 
@@ -41,6 +42,7 @@ __device__ __forceinline__ void write_kv(const float* __restrict__ qkv, const u3
 WRITE_KV(f32, float)
 WRITE_KV(bf16, bf16_t)
 WRITE_KV(f16, f16_t)
+WRITE_KV(fp8, fp8_t)
 
 // RoPE and the cache write in one pass (`rope_write_kv_<kv>`): rotate-half RoPE in place on the
 // q and k heads of each row (as rope.cu), and the rotated k and the v heads written at the
@@ -95,3 +97,4 @@ __device__ __forceinline__ void rope_write_kv(float* __restrict__ qkv, const u32
 ROPE_WRITE_KV(f32, float)
 ROPE_WRITE_KV(bf16, bf16_t)
 ROPE_WRITE_KV(f16, f16_t)
+ROPE_WRITE_KV(fp8, fp8_t)

@@ -5,8 +5,8 @@
 // NVRTC and hipRTC are given the sources with this header inlined, and no system header is
 // needed: the half-precision conversions below are our own, so no cuda_fp16.h is required.
 //
-// Conventions: activations and the KV cache are f32; weights are f32, f16 or bf16 (stored as
-// raw 16-bit words); index buffers are u32. Every kernel is `extern "C"` so that it is looked up
+// Conventions: activations are f32; weights are f32, f16 or bf16 (stored as raw 16-bit words);
+// the KV cache is f32, bf16, f16 or fp8 (E4M3, raw bytes); index buffers are u32. Every kernel is `extern "C"` so that it is looked up
 // by its plain name; dtype variants are stamped out by macros, never copied by hand.
 #pragma once
 
@@ -37,6 +37,9 @@ struct bf16_t {
 struct f16_t {
     u16 x;
 };
+struct fp8_t {  // FP8 E4M3: 4 exponent bits (bias 7), 3 mantissa bits, no infinities
+    unsigned char x;
+};
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(bf16_t v) { return __uint_as_float(((u32)v.x) << 16); }
@@ -58,6 +61,37 @@ __device__ __forceinline__ u16 f32_to_f16_bits(float f) {
 #endif
 __device__ __forceinline__ float to_f32(f16_t v) { return f16_bits_to_f32(v.x); }
 
+// FP8 E4M3 widened exactly: the exponent and mantissa moved into f32's fields make
+// 2^(e - 127)(1 + m/8) (subnormals 2^-126 · m/8), and 2^120 scales them to 2^(e - 7)(1 + m/8).
+// 0x7f and 0xff are NaN.
+__device__ __forceinline__ float fp8_bits_to_f32(u32 b) {
+    const float v = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 0x1p120f;
+    return (b & 0x7fu) == 0x7fu ? __uint_as_float(0x7fc00000u) : v;
+}
+__device__ __forceinline__ float to_f32(fp8_t v) { return fp8_bits_to_f32(v.x); }
+
+// f32 to FP8 E4M3: round to nearest even, saturate to ±448 (CUDA's __NV_SATFINITE, as vLLM's
+// fp8 cache), NaN to 0x7f. The same bits as f32_to_e4m3 in src/tensor.rs.
+__device__ __forceinline__ u32 f32_to_fp8_bits(float f) {
+    const u32 x = __float_as_uint(f);
+    const u32 sign = (x >> 24) & 0x80u;
+    const float a = fabsf(f);
+    if (a != a) return 0x7fu;
+    if (a >= 448.0f) return sign | 0x7eu;
+    const int exp = (int)((x >> 23) & 0xffu) - 127;
+    if (exp < -6) return sign | (u32)rintf(a * 512.0f);  // subnormals: multiples of 2^-9
+    u32 e = (u32)(exp + 7), q = (x & 0x7fffffu) >> 20;
+    const u32 rest = x & 0xfffffu;
+    if (rest > 0x80000u || (rest == 0x80000u && (q & 1u))) {
+        if (++q == 8) {
+            q = 0;
+            ++e;
+        }
+    }
+    if (e > 15 || (e == 15 && q == 7)) return sign | 0x7eu;  // rounded past 448
+    return sign | (e << 3) | q;
+}
+
 // Round to nearest even; NaN stays a (quiet) NaN.
 __device__ __forceinline__ u16 f32_to_bf16_bits(float f) {
     u32 x = __float_as_uint(f);
@@ -66,7 +100,15 @@ __device__ __forceinline__ u16 f32_to_bf16_bits(float f) {
     return (u16)(x >> 16);
 }
 
-// Eight 16-bit values (or four f32) from one 16-byte word; the pointer type picks the format.
+// Sixteen fp8 values, eight 16-bit values or four f32 from one 16-byte word; the pointer type
+// picks the format.
+__device__ __forceinline__ void unpack16(uint4 raw, float* out, const fp8_t*) {
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) out[4 * q + b] = fp8_bits_to_f32((w[q] >> (8 * b)) & 0xffu);
+}
 __device__ __forceinline__ void unpack16(uint4 raw, float* out, const bf16_t*) {
     const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll

@@ -16,7 +16,7 @@ to shared memory (LDGSTS) and tensor-core instructions (HMMA).
     time: it has 16-byte global loads, and no more narrower float loads than 16-byte ones
     (the narrow ones left are scalars: block tables, lengths, scales);
   - a prefill attention kernel (paged_attention_prefill_*) uses tensor cores (HMMA), and each
-    16-bit KV cache type (bf16, f16) has one on every architecture with tensor cores. The
+    KV cache type narrower than f32 (bf16, f16, fp8) has one on sm_90. The
     general kernel (paged_attention_<kv>) stays SIMT: it serves the f32 cache (the exact path),
     head sizes without an instance, and devices without mma.sync.
 Known violations, the debt issue 11 is paying off, are listed in scripts/kernel-report.known
@@ -142,7 +142,7 @@ def prefill_attention(k):
     return k.startswith("paged_attention_prefill_")
 
 
-MMA_KV_TYPES = ("bf16", "f16")
+MMA_KV_TYPES = ("bf16", "f16", "fp8")
 
 
 rows, violations = [], set()

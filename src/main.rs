@@ -119,8 +119,9 @@ struct ModelArgs {
     #[arg(long, default_value = "auto")]
     dtype: WeightDtype,
     /// KV cache element type: auto (the weights' type where the backend stores it: bf16 or
-    /// f16 weights keep a bf16 or f16 cache on CUDA/HIP; f32 otherwise), f32, bf16 or f16.
-    /// The CPU and wgpu backends store f32 only.
+    /// f16 weights keep a bf16 or f16 cache on CUDA/HIP; f32 otherwise), f32, bf16, f16 or
+    /// fp8 (E4M3, half of bf16's bytes: values rounded to 3 mantissa bits and saturated at
+    /// ±448, no scaling; CUDA and HIP only). The CPU backend stores f32, bf16 and f16; wgpu f32.
     #[arg(long, default_value = "auto")]
     kv_cache_dtype: KvCacheDtype,
     /// Tokens per KV block.

@@ -362,6 +362,7 @@ fn rounded(dtype: DType, v: &[f32]) -> Vec<f64> {
             DType::F32 => x as f64,
             DType::F16 => half::f16::from_f32(x).to_f64(),
             DType::BF16 => half::bf16::from_f32(x).to_f64(),
+            DType::F8E4M3 => crate::tensor::e4m3_to_f32(crate::tensor::f32_to_e4m3(x)) as f64,
         })
         .collect()
 }
@@ -580,8 +581,9 @@ fn attention_tolerance(kv: DType, seqs: &[(usize, usize)]) -> f64 {
     match kv {
         _ if seqs.iter().all(|&(_, q)| q <= 1) => 1e-5,
         DType::BF16 => 1e-2,
-        DType::F16 => 2e-3,
-        _ => 1e-5,
+        // NOTE: an fp8 cache's tiles are widened to f16 for the MMAs
+        DType::F16 | DType::F8E4M3 => 2e-3,
+        DType::F32 => 1e-5,
     }
 }
 
@@ -1125,6 +1127,32 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             None,
             DType::BF16,
         ),
+        // fp8 (E4M3) caches: decode (split, and not), prefill, and a mixed step
+        (
+            ("mixed gqa", 16, 32, 8, 64, &[(0, 40), (20, 1), (7, 9)]),
+            None,
+            None,
+            DType::F8E4M3,
+        ),
+        (
+            (
+                "decode d=128 rep 7",
+                32,
+                14,
+                2,
+                128,
+                &[(40, 1), (700, 1), (4, 1)],
+            ),
+            None,
+            None,
+            DType::F8E4M3,
+        ),
+        (
+            ("prefill d=80, cap 20", 16, 6, 2, 80, &[(30, 45)]),
+            None,
+            Some(20.0),
+            DType::F8E4M3,
+        ),
     ];
     let plain = attn.iter().map(|c| (c, None, None, DType::F32));
     let windowed = windowed.iter().map(|(c, w, s)| (c, *w, *s, DType::F32));
@@ -1176,8 +1204,8 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         Case::Argmax { rows, cols, logits },
     ));
     // KV block copies (swap): 80 blocks of 512 bytes span several parts of a split cache;
-    // half caches round what is written (the reference too) and widen what is read
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
+    // half and fp8 caches round what is written (the reference too) and widen what is read
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::F8E4M3] {
         let kv = KvLayout {
             num_blocks: 80,
             block_size: 4,
@@ -1345,9 +1373,18 @@ mod tests {
 
     #[test]
     fn the_reference_can_fail() {
-        // a wrong output is caught: every case run on the CPU, its first value perturbed
+        // a wrong output is caught: every case run on the CPU (or, for a KV cache type the CPU
+        // does not store, the reference itself), its first value perturbed
+        let cpu = CpuBackend::new();
         for (_, name, tol, case) in cases(3) {
-            let mut got = run(&CpuBackend::new(), &case).unwrap();
+            let mut got = if case
+                .kv_dtype()
+                .is_none_or(|d| cpu.kv_cache_dtypes().contains(&d))
+            {
+                run(&cpu, &case).unwrap()
+            } else {
+                reference(&case).into_iter().map(|x| x as f32).collect()
+            };
             got[0] += 1.0 + got[0].abs();
             assert!(rel_err(&got, &reference(&case)) > tol, "{name}");
         }

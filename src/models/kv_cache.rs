@@ -78,16 +78,17 @@ impl std::str::FromStr for KvCacheDtype {
     fn from_str(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
             "auto" => Ok(KvCacheDtype::Auto),
-            "fp8" | "fp8_e4m3" | "fp8_e5m2" => {
+            "fp8" | "fp8_e4m3" => Ok(KvCacheDtype::Fixed(DType::F8E4M3)),
+            "fp8_e5m2" => {
                 bail!(
-                    "--kv-cache-dtype {s}: an fp8 KV cache is not implemented yet (auto, f32, bf16, f16)"
+                    "--kv-cache-dtype {s}: an fp8 E5M2 cache is not implemented (fp8 is E4M3; auto, f32, bf16, f16, fp8)"
                 )
             }
             other => other
                 .parse::<DType>()
                 .map(KvCacheDtype::Fixed)
                 .map_err(|_| {
-                    anyhow::anyhow!("unknown KV cache dtype '{s}' (auto, f32, bf16, f16)")
+                    anyhow::anyhow!("unknown KV cache dtype '{s}' (auto, f32, bf16, f16, fp8)")
                 }),
         }
     }
@@ -231,7 +232,13 @@ mod tests {
         ] {
             assert_eq!(s.parse::<KvCacheDtype>().unwrap(), want, "{s}");
         }
-        let e = "fp8".parse::<KvCacheDtype>().unwrap_err().to_string();
+        for s in ["fp8", "FP8_E4M3"] {
+            assert_eq!(
+                s.parse::<KvCacheDtype>().unwrap(),
+                KvCacheDtype::Fixed(DType::F8E4M3)
+            );
+        }
+        let e = "fp8_e5m2".parse::<KvCacheDtype>().unwrap_err().to_string();
         assert!(e.contains("not implemented"), "{e}");
         assert!("int4".parse::<KvCacheDtype>().is_err());
     }

@@ -238,6 +238,7 @@ impl Backend for CpuBackend {
                 let h: Vec<bf16> = t.data.iter().map(|&v| bf16::from_f32(v)).collect();
                 CpuBuf::PackedBF16(Packed::pack(&h, n, k))
             }
+            DType::F8E4M3 => bail!("fp8 is a KV cache type, not one for weights"),
         })
     }
 
@@ -289,6 +290,7 @@ impl Backend for CpuBackend {
             DType::F32 => CpuBuf::F32(zeroed(n)?),
             DType::F16 => CpuBuf::F16(zeroed(n)?),
             DType::BF16 => CpuBuf::BF16(zeroed(n)?),
+            DType::F8E4M3 => bail!("cpu backend: no fp8 KV cache (f32, f16, bf16)"),
         })
     }
 

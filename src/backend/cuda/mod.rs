@@ -407,7 +407,7 @@ impl GpuRuntime for CudaRt {
             Elem::F32 => blas::cudaDataType_t::CUDA_R_32F,
             Elem::F16 => blas::cudaDataType_t::CUDA_R_16F,
             Elem::BF16 => blas::cudaDataType_t::CUDA_R_16BF,
-            Elem::U32 => bail!("cuBLAS: a u32 matrix"),
+            Elem::F8 | Elem::U32 => bail!("cuBLAS: a {ab:?} matrix"),
         };
         let dims = [m, n, k].map(|v| i32::try_from(v).ok());
         let [Some(mi), Some(ni), Some(ki)] = dims else {

@@ -35,10 +35,10 @@ pub const SOURCES: &[(&str, &str)] = &[
 pub const WEIGHT_DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
 
 /// KV cache types as they appear in kernel names.
-pub const KV_DTYPES: [&str; 3] = ["f32", "bf16", "f16"];
+pub const KV_DTYPES: [&str; 4] = ["f32", "bf16", "f16", "fp8"];
 
 /// KV cache types whose prefill attention runs on tensor cores (`PG_TENSOR_CORES`).
-pub const MMA_KV_DTYPES: [&str; 2] = ["bf16", "f16"];
+pub const MMA_KV_DTYPES: [&str; 3] = ["bf16", "f16", "fp8"];
 
 /// The compile option that defines the tensor-core kernels (common.cuh, attention.cu).
 pub const TENSOR_CORES_DEFINE: &str = "-DPG_TENSOR_CORES=1";

@@ -18,7 +18,7 @@ pub use memory::GpuBuf;
 pub use runtime::{CclLibrary, Elem, GpuRuntime};
 
 use super::{Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::{DType, HostTensor, e4m3_to_f32, f32_to_e4m3};
 use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
 use kernels::{KernelCache, MATVEC_MAX_ROWS, SOURCES};
@@ -369,11 +369,13 @@ fn widen(elem: Elem, bytes: &[u8]) -> Result<Vec<f32>> {
             .iter()
             .map(|x| x.to_f32())
             .collect(),
+        Elem::F8 => bytes.iter().map(|&b| e4m3_to_f32(b)).collect(),
         Elem::U32 => bail!("expected a float buffer, got a u32 one"),
     })
 }
 
-/// f32 values as a float buffer's bytes (halves rounded to nearest even, as the kernels do).
+/// f32 values as a float buffer's bytes (halves rounded to nearest even, fp8 also saturated,
+/// as the kernels do).
 fn narrow(elem: Elem, v: &[f32]) -> Result<std::borrow::Cow<'_, [u8]>> {
     Ok(match elem {
         Elem::F32 => std::borrow::Cow::Borrowed(bytemuck::cast_slice(v)),
@@ -385,6 +387,7 @@ fn narrow(elem: Elem, v: &[f32]) -> Result<std::borrow::Cow<'_, [u8]>> {
             let h: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
             std::borrow::Cow::Owned(bytemuck::cast_slice(&h).to_vec())
         }
+        Elem::F8 => std::borrow::Cow::Owned(v.iter().map(|&x| f32_to_e4m3(x)).collect()),
         Elem::U32 => bail!("expected a float buffer, got a u32 one"),
     })
 }
@@ -505,6 +508,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 let v: Vec<bf16> = t.data.iter().map(|&x| bf16::from_f32(x)).collect();
                 self.upload_bytes(bytemuck::cast_slice(&v), n, Elem::BF16)
             }
+            DType::F8E4M3 => bail!("fp8 is a KV cache type, not one for weights"),
         }
     }
 
@@ -559,7 +563,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
     }
 
     fn kv_cache_dtypes(&self) -> &'static [DType] {
-        &[DType::F32, DType::BF16, DType::F16]
+        &[DType::F32, DType::BF16, DType::F16, DType::F8E4M3]
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<GpuBuf<R>> {
@@ -1203,26 +1207,27 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                     hkv,
                     bs,
                     k_cache.elem.size(),
+                    self.rt.warp_size() as usize,
                     self.rt.multiprocessors() as usize,
                 )
             })
             .flatten();
-        // NOTE: prefill on tensor cores rounds Q and P to the cache's 16-bit type; an f32 cache
-        // stays on the general kernel, the exact one.
-        let mma =
-            (decode.is_none() && self.mma_attention && kernels::MMA_KV_DTYPES.contains(&kv_type))
-                .then(|| {
-                    plan_prefill_attention_mma(
-                        b.num_seqs(),
-                        max_q,
-                        b.max_seq_len(),
-                        h / hkv,
-                        d,
-                        hkv,
-                        self.rt.multiprocessors() as usize,
-                    )
-                })
-                .flatten();
+        // NOTE: prefill on tensor cores rounds Q and P to a 16-bit type; an f32 cache stays on
+        // the general kernel, the exact one, and so do decode steps the decode kernel cannot
+        // take (one row per sequence would fill one of a warp's 16 rows).
+        let mma = (max_q > 1 && self.mma_attention && kernels::MMA_KV_DTYPES.contains(&kv_type))
+            .then(|| {
+                plan_prefill_attention_mma(
+                    b.num_seqs(),
+                    max_q,
+                    b.max_seq_len(),
+                    h / hkv,
+                    d,
+                    hkv,
+                    self.rt.multiprocessors() as usize,
+                )
+            })
+            .flatten();
         let plan = match (decode, mma) {
             (Some(p), _) => AttentionLaunch::Decode(p),
             (None, Some(p)) => AttentionLaunch::Prefill(p),

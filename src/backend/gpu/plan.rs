@@ -139,10 +139,22 @@ pub fn plan_prefill_attention_mma(
 }
 
 /// The shared memory (bytes) of a decode-attention block; see attention.cu. `kv_bytes`: the
-/// size of a cache element (16 / kv_bytes elements per 16-byte chunk).
-fn decode_shared_bytes(rep: usize, d: usize, kv_bytes: usize, part_size: usize) -> usize {
-    let groups = DEC_THREADS / (d / (16 / kv_bytes));
-    4 * (rep * part_size + groups * rep * d + 2 * rep)
+/// size of a cache element (16 / kv_bytes elements per 16-byte chunk); `warp`: lanes per warp.
+fn decode_shared_bytes(
+    rep: usize,
+    d: usize,
+    kv_bytes: usize,
+    warp: usize,
+    part_size: usize,
+) -> usize {
+    let chunks = d / (16 / kv_bytes);
+    // the value stage's partial sums: one per warp where a warp holds whole groups
+    let partial = if chunks < warp && warp.is_multiple_of(chunks) {
+        DEC_THREADS / warp
+    } else {
+        DEC_THREADS / chunks
+    };
+    4 * (rep * part_size + partial * rep * d + 2 * rep)
 }
 
 /// Launch geometry of the decode kernel: the context of every sequence cut in partitions of
@@ -193,6 +205,7 @@ pub fn plan_decode_attention(
     num_kv_heads: usize,
     block_size: usize,
     kv_bytes: usize,
+    warp: usize,
     multiprocessors: usize,
 ) -> Option<DecodePlan> {
     if !kernels::DECODE_HEAD_DIMS.contains(&head_dim)
@@ -203,7 +216,7 @@ pub fn plan_decode_attention(
         return None;
     }
     let ctx = max_seq_len.max(1);
-    let fixed = decode_shared_bytes(rep, head_dim, kv_bytes, 0);
+    let fixed = decode_shared_bytes(rep, head_dim, kv_bytes, warp, 0);
     let max_part =
         (SHARED_LIMIT.checked_sub(fixed)? / (4 * rep)) / DECODE_MIN_PART * DECODE_MIN_PART;
     if max_part < DECODE_MIN_PART {
@@ -218,7 +231,7 @@ pub fn plan_decode_attention(
     Some(DecodePlan {
         part_size,
         num_splits: ctx.div_ceil(part_size),
-        shared_bytes: decode_shared_bytes(rep, head_dim, kv_bytes, part_size),
+        shared_bytes: decode_shared_bytes(rep, head_dim, kv_bytes, warp, part_size),
     })
 }
 
@@ -324,8 +337,11 @@ mod tests {
             (32, 2000, 7, 128, 2, 4),
             (3, 90, 3, 80, 2, 2),
             (3, 90, 8, 16, 2, 2),
+            (1, 4096, 8, 128, 1, 1),
+            (32, 2000, 7, 128, 2, 1),
+            (3, 90, 3, 80, 2, 1),
         ] {
-            let p = plan_decode_attention(seqs, ctx, rep, d, hkv, 16, kvb, 132).unwrap();
+            let p = plan_decode_attention(seqs, ctx, rep, d, hkv, 16, kvb, 32, 132).unwrap();
             assert!(p.shared_bytes <= SHARED_LIMIT, "{p:?}");
             assert_eq!(p.part_size % DECODE_MIN_PART, 0);
             assert!(p.num_splits * p.part_size >= ctx, "{p:?}");
@@ -340,16 +356,19 @@ mod tests {
             );
         }
         // one sequence of 4096 keys over 8 kv heads: split, partitions of the minimum size
-        let p = plan_decode_attention(1, 4096, 4, 64, 8, 16, 4, 132).unwrap();
+        let p = plan_decode_attention(1, 4096, 4, 64, 8, 16, 4, 32, 132).unwrap();
         assert_eq!((p.part_size, p.num_splits), (32, 128));
         // a full batch is not split
         assert_eq!(
-            plan_decode_attention(256, 700, 4, 64, 8, 16, 4, 132).map(|p| p.num_splits),
+            plan_decode_attention(256, 700, 4, 64, 8, 16, 4, 32, 132).map(|p| p.num_splits),
             Some(1)
         );
         // no instance for the head size, too many query heads, a block size not a power of two
-        assert!(plan_decode_attention(1, 10, 4, 48, 8, 16, 4, 132).is_none());
-        assert!(plan_decode_attention(1, 10, 9, 64, 1, 16, 4, 132).is_none());
-        assert!(plan_decode_attention(1, 10, 4, 64, 8, 12, 4, 132).is_none());
+        // an fp8 cache's 16-value chunks make 16 groups at d=128: their sums meet in the warp
+        // first, or 8 query heads would not fit (7 x 16 x 128 floats)
+        assert!(plan_decode_attention(1, 100, 8, 128, 1, 16, 1, 32, 132).is_some());
+        assert!(plan_decode_attention(1, 10, 4, 48, 8, 16, 4, 32, 132).is_none());
+        assert!(plan_decode_attention(1, 10, 9, 64, 1, 16, 4, 32, 132).is_none());
+        assert!(plan_decode_attention(1, 10, 4, 64, 8, 12, 4, 32, 132).is_none());
     }
 }

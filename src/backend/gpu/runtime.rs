@@ -13,6 +13,8 @@ pub enum Elem {
     F32,
     F16,
     BF16,
+    /// FP8 E4M3 (KV caches only)
+    F8,
     U32,
 }
 
@@ -22,10 +24,12 @@ impl Elem {
             DType::F32 => Elem::F32,
             DType::F16 => Elem::F16,
             DType::BF16 => Elem::BF16,
+            DType::F8E4M3 => Elem::F8,
         }
     }
     pub fn size(self) -> usize {
         match self {
+            Elem::F8 => 1,
             Elem::F16 | Elem::BF16 => 2,
             Elem::F32 | Elem::U32 => 4,
         }
@@ -36,6 +40,7 @@ impl Elem {
             Elem::F32 => "f32",
             Elem::F16 => "f16",
             Elem::BF16 => "bf16",
+            Elem::F8 => "fp8",
             Elem::U32 => bail!("expected a float buffer, got a u32 one"),
         })
     }

@@ -501,6 +501,7 @@ impl Backend for WgpuBackend {
                 },
                 "a weight",
             ),
+            DType::F8E4M3 => bail!("fp8 is a KV cache type, not one for weights"),
         }
     }
 
