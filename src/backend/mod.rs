@@ -263,12 +263,81 @@ impl BatchInput {
     pub fn max_seq_len(&self) -> usize {
         self.seq_lens.iter().copied().max().unwrap_or(0) as usize
     }
+
+    /// Checks the batch's structure (`query_start` covers the rows in order, no sequence has
+    /// more new rows than context, `block_tables` holds `max_blocks` entries per sequence) and
+    /// returns what attention needs of it: done once per step, when the batch is uploaded.
+    pub fn shape(&self) -> Result<BatchShape> {
+        let (t, s) = (self.num_tokens(), self.num_seqs());
+        anyhow::ensure!(
+            self.query_start.len() == s + 1
+                && self.query_start[0] == 0
+                && self.query_start[s] as usize == t,
+            "batch: query_start does not cover the {t} rows of {s} sequences"
+        );
+        anyhow::ensure!(
+            self.block_tables.len() == s * self.max_blocks,
+            "batch: {} block table entries for {s} sequences of {} blocks",
+            self.block_tables.len(),
+            self.max_blocks
+        );
+        let mut max_query_len = 0;
+        for (i, q) in self.query_start.windows(2).enumerate() {
+            anyhow::ensure!(q[0] <= q[1], "batch: query_start decreases at sequence {i}");
+            anyhow::ensure!(
+                q[1] - q[0] <= self.seq_lens[i],
+                "batch: sequence {i} has more new rows than context"
+            );
+            max_query_len = max_query_len.max((q[1] - q[0]) as usize);
+        }
+        Ok(BatchShape {
+            max_query_len,
+            max_seq_len: self.max_seq_len(),
+            blocks_used: self
+                .block_tables
+                .iter()
+                .max()
+                .map_or(0, |&b| b as usize + 1),
+        })
+    }
+}
+
+/// What every layer's attention needs of a batch ([`BatchInput::shape`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchShape {
+    /// The most new rows of one sequence (1 in a pure decode step).
+    pub max_query_len: usize,
+    /// The longest context.
+    pub max_seq_len: usize,
+    /// One past the largest block id in the block tables (0 when they are empty).
+    pub blocks_used: usize,
+}
+
+impl BatchShape {
+    /// One layer's check, in constant time: every block of the tables lies in the pool of
+    /// `num_blocks`, and the longest context's blocks of `block_size` fit a table row of
+    /// `max_blocks`.
+    pub fn check_kv(&self, num_blocks: usize, block_size: usize, max_blocks: usize) -> Result<()> {
+        anyhow::ensure!(
+            self.blocks_used <= num_blocks,
+            "paged_attention: block {} outside the pool of {num_blocks}",
+            self.blocks_used.saturating_sub(1)
+        );
+        anyhow::ensure!(
+            self.max_seq_len.div_ceil(block_size.max(1)) <= max_blocks,
+            "paged_attention: a context of {} tokens needs more than the {max_blocks} blocks of its table",
+            self.max_seq_len
+        );
+        Ok(())
+    }
 }
 
 /// The batch once uploaded: the same arrays in device memory, plus the host copy (launch
 /// geometry, and the CPU backend reads it directly).
 pub struct DeviceBatch<B: Backend + ?Sized> {
     pub host: BatchInput,
+    /// `host.shape()`, checked at upload
+    pub shape: BatchShape,
     pub token_ids: B::Buf,
     pub positions: B::Buf,
     pub slot_mapping: B::Buf,
@@ -286,6 +355,7 @@ impl<B: Backend + ?Sized> DeviceBatch<B> {
     /// Each array in its own buffer: [`Backend::upload_batch`]'s default.
     pub fn upload_each(backend: &B, host: BatchInput) -> Result<Self> {
         Ok(DeviceBatch {
+            shape: host.shape()?,
             token_ids: backend.upload_u32(&host.token_ids)?,
             positions: backend.upload_u32(&host.positions)?,
             slot_mapping: backend.upload_u32(&host.slot_mapping)?,
@@ -599,4 +669,65 @@ pub fn argmax(v: &[f32]) -> usize {
         }
     }
     best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two sequences: a decode row after 5 cached tokens, and a prefill of 3 rows; tables of 2
+    /// blocks of 4 tokens.
+    fn batch() -> BatchInput {
+        BatchInput {
+            token_ids: vec![1, 2, 3, 4],
+            positions: vec![5, 0, 1, 2],
+            slot_mapping: vec![21, 12, 13, 14],
+            query_start: vec![0, 1, 4],
+            seq_lens: vec![6, 3],
+            block_tables: vec![4, 5, 3, 0],
+            max_blocks: 2,
+            logits_rows: vec![0, 3],
+        }
+    }
+
+    #[test]
+    fn a_batch_shape_is_checked_once_and_each_layer_checks_it_in_constant_time() {
+        let shape = batch().shape().unwrap();
+        assert_eq!(
+            shape,
+            BatchShape {
+                max_query_len: 3,
+                max_seq_len: 6,
+                blocks_used: 6,
+            }
+        );
+        shape.check_kv(6, 4, 2).unwrap();
+        let e = shape.check_kv(5, 4, 2).unwrap_err().to_string();
+        assert!(e.contains("block 5 outside the pool of 5"), "{e}");
+        let e = shape.check_kv(6, 2, 2).unwrap_err().to_string();
+        assert!(e.contains("context of 6 tokens"), "{e}");
+        // malformed batches are refused at upload, each with its reason
+        let bad: [(fn(&mut BatchInput), &str); 5] = [
+            (|b| b.query_start = vec![0, 1, 3], "does not cover"),
+            (|b| b.query_start = vec![1, 1, 4], "does not cover"),
+            (|b| b.query_start = vec![0, 5, 4], "decreases"),
+            (|b| b.seq_lens[1] = 2, "more new rows than context"),
+            (
+                |b| b.block_tables.pop().map_or((), drop),
+                "block table entries",
+            ),
+        ];
+        for (spoil, want) in bad {
+            let mut b = batch();
+            spoil(&mut b);
+            let e = b.shape().unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        // an empty batch has an empty shape
+        let empty = BatchInput {
+            query_start: vec![0],
+            ..Default::default()
+        };
+        assert_eq!(empty.shape().unwrap(), BatchShape::default());
+    }
 }

@@ -698,15 +698,11 @@ impl Backend for CpuBackend {
             out.len() >= t_rows * h * d,
             "paged_attention: output too small"
         );
-        // Which sequence each row belongs to, and its position.
+        batch.shape.check_kv(kv.num_blocks, bs, b.max_blocks)?;
+        // Which sequence each row belongs to (query_start was checked at upload).
         let mut row_seq = vec![0usize; t_rows];
         for s in 0..b.num_seqs() {
             let (q0, q1) = (b.query_start[s] as usize, b.query_start[s + 1] as usize);
-            ensure!(q1 <= t_rows && q0 <= q1, "paged_attention: bad query_start");
-            ensure!(
-                (b.seq_lens[s] as usize).div_ceil(bs) <= b.max_blocks,
-                "paged_attention: block table too short for sequence {s}"
-            );
             row_seq[q0..q1].iter_mut().for_each(|x| *x = s);
         }
         let args = AttnArgs {

@@ -543,6 +543,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             host: Some(Arc::new(parts[i].to_vec())),
         };
         Ok(DeviceBatch {
+            shape: host.shape()?,
             token_ids: view(0),
             positions: view(1),
             slot_mapping: view(2),
@@ -1162,32 +1163,8 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             "paged_attention: K and V caches of different types"
         );
         let kv_type = k_cache.elem.kernel_suffix()?;
-        ensure!(
-            b.query_start.len() == b.num_seqs() + 1
-                && b.block_tables.len() == b.num_seqs() * b.max_blocks,
-            "paged_attention: bad batch layout"
-        );
-        let mut max_q = 0;
-        for s in 0..b.num_seqs() {
-            let (q0, q1) = (b.query_start[s] as usize, b.query_start[s + 1] as usize);
-            ensure!(q1 <= t_rows && q0 <= q1, "paged_attention: bad query_start");
-            ensure!(
-                q1 - q0 <= b.seq_lens[s] as usize,
-                "paged_attention: sequence {s} has more new rows than context"
-            );
-            ensure!(
-                (b.seq_lens[s] as usize).div_ceil(bs) <= b.max_blocks,
-                "paged_attention: block table too short for sequence {s}"
-            );
-            max_q = max_q.max(q1 - q0);
-        }
-        if let Some(&blk) = b
-            .block_tables
-            .iter()
-            .find(|&&blk| blk as usize >= kv.num_blocks)
-        {
-            bail!("paged_attention: block {blk} outside the pool");
-        }
+        batch.shape.check_kv(kv.num_blocks, bs, b.max_blocks)?;
+        let max_q = batch.shape.max_query_len;
         if t_rows == 0 || b.num_seqs() == 0 {
             return Ok(());
         }

@@ -340,13 +340,6 @@ impl WgpuBackend {
         })
     }
 
-    fn check_index(what: &str, idx: &[u32], bound: usize) -> Result<()> {
-        if let Some(&bad) = idx.iter().find(|&&i| i as usize >= bound) {
-            bail!("{what} {bad} is out of range ({bound})");
-        }
-        Ok(())
-    }
-
     /// Records a matmul of rows `r0 .. r0 + m` of x into the same rows of out.
     #[allow(clippy::too_many_arguments)]
     fn matmul_window(
@@ -1057,27 +1050,7 @@ impl Backend for WgpuBackend {
             out.len >= t_rows * h * d,
             "paged_attention: output too small"
         );
-        ensure!(
-            b.query_start.len() == b.num_seqs() + 1,
-            "paged_attention: bad query_start"
-        );
-        for s in 0..b.num_seqs() {
-            let (q0, q1) = (b.query_start[s] as usize, b.query_start[s + 1] as usize);
-            ensure!(q1 <= t_rows && q0 <= q1, "paged_attention: bad query_start");
-            ensure!(
-                (b.seq_lens[s] as usize).div_ceil(bs) <= b.max_blocks,
-                "paged_attention: block table too short for sequence {s}"
-            );
-            ensure!(
-                b.seq_lens[s] as usize >= q1 - q0,
-                "paged_attention: sequence {s} is shorter than its query rows"
-            );
-        }
-        ensure!(
-            b.query_start.last().copied().unwrap_or(0) as usize == t_rows,
-            "paged_attention: query rows do not cover the batch"
-        );
-        Self::check_index("paged_attention: block", &b.block_tables, kv.num_blocks)?;
+        batch.shape.check_kv(kv.num_blocks, bs, b.max_blocks)?;
         if t_rows == 0 {
             return Ok(());
         }
