@@ -707,7 +707,8 @@ mod tests {
         let e = shape.check_kv(6, 2, 2).unwrap_err().to_string();
         assert!(e.contains("context of 6 tokens"), "{e}");
         // malformed batches are refused at upload, each with its reason
-        let bad: [(fn(&mut BatchInput), &str); 5] = [
+        type Spoil = fn(&mut BatchInput);
+        let bad: [(Spoil, &str); 5] = [
             (|b| b.query_start = vec![0, 1, 3], "does not cover"),
             (|b| b.query_start = vec![1, 1, 4], "does not cover"),
             (|b| b.query_start = vec![0, 5, 4], "decreases"),
