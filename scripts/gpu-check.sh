@@ -137,6 +137,8 @@ step tiny-cuda-f32-chunked 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dty
 step tiny-cuda-f32-greedy 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype f32 > '$RES/tiny-cuda-f32-greedy.jsonl'"
 step tiny-cpu-f32 120 sh -c "'$BIN' ${TINY[*]} --backend cpu --dtype f32 --logprobs 5 > '$RES/tiny-cpu-f32.jsonl'"
 step tiny-cuda-bf16 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype bf16 --logprobs 5 > '$RES/tiny-cuda-bf16.jsonl'"
+# the same over an fp8 (E4M3) cache: decode, tensor-core prefill and the cache write in fp8
+step tiny-cuda-fp8 120 sh -c "'$BIN' ${TINY[*]} --backend $BACKEND --dtype bf16 --kv-cache-dtype fp8 --logprobs 5 > '$RES/tiny-cuda-fp8.jsonl'"
 # the NCCL path: one worker per device and NCCL between them, at tensor parallel 1 (this
 # machine has one GPU), forced through the workers by PAGODA_PARALLEL_RUNNER; its tokens and
 # log-probabilities must be the single device's. NCCL comes with PyTorch's wheels.

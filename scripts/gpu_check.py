@@ -338,6 +338,7 @@ def compare_with_transformers(work, out, result):
         ("cpu-f32", "f32"),
         ("cuda-bf16", "bf16w-f32"),
         ("cuda-bf16-vs-hf-bf16", "bf16"),
+        ("cuda-fp8", "bf16w-f32"),
     ]:
         path = os.path.join(out, f"tiny-{name.replace('-vs-hf-bf16', '')}.jsonl")
         try:
@@ -478,15 +479,17 @@ def summary(out):
         if last or "blocking" not in name:
             rows.append((name, last[-1] if last else "did not run"))
     cmp = load(os.path.join(out, "compare.json"), {})
-    for k in ["cuda-f32", "cuda-f32-chunked", "cuda-f32-greedy", "cpu-f32", "cuda-bf16", "cuda-bf16-vs-hf-bf16"]:
+    for k in ["cuda-f32", "cuda-f32-chunked", "cuda-f32-greedy", "cpu-f32", "cuda-bf16", "cuda-bf16-vs-hf-bf16",
+              "cuda-fp8"]:
         v = cmp.get(k)
         if not isinstance(v, dict):
             rows.append((f"tokens {k}", "did not run"))
         elif "error" in v:
             rows.append((f"tokens {k}", "ERROR " + v["error"][:80]))
         else:
-            # f32: every token but true near-ties; bf16: "nearly every position"
-            need = 1.0 if "f32" in k and "bf16" not in k else 0.9
+            # f32: every token but true near-ties; bf16: "nearly every position"; an fp8 cache
+            # (3 mantissa bits, unscaled) is expected to drift more
+            need = 1.0 if "f32" in k and "bf16" not in k else 0.75 if "fp8" in k else 0.9
             ok = "ok" if v["agree"] >= need else "FAIL"
             line = (f"{v['agree'] * 100:.1f}% of {v['tokens']} agree vs hf {v['reference']} "
                     f"({v.get('near_ties', 0)} near-ties), max |dlogprob| {v['max_dlogprob']:.2e}  {ok}")
