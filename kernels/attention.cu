@@ -32,6 +32,17 @@
 
 #define PA_THREADS 128
 
+// X(DT, KV, D) for each head size of the models we run: the decode and tensor-core kernels'
+// instances (DECODE_HEAD_DIMS in src/backend/gpu/kernels.rs).
+#define PG_HEAD_DIMS(X, DT, KV) \
+    X(DT, KV, 16)               \
+    X(DT, KV, 32)               \
+    X(DT, KV, 64)               \
+    X(DT, KV, 80)               \
+    X(DT, KV, 96)               \
+    X(DT, KV, 128)              \
+    X(DT, KV, 256)
+
 // Keys kt0 .. kt0 + nk of kv head g into kv_s[key][D + 1], 16 bytes a load, as f32.
 template <typename KV>
 __device__ __forceinline__ void load_kv_tile(const KV* __restrict__ cache, const u32* __restrict__ table, float* kv_s,
@@ -455,18 +466,9 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
                                    part_ml, max_blocks, num_heads, num_kv_heads, block_size, row_len, scale,      \
                                    window, softcap, q_tile, part_size, num_splits);                               \
     }
-// The head sizes of the decode kernels (DECODE_HEAD_DIMS in src/backend/gpu/kernels.rs).
-#define PAGED_ATTENTION_MMA_ALL_D(DT, KV) \
-    PAGED_ATTENTION_MMA(DT, KV, 16)       \
-    PAGED_ATTENTION_MMA(DT, KV, 32)       \
-    PAGED_ATTENTION_MMA(DT, KV, 64)       \
-    PAGED_ATTENTION_MMA(DT, KV, 80)       \
-    PAGED_ATTENTION_MMA(DT, KV, 96)       \
-    PAGED_ATTENTION_MMA(DT, KV, 128)      \
-    PAGED_ATTENTION_MMA(DT, KV, 256)
-PAGED_ATTENTION_MMA_ALL_D(bf16, bf16_t)
-PAGED_ATTENTION_MMA_ALL_D(f16, f16_t)
-PAGED_ATTENTION_MMA_ALL_D(fp8, fp8_t)
+PG_HEAD_DIMS(PAGED_ATTENTION_MMA, bf16, bf16_t)
+PG_HEAD_DIMS(PAGED_ATTENTION_MMA, f16, f16_t)
+PG_HEAD_DIMS(PAGED_ATTENTION_MMA, fp8, fp8_t)
 #endif  // PG_TENSOR_CORES
 
 // ---- decode: one query row per sequence ------------------------------------------------------
@@ -697,19 +699,10 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
                                       part_ml, max_blocks, num_heads, num_kv_heads, block_shift, row_len, scale,  \
                                       window, softcap, part_size, num_splits);                                    \
     }
-// The head sizes of the models we run (DECODE_HEAD_DIMS in src/backend/gpu/kernels.rs).
-#define PAGED_ATTENTION_DECODE_ALL_D(DT, KV) \
-    PAGED_ATTENTION_DECODE(DT, KV, 16)       \
-    PAGED_ATTENTION_DECODE(DT, KV, 32)       \
-    PAGED_ATTENTION_DECODE(DT, KV, 64)       \
-    PAGED_ATTENTION_DECODE(DT, KV, 80)       \
-    PAGED_ATTENTION_DECODE(DT, KV, 96)       \
-    PAGED_ATTENTION_DECODE(DT, KV, 128)      \
-    PAGED_ATTENTION_DECODE(DT, KV, 256)
-PAGED_ATTENTION_DECODE_ALL_D(f32, float)
-PAGED_ATTENTION_DECODE_ALL_D(bf16, bf16_t)
-PAGED_ATTENTION_DECODE_ALL_D(f16, f16_t)
-PAGED_ATTENTION_DECODE_ALL_D(fp8, fp8_t)
+PG_HEAD_DIMS(PAGED_ATTENTION_DECODE, f32, float)
+PG_HEAD_DIMS(PAGED_ATTENTION_DECODE, bf16, bf16_t)
+PG_HEAD_DIMS(PAGED_ATTENTION_DECODE, f16, f16_t)
+PG_HEAD_DIMS(PAGED_ATTENTION_DECODE, fp8, fp8_t)
 
 // Merges the partitions of each (row, head): out = Σ acc_p e^(m_p − M) / Σ l_p e^(m_p − M).
 // grid = (T, H); a row uses the first ceil(n_keys / part_size) partitions.

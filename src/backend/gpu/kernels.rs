@@ -300,14 +300,14 @@ mod tests {
                     }
                     ["paged", "attention", kv] => src.contains(&format!("PAGED_ATTENTION({kv},")),
                     ["paged", "attention", "prefill", kv, d] => {
-                        src.contains(&format!("PAGED_ATTENTION_MMA_ALL_D({kv},"))
-                            && src.contains(&format!("PAGED_ATTENTION_MMA(DT, KV, {})", &d[1..]))
+                        src.contains(&format!("PG_HEAD_DIMS(PAGED_ATTENTION_MMA, {kv},"))
+                            && src.contains(&format!("X(DT, KV, {})", &d[1..]))
                     }
                     ["write", "kv", kv] => src.contains(&format!("WRITE_KV({kv},")),
                     ["rope", "write", "kv", kv] => src.contains(&format!("ROPE_WRITE_KV({kv},")),
                     ["paged", "attention", "decode", kv, d] => {
-                        src.contains(&format!("PAGED_ATTENTION_DECODE_ALL_D({kv},"))
-                            && src.contains(&format!("PAGED_ATTENTION_DECODE(DT, KV, {})", &d[1..]))
+                        src.contains(&format!("PG_HEAD_DIMS(PAGED_ATTENTION_DECODE, {kv},"))
+                            && src.contains(&format!("X(DT, KV, {})", &d[1..]))
                     }
                     _ => false,
                 };
