@@ -61,6 +61,33 @@ __device__ __forceinline__ void load_kv_tile(const KV* __restrict__ cache, const
     }
 }
 
+// The rows and keys of one prefill block (the general and the tensor-core kernel): a tile of
+// up to q_tile query rows of sequence blockIdx.y, kv head g, and the keys k_begin .. k_end of
+// context partition `split`; row r of the tile sees base_keys + r keys. False: nothing to do.
+struct PrefillBlock {
+    u32 s, q0, nq, tile0, rows_here, split, g, rep, base_keys, k_begin, k_end, nr;
+};
+__device__ __forceinline__ bool prefill_block(PrefillBlock& b, const u32* __restrict__ query_start,
+                                              const u32* __restrict__ seq_lens, u32 num_heads, u32 num_kv_heads,
+                                              u32 q_tile, u32 part_size, u32 num_splits) {
+    b.s = blockIdx.y;
+    b.q0 = query_start[b.s];
+    b.nq = query_start[b.s + 1] - b.q0;
+    b.tile0 = blockIdx.x * q_tile;
+    if (b.tile0 >= b.nq) return false;
+    b.rows_here = min(q_tile, b.nq - b.tile0);
+    b.split = blockIdx.z % num_splits;
+    b.g = blockIdx.z / num_splits;
+    b.rep = num_heads / num_kv_heads;
+    b.base_keys = seq_lens[b.s] - (b.nq - 1 - b.tile0);
+    const u32 kmax = b.base_keys + b.rows_here - 1;  // the last row's keys
+    b.k_begin = b.split * part_size;
+    if (b.k_begin >= kmax) return false;
+    b.k_end = min(kmax, b.k_begin + part_size);
+    b.nr = b.rows_here * b.rep;
+    return true;
+}
+
 template <typename KV>
 __device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, const KV* __restrict__ k_cache,
                                                 const KV* __restrict__ v_cache, const u32* __restrict__ query_start,
@@ -73,22 +100,11 @@ __device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, c
     // NOTE: K and V rows are read in 16-byte chunks (load_kv_tile), q rows in chunks of 4
     // floats: the host checks that head_dim is a multiple of 8.
     PG_DYNAMIC_SHARED(float, smem);
-    const u32 s = blockIdx.y;
-    const u32 q0 = query_start[s], nq = query_start[s + 1] - q0;
-    const u32 tile0 = blockIdx.x * q_tile;
-    if (tile0 >= nq) return;
-    const u32 rows_here = min(q_tile, nq - tile0);
-    const u32 ctx = seq_lens[s];
-    const u32 split = blockIdx.z % num_splits, g = blockIdx.z / num_splits;
-    const u32 rep = num_heads / num_kv_heads;
+    PrefillBlock pb;
+    if (!prefill_block(pb, query_start, seq_lens, num_heads, num_kv_heads, q_tile, part_size, num_splits)) return;
+    const u32 s = pb.s, q0 = pb.q0, tile0 = pb.tile0, split = pb.split, g = pb.g, rep = pb.rep;
+    const u32 base_keys = pb.base_keys, k_begin = pb.k_begin, k_end = pb.k_end, nr = pb.nr;
     const u32 D = head_dim, KT = k_tile;
-    // Row r of this tile sees base_keys + r keys.
-    const u32 base_keys = ctx - (nq - 1 - tile0);
-    const u32 kmax = base_keys + rows_here - 1;
-    const u32 k_begin = split * part_size;
-    if (k_begin >= kmax) return;
-    const u32 k_end = min(kmax, k_begin + part_size);
-    const u32 nr = rows_here * rep;
     const u32 R = q_tile * rep;
 
     float* q_s = smem;
@@ -263,20 +279,10 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
     constexpr u32 CPR = D / EPC;            // chunks per K or V row
     typedef typename MmaInput<C>::T T;
     PG_DYNAMIC_SHARED(uint4, mma_smem);
-    const u32 s = blockIdx.y;
-    const u32 q0 = query_start[s], nq = query_start[s + 1] - q0;
-    const u32 tile0 = blockIdx.x * q_tile;
-    if (tile0 >= nq) return;
-    const u32 rows_here = min(q_tile, nq - tile0);
-    const u32 ctx = seq_lens[s];
-    const u32 split = blockIdx.z % num_splits, g = blockIdx.z / num_splits;
-    const u32 rep = num_heads / num_kv_heads;
-    const u32 base_keys = ctx - (nq - 1 - tile0);
-    const u32 kmax = base_keys + rows_here - 1;
-    const u32 k_begin = split * part_size;
-    if (k_begin >= kmax) return;
-    const u32 k_end = min(kmax, k_begin + part_size);
-    const u32 nr = rows_here * rep;
+    PrefillBlock pb;
+    if (!prefill_block(pb, query_start, seq_lens, num_heads, num_kv_heads, q_tile, part_size, num_splits)) return;
+    const u32 s = pb.s, q0 = pb.q0, tile0 = pb.tile0, split = pb.split, g = pb.g, rep = pb.rep;
+    const u32 base_keys = pb.base_keys, k_begin = pb.k_begin, k_end = pb.k_end, nr = pb.nr;
     const u32 warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const u32 qd = lane / 4, qt = lane % 4;  // the fragment's row (and row + 8) and column pair
     u16* q_s = reinterpret_cast<u16*>(mma_smem);
