@@ -1153,6 +1153,19 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             Some(20.0),
             DType::F8E4M3,
         ),
+        // blocks of sizes that are not powers of two: a key's block found by division
+        (
+            ("odd blocks, prefill", 5, 6, 2, 16, &[(7, 20), (0, 9)]),
+            None,
+            None,
+            DType::BF16,
+        ),
+        (
+            ("block size 3, mixed", 3, 8, 2, 32, &[(11, 6), (40, 1)]),
+            Some(9),
+            None,
+            DType::F8E4M3,
+        ),
     ];
     let plain = attn.iter().map(|c| (c, None, None, DType::F32));
     let windowed = windowed.iter().map(|(c, w, s)| (c, *w, *s, DType::F32));
