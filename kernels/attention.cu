@@ -318,8 +318,9 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
     const u32 k_first = (window > 0 && base_keys > window) ? base_keys - window : 0;
     for (u32 kt0 = max(k_begin, k_first); kt0 < k_end; kt0 += KT) {
         const u32 nk = min(KT, k_end - kt0);
-        // NOTE: __syncthreads at the loop's end and after Q: this overwrites tiles no warp reads.
-        // Keys past nk are zero, never garbage: P·V multiplies them by p = 0, and 0·NaN is NaN.
+        // NOTE: no warp reads k_s or vt_s here (the barrier at the loop's end), and the barrier
+        // after this load also publishes q_s. Keys past nk are zero, never garbage: P·V
+        // multiplies them by p = 0, and 0·NaN is NaN.
         for (u32 e = threadIdx.x; e < KT * CPR; e += blockDim.x) {
             const u32 jj = e / CPR, c = e % CPR;
             uint4 kw = make_uint4(0, 0, 0, 0), vw = make_uint4(0, 0, 0, 0);

@@ -6,8 +6,9 @@
 // needed: the half-precision conversions below are our own, so no cuda_fp16.h is required.
 //
 // Conventions: activations are f32; weights are f32, f16 or bf16 (stored as raw 16-bit words);
-// the KV cache is f32, bf16, f16 or fp8 (E4M3, raw bytes); index buffers are u32. Every kernel is `extern "C"` so that it is looked up
-// by its plain name; dtype variants are stamped out by macros, never copied by hand.
+// the KV cache is f32, bf16, f16 or fp8 (E4M3, raw bytes); index buffers are u32. Every kernel
+// is `extern "C"` so that it is looked up by its plain name; dtype variants are stamped out by
+// macros, never copied by hand.
 #pragma once
 
 typedef unsigned int u32;
