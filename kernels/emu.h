@@ -401,6 +401,12 @@ static inline float atomicAdd(float* p, float v) {
 }
 static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+static inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+    return (unsigned long long)(((unsigned __int128)a * b) >> 64);
+}
 
 // Half precision through the compiler's _Float16 (round to nearest even, as cvt.rn).
 static inline float f16_bits_to_f32(unsigned bits) { return (float)pg_bits<_Float16>((unsigned short)bits); }

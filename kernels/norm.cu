@@ -1,5 +1,5 @@
-// Row reductions: RMSNorm (alone, and fused with the residual add that precedes it) and the
-// greedy argmax that lets a greedy step bring back token ids instead of logits.
+// Row reductions: RMSNorm (alone, and fused with the residual add that precedes it), LayerNorm,
+// and per-head RMSNorm of q and k.
 // One block per row; blockDim.x is a multiple of PG_WARP_SIZE (at most 1024).
 #include "common.cuh"
 
@@ -68,36 +68,4 @@ extern "C" __global__ void qk_norm_f32(float* qkv, const float* qw, const float*
     const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
     // NOTE: each thread rewrites only the elements it read itself.
     for (u32 i = threadIdx.x; i < head_dim; i += blockDim.x) x[i] = x[i] * inv * w[i];
-}
-
-// out[r] = the index of the largest value of row r; ties go to the lowest index, NaN and -inf
-// never win, and a row with no finite-or-+inf value gives 0 (as the CPU backend does).
-extern "C" __global__ void argmax_f32(const float* logits, u32* out, u32 cols) {
-    __shared__ float sv[1024];
-    __shared__ u32 si[1024];
-    const float* row = logits + (u64)blockIdx.x * cols;
-    float bv = PG_NEG_INF;
-    u32 bi = 0xffffffffu;
-    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = row[i];
-        if (v > bv) {  // strictly greater: this thread visits indices in increasing order
-            bv = v;
-            bi = i;
-        }
-    }
-    sv[threadIdx.x] = bv;
-    si[threadIdx.x] = bi;
-    __syncthreads();
-    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            const float ov = sv[threadIdx.x + s];
-            const u32 oi = si[threadIdx.x + s];
-            if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
-                sv[threadIdx.x] = ov;
-                si[threadIdx.x] = oi;
-            }
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) out[blockIdx.x] = si[0] == 0xffffffffu ? 0u : si[0];
 }

@@ -9,11 +9,12 @@
 //!
 //! The error of a case is `max |got − want| / max |want|` (normalised by the reference's scale).
 //! Tolerances: 1e-5 for f32 arithmetic, 1e-2 where a vendor GEMM rounds activations to f16/bf16
-//! first, exact for argmax.
+//! first, exact for argmax and for sampling on the device (whose cases keep clear of the
+//! boundaries where rounding could choose another token).
 
 use super::{
     Activation, AttentionOptions, Backend, BackendKind, BatchInput, CpuBackend, CudaBackend,
-    DeviceBatch, EmuBackend, HipBackend, KvLayout, QkvLayout, WgpuBackend,
+    DeviceBatch, EmuBackend, HipBackend, KvLayout, QkvLayout, RowSampling, WgpuBackend,
 };
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail};
@@ -137,6 +138,13 @@ enum Case {
         rows: usize,
         cols: usize,
         logits: Vec<f32>,
+    },
+    /// Random sampling on the device (`sample_rows`): one token per row, each row with its
+    /// own temperature, top-k, top-p, min-p and draw.
+    Sample {
+        cols: usize,
+        logits: Vec<f32>,
+        rows: Vec<RowSampling>,
     },
     /// Swap's block copies: the cache filled block by block, some blocks overwritten, some
     /// read back; the result is the blocks read, then the whole cache.
@@ -332,6 +340,13 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
         Case::Argmax { rows, cols, logits } => {
             let lb = be.upload_f32(logits)?;
             be.argmax_rows(&lb, *rows, *cols)?
+                .into_iter()
+                .map(|i| i as f32)
+                .collect()
+        }
+        Case::Sample { cols, logits, rows } => {
+            let lb = be.upload_f32(logits)?;
+            be.sample_rows(&lb, *cols, rows)?
                 .into_iter()
                 .map(|i| i as f32)
                 .collect()
@@ -552,6 +567,11 @@ fn reference(case: &Case) -> Vec<f64> {
         Case::Argmax { rows, cols, logits } => (0..*rows)
             .map(|r| super::argmax(&logits[r * cols..(r + 1) * cols]) as f64)
             .collect(),
+        Case::Sample { cols, logits, rows } => logits
+            .chunks(*cols)
+            .zip(rows)
+            .map(|(x, s)| sample_reference(x, s).0 as f64)
+            .collect(),
         Case::KvBlocks {
             kv,
             cache,
@@ -572,6 +592,111 @@ fn reference(case: &Case) -> Vec<f64> {
             out.extend(c);
             out
         }
+    }
+}
+
+/// The token the device sampler must draw from `x`, from the definitions in f64 (a sort, no
+/// radix select, no integers): top-k on the logits (ties: lowest ids), top-p over what is left
+/// most likely first, min-p, then the draw over what is left in id order. Tokens below 2^-40 of
+/// the most likely one are out, as on the device. Also returns how close the row came to a
+/// boundary (a top-p cut or the draw's edges, relative to the mass; a min-p test, relative to
+/// min-p): a case keeps its rows only where that margin leaves f32 rounding no say.
+fn sample_reference(x: &[f32], s: &RowSampling) -> (usize, f64) {
+    let max = x
+        .iter()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if s.is_greedy() || !max.is_finite() {
+        return (super::argmax(x), f64::INFINITY);
+    }
+    let key = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+    let p: Vec<f64> = x
+        .iter()
+        .map(|&v| {
+            let q = ((f64::from(key(v)) - f64::from(max)) / f64::from(s.temperature)).exp();
+            if q >= 2f64.powi(-40) { q } else { 0.0 }
+        })
+        .collect();
+    let mut keep: Vec<usize> = (0..x.len()).collect();
+    keep.sort_by(|&a, &b| key(x[b]).total_cmp(&key(x[a])).then(a.cmp(&b)));
+    if s.top_k > 0 {
+        keep.truncate(s.top_k as usize);
+    }
+    let mut margin = f64::INFINITY;
+    if s.top_p < 1.0 {
+        let z: f64 = keep.iter().map(|&i| p[i]).sum();
+        let target = f64::from(s.top_p) * z;
+        let mut cum = 0.0;
+        let mut cut = keep.len();
+        for (j, &i) in keep.iter().enumerate() {
+            let before = cum;
+            cum += p[i];
+            if cum >= target && p[i] > 0.0 {
+                margin = margin.min((cum - target).min(target - before) / z);
+                cut = j + 1;
+                break;
+            }
+        }
+        keep.truncate(cut);
+    }
+    if s.min_p > 0.0 {
+        for &i in &keep {
+            margin = margin.min((p[i] / f64::from(s.min_p) - 1.0).abs());
+        }
+        keep.retain(|&i| p[i] >= f64::from(s.min_p));
+    }
+    keep.retain(|&i| p[i] > 0.0);
+    keep.sort_unstable();
+    let total: f64 = keep.iter().map(|&i| p[i]).sum();
+    let t = s.u53 as f64 / (1u64 << 53) as f64 * total;
+    let mut cum = 0.0;
+    for &i in &keep {
+        let before = cum;
+        cum += p[i];
+        if cum > t {
+            return (i, margin.min((t - before).min(cum - t) / total));
+        }
+    }
+    (super::argmax(x), 0.0)
+}
+
+/// How far a sampling case keeps each row from a boundary. The device's probabilities are within
+/// about 2e-6 of the exact ones (expf of an argument rounded in f32, up to 13 in magnitude
+/// here), so their sums are too.
+const SAMPLE_MARGIN: f64 = 5e-6;
+
+/// A `sample_rows` case: `rows` over random logits in [-scale, scale] with `cols` columns
+/// (`ties` tokens of each row given the row's largest logit), each row's draw and logits drawn
+/// again until the row is [`SAMPLE_MARGIN`] away from every boundary.
+fn sample_case(
+    r: &mut ChaCha8Rng,
+    cols: usize,
+    scale: f32,
+    ties: usize,
+    rows: &[RowSampling],
+) -> Case {
+    let mut logits = Vec::with_capacity(rows.len() * cols);
+    let mut out = Vec::with_capacity(rows.len());
+    for s in rows {
+        let mut s = *s;
+        let row = loop {
+            let mut x: Vec<f32> = rand_vec(r, cols).iter().map(|v| v * scale).collect();
+            let top = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            for j in 0..ties {
+                x[(j * 7919 + 13) % cols] = top;
+            }
+            s.u53 = r.next_u64() >> 11;
+            if sample_reference(&x, &s).1 > SAMPLE_MARGIN {
+                break x;
+            }
+        };
+        logits.extend(row);
+        out.push(s);
+    }
+    Case::Sample {
+        cols,
+        logits,
+        rows: out,
     }
 }
 
@@ -1216,6 +1341,63 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         0.0,
         Case::Argmax { rows, cols, logits },
     ));
+    // sampling on the device: each stage alone and together, ties across the top-k and top-p
+    // cuts, greedy and top-k 1 rows among random ones, a peaked row; then many small rows
+    let row = |temperature: f32, top_k: u32, top_p: f32, min_p: f32| RowSampling {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        u53: 0,
+    };
+    let cols = 50_000;
+    let rows = [
+        row(1.0, 0, 1.0, 0.0),
+        row(0.7, 50, 1.0, 0.0),
+        row(1.3, 0, 0.9, 0.0),
+        row(0.9, 0, 1.0, 0.1),
+        row(0.8, 1000, 0.8, 0.05),
+        RowSampling::GREEDY,
+        row(1.0, 1, 1.0, 0.0),
+        row(2.0, 200, 0.95, 0.01),
+    ];
+    out.push((
+        "sample".into(),
+        format!("{}x{cols}: T, top-k, top-p, min-p, greedy", rows.len()),
+        0.0,
+        sample_case(&mut r, cols, 6.0, 0, &rows),
+    ));
+    let ties = [row(1.0, 20, 1.0, 0.0), row(1.0, 40, 0.5, 0.0), row(0.5, 0, 0.3, 0.0)];
+    out.push((
+        "sample".into(),
+        format!("{}x{cols}: 30 tokens tied for first", ties.len()),
+        0.0,
+        sample_case(&mut r, cols, 6.0, 30, &ties),
+    ));
+    let peaked = [row(1.0, 0, 1.0, 0.0), row(0.6, 0, 0.99, 0.0)];
+    out.push((
+        "sample".into(),
+        format!("{}x{cols}: logits up to 40", peaked.len()),
+        0.0,
+        sample_case(&mut r, cols, 40.0, 0, &peaked),
+    ));
+    let small: Vec<RowSampling> = (0..48)
+        .map(|i| {
+            let mut pick = |n: u32| r.next_u32() % n;
+            row(
+                [0.5, 1.0, 1.5][pick(3) as usize],
+                [0, 0, 5, 100][pick(4) as usize],
+                [1.0, 0.9, 0.6][pick(3) as usize],
+                [0.0, 0.0, 0.2][i % 3],
+            )
+        })
+        .collect();
+    out.push((
+        "sample".into(),
+        format!("{}x100: random settings", small.len()),
+        0.0,
+        sample_case(&mut r, 100, 3.0, 0, &small),
+    ));
     // KV block copies (swap): 80 blocks of 512 bytes span several parts of a split cache;
     // half and fp8 caches round what is written (the reference too) and widen what is read
     for dtype in [DType::F32, DType::BF16, DType::F16, DType::F8E4M3] {
@@ -1258,10 +1440,19 @@ impl Case {
             _ => None,
         }
     }
+
+    /// Whether `be` runs the case: a KV cache type it stores, random sampling where it samples
+    /// on the device.
+    fn runs_on<B: Backend>(&self, be: &B) -> bool {
+        let kv = self
+            .kv_dtype()
+            .is_none_or(|d| be.kv_cache_dtypes().contains(&d));
+        kv && (be.samples_on_device() || !matches!(self, Case::Sample { .. }))
+    }
 }
 
 /// Runs every case of the table on `be` against `want` (the CPU backend or the f64 reference).
-/// Cases with a KV cache type the backend does not store are left out.
+/// Cases the backend does not run ([`Case::runs_on`]) are left out.
 fn check_with<B: Backend>(
     be: &B,
     seed: u64,
@@ -1269,10 +1460,7 @@ fn check_with<B: Backend>(
 ) -> Vec<CheckRow> {
     cases(seed)
         .into_iter()
-        .filter(|(.., case)| {
-            case.kv_dtype()
-                .is_none_or(|d| be.kv_cache_dtypes().contains(&d))
-        })
+        .filter(|(.., case)| case.runs_on(be))
         .map(|(op, case_name, tol, case)| {
             let want = want(&case);
             let t0 = std::time::Instant::now();
@@ -1300,11 +1488,8 @@ pub fn check_backend<B: Backend>(be: &B, seed: u64) -> Vec<CheckRow> {
     let cpu = CpuBackend::new();
     check_with(be, seed, |case| {
         // NOTE: a cache type the CPU does not store is checked against the f64 reference,
-        // which rounds K and V as the cache does.
-        if case
-            .kv_dtype()
-            .is_some_and(|d| !cpu.kv_cache_dtypes().contains(&d))
-        {
+        // which rounds K and V as the cache does; so is sampling on the device.
+        if !case.runs_on(&cpu) {
             return Ok(reference(case));
         }
         Ok(run(&cpu, case)?.into_iter().map(f64::from).collect())
@@ -1386,14 +1571,11 @@ mod tests {
 
     #[test]
     fn the_reference_can_fail() {
-        // a wrong output is caught: every case run on the CPU (or, for a KV cache type the CPU
-        // does not store, the reference itself), its first value perturbed
+        // a wrong output is caught: every case run on the CPU (or, for a case the CPU does not
+        // run, the reference itself), its first value perturbed
         let cpu = CpuBackend::new();
         for (_, name, tol, case) in cases(3) {
-            let mut got = if case
-                .kv_dtype()
-                .is_none_or(|d| cpu.kv_cache_dtypes().contains(&d))
-            {
+            let mut got = if case.runs_on(&cpu) {
                 run(&cpu, &case).unwrap()
             } else {
                 reference(&case).into_iter().map(|x| x as f32).collect()

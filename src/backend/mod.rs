@@ -644,6 +644,66 @@ pub trait Backend: Send + Sync + 'static {
             .map(|r| argmax(&v[r * cols..(r + 1) * cols]) as u32)
             .collect())
     }
+
+    /// Whether [`Self::sample_rows`] draws random samples on the device (otherwise it takes
+    /// greedy rows only, and the engine samples the others on the host).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+
+    /// The token chosen from each row of `logits` `[rows.len(), cols]` as `rows` asks; see
+    /// [`RowSampling`]. The default takes greedy rows only ([`Self::argmax_rows`]).
+    fn sample_rows(&self, logits: &Self::Buf, cols: usize, rows: &[RowSampling]) -> Result<Vec<u32>> {
+        anyhow::ensure!(
+            rows.iter().all(RowSampling::is_greedy),
+            "{} samples on the host: only greedy rows can be reduced on the device",
+            self.name()
+        );
+        self.argmax_rows(logits, rows.len(), cols)
+    }
+}
+
+/// How one logits row becomes a token on the device ([`Backend::sample_rows`]): the host
+/// sampler's temperature, top-k, top-p and min-p, and its uniform draw for the row's
+/// `(seed, step)`. Penalties, logit bias, banned tokens, structured output and log-probabilities
+/// are not here: rows that need them are sampled on the host.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSampling {
+    /// 0: greedy (the argmax, ties to the lowest id).
+    pub temperature: f32,
+    /// 0: every token.
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// The draw u in [0, 1) as 53 bits: u = `u53` / 2^53.
+    pub u53: u64,
+}
+
+impl RowSampling {
+    pub const GREEDY: RowSampling = RowSampling {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        u53: 0,
+    };
+
+    pub fn is_greedy(&self) -> bool {
+        !(self.temperature > 0.0) || self.top_k == 1
+    }
+
+    /// The kernels' parameter words: temperature, top_k, top_p, min_p (f32 bits), the draw's
+    /// low and high words.
+    pub fn words(&self) -> [u32; 6] {
+        [
+            self.temperature.to_bits(),
+            self.top_k,
+            self.top_p.to_bits(),
+            self.min_p.to_bits(),
+            self.u53 as u32,
+            (self.u53 >> 32) as u32,
+        ]
+    }
 }
 
 /// Checks a `write_kv_blocks` call's sizes: `data` holds `blocks.len()` blocks of `block_len`.

@@ -29,6 +29,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("cache", include_str!("../../../kernels/cache.cu")),
     ("attention", include_str!("../../../kernels/attention.cu")),
     ("matmul", include_str!("../../../kernels/matmul.cu")),
+    ("sample", include_str!("../../../kernels/sample.cu")),
 ];
 
 /// Weight dtypes as they appear in kernel names.
@@ -47,6 +48,9 @@ pub const TENSOR_CORES_DEFINE: &str = "-DPG_TENSOR_CORES=1";
 /// a `paged_attention_prefill_<kv dtype>_d<D>` one where there are tensor cores; others go
 /// through the general kernel.
 pub const DECODE_HEAD_DIMS: [usize; 7] = [16, 32, 64, 80, 96, 128, 256];
+
+/// Threads per block of the `sample` kernels (`SAMPLE_THREADS` in sample.cu).
+pub const SAMPLE_THREADS: u32 = 512;
 
 /// Largest row count served by the `matvec_<dtype>_<M>` kernels.
 pub const MATVEC_MAX_ROWS: usize = 8;
@@ -71,8 +75,8 @@ pub fn kernel_names(stem: &str, tensor_cores: bool) -> Vec<String> {
             "add_rms_norm_f32",
             "layer_norm_f32",
             "qk_norm_f32",
-            "argmax_f32",
         ],
+        "sample" => &["argmax_f32", "sample_f32"],
         "rope" => &["rope_f32"],
         "attention" => &["attention_reduce_f32"],
         _ => &[],

@@ -18,7 +18,9 @@ mod runtime;
 pub use memory::GpuBuf;
 pub use runtime::{CclLibrary, Elem, GpuRuntime};
 
-use super::{Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
+use super::{
+    Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout, RowSampling,
+};
 use crate::tensor::{DType, HostTensor, e4m3_to_f32, f32_to_e4m3};
 use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
@@ -1143,10 +1145,39 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         self.launch(
             "argmax_f32",
             [u32_arg(rows, "rows")?.bits() as u32, 1, 1],
-            [1024, 1, 1],
+            [kernels::SAMPLE_THREADS, 1, 1],
             0,
             &[
                 Arg::P(logits.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(cols, "cols")?,
+            ],
+        )?;
+        Ok(from_bytes::<u32>(&self.download_bytes(&out)?))
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn sample_rows(&self, logits: &GpuBuf<R>, cols: usize, rows: &[RowSampling]) -> Result<Vec<u32>> {
+        if rows.iter().all(RowSampling::is_greedy) {
+            return self.argmax_rows(logits, rows.len(), cols);
+        }
+        self.rt.bind()?;
+        logits.expect(Elem::F32, "sample")?;
+        ensure!(logits.len >= rows.len() * cols, "sample: buffer too small");
+        let words: Vec<u32> = rows.iter().flat_map(RowSampling::words).collect();
+        let params = self.upload_u32(&words)?;
+        let out = self.alloc(rows.len(), Elem::U32, false)?;
+        self.launch(
+            "sample_f32",
+            [u32_arg(rows.len(), "rows")?.bits() as u32, 1, 1],
+            [kernels::SAMPLE_THREADS, 1, 1],
+            0,
+            &[
+                Arg::P(logits.ptr()),
+                Arg::P(params.ptr()),
                 Arg::P(out.ptr()),
                 u32_arg(cols, "cols")?,
             ],
