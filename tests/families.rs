@@ -209,6 +209,57 @@ fn first_logits_match_transformers() {
     }
 }
 
+/// Random sampling where the logits are (the emulated GPU's `sample_f32`): a seeded request
+/// gives the same tokens alone, again, and in a batch whose other rows are greedy (on the
+/// device too), sampled on the host (log-probabilities) or seeded otherwise; the greedy row
+/// still gives transformers' tokens.
+#[test]
+fn seeded_sampling_on_the_emulated_gpu_is_reproducible_in_any_batch() {
+    let m = TINY_FAMILIES[0];
+    let e = &entries(m)[0];
+    let prompt = || Prompt::Tokens(ids(&e["prompt_ids"]));
+    let want = ids(&e["generated_ids"]);
+    let seeded = |seed: u64| SamplingParams {
+        temperature: 0.8,
+        top_p: 0.9,
+        top_k: 40,
+        seed: Some(seed),
+        ..greedy(12)
+    };
+    let mut llm = engine(m, BackendKind::Emu, Some(1 << 20));
+    let alone = |llm: &mut LLM, p: SamplingParams| {
+        let out = llm.generate_each(vec![(prompt(), p)]).unwrap();
+        out[0].outputs[0].token_ids.clone()
+    };
+    let a = alone(&mut llm, seeded(11));
+    assert_eq!(a.len(), 12);
+    assert_eq!(llm.engine().stats().random_samples_on_device, 12);
+    assert_eq!(alone(&mut llm, seeded(11)), a);
+    let b = alone(&mut llm, seeded(12));
+    assert_ne!(a, b, "two seeds gave the same 12 tokens");
+    let outs = llm
+        .generate_each(vec![
+            (prompt(), greedy(want.len())),
+            (prompt(), seeded(11)),
+            (
+                prompt(),
+                SamplingParams {
+                    logprobs: Some(2),
+                    ..seeded(11)
+                },
+            ),
+            (prompt(), seeded(12)),
+        ])
+        .unwrap();
+    assert_eq!(outs[0].outputs[0].token_ids, want);
+    assert_eq!(outs[1].outputs[0].token_ids, a);
+    assert_eq!(outs[3].outputs[0].token_ids, b);
+    // the row with log-probabilities was drawn on the host: 12 + 12 + 12 device draws before,
+    // 24 now
+    assert_eq!(llm.engine().stats().random_samples_on_device, 60);
+    assert_eq!(outs[2].outputs[0].token_ids.len(), 12);
+}
+
 /// Prefill over bf16, f16 and fp8 caches on the emulated GPU, where it runs on (emulated)
 /// tensor cores: K and V are stored rounded, and Q and the probabilities are rounded to a
 /// 16-bit type, so the logits stay within the cache's precision of transformers' f32 ones.

@@ -59,7 +59,9 @@ fn runner_with(
 fn prefill(r: &mut dyn ModelRunner, prompt: &[u32]) -> Vec<f32> {
     let table: Vec<u32> = (1..64u32).rev().collect();
     let input: BatchInput = single_sequence_step(prompt.to_vec(), 0, &table, 16);
-    r.execute(input).unwrap()
+    let out = r.execute(input, &[None]).unwrap();
+    assert_eq!(out.tokens, [None]);
+    out.logits
 }
 
 /// Greedy decoding of `(prompt, generated)` pairs, all in one batch, under `parallel`.
@@ -466,7 +468,7 @@ fn fail_and_recover(r: &mut dyn ModelRunner) {
     let table: Vec<u32> = (1..64u32).rev().collect();
     let mut bad = single_sequence_step(prompt.clone(), 0, &table, 16);
     bad.positions[2] = 1 << 20;
-    let e = format!("{:#}", r.execute(bad).unwrap_err());
+    let e = format!("{:#}", r.execute(bad, &[None]).unwrap_err());
     assert!(e.contains("beyond the maximum model length"), "{e}");
     assert!(!e.contains("another worker failed"), "{e}");
     assert_eq!(prefill(r, &prompt), before);
@@ -487,14 +489,18 @@ fn a_failed_step_with_another_in_flight_leaves_the_workers_usable() {
     let good = single_sequence_step(prompt.clone(), 0, &table, 16);
     let mut bad = good.clone();
     bad.positions[2] = 1 << 20;
-    r.start(good, false).unwrap();
-    r.start(bad, false).unwrap();
+    r.start(good, vec![None]).unwrap();
+    r.start(bad, vec![None]).unwrap();
     let e = match r.finish() {
-        Ok((logits, None)) => {
-            assert_eq!(logits, before);
+        Ok(out) => {
+            assert_eq!(
+                out.tokens,
+                [None],
+                "a token for a step that asked for logits"
+            );
+            assert_eq!(out.logits, before);
             r.finish().unwrap_err()
         }
-        Ok(_) => panic!("token ids for a step that asked for logits"),
         Err(e) => {
             let again = format!("{:#}", r.finish().unwrap_err());
             assert!(again.contains("no step is in flight"), "{again}");

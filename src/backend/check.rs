@@ -1367,7 +1367,11 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         0.0,
         sample_case(&mut r, cols, 6.0, 0, &rows),
     ));
-    let ties = [row(1.0, 20, 1.0, 0.0), row(1.0, 40, 0.5, 0.0), row(0.5, 0, 0.3, 0.0)];
+    let ties = [
+        row(1.0, 20, 1.0, 0.0),
+        row(1.0, 40, 0.5, 0.0),
+        row(0.5, 0, 0.3, 0.0),
+    ];
     out.push((
         "sample".into(),
         format!("{}x{cols}: 30 tokens tied for first", ties.len()),

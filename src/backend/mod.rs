@@ -653,7 +653,12 @@ pub trait Backend: Send + Sync + 'static {
 
     /// The token chosen from each row of `logits` `[rows.len(), cols]` as `rows` asks; see
     /// [`RowSampling`]. The default takes greedy rows only ([`Self::argmax_rows`]).
-    fn sample_rows(&self, logits: &Self::Buf, cols: usize, rows: &[RowSampling]) -> Result<Vec<u32>> {
+    fn sample_rows(
+        &self,
+        logits: &Self::Buf,
+        cols: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>> {
         anyhow::ensure!(
             rows.iter().all(RowSampling::is_greedy),
             "{} samples on the host: only greedy rows can be reduced on the device",

@@ -8,24 +8,24 @@ pub mod runner;
 mod workers;
 
 pub use llm::{CompletionOutput, LLM, RequestOutput};
-pub use runner::{KvBudget, ModelRunner};
+pub use runner::{KvBudget, ModelRunner, StepResult};
 
-use crate::backend::{BackendKind, BatchInput};
+use crate::backend::{BackendKind, BatchInput, RowSampling};
 use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK, PrefixCacheStats};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{KvCacheDtype, ModelConfig, load_model};
 use crate::parallel::{NodeConfig, ParallelConfig};
 use crate::sampling::{
     IncrementalDetokenizer, InvalidParam, Restrict, SamplingDefaults, SamplingParams, StopChecker,
-    StructuredCompiler, TokenLogprobs, sampler::sample_restricted, structured::allowed_tokens,
-    token_logprob,
+    StructuredCompiler, TokenLogprobs, sampler::sample_restricted, sampler::uniform_bits,
+    structured::allowed_tokens, token_logprob,
 };
 use crate::sched::{
     FinishReason, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig, SchedulerOutput,
     SchedulingPolicy,
 };
 use crate::tensor::WeightDtype;
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, ensure};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
 use std::collections::HashMap;
@@ -103,11 +103,11 @@ impl Default for EngineArgs {
     }
 }
 
-/// Whether a request's next token is the argmax of the raw logits: greedy (or top-k 1), no
-/// penalties, no logprobs.
-fn argmax_suffices(p: &SamplingParams) -> bool {
-    (p.is_greedy() || p.effective_top_k() == Some(1))
-        && p.repetition_penalty == 1.0
+/// Whether a request's next token can be chosen where the logits are ([`RowSampling`]: the
+/// temperature, top-k, top-p and min-p with the host's draw): no penalties, logit bias, banned
+/// tokens, structured output or log-probabilities, which need the logits on the host.
+fn samples_anywhere(p: &SamplingParams) -> bool {
+    p.repetition_penalty == 1.0
         && p.presence_penalty == 0.0
         && p.frequency_penalty == 0.0
         && p.logprobs.is_none()
@@ -117,6 +117,24 @@ fn argmax_suffices(p: &SamplingParams) -> bool {
         && p.bad_words.is_empty()
         && p.structured.is_none()
         && p.prompt_logprobs.is_none()
+}
+
+/// How a request that [`samples_anywhere`] draws its next token (`step`: its output's length),
+/// as the host sampler would: greedy (also top-k 1) as the argmax, else with the draw of
+/// `(seed, step)`.
+fn row_sampling(p: &SamplingParams, seed: u64, step: usize) -> RowSampling {
+    if p.is_greedy() || p.effective_top_k() == Some(1) {
+        return RowSampling::GREEDY;
+    }
+    RowSampling {
+        temperature: p.temperature,
+        top_k: p
+            .effective_top_k()
+            .map_or(0, |k| k.min(u32::MAX as usize) as u32),
+        top_p: p.top_p,
+        min_p: p.min_p,
+        u53: uniform_bits(seed, step),
+    }
 }
 
 /// The token sequences of `bad_words` (vLLM's way): each word as written and with a leading
@@ -303,6 +321,9 @@ pub struct EngineStats {
     pub step_time_s: f64,
     /// Steps started while another was in flight (pipeline parallelism).
     pub overlapped_steps: u64,
+    /// Tokens drawn at random by the backend where the logits are (temperature, top-k, top-p,
+    /// min-p on a GPU), not on the host.
+    pub random_samples_on_device: u64,
 }
 
 /// A scheduled step on its way through the model, and what its results are for.
@@ -314,8 +335,9 @@ struct PendingStep {
     /// The prompt rows asked for by `prompt_logprobs`: (request, position whose next token
     /// they score, row).
     prompt_rows: Vec<(RequestId, usize, usize)>,
-    /// Every sampled row is plain greedy: the runner returns token ids, not logits.
-    greedy_only: bool,
+    /// How each logits row is reduced: its token chosen where the logits are (greedy rows,
+    /// and random ones where the backend samples), or `None`: its logits come to the host.
+    reduce: Vec<Option<RowSampling>>,
 }
 
 /// A structured-output request's allowed tokens for the next step, or why there are none.
@@ -817,15 +839,9 @@ impl Engine {
                 return Err(e);
             }
         };
-        let greedy_only = step.greedy_only;
+        let reduce = &step.reduce;
         let runner = &mut self.runner;
-        let execute = move || {
-            if greedy_only {
-                runner.execute_greedy(input).map(|g| (Vec::new(), Some(g)))
-            } else {
-                runner.execute(input).map(|l| (l, None))
-            }
-        };
+        let execute = move || runner.execute(input, reduce);
         // NOTE: the structured-output masks are computed while the model runs (as vLLM
         // overlaps them): they depend only on each request's output so far.
         let constrained = constrained_matchers(&mut self.states, &step.sampling);
@@ -847,7 +863,7 @@ impl Engine {
             })
         };
         let outputs = match executed {
-            Ok((logits, greedy_ids)) => self.complete_step(step, logits, greedy_ids, masks),
+            Ok(result) => self.complete_step(step, result, masks),
             Err(e) => {
                 // NOTE: blocks registered in the prefix cache this step were not (all)
                 // written: forget every cached prefix rather than let a later request read
@@ -885,7 +901,7 @@ impl Engine {
                         return Err(self.fail_pending(e));
                     }
                 };
-                if let Err(e) = self.runner.start(input, step.greedy_only) {
+                if let Err(e) = self.runner.start(input, step.reduce.clone()) {
                     self.scheduler.step_failed(&step.sched);
                     return Err(self.fail_pending(e));
                 }
@@ -904,7 +920,7 @@ impl Engine {
         // NOTE: the masks are computed while the stages run the steps in flight.
         let masks = compute_masks(constrained_matchers(&mut self.states, &step.sampling));
         let outputs = match self.runner.finish() {
-            Ok((logits, greedy_ids)) => self.complete_step(step, logits, greedy_ids, masks),
+            Ok(result) => self.complete_step(step, result, masks),
             Err(e) => {
                 self.scheduler.step_failed(&step.sched);
                 return Err(self.fail_pending(e));
@@ -992,15 +1008,19 @@ impl Engine {
             }
         }
         self.stats.batched_tokens += input.token_ids.len() as u64;
-        // NOTE: when every sampled row is plain greedy, the backend reduces the logits to token
-        // ids itself (on a GPU, only those come back).
-        let greedy_only = !sampling.is_empty()
-            && prompt_rows.is_empty()
-            && sampling.iter().all(|id| {
-                self.states
-                    .get(id)
-                    .is_some_and(|st| argmax_suffices(&st.params))
-            });
+        // NOTE: where a row is sampled depends on its request and the backend only, never on
+        // the rest of the batch, so a seeded request gives the same tokens in any batch.
+        let on_device = self.runner.samples_on_device();
+        let mut reduce = vec![None; input.logits_rows.len()];
+        for (id, &row) in sampling.iter().zip(&sample_rows) {
+            let (Some(st), Some(req)) = (self.states.get(id), self.scheduler.request(*id)) else {
+                continue;
+            };
+            let how = row_sampling(&st.params, st.seed, req.output().len());
+            if samples_anywhere(&st.params) && (on_device || how.is_greedy()) {
+                reduce[row] = Some(how);
+            }
+        }
         Ok((
             input,
             PendingStep {
@@ -1008,7 +1028,7 @@ impl Engine {
                 sampling,
                 sample_rows,
                 prompt_rows,
-                greedy_only,
+                reduce,
             },
         ))
     }
@@ -1018,8 +1038,7 @@ impl Engine {
     fn complete_step(
         &mut self,
         step: PendingStep,
-        logits: Vec<f32>,
-        greedy_ids: Option<Vec<u32>>,
+        result: StepResult,
         mut masks: HashMap<RequestId, Masked>,
     ) -> Result<Vec<StepOutput>> {
         let PendingStep {
@@ -1027,9 +1046,24 @@ impl Engine {
             sampling,
             sample_rows,
             prompt_rows,
-            ..
+            reduce,
         } = step;
         let vocab = self.config.vocab_size;
+        let StepResult { tokens, logits } = result;
+        // Where each row's logits are in `logits` (rows that came back as a token have none).
+        let mut host_row = Vec::with_capacity(reduce.len());
+        let mut n = 0;
+        for t in &tokens {
+            host_row.push(n);
+            n += usize::from(t.is_none());
+        }
+        ensure!(
+            tokens.len() == reduce.len() && logits.len() == n * vocab,
+            "the runner returned {} tokens and {} logits for {} rows",
+            tokens.len(),
+            logits.len(),
+            reduce.len()
+        );
 
         // NOTE: a request aborted while its step was in flight has no state any more: its
         // results are dropped.
@@ -1038,6 +1072,7 @@ impl Engine {
             else {
                 continue;
             };
+            let row = host_row[row];
             let row = &logits[row * vocab..(row + 1) * vocab];
             let next = req.tokens[pos + 1];
             let k = st.params.prompt_logprobs.unwrap_or(0);
@@ -1046,11 +1081,14 @@ impl Engine {
         let mut sampled = HashMap::new();
         let mut logprobs = HashMap::new();
         for (i, id) in sampling.iter().enumerate() {
-            if let Some(g) = &greedy_ids {
-                sampled.insert(*id, g[i]);
+            let i = sample_rows[i];
+            if let Some(t) = tokens[i] {
+                self.stats.random_samples_on_device +=
+                    u64::from(reduce[i].is_some_and(|r| !r.is_greedy()));
+                sampled.insert(*id, t);
                 continue;
             }
-            let i = sample_rows[i];
+            let i = host_row[i];
             let (Some(req), Some(st)) = (self.scheduler.request(*id), self.states.get_mut(id))
             else {
                 continue;

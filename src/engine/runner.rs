@@ -4,7 +4,7 @@
 
 use crate::backend::{
     Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, EmuBackend, HipBackend,
-    WgpuBackend,
+    RowSampling, WgpuBackend,
 };
 use crate::models::WeightStats;
 use crate::models::kv_cache::{self, KvCache, KvCacheDtype, LayerKvSpec};
@@ -40,12 +40,19 @@ pub trait ModelRunner: Send {
     fn kv_bytes(&self) -> u64;
     /// Element type of the KV pool (`--kv-cache-dtype` resolved).
     fn kv_dtype(&self) -> DType;
-    /// Runs the batch: writes its K/V into the pool and returns the logits `[R, vocab]` of the
-    /// rows in `logits_rows`, on the host.
-    fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>>;
-    /// Runs the batch like [`Self::execute`] but returns the argmax token of each row in
-    /// `logits_rows` (greedy requests): on a GPU only the token ids come back.
-    fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>>;
+    /// Runs the batch: writes its K/V into the pool, then for each row in `logits_rows` either
+    /// chooses its token where the logits are (a [`RowSampling`] in `sampling`; on a GPU only
+    /// the token comes back) or brings its logits to the host (`None`). Random rows only where
+    /// [`Self::samples_on_device`]; greedy rows everywhere.
+    fn execute(
+        &mut self,
+        input: BatchInput,
+        sampling: &[Option<RowSampling>],
+    ) -> Result<StepResult>;
+    /// Whether [`Self::execute`] draws random samples (not only greedy ones).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
     /// Copies KV blocks of every layer to host blocks (`out`: device, host), then host blocks
     /// to device blocks (`inn`: host, device): swap preemption's transfers for one step.
     fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()>;
@@ -60,16 +67,101 @@ pub trait ModelRunner: Send {
     }
     /// Starts a step and returns without waiting for it (where [`Self::max_in_flight`] is
     /// more than 1): [`Self::finish`] returns the results of the steps started, oldest first,
-    /// as `execute` (logits) or, with `greedy`, as `execute_greedy` (token ids) would.
-    fn start(&mut self, input: BatchInput, greedy: bool) -> Result<()> {
-        let _ = (input, greedy);
+    /// as `execute` would.
+    fn start(&mut self, input: BatchInput, sampling: Vec<Option<RowSampling>>) -> Result<()> {
+        let _ = (input, sampling);
         bail!("this runner runs one step at a time")
     }
-    /// Waits for the oldest step started and returns its logits, or its token ids. After an
-    /// error every step in flight is dropped.
-    fn finish(&mut self) -> Result<(Vec<f32>, Option<Vec<u32>>)> {
+    /// Waits for the oldest step started and returns its results. After an error every step
+    /// in flight is dropped.
+    fn finish(&mut self) -> Result<StepResult> {
         bail!("this runner runs one step at a time")
     }
+}
+
+/// What a step brings back to the host.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepResult {
+    /// Per logits row: the token chosen where the logits are, or `None` for a row whose logits
+    /// came back.
+    pub tokens: Vec<Option<u32>>,
+    /// The logits `[rows without a token, vocab]`, in row order.
+    pub logits: Vec<f32>,
+}
+
+impl StepResult {
+    /// The logits of the rows without a token, and the greedy ones' argmax, from the logits of
+    /// every row `[R, vocab]` already on the host. Random rows are refused: sampling them is
+    /// the engine's (this runner's `samples_on_device` is false).
+    pub fn from_host(
+        logits: Vec<f32>,
+        vocab: usize,
+        sampling: &[Option<RowSampling>],
+    ) -> Result<Self> {
+        anyhow::ensure!(
+            logits.len() == sampling.len() * vocab,
+            "{} logits for {} rows of {vocab}",
+            logits.len(),
+            sampling.len()
+        );
+        if sampling.iter().all(Option::is_none) {
+            let tokens = vec![None; sampling.len()];
+            return Ok(StepResult { tokens, logits });
+        }
+        let mut out = StepResult::default();
+        for (row, s) in logits.chunks_exact(vocab.max(1)).zip(sampling) {
+            out.tokens.push(match s {
+                None => {
+                    out.logits.extend_from_slice(row);
+                    None
+                }
+                Some(s) => {
+                    anyhow::ensure!(
+                        s.is_greedy(),
+                        "this runner samples on the host: only greedy rows are reduced here"
+                    );
+                    Some(crate::backend::argmax(row) as u32)
+                }
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// [`ModelRunner::execute`]'s reduction on one backend: the rows with a [`RowSampling`]
+/// sampled where the logits are `[R, vocab]`, the others' logits gathered and downloaded.
+fn reduce_logits<B: Backend>(
+    b: &B,
+    logits: &B::Buf,
+    vocab: usize,
+    sampling: &[Option<RowSampling>],
+) -> Result<StepResult> {
+    let host: Vec<u32> = (0..sampling.len() as u32)
+        .filter(|&i| sampling[i as usize].is_none())
+        .collect();
+    let tokens = if host.len() == sampling.len() {
+        vec![None; sampling.len()]
+    } else {
+        // NOTE: the rows whose logits come back are reduced too (as greedy, one cheap pass)
+        // rather than gathered out first.
+        let rows: Vec<RowSampling> = sampling
+            .iter()
+            .map(|s| s.unwrap_or(RowSampling::GREEDY))
+            .collect();
+        let t = b.sample_rows(logits, vocab, &rows)?;
+        sampling.iter().zip(t).map(|(s, t)| s.map(|_| t)).collect()
+    };
+    let logits = if host.is_empty() {
+        Vec::new()
+    } else if host.len() == sampling.len() {
+        b.download_f32(logits)?
+    } else {
+        let idx = b.upload_u32(&host)?;
+        let mut out = b.alloc_f32(host.len() * vocab)?;
+        b.gather_rows(logits, &idx, vocab, &mut out)?;
+        b.download_f32(&out)?
+    };
+    Ok(StepResult { tokens, logits })
 }
 
 pub(super) struct Runner<B: Backend> {
@@ -101,19 +193,24 @@ impl<B: Backend> ModelRunner for Runner<B> {
     fn kv_dtype(&self) -> DType {
         self.kv.layouts.first().map_or(DType::F32, |l| l.dtype)
     }
-    fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>> {
+    fn execute(
+        &mut self,
+        input: BatchInput,
+        sampling: &[Option<RowSampling>],
+    ) -> Result<StepResult> {
+        anyhow::ensure!(
+            sampling.len() == input.logits_rows.len(),
+            "{} sampling entries for {} logits rows",
+            sampling.len(),
+            input.logits_rows.len()
+        );
         let batch = DeviceBatch::upload(&self.backend, input)?;
         let (model, backend, kv) = (&self.model, &self.backend, &mut self.kv);
         let logits = backend.run_step(|| model.forward(backend, &batch, kv))?;
-        self.backend.download_f32(&logits)
+        reduce_logits(backend, &logits, model.config().vocab_size, sampling)
     }
-    fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>> {
-        let rows = input.logits_rows.len();
-        let batch = DeviceBatch::upload(&self.backend, input)?;
-        let (model, backend, kv) = (&self.model, &self.backend, &mut self.kv);
-        let logits = backend.run_step(|| model.forward(backend, &batch, kv))?;
-        self.backend
-            .argmax_rows(&logits, rows, self.model.config().vocab_size)
+    fn samples_on_device(&self) -> bool {
+        self.backend.samples_on_device()
     }
     fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()> {
         let (b, kv) = (&self.backend, &mut self.kv);

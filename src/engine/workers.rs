@@ -17,8 +17,10 @@
 //! workers share the cores, so this is a way to test the sharded model more than a speed-up.
 
 use super::nodes;
-use super::runner::{LogitsPart, ModelRunner, Runner, RunnerArgs, kv_spec, plan, pool_blocks};
-use crate::backend::{Backend, BatchInput};
+use super::runner::{
+    LogitsPart, ModelRunner, Runner, RunnerArgs, StepResult, kv_spec, plan, pool_blocks,
+};
+use crate::backend::{Backend, BatchInput, RowSampling};
 use crate::models::kv_cache;
 use crate::models::{LoadedModel, WeightStats, registry};
 use crate::parallel::tcp::{Msg, write_msg};
@@ -92,8 +94,8 @@ pub struct ParallelRunner {
     /// Jobs given and not yet collected, oldest first: how many workers got each, and why the
     /// others could not be given it.
     given: VecDeque<(usize, Option<anyhow::Error>)>,
-    /// Steps started and not yet finished: their logits rows, and whether greedy.
-    in_flight: VecDeque<(usize, bool)>,
+    /// Steps started and not yet finished: how each of their logits rows is reduced.
+    in_flight: VecDeque<Vec<Option<RowSampling>>>,
     /// Steps that may be in flight: the pipeline's stages (`PAGODA_PIPELINE_STEPS` sets fewer).
     max_in_flight: usize,
 }
@@ -563,13 +565,6 @@ impl ParallelRunner {
         }
         Ok(out)
     }
-
-    fn greedy(&self, logits: &[f32]) -> Vec<u32> {
-        logits
-            .chunks_exact(self.vocab_size.max(1))
-            .map(|row| crate::backend::argmax(row) as u32)
-            .collect()
-    }
 }
 
 impl ModelRunner for ParallelRunner {
@@ -594,37 +589,47 @@ impl ModelRunner for ParallelRunner {
     fn parallel(&self) -> ParallelConfig {
         self.config
     }
-    fn execute(&mut self, input: BatchInput) -> Result<Vec<f32>> {
+    fn execute(
+        &mut self,
+        input: BatchInput,
+        sampling: &[Option<RowSampling>],
+    ) -> Result<StepResult> {
         let rows = input.logits_rows.len();
+        ensure!(
+            sampling.len() == rows,
+            "{} sampling entries for {rows} logits rows",
+            sampling.len()
+        );
         let parts = self.run_all(Job::Execute(Arc::new(input)))?;
-        self.logits(rows, parts)
-    }
-    fn execute_greedy(&mut self, input: BatchInput) -> Result<Vec<u32>> {
-        let logits = self.execute(input)?;
-        Ok(self.greedy(&logits))
+        StepResult::from_host(self.logits(rows, parts)?, self.vocab_size, sampling)
     }
     fn max_in_flight(&self) -> usize {
         self.max_in_flight
     }
-    fn start(&mut self, input: BatchInput, greedy: bool) -> Result<()> {
+    fn start(&mut self, input: BatchInput, sampling: Vec<Option<RowSampling>>) -> Result<()> {
         ensure!(
             self.given.len() < self.max_in_flight,
             "{} steps are in flight already",
             self.given.len()
         );
-        self.in_flight.push_back((input.logits_rows.len(), greedy));
+        ensure!(
+            sampling.len() == input.logits_rows.len(),
+            "{} sampling entries for {} logits rows",
+            sampling.len(),
+            input.logits_rows.len()
+        );
+        self.in_flight.push_back(sampling);
         self.give_all(Job::Execute(Arc::new(input)));
         Ok(())
     }
-    fn finish(&mut self) -> Result<(Vec<f32>, Option<Vec<u32>>)> {
-        let (rows, greedy) = self.in_flight.pop_front().context("no step is in flight")?;
+    fn finish(&mut self) -> Result<StepResult> {
+        let sampling = self.in_flight.pop_front().context("no step is in flight")?;
         let parts = self.collect()?;
-        let logits = self.logits(rows, parts)?;
-        Ok(if greedy {
-            (Vec::new(), Some(self.greedy(&logits)))
-        } else {
-            (logits, None)
-        })
+        StepResult::from_host(
+            self.logits(sampling.len(), parts)?,
+            self.vocab_size,
+            &sampling,
+        )
     }
     fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()> {
         let pairs = Arc::new((out.to_vec(), inn.to_vec()));

@@ -215,10 +215,16 @@ fn argmax(x: &[f32]) -> u32 {
 
 /// A uniform draw in [0, 1) that depends only on `(seed, step)`.
 fn uniform(seed: u64, step: usize) -> f64 {
+    uniform_bits(seed, step) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// The draw of [`uniform`] as 53 bits (u = bits / 2^53): what a device sampler is given, so
+/// that it draws with the u the host would.
+pub fn uniform_bits(seed: u64, step: usize) -> u64 {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(step as u64);
     // 53 random bits: every value is exactly representable and < 1.
-    (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    rng.next_u64() >> 11
 }
 
 /// Thresholds tried (relative to p_max = 1) to find a small candidate set that surely holds the

@@ -19,7 +19,8 @@ pub use memory::GpuBuf;
 pub use runtime::{CclLibrary, Elem, GpuRuntime};
 
 use super::{
-    Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout, RowSampling,
+    Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout,
+    RowSampling,
 };
 use crate::tensor::{DType, HostTensor, e4m3_to_f32, f32_to_e4m3};
 use anyhow::{Context, Result, bail, ensure};
@@ -1160,7 +1161,12 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         true
     }
 
-    fn sample_rows(&self, logits: &GpuBuf<R>, cols: usize, rows: &[RowSampling]) -> Result<Vec<u32>> {
+    fn sample_rows(
+        &self,
+        logits: &GpuBuf<R>,
+        cols: usize,
+        rows: &[RowSampling],
+    ) -> Result<Vec<u32>> {
         if rows.iter().all(RowSampling::is_greedy) {
             return self.argmax_rows(logits, rows.len(), cols);
         }
