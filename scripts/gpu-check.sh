@@ -4,7 +4,8 @@
 # weights, and through the tensor-parallel workers and NCCL where PyTorch's wheels bring it;
 # decode of one sequence against the memory roofline, with the time of every kernel in
 # a decode and a prefill step; throughput with 64 and 256 requests (fixed lengths and a
-# ShareGPT-like mix) beside transformers' generate on the very same lengths. Prints a table
+# ShareGPT-like mix) beside transformers' generate on the very same lengths, and the first
+# sampled at temperature 1 (tokens drawn on the device) beside its greedy run. Prints a table
 # last. A global deadline clamps every step, and whatever fails (or runs out of time) the
 # summary and the tarball of logs are written (a trap on exit).
 #
@@ -179,6 +180,12 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
             --output-len "$((GEN_LEN / 2))" --max-input-len "$((PROMPT_LEN * 7 / 4))" \
             --max-output-len "$((GEN_LEN * 2))" --output-json "$RES/bench-sharegpt-$b.json"
     done
+    # the first batch size again, sampled (temperature 1, top-p 0.95, as a chat client asks):
+    # the tokens are drawn on the device, so it should run near the greedy figure
+    B1=${BATCHES%% *}
+    step "bench-sampled-$B1" 300 "$BIN" bench throughput "${M[@]}" --max-num-seqs "$B1" \
+        --workload fixed --num-prompts "$B1" --input-len "$PROMPT_LEN" --output-len "$GEN_LEN" \
+        --temperature 1 --top-p 0.95 --output-json "$RES/bench-sampled-$B1.json"
     python3 - "$RES" "$DECODE_LEN" <<'EOF' >>"$LOG" 2>&1
 import json, os, sys
 res, decode_len = sys.argv[1], int(sys.argv[2])
@@ -196,13 +203,15 @@ try:
                      "kv_bytes": kv, "tpot_ms": r["tpot_ms"], "ttft_ms": r["ttft_ms"]}
 except Exception as e:
     out["decode"] = {"error": repr(e)}
-for kind in ("throughput", "sharegpt"):
+batches = os.environ.get("BATCHES", "64 256").split()
+for kind in ("throughput", "sharegpt", "sampled"):
     out.setdefault(kind, {})
-    for b in os.environ.get("BATCHES", "64 256").split():
+    for b in batches if kind != "sampled" else batches[:1]:
         try:
             r = json.load(open(os.path.join(res, f"bench-{kind}-{b}.json")))["results"][0]
             out[kind][b] = {"tok_per_s": r["output_tokens_per_s"], "seconds": r["duration_s"],
-                            "tokens": r["output_tokens"], "step_time_ms": r.get("step_time_ms")}
+                            "tokens": r["output_tokens"], "step_time_ms": r.get("step_time_ms"),
+                            "random_samples_on_device": r.get("random_samples_on_device", 0)}
         except Exception as e:
             out[kind][b] = {"error": repr(e)}
 json.dump(out, open(os.path.join(res, "pagoda-bench.json"), "w"), indent=1)

@@ -541,6 +541,16 @@ def summary(out):
             else:
                 line = "ERROR " + str(v.get("error"))[:100]
             rows.append((f"throughput {bsz} x {label}", line))
+    # sampling on the device against the greedy run of the same requests
+    for bsz, v in bench.get("sampled", {}).items():
+        g = bench.get("throughput", {}).get(bsz, {})
+        if "tok_per_s" in v and "tok_per_s" in g:
+            line = (f"T=1 top-p 0.95 {v['tok_per_s']:.0f} tok/s, greedy {g['tok_per_s']:.0f} tok/s -> "
+                    f"{v['tok_per_s'] / g['tok_per_s']:.2f}x; {v['random_samples_on_device']} of "
+                    f"{v['tokens']} tokens drawn on the device")
+        else:
+            line = "ERROR " + str(v.get("error", g.get("error")))[:100]
+        rows.append((f"sampled throughput {bsz}", line))
     w = max(len(r[0]) for r in rows)
     print("\n==== gpu-check summary ====")
     for k, v in rows:

@@ -108,6 +108,20 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 }
 
 /// `separate` is true.
+fn parse_temperature(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(t) if (0.0..=100.0).contains(&t) => Ok(t),
+        _ => Err(format!("`{s}` is not a temperature in [0, 100]")),
+    }
+}
+
+fn parse_top_p(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("`{s}` is not a top-p in (0, 1]")),
+    }
+}
+
 fn parse_n_mode(s: &str) -> Result<bool, String> {
     match s.to_ascii_lowercase().as_str() {
         "group" => Ok(false),
@@ -175,9 +189,16 @@ pub struct ThroughputArgs {
     /// --preemption-mode says (recompute).
     #[arg(long, value_delimiter = ',', value_parser = PreemptionMode::parse)]
     pub preemption: Vec<PreemptionMode>,
-    /// Samples per request (above 1: sampled at temperature 1, seeded).
+    /// Samples per request (above 1: sampled at temperature 1, or --temperature, seeded).
     #[arg(long, default_value_t = 1)]
     pub n: usize,
+    /// Sampling temperature: 0 is greedy; above 0, each request seeded (vLLM's throughput
+    /// benchmark samples at 1). A list (`0,1`) runs back to back.
+    #[arg(long, value_delimiter = ',', default_value = "0", value_parser = parse_temperature)]
+    pub temperature: Vec<f32>,
+    /// top-p of the requests sampled at a temperature above 0.
+    #[arg(long, default_value_t = 1.0, value_parser = parse_top_p)]
+    pub top_p: f32,
     /// How the n samples run: `group` (one request of n samples, sharing the prompt),
     /// `separate` (n requests of one sample, the same seeds), or `group,separate`.
     #[arg(long, value_delimiter = ',', default_value = "group", value_parser = parse_n_mode)]
@@ -398,7 +419,9 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
             for &preemption in &preemptions {
                 for &separate in &n_modes {
                     for &structured in &structured_modes {
-                        variants.push((policy, caching, preemption, separate, structured));
+                        for &t in &args.temperature {
+                            variants.push((policy, caching, preemption, separate, structured, t));
+                        }
                     }
                 }
             }
@@ -407,7 +430,7 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
     let (mut rows, mut skips, mut results) = (vec![], vec![], vec![]);
     let (mut model, mut engine_cfg) = (String::new(), Value::Null);
     'outer: for (kind, base) in engines {
-        for &(policy, caching, preemption, separate_n, structured) in &variants {
+        for &(policy, caching, preemption, separate_n, structured, temperature) in &variants {
             if stop.load(std::sync::atomic::Ordering::Relaxed) {
                 break 'outer;
             }
@@ -428,7 +451,7 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
             model = engine.model_name().to_string();
             engine_cfg = engine_json(&ea, &engine);
             eprintln!(
-                "throughput: {} requests ({}), backend {}, {} batching, prefix caching {}, preemption by {}, n {}{}{}",
+                "throughput: {} requests ({}), backend {}, {} batching, prefix caching {}, preemption by {}, n {}{}{}, {}",
                 reqs.len(),
                 workload.kind.name(),
                 kind.name(),
@@ -449,6 +472,11 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
                     ", JSON-schema output"
                 } else {
                     ""
+                },
+                if temperature > 0.0 {
+                    format!("sampled at temperature {temperature}, top-p {}", args.top_p)
+                } else {
+                    "greedy".to_string()
                 }
             );
             let opts = ThroughputOptions {
@@ -459,6 +487,8 @@ pub fn throughput_cmd(engines: &[(BackendKind, EngineArgs)], args: &ThroughputAr
                 prefixes: workload.shared_prefixes,
                 n: args.n,
                 separate_n,
+                temperature,
+                top_p: args.top_p,
                 structured: structured
                     .then(|| ("json".to_string(), StructuredOutput::Json(schema.clone()))),
                 stop,

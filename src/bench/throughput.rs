@@ -126,6 +126,14 @@ pub struct ThroughputResult {
     /// Time per output token over requests (first token to last, per later token), in ms.
     #[serde(default)]
     pub tpot_ms: Summary,
+    /// The requests' sampling temperature (0: greedy) and top-p.
+    #[serde(default)]
+    pub temperature: f32,
+    #[serde(default = "top_p_one")]
+    pub top_p: f32,
+    /// Tokens drawn at random on the device rather than on the host.
+    #[serde(default)]
+    pub random_samples_on_device: u64,
     pub interrupted: bool,
     pub kv_timeline: Vec<KvSample>,
     pub requests: Vec<RequestRecord>,
@@ -133,6 +141,10 @@ pub struct ThroughputResult {
 
 fn one() -> usize {
     1
+}
+
+fn top_p_one() -> f32 {
+    1.0
 }
 
 /// What the run loop needs to know besides the engine.
@@ -143,10 +155,13 @@ pub struct ThroughputOptions<'a> {
     pub seed: u64,
     /// The prefix workload's shared prompts.
     pub prefixes: Option<SharedPrefixes>,
-    /// Samples per request (sampled at temperature 1 when above 1).
+    /// Samples per request (sampled at `temperature`, or 1 where that is 0, when above 1).
     pub n: usize,
     /// Submit the `n` samples as `n` requests of one sample each, with the same seeds.
     pub separate_n: bool,
+    /// 0: greedy; above 0, each request sampled, seeded, with `top_p`.
+    pub temperature: f32,
+    pub top_p: f32,
     /// A constraint every request's output must match (its name and itself).
     pub structured: Option<(String, StructuredOutput)>,
     /// Set (by Ctrl-C) to end the run early; what was measured is still returned.
@@ -189,22 +204,34 @@ pub fn run(
             ..SamplingParams::greedy()
         };
         let seed = opts.seed.wrapping_add(i as u64);
-        let each: Vec<SamplingParams> = if opts.n == 1 {
+        let sampled = SamplingParams {
+            temperature: if opts.temperature > 0.0 {
+                opts.temperature
+            } else {
+                1.0
+            },
+            top_p: opts.top_p,
+            ..base.clone()
+        };
+        let each: Vec<SamplingParams> = if opts.n == 1 && opts.temperature == 0.0 {
             vec![base]
+        } else if opts.n == 1 {
+            vec![SamplingParams {
+                seed: Some(seed),
+                ..sampled
+            }]
         } else if opts.separate_n {
             (0..opts.n)
                 .map(|j| SamplingParams {
-                    temperature: 1.0,
                     seed: Some(sample_seed(seed, j)),
-                    ..base.clone()
+                    ..sampled.clone()
                 })
                 .collect()
         } else {
             vec![SamplingParams {
-                temperature: 1.0,
                 seed: Some(seed),
                 n: opts.n,
-                ..base
+                ..sampled
             }]
         };
         let prompt = request_tokens(opts.prefixes, opts.seed, i, r.prompt_len, &vocab);
@@ -222,6 +249,7 @@ pub fn run(
         engine.kv_bytes() as f64 / ((usage0.num_blocks + 1) * opts.block_size) as f64;
     let preempt0 = engine.stats().preemptions;
     let swap0 = engine.stats().swap_bytes;
+    let device0 = engine.stats().random_samples_on_device;
     let bar = super::progress_bar(opts.progress, reqs.len() as u64, "requests");
 
     let t0 = Instant::now();
@@ -354,6 +382,9 @@ pub fn run(
         prefix_caching: engine.prefix_caching(),
         n: opts.n,
         n_mode: if opts.separate_n { "separate" } else { "group" }.to_string(),
+        temperature: opts.temperature,
+        top_p: opts.top_p,
+        random_samples_on_device: engine.stats().random_samples_on_device - device0,
         preemption_mode: engine.preemption_mode().name().to_string(),
         swap_bytes: engine.stats().swap_bytes - swap0,
         prefix_cache_queries: pc.queries - pc0.queries,
