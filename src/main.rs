@@ -82,6 +82,8 @@ enum Command {
     },
 }
 
+// NOTE: parsed once per run; the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Offline throughput: all requests at once; continuous against static batching, KV

@@ -694,7 +694,8 @@ impl RowSampling {
     };
 
     pub fn is_greedy(&self) -> bool {
-        !(self.temperature > 0.0) || self.top_k == 1
+        // NOTE: NaN too (never valid; the kernel takes the argmax then).
+        self.temperature.is_nan() || self.temperature <= 0.0 || self.top_k == 1
     }
 
     /// The kernels' parameter words: temperature, top_k, top_p, min_p (f32 bits), the draw's
