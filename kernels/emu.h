@@ -380,6 +380,11 @@ static inline T __ldg(const T* p) {
     return *p;
 }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// IEEE single operations, rounded to nearest (the host's, compiled without FMA contraction).
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
 static inline float __fdividef(float a, float b) { return a / b; }
 template <class A, class B>
 static inline std::common_type_t<A, B> min(A a, B b) {

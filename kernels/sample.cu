@@ -1,5 +1,6 @@
 // Choosing the next token on the device, so that a step brings back token ids, not logits:
-// greedy (argmax) and random sampling with temperature, top-k, top-p and min-p.
+// greedy (argmax) and random sampling with temperature, top-k, top-p and min-p, after the
+// sparse edits of logit_bias, banned tokens and the repetition, presence and frequency penalties.
 // One block per row; blockDim.x is a multiple of PG_WARP_SIZE, at most SAMPLE_THREADS.
 //
 // NOTE: reproducible per (seed, step) whatever the launch shape. Probabilities relative to the
@@ -156,6 +157,29 @@ __device__ __forceinline__ u32 radix_select(u32 cols, u64 need, F f, K key, u64*
     }
     *rest = need;
     return prefix;
+}
+
+// The host sampler's edits of the logits before it chooses (src/sampling/sampler.rs), in its
+// order and with its roundings (no contraction into FMAs), one thread per (row, token), each
+// pair at most once: logit_bias added; a banned token (min_tokens' stop tokens, a bad word's
+// last token) set to -inf; the repetition penalty on a token of the prompt or the output
+// (divided when positive, multiplied otherwise); the presence and frequency penalties on a
+// token the output holds `count` times. edits [n, 8] words: row, token, bias (f32 bits), flags
+// (1: banned, 2: in the prompt or output), count, repetition, presence, frequency (f32 bits).
+extern "C" __global__ void logit_edits_f32(float* logits, const u32* edits, u32 n, u32 cols) {
+    const u32 e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const u32* w = edits + 8 * (u64)e;
+    float* x = logits + (u64)w[0] * cols + w[1];
+    float l = __fadd_rn(*x, __uint_as_float(w[2]));
+    if (w[3] & 1u) l = PG_NEG_INF;
+    const float rp = __uint_as_float(w[5]);
+    if ((w[3] & 2u) && rp != 1.0f) l = l > 0.0f ? __fdiv_rn(l, rp) : __fmul_rn(l, rp);
+    if (w[4] != 0) {
+        const float pen = __fadd_rn(__uint_as_float(w[6]), __fmul_rn(__uint_as_float(w[7]), (float)w[4]));
+        l = __fsub_rn(l, pen);
+    }
+    *x = l;
 }
 
 // out[r] = the token drawn from row r of logits [rows, cols]. params [rows, 6] (u32 words):

@@ -211,8 +211,8 @@ fn first_logits_match_transformers() {
 
 /// Random sampling where the logits are (the emulated GPU's `sample_f32`): a seeded request
 /// gives the same tokens alone, again, and in a batch whose other rows are greedy (on the
-/// device too), sampled on the host (log-probabilities) or seeded otherwise; the greedy row
-/// still gives transformers' tokens.
+/// device too), sampled on the host (log-probabilities), seeded otherwise or penalized; the
+/// greedy row still gives transformers' tokens.
 #[test]
 fn seeded_sampling_on_the_emulated_gpu_is_reproducible_in_any_batch() {
     let m = TINY_FAMILIES[0];
@@ -237,6 +237,14 @@ fn seeded_sampling_on_the_emulated_gpu_is_reproducible_in_any_batch() {
     assert_eq!(alone(&mut llm, seeded(11)), a);
     let b = alone(&mut llm, seeded(12));
     assert_ne!(a, b, "two seeds gave the same 12 tokens");
+    // penalties are applied on the device too
+    let penalized = SamplingParams {
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.4,
+        ..seeded(13)
+    };
+    let c = alone(&mut llm, penalized.clone());
+    assert_eq!(llm.engine().stats().random_samples_on_device, 48);
     let outs = llm
         .generate_each(vec![
             (prompt(), greedy(want.len())),
@@ -249,14 +257,15 @@ fn seeded_sampling_on_the_emulated_gpu_is_reproducible_in_any_batch() {
                 },
             ),
             (prompt(), seeded(12)),
+            (prompt(), penalized),
         ])
         .unwrap();
     assert_eq!(outs[0].outputs[0].token_ids, want);
     assert_eq!(outs[1].outputs[0].token_ids, a);
     assert_eq!(outs[3].outputs[0].token_ids, b);
-    // the row with log-probabilities was drawn on the host: 12 + 12 + 12 device draws before,
-    // 24 now
-    assert_eq!(llm.engine().stats().random_samples_on_device, 60);
+    assert_eq!(outs[4].outputs[0].token_ids, c);
+    // the row with log-probabilities was drawn on the host: 48 device draws before, 36 now
+    assert_eq!(llm.engine().stats().random_samples_on_device, 84);
     assert_eq!(outs[2].outputs[0].token_ids.len(), 12);
 }
 

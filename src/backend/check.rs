@@ -14,7 +14,7 @@
 
 use super::{
     Activation, AttentionOptions, Backend, BackendKind, BatchInput, CpuBackend, CudaBackend,
-    DeviceBatch, EmuBackend, HipBackend, KvLayout, QkvLayout, RowSampling, WgpuBackend,
+    DeviceBatch, EmuBackend, HipBackend, KvLayout, LogitEdit, QkvLayout, RowSampling, WgpuBackend,
 };
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail};
@@ -345,8 +345,8 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
                 .collect()
         }
         Case::Sample { cols, logits, rows } => {
-            let lb = be.upload_f32(logits)?;
-            be.sample_rows(&lb, *cols, rows)?
+            let mut lb = be.upload_f32(logits)?;
+            be.sample_rows(&mut lb, *cols, rows)?
                 .into_iter()
                 .map(|i| i as f32)
                 .collect()
@@ -570,7 +570,7 @@ fn reference(case: &Case) -> Vec<f64> {
         Case::Sample { cols, logits, rows } => logits
             .chunks(*cols)
             .zip(rows)
-            .map(|(x, s)| sample_reference(x, s).0 as f64)
+            .map(|(x, s)| sample_reference(&s.edited(x), s).0 as f64)
             .collect(),
         Case::KvBlocks {
             kv,
@@ -665,9 +665,49 @@ fn sample_reference(x: &[f32], s: &RowSampling) -> (usize, f64) {
 /// here), so their sums are too.
 const SAMPLE_MARGIN: f64 = 5e-6;
 
+/// Edits of a row `x` that change its choice: its 12 most likely tokens raised to a head
+/// (2 to 0 above the rest, so that the penalties leave them in the running), all seen (the
+/// repetition penalty), some in the output once or twice (presence and frequency), the most
+/// likely banned, two biased (+0.5, -1), and 5 tokens anywhere biased by -4; half of the rows
+/// shifted below 0.
+fn sample_edits(r: &mut ChaCha8Rng, x: &mut [f32]) -> Vec<LogitEdit> {
+    let mut order: Vec<usize> = (0..x.len()).collect();
+    order.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+    let top = x[order[0]];
+    for (j, &i) in order.iter().take(12).enumerate() {
+        x[i] = top + 2.0 - 0.17 * j as f32;
+    }
+    // half of the rows entirely negative, where the repetition penalty multiplies
+    if r.next_u32().is_multiple_of(2) {
+        x.iter_mut().for_each(|v| *v -= top + 3.0);
+    }
+    let mut edits: Vec<LogitEdit> = (0..12.min(x.len()))
+        .map(|j| LogitEdit {
+            token: order[j] as u32,
+            bias: [0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, -1.0][j % 8],
+            banned: j == 0,
+            seen: true,
+            count: j as u32 % 3,
+        })
+        .collect();
+    for _ in 0..5 {
+        let token = r.next_u32() % x.len() as u32;
+        if !edits.iter().any(|e| e.token == token) {
+            edits.push(LogitEdit {
+                token,
+                bias: -4.0,
+                ..Default::default()
+            });
+        }
+    }
+    edits.sort_unstable_by_key(|e| e.token);
+    edits
+}
+
 /// A `sample_rows` case: `rows` over random logits in [-scale, scale] with `cols` columns
-/// (`ties` tokens of each row given the row's largest logit), each row's draw and logits drawn
-/// again until the row is [`SAMPLE_MARGIN`] away from every boundary.
+/// (`ties` tokens of each row given the row's largest logit; a row whose template has edits
+/// gets [`sample_edits`] of its logits), each row's draw and logits drawn again until the row is
+/// [`SAMPLE_MARGIN`] away from every boundary.
 fn sample_case(
     r: &mut ChaCha8Rng,
     cols: usize,
@@ -678,15 +718,18 @@ fn sample_case(
     let mut logits = Vec::with_capacity(rows.len() * cols);
     let mut out = Vec::with_capacity(rows.len());
     for s in rows {
-        let mut s = *s;
+        let mut s = s.clone();
         let row = loop {
             let mut x: Vec<f32> = rand_vec(r, cols).iter().map(|v| v * scale).collect();
             let top = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
             for j in 0..ties {
                 x[(j * 7919 + 13) % cols] = top;
             }
+            if !s.edits.is_empty() {
+                s.edits = sample_edits(r, &mut x);
+            }
             s.u53 = r.next_u64() >> 11;
-            if sample_reference(&x, &s).1 > SAMPLE_MARGIN {
+            if sample_reference(&s.edited(&x), &s).1 > SAMPLE_MARGIN {
                 break x;
             }
         };
@@ -1348,7 +1391,15 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         top_k,
         top_p,
         min_p,
-        u53: 0,
+        ..RowSampling::GREEDY
+    };
+    // edits made for each row by `sample_case`, with these penalties
+    let edited = |s: RowSampling, repetition: f32, presence: f32, frequency: f32| RowSampling {
+        repetition_penalty: repetition,
+        presence_penalty: presence,
+        frequency_penalty: frequency,
+        edits: vec![LogitEdit::default()],
+        ..s
     };
     let cols = 50_000;
     let rows = [
@@ -1360,10 +1411,16 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         RowSampling::GREEDY,
         row(1.0, 1, 1.0, 0.0),
         row(2.0, 200, 0.95, 0.01),
+        edited(RowSampling::GREEDY, 1.3, 0.5, 0.2),
+        edited(row(0.8, 50, 1.0, 0.0), 1.2, 0.3, 0.1),
+        edited(row(1.0, 0, 0.9, 0.0), 1.0, 0.0, 0.0),
     ];
     out.push((
         "sample".into(),
-        format!("{}x{cols}: T, top-k, top-p, min-p, greedy", rows.len()),
+        format!(
+            "{}x{cols}: T, top-k, top-p, min-p, greedy, bias, bans, penalties",
+            rows.len()
+        ),
         0.0,
         sample_case(&mut r, cols, 6.0, 0, &rows),
     ));
@@ -1388,12 +1445,17 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
     let small: Vec<RowSampling> = (0..48)
         .map(|i| {
             let mut pick = |n: u32| r.next_u32() % n;
-            row(
+            let s = row(
                 [0.5, 1.0, 1.5][pick(3) as usize],
                 [0, 0, 5, 100][pick(4) as usize],
                 [1.0, 0.9, 0.6][pick(3) as usize],
                 [0.0, 0.0, 0.2][i % 3],
-            )
+            );
+            if i % 4 == 3 {
+                edited(s, 1.1, 0.2, 0.4)
+            } else {
+                s
+            }
         })
         .collect();
     out.push((

@@ -645,34 +645,38 @@ pub trait Backend: Send + Sync + 'static {
             .collect())
     }
 
-    /// Whether [`Self::sample_rows`] draws random samples on the device (otherwise it takes
-    /// greedy rows only, and the engine samples the others on the host).
+    /// Whether [`Self::sample_rows`] draws random samples and applies [`LogitEdit`]s on the
+    /// device (otherwise it takes plain greedy rows only, and the engine samples the others on
+    /// the host).
     fn samples_on_device(&self) -> bool {
         false
     }
 
-    /// The token chosen from each row of `logits` `[rows.len(), cols]` as `rows` asks; see
-    /// [`RowSampling`]. The default takes greedy rows only ([`Self::argmax_rows`]).
+    /// The token chosen from each row of `logits` `[rows.len(), cols]` as `rows` asks (see
+    /// [`RowSampling`]; the rows' edits are applied to `logits` in place first). The default
+    /// takes greedy rows without edits only ([`Self::argmax_rows`]).
     fn sample_rows(
         &self,
-        logits: &Self::Buf,
+        logits: &mut Self::Buf,
         cols: usize,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>> {
         anyhow::ensure!(
-            rows.iter().all(RowSampling::is_greedy),
-            "{} samples on the host: only greedy rows can be reduced on the device",
+            rows.iter().all(RowSampling::is_plain_greedy),
+            "{} samples on the host: only greedy rows without penalties, bias or banned tokens \
+             can be reduced on the device",
             self.name()
         );
         self.argmax_rows(logits, rows.len(), cols)
     }
 }
 
-/// How one logits row becomes a token on the device ([`Backend::sample_rows`]): the host
-/// sampler's temperature, top-k, top-p and min-p, and its uniform draw for the row's
-/// `(seed, step)`. Penalties, logit bias, banned tokens, structured output and log-probabilities
-/// are not here: rows that need them are sampled on the host.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// How one logits row becomes a token on the device ([`Backend::sample_rows`]), as the host
+/// sampler would choose it: its edits (logit bias, banned tokens, penalties), then greedy, or
+/// temperature, top-k, top-p and min-p with the host's uniform draw for the row's
+/// `(seed, step)`. Structured output and log-probabilities are not here: rows that need them
+/// are sampled on the host.
+#[derive(Debug, Clone, PartialEq)]
 pub struct RowSampling {
     /// 0: greedy (the argmax, ties to the lowest id).
     pub temperature: f32,
@@ -682,6 +686,23 @@ pub struct RowSampling {
     pub min_p: f32,
     /// The draw u in [0, 1) as 53 bits: u = `u53` / 2^53.
     pub u53: u64,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// The tokens whose logits change before the choice, each once, in increasing order.
+    pub edits: Vec<LogitEdit>,
+}
+
+/// What happens to one token's logit before a row is sampled, in this order: `bias` added,
+/// set to -inf if `banned`, the repetition penalty if `seen` (in the prompt or the output), the
+/// presence and frequency penalties if the output holds it `count` times.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LogitEdit {
+    pub token: u32,
+    pub bias: f32,
+    pub banned: bool,
+    pub seen: bool,
+    pub count: u32,
 }
 
 impl RowSampling {
@@ -691,6 +712,10 @@ impl RowSampling {
         top_p: 1.0,
         min_p: 0.0,
         u53: 0,
+        repetition_penalty: 1.0,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        edits: Vec::new(),
     };
 
     pub fn is_greedy(&self) -> bool {
@@ -698,8 +723,13 @@ impl RowSampling {
         self.temperature.is_nan() || self.temperature <= 0.0 || self.top_k == 1
     }
 
-    /// The kernels' parameter words: temperature, top_k, top_p, min_p (f32 bits), the draw's
-    /// low and high words.
+    /// Greedy on the raw logits: what every backend's `argmax_rows` gives.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.is_greedy() && self.edits.is_empty()
+    }
+
+    /// The sampling kernel's parameter words: temperature, top_k, top_p, min_p (f32 bits), the
+    /// draw's low and high words.
     pub fn words(&self) -> [u32; 6] {
         [
             self.temperature.to_bits(),
@@ -709,6 +739,47 @@ impl RowSampling {
             self.u53 as u32,
             (self.u53 >> 32) as u32,
         ]
+    }
+
+    /// The edit kernel's words of this row's edits: row, token, bias, flags (1: banned, 2:
+    /// seen), count, then the row's repetition, presence and frequency penalties.
+    pub fn edit_words(&self, row: u32) -> impl Iterator<Item = u32> + '_ {
+        self.edits.iter().flat_map(move |e| {
+            [
+                row,
+                e.token,
+                e.bias.to_bits(),
+                u32::from(e.banned) | (u32::from(e.seen) << 1),
+                e.count,
+                self.repetition_penalty.to_bits(),
+                self.presence_penalty.to_bits(),
+                self.frequency_penalty.to_bits(),
+            ]
+        })
+    }
+
+    /// `logits` (one row) with the edits applied, as the edit kernel and the host sampler
+    /// apply them (f32, in the same order).
+    pub fn edited(&self, logits: &[f32]) -> Vec<f32> {
+        let mut x = logits.to_vec();
+        for e in &self.edits {
+            let Some(l) = x.get_mut(e.token as usize) else {
+                continue;
+            };
+            let mut v = *l + e.bias;
+            if e.banned {
+                v = f32::NEG_INFINITY;
+            }
+            let rp = self.repetition_penalty;
+            if e.seen && rp != 1.0 {
+                v = if v > 0.0 { v / rp } else { v * rp };
+            }
+            if e.count != 0 {
+                v -= self.presence_penalty + self.frequency_penalty * e.count as f32;
+            }
+            *l = v;
+        }
+        x
     }
 }
 

@@ -10,7 +10,7 @@ mod workers;
 pub use llm::{CompletionOutput, LLM, RequestOutput};
 pub use runner::{KvBudget, ModelRunner, StepResult};
 
-use crate::backend::{BackendKind, BatchInput, RowSampling};
+use crate::backend::{BackendKind, BatchInput, LogitEdit, RowSampling};
 use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK, PrefixCacheStats};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{KvCacheDtype, ModelConfig, load_model};
@@ -104,37 +104,73 @@ impl Default for EngineArgs {
 }
 
 /// Whether a request's next token can be chosen where the logits are ([`RowSampling`]: the
-/// temperature, top-k, top-p and min-p with the host's draw): no penalties, logit bias, banned
-/// tokens, structured output or log-probabilities, which need the logits on the host.
+/// host sampler's logit bias, banned tokens and penalties, then greedy or its temperature,
+/// top-k, top-p and min-p with its draw): no structured output or log-probabilities, which need
+/// the logits on the host.
 fn samples_anywhere(p: &SamplingParams) -> bool {
-    p.repetition_penalty == 1.0
-        && p.presence_penalty == 0.0
-        && p.frequency_penalty == 0.0
-        && p.logprobs.is_none()
+    p.logprobs.is_none()
         && p.best_of() == p.n
-        && p.logit_bias.is_empty()
-        && p.min_tokens == 0
-        && p.bad_words.is_empty()
         && p.structured.is_none()
         && p.prompt_logprobs.is_none()
 }
 
-/// How a request that [`samples_anywhere`] draws its next token (`step`: its output's length),
-/// as the host sampler would: greedy (also top-k 1) as the argmax, else with the draw of
-/// `(seed, step)`.
-fn row_sampling(p: &SamplingParams, seed: u64, step: usize) -> RowSampling {
-    if p.is_greedy() || p.effective_top_k() == Some(1) {
-        return RowSampling::GREEDY;
+/// How a request that [`samples_anywhere`] chooses its next token, as the host sampler would:
+/// the edits of its logit bias, the tokens it may not choose yet (`banned`) and its penalties
+/// over `prompt` and `output` (tokens past `vocab` ignored), then greedy (also top-k 1) as the
+/// argmax, or a draw of `(seed, step)` with `step` the output's length.
+fn row_sampling(
+    p: &SamplingParams,
+    seed: u64,
+    prompt: &[u32],
+    output: &[u32],
+    banned: &[u32],
+    vocab: usize,
+) -> RowSampling {
+    let mut edits: HashMap<u32, LogitEdit> = HashMap::new();
+    fn edit(edits: &mut HashMap<u32, LogitEdit>, t: u32) -> &mut LogitEdit {
+        edits.entry(t).or_insert(LogitEdit {
+            token: t,
+            ..Default::default()
+        })
     }
-    RowSampling {
-        temperature: p.temperature,
-        top_k: p
+    for (&t, &b) in &p.logit_bias {
+        edit(&mut edits, t).bias += b;
+    }
+    for &t in banned {
+        edit(&mut edits, t).banned = true;
+    }
+    if p.repetition_penalty != 1.0 {
+        for &t in prompt.iter().chain(output) {
+            edit(&mut edits, t).seen = true;
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        for &t in output {
+            edit(&mut edits, t).count += 1;
+        }
+    }
+    let mut edits: Vec<LogitEdit> = edits
+        .into_values()
+        .filter(|e| (e.token as usize) < vocab)
+        .collect();
+    edits.sort_unstable_by_key(|e| e.token);
+    let mut row = RowSampling {
+        repetition_penalty: p.repetition_penalty,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        edits,
+        ..RowSampling::GREEDY
+    };
+    if !(p.is_greedy() || p.effective_top_k() == Some(1)) {
+        row.temperature = p.temperature;
+        row.top_k = p
             .effective_top_k()
-            .map_or(0, |k| k.min(u32::MAX as usize) as u32),
-        top_p: p.top_p,
-        min_p: p.min_p,
-        u53: uniform_bits(seed, step),
+            .map_or(0, |k| k.min(u32::MAX as usize) as u32);
+        row.top_p = p.top_p;
+        row.min_p = p.min_p;
+        row.u53 = uniform_bits(seed, output.len());
     }
+    row
 }
 
 /// The token sequences of `bad_words` (vLLM's way): each word as written and with a leading
@@ -1016,8 +1052,19 @@ impl Engine {
             let (Some(st), Some(req)) = (self.states.get(id), self.scheduler.request(*id)) else {
                 continue;
             };
-            let how = row_sampling(&st.params, st.seed, req.output().len());
-            if samples_anywhere(&st.params) && (on_device || how.is_greedy()) {
+            if !samples_anywhere(&st.params) {
+                continue;
+            }
+            let banned = banned_tokens(st, req.output());
+            let how = row_sampling(
+                &st.params,
+                st.seed,
+                req.prompt(),
+                req.output(),
+                &banned,
+                self.config.vocab_size,
+            );
+            if on_device || how.is_plain_greedy() {
                 reduce[row] = Some(how);
             }
         }
@@ -1084,7 +1131,7 @@ impl Engine {
             let i = sample_rows[i];
             if let Some(t) = tokens[i] {
                 self.stats.random_samples_on_device +=
-                    u64::from(reduce[i].is_some_and(|r| !r.is_greedy()));
+                    u64::from(reduce[i].as_ref().is_some_and(|r| !r.is_greedy()));
                 sampled.insert(*id, t);
                 continue;
             }
@@ -1263,5 +1310,54 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand_chacha::ChaCha8Rng;
+    use rand_chacha::rand_core::{Rng, SeedableRng};
+
+    /// The edits a row carries to the device, applied as the kernel applies them, choose the
+    /// token the host sampler chooses for a greedy request with the same bias, bans and
+    /// penalties (tokens past the vocabulary ignored by both).
+    #[test]
+    fn device_edits_give_the_host_samplers_greedy_choice() {
+        let mut r = ChaCha8Rng::seed_from_u64(4);
+        let vocab = 300;
+        let mut differs = 0;
+        for trial in 0..300 {
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| (r.next_u32() % 2000) as f32 / 250.0 - 4.0)
+                .collect();
+            let mut ids = |n: usize| -> Vec<u32> {
+                (0..n).map(|_| r.next_u32() % (vocab as u32 + 5)).collect()
+            };
+            let (prompt, output, banned) = (ids(40), ids(trial % 30), ids(trial % 3));
+            let mut params = SamplingParams {
+                repetition_penalty: [1.0, 1.3, 0.8][trial % 3],
+                presence_penalty: [0.0, 0.5, -0.4][trial % 3],
+                frequency_penalty: [0.3, 0.0, 0.2][trial % 3],
+                ..SamplingParams::greedy()
+            };
+            for t in ids(trial % 4) {
+                params.logit_bias.insert(t, 2.5);
+            }
+            let row = row_sampling(&params, 1, &prompt, &output, &banned, vocab);
+            assert!(row.is_greedy());
+            let device = crate::backend::argmax(&row.edited(&logits)) as u32;
+            let restrict = Restrict {
+                banned: &banned,
+                allowed: None,
+            };
+            let host = sample_restricted(&logits, &params, &prompt, &output, &restrict, 1, 0);
+            assert_eq!(device, host.token_id, "trial {trial}");
+            differs += usize::from(device != crate::backend::argmax(&logits) as u32);
+        }
+        assert!(
+            differs > 100,
+            "the edits changed only {differs} of 300 choices"
+        );
     }
 }

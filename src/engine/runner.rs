@@ -117,7 +117,7 @@ impl StepResult {
                 }
                 Some(s) => {
                     anyhow::ensure!(
-                        s.is_greedy(),
+                        s.is_plain_greedy(),
                         "this runner samples on the host: only greedy rows are reduced here"
                     );
                     Some(crate::backend::argmax(row) as u32)
@@ -132,7 +132,7 @@ impl StepResult {
 /// sampled where the logits are `[R, vocab]`, the others' logits gathered and downloaded.
 fn reduce_logits<B: Backend>(
     b: &B,
-    logits: &B::Buf,
+    logits: &mut B::Buf,
     vocab: usize,
     sampling: &[Option<RowSampling>],
 ) -> Result<StepResult> {
@@ -143,13 +143,17 @@ fn reduce_logits<B: Backend>(
         vec![None; sampling.len()]
     } else {
         // NOTE: the rows whose logits come back are reduced too (as greedy, one cheap pass)
-        // rather than gathered out first.
+        // rather than gathered out first; they have no edits, so their logits are unchanged.
         let rows: Vec<RowSampling> = sampling
             .iter()
-            .map(|s| s.unwrap_or(RowSampling::GREEDY))
+            .map(|s| s.clone().unwrap_or(RowSampling::GREEDY))
             .collect();
         let t = b.sample_rows(logits, vocab, &rows)?;
-        sampling.iter().zip(t).map(|(s, t)| s.map(|_| t)).collect()
+        sampling
+            .iter()
+            .zip(t)
+            .map(|(s, t)| s.as_ref().map(|_| t))
+            .collect()
     };
     let logits = if host.is_empty() {
         Vec::new()
@@ -206,8 +210,8 @@ impl<B: Backend> ModelRunner for Runner<B> {
         );
         let batch = DeviceBatch::upload(&self.backend, input)?;
         let (model, backend, kv) = (&self.model, &self.backend, &mut self.kv);
-        let logits = backend.run_step(|| model.forward(backend, &batch, kv))?;
-        reduce_logits(backend, &logits, model.config().vocab_size, sampling)
+        let mut logits = backend.run_step(|| model.forward(backend, &batch, kv))?;
+        reduce_logits(backend, &mut logits, model.config().vocab_size, sampling)
     }
     fn samples_on_device(&self) -> bool {
         self.backend.samples_on_device()

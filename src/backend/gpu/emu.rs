@@ -272,6 +272,9 @@ impl GpuRuntime for EmuRt {
     fn compile_options(&self) -> Vec<String> {
         [
             "-O2",
+            // NOTE: no FMA contraction (GCC's default on aarch64): the kernels' explicitly
+            // rounded operations (__fmul_rn, ...) stay separate, as on the GPU.
+            "-ffp-contract=off",
             "-std=c++17",
             "-fPIC",
             "-shared",

@@ -76,7 +76,7 @@ pub fn kernel_names(stem: &str, tensor_cores: bool) -> Vec<String> {
             "layer_norm_f32",
             "qk_norm_f32",
         ],
-        "sample" => &["argmax_f32", "sample_f32"],
+        "sample" => &["argmax_f32", "logit_edits_f32", "sample_f32"],
         "rope" => &["rope_f32"],
         "attention" => &["attention_reduce_f32"],
         _ => &[],

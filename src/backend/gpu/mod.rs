@@ -1163,16 +1163,44 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
 
     fn sample_rows(
         &self,
-        logits: &GpuBuf<R>,
+        logits: &mut GpuBuf<R>,
         cols: usize,
         rows: &[RowSampling],
     ) -> Result<Vec<u32>> {
-        if rows.iter().all(RowSampling::is_greedy) {
-            return self.argmax_rows(logits, rows.len(), cols);
-        }
         self.rt.bind()?;
         logits.expect(Elem::F32, "sample")?;
         ensure!(logits.len >= rows.len() * cols, "sample: buffer too small");
+        let edits: Vec<u32> = (0u32..)
+            .zip(rows)
+            .flat_map(|(r, s)| s.edit_words(r))
+            .collect();
+        if let Some(e) = edits
+            .iter()
+            .skip(1)
+            .step_by(8)
+            .find(|&&t| t as usize >= cols)
+        {
+            bail!("sample: an edit of token {e} in rows of {cols}");
+        }
+        if !edits.is_empty() {
+            let n = edits.len() / 8;
+            let buf = self.upload_u32(&edits)?;
+            self.launch(
+                "logit_edits_f32",
+                [u32_arg(n.div_ceil(256), "edits")?.bits() as u32, 1, 1],
+                [256, 1, 1],
+                0,
+                &[
+                    Arg::P(logits.ptr()),
+                    Arg::P(buf.ptr()),
+                    u32_arg(n, "edits")?,
+                    u32_arg(cols, "cols")?,
+                ],
+            )?;
+        }
+        if rows.iter().all(RowSampling::is_greedy) {
+            return self.argmax_rows(logits, rows.len(), cols);
+        }
         let words: Vec<u32> = rows.iter().flat_map(RowSampling::words).collect();
         let params = self.upload_u32(&words)?;
         let out = self.alloc(rows.len(), Elem::U32, false)?;
