@@ -1052,7 +1052,12 @@ impl Engine {
             let (Some(st), Some(req)) = (self.states.get(id), self.scheduler.request(*id)) else {
                 continue;
             };
-            if !samples_anywhere(&st.params) {
+            let p = &st.params;
+            // NOTE: a backend that does not sample takes plain greedy rows only: no edits are
+            // built for a random row that will be sampled on the host anyway.
+            if !samples_anywhere(p)
+                || !(on_device || p.is_greedy() || p.effective_top_k() == Some(1))
+            {
                 continue;
             }
             let banned = banned_tokens(st, req.output());

@@ -42,14 +42,15 @@ pub trait ModelRunner: Send {
     fn kv_dtype(&self) -> DType;
     /// Runs the batch: writes its K/V into the pool, then for each row in `logits_rows` either
     /// chooses its token where the logits are (a [`RowSampling`] in `sampling`; on a GPU only
-    /// the token comes back) or brings its logits to the host (`None`). Random rows only where
-    /// [`Self::samples_on_device`]; greedy rows everywhere.
+    /// the token comes back) or brings its logits to the host (`None`). Rows with edits or a
+    /// random draw only where [`Self::samples_on_device`]; plain greedy rows everywhere.
     fn execute(
         &mut self,
         input: BatchInput,
         sampling: &[Option<RowSampling>],
     ) -> Result<StepResult>;
-    /// Whether [`Self::execute`] draws random samples (not only greedy ones).
+    /// Whether [`Self::execute`] applies edits and draws random samples (not only plain
+    /// greedy rows).
     fn samples_on_device(&self) -> bool {
         false
     }
@@ -90,9 +91,9 @@ pub struct StepResult {
 }
 
 impl StepResult {
-    /// The logits of the rows without a token, and the greedy ones' argmax, from the logits of
-    /// every row `[R, vocab]` already on the host. Random rows are refused: sampling them is
-    /// the engine's (this runner's `samples_on_device` is false).
+    /// The logits of the rows without a token, and the plain greedy ones' argmax, from the
+    /// logits of every row `[R, vocab]` already on the host. Other rows are refused: sampling
+    /// them is the engine's (this runner's `samples_on_device` is false).
     pub fn from_host(
         logits: Vec<f32>,
         vocab: usize,
@@ -118,7 +119,7 @@ impl StepResult {
                 Some(s) => {
                     anyhow::ensure!(
                         s.is_plain_greedy(),
-                        "this runner samples on the host: only greedy rows are reduced here"
+                        "this runner samples on the host: only plain greedy rows are reduced here"
                     );
                     Some(crate::backend::argmax(row) as u32)
                 }
