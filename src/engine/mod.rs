@@ -161,7 +161,7 @@ fn row_sampling(
         edits,
         ..RowSampling::GREEDY
     };
-    if !(p.is_greedy() || p.effective_top_k() == Some(1)) {
+    if !p.chooses_argmax() {
         row.temperature = p.temperature;
         row.top_k = p
             .effective_top_k()
@@ -1055,9 +1055,7 @@ impl Engine {
             let p = &st.params;
             // NOTE: a backend that does not sample takes plain greedy rows only: no edits are
             // built for a random row that will be sampled on the host anyway.
-            if !samples_anywhere(p)
-                || !(on_device || p.is_greedy() || p.effective_top_k() == Some(1))
-            {
+            if !samples_anywhere(p) || !(on_device || p.chooses_argmax()) {
                 continue;
             }
             let banned = banned_tokens(st, req.output());

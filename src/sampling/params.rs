@@ -130,6 +130,11 @@ impl SamplingParams {
         self.temperature < GREEDY_EPS
     }
 
+    /// Whether the token is the argmax of the (edited) logits: greedy, or top-k 1.
+    pub fn chooses_argmax(&self) -> bool {
+        self.is_greedy() || self.effective_top_k() == Some(1)
+    }
+
     /// Completions generated: `best_of`, or `n` when it is not given.
     pub fn best_of(&self) -> usize {
         self.best_of.unwrap_or(self.n)

@@ -143,11 +143,10 @@ fn choose(
     } else {
         Cow::Borrowed(logits)
     };
-    let top_k = params.effective_top_k();
-    if params.is_greedy() || top_k == Some(1) {
+    if params.chooses_argmax() {
         return argmax(&x);
     }
-    sample_random(&x, params, top_k, uniform(seed, step))
+    sample_random(&x, params, params.effective_top_k(), uniform(seed, step))
 }
 
 /// HF/vLLM repetition penalty (each distinct token of prompt + output once: a positive logit is
