@@ -68,23 +68,32 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) argmax_f32(const fl
     if (threadIdx.x == 0) out[blockIdx.x] = best;
 }
 
-__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
+// Sum over the block (u64: exact; double: in a fixed order), in every thread.
+template <class T>
+__device__ __forceinline__ T block_total(T v) {
+    __shared__ T part[SAMPLE_THREADS / 32];
+    const u32 lane = threadIdx.x % PG_WARP_SIZE, warp = threadIdx.x / PG_WARP_SIZE;
 #pragma unroll
     for (int m = PG_WARP_SIZE / 2; m > 0; m >>= 1) v += PG_SHFL_XOR(v, m);
-    return v;
-}
-
-// Exact sum over the block, in every thread.
-__device__ __forceinline__ u64 block_sum_u64(u64 v) {
-    __shared__ u64 part[SAMPLE_THREADS / 32];
-    const u32 lane = threadIdx.x % PG_WARP_SIZE, warp = threadIdx.x / PG_WARP_SIZE;
-    v = warp_sum_u64(v);
     __syncthreads();  // part may still be read by an earlier call
     if (lane == 0) part[warp] = v;
     __syncthreads();
-    u64 s = 0;
+    T s = 0;
     for (u32 w = 0; w < blockDim.x / PG_WARP_SIZE; ++w) s += part[w];
     return s;
+}
+
+// The largest value of the row, NaN skipped (-inf for nothing else), in every thread.
+__device__ __forceinline__ float row_max(const float* row, u32 cols) {
+    __shared__ float part[SAMPLE_THREADS / 32];
+    float mx = PG_NEG_INF;
+    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) mx = fmaxf(mx, row[i]);  // fmaxf skips NaN
+    mx = warp_max(mx);
+    __syncthreads();  // part may still be read by an earlier call
+    if (threadIdx.x % PG_WARP_SIZE == 0) part[threadIdx.x / PG_WARP_SIZE] = mx;
+    __syncthreads();
+    for (u32 w = 0; w < blockDim.x / PG_WARP_SIZE; ++w) mx = fmaxf(mx, part[w]);
+    return mx;
 }
 
 // The first index i (in id order) where f(0) + ... + f(i) > target, in every thread; `cols`
@@ -188,20 +197,13 @@ extern "C" __global__ void logit_edits_f32(float* logits, const u32* edits, u32 
 // the argmax, as the host does.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f32(const float* logits, const u32* params, u32* out, u32 cols) {
-    __shared__ float scratch[SAMPLE_THREADS / 32];
     const float* row = logits + (u64)blockIdx.x * cols;
     const u32* p = params + 6 * (u64)blockIdx.x;
     const float temperature = __uint_as_float(p[0]), top_p = __uint_as_float(p[2]), min_p = __uint_as_float(p[3]);
     const u32 top_k = p[1];
     const u64 u53 = (u64)p[4] | ((u64)p[5] << 32);
 
-    float mx = PG_NEG_INF;
-    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) mx = fmaxf(mx, row[i]);  // fmaxf skips NaN
-    mx = warp_max(mx);
-    __syncthreads();
-    if (threadIdx.x % PG_WARP_SIZE == 0) scratch[threadIdx.x / PG_WARP_SIZE] = mx;
-    __syncthreads();
-    for (u32 w = 0; w < blockDim.x / PG_WARP_SIZE; ++w) mx = fmaxf(mx, scratch[w]);
+    const float mx = row_max(row, cols);
     if (!(temperature > 0.0f) || top_k == 1 || !(mx > PG_NEG_INF && mx < -PG_NEG_INF)) {
         const u32 best = row_argmax(row, cols);
         if (threadIdx.x == 0) out[blockIdx.x] = best;
@@ -234,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         };
         u64 z = 0;
         for (u32 i = threadIdx.x; i < cols; i += blockDim.x) z += wk(i);
-        z = block_sum_u64(z);
+        z = block_total(z);
         u64 need = (u64)ceil((double)top_p * (double)z);
         need = need < 1 ? 1 : (need > z ? z : need);
         u64 rest = 0;
@@ -253,9 +255,92 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     };
     u64 total = 0;
     for (u32 i = threadIdx.x; i < cols; i += blockDim.x) total += w_final(i);
-    total = block_sum_u64(total);
+    total = block_total(total);
     u32 tok = cols;
     if (total > 0) tok = find_cumulative(cols, __umul64hi(u53 << 11, total), w_final);
     if (tok >= cols) tok = row_argmax(row, cols);  // nothing left to draw (as the host)
     if (threadIdx.x == 0) out[blockIdx.x] = tok;
+}
+
+// Raw log-probabilities (of the logits as they came, before any edit or temperature), as the
+// host computes them (src/sampling/sampler.rs, raw_logprobs): NaN counts as -inf and +inf as
+// the largest finite value; log Σ exp(x - max) summed in double; a row without a finite
+// maximum is uniform. One block per scored row. params [rows, 4] words: the row in `logits`,
+// its entry in `tokens`, the token to score (0xffffffff: tokens[entry], the one chosen) and k
+// (<= LOGPROBS_MAX). out [rows, LOGPROBS_WORDS] words: the token, its log-probability (f32
+// bits), its rank (1 + the count of logits above its own), then the k most likely tokens
+// (ties: lowest id first) as (id, log-probability) pairs.
+#define LOGPROBS_MAX 20
+#define LOGPROBS_WORDS (3 + 2 * LOGPROBS_MAX)
+
+__device__ __forceinline__ float clean_logit(float x) { return x != x ? PG_NEG_INF : fminf(x, 3.402823466e38f); }
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    logprobs_f32(const float* logits, const u32* params, const u32* tokens, u32* out, u32 cols) {
+    __shared__ u32 top_id[LOGPROBS_MAX], top_key[LOGPROBS_MAX], top_n;
+    const u32* p = params + 4 * (u64)blockIdx.x;
+    const float* row = logits + (u64)p[0] * cols;
+    const u32 tok = p[2] != 0xffffffffu ? p[2] : tokens[p[1]];
+    const u32 k = min(min(p[3], (u32)LOGPROBS_MAX), cols);
+    u32* o = out + LOGPROBS_WORDS * (u64)blockIdx.x;
+
+    const float x = tok < cols ? row[tok] : PG_NEG_INF;
+    const float mx = fminf(row_max(row, cols), 3.402823466e38f);
+    double sum = 0.0;
+    u32 above = 0;
+    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = row[i];
+        sum += (double)expf(__fsub_rn(clean_logit(v), mx));
+        above += v > x;
+    }
+    sum = block_total(sum);
+    above = (u32)block_total((u64)above);
+    const bool flat = !(mx > PG_NEG_INF);
+    const float lse = flat ? 0.0f : (float)log(sum);
+    auto logprob = [&](float v) {
+        return flat ? -logf((float)cols) : __fsub_rn(__fsub_rn(clean_logit(v), mx), lse);
+    };
+
+    if (k > 0) {
+        // the k-th largest key (NaN as -inf), and of its ties the lowest ids that fill k
+        auto key = [&](u32 i) { return logit_key(row[i] != row[i] ? PG_NEG_INF : row[i]); };
+        u64 ties = 0;
+        const u32 k_key = radix_select(cols, k, [&](u32) { return (u64)1; }, key, &ties);
+        const u32 k_last = find_cumulative(cols, ties - 1, [&](u32 i) { return (u64)(key(i) == k_key); });
+        if (threadIdx.x == 0) top_n = 0;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
+            const u32 c = key(i);
+            if (c > k_key || (c == k_key && i <= k_last)) {
+                const u32 at = atomicAdd(&top_n, 1u);  // exactly k pass
+                if (at < LOGPROBS_MAX) {
+                    top_id[at] = i;
+                    top_key[at] = c;
+                }
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            // insertion sort of k <= 20: larger key first, then lower id
+            for (u32 a = 1; a < k; ++a) {
+                const u32 ia = top_id[a], ka = top_key[a];
+                u32 b = a;
+                for (; b > 0 && (top_key[b - 1] < ka || (top_key[b - 1] == ka && top_id[b - 1] > ia)); --b) {
+                    top_id[b] = top_id[b - 1];
+                    top_key[b] = top_key[b - 1];
+                }
+                top_id[b] = ia;
+                top_key[b] = ka;
+            }
+            for (u32 j = 0; j < k; ++j) {
+                o[3 + 2 * j] = top_id[j];
+                o[4 + 2 * j] = __float_as_uint(logprob(row[top_id[j]]));
+            }
+        }
+    }
+    if (threadIdx.x == 0) {
+        o[0] = tok;
+        o[1] = __float_as_uint(tok < cols ? logprob(x) : PG_NEG_INF);
+        o[2] = 1 + above;
+    }
 }

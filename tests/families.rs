@@ -12,6 +12,7 @@ use common::{TINY_FAMILIES, ids, single_sequence_step};
 use pagoda::backend::{CpuBackend, DeviceBatch};
 use pagoda::engine::KvBudget;
 use pagoda::models::{KvCache, load_model, registry};
+use pagoda::sampling::sampler::TokenLogprobs;
 use pagoda::tensor::DType;
 use pagoda::{BackendKind, EngineArgs, LLM, Prompt, SamplingParams};
 use std::path::PathBuf;
@@ -211,8 +212,8 @@ fn first_logits_match_transformers() {
 
 /// Random sampling where the logits are (the emulated GPU's `sample_f32`): a seeded request
 /// gives the same tokens alone, again, and in a batch whose other rows are greedy (on the
-/// device too), sampled on the host (log-probabilities), seeded otherwise or penalized; the
-/// greedy row still gives transformers' tokens.
+/// device too), ask for log-probabilities (on the device too), are seeded otherwise or
+/// penalized; the greedy row still gives transformers' tokens.
 #[test]
 fn seeded_sampling_on_the_emulated_gpu_is_reproducible_in_any_batch() {
     let m = TINY_FAMILIES[0];
@@ -264,9 +265,99 @@ fn seeded_sampling_on_the_emulated_gpu_is_reproducible_in_any_batch() {
     assert_eq!(outs[1].outputs[0].token_ids, a);
     assert_eq!(outs[3].outputs[0].token_ids, b);
     assert_eq!(outs[4].outputs[0].token_ids, c);
-    // the row with log-probabilities was drawn on the host: 48 device draws before, 36 now
-    assert_eq!(llm.engine().stats().random_samples_on_device, 84);
-    assert_eq!(outs[2].outputs[0].token_ids.len(), 12);
+    // the row with log-probabilities was drawn on the device too, with the same draws
+    assert_eq!(outs[2].outputs[0].token_ids, a);
+    assert_eq!(outs[2].outputs[0].logprobs.len(), 12);
+    assert_eq!(llm.engine().stats().random_samples_on_device, 96);
+}
+
+/// Log-probabilities computed where the logits are (the emulated GPU's `logprobs_f32`), against
+/// the host's from the CPU backend's logits (the same ids; values within f32 rounding of two
+/// backends): a greedy request's tokens, top ones and prompt; a seeded one's (drawn on the
+/// device, so its tokens are scored on the CPU as a prompt); `best_of` ranking by them.
+#[test]
+fn logprobs_on_the_emulated_gpu_match_the_host() {
+    let m = TINY_FAMILIES[0];
+    let e = &entries(m)[0];
+    let prompt_ids = ids(&e["prompt_ids"]);
+    let asks = |p: SamplingParams| SamplingParams {
+        logprobs: Some(5),
+        prompt_logprobs: Some(3),
+        ..p
+    };
+    let seeded = |seed: u64| SamplingParams {
+        temperature: 0.9,
+        seed: Some(seed),
+        ..greedy(6)
+    };
+    let mut emu = engine(m, BackendKind::Emu, Some(1 << 20));
+    let mut cpu = engine(m, BackendKind::Cpu, Some(1 << 20));
+    let got = emu
+        .generate_each(vec![
+            (Prompt::Tokens(prompt_ids.clone()), asks(greedy(6))),
+            (Prompt::Tokens(prompt_ids.clone()), asks(seeded(5))),
+            (
+                Prompt::Tokens(prompt_ids.clone()),
+                SamplingParams {
+                    best_of: Some(3),
+                    ..seeded(6)
+                },
+            ),
+        ])
+        .unwrap();
+    assert_eq!(emu.engine().stats().random_samples_on_device, 6 + 3 * 6);
+    let close = |a: &TokenLogprobs, b: &TokenLogprobs| {
+        assert_eq!(a.token_id, b.token_id);
+        assert!((a.logprob - b.logprob).abs() < 1e-4, "{a:?} {b:?}");
+        assert_eq!(a.top.len(), b.top.len());
+        for (x, y) in a.top.iter().zip(&b.top) {
+            assert_eq!(x.0, y.0, "{a:?} {b:?}");
+            assert!((x.1 - y.1).abs() < 1e-4, "{a:?} {b:?}");
+        }
+    };
+    // greedy: the same tokens, log-probabilities and prompt log-probabilities
+    let want = cpu
+        .generate_each(vec![(Prompt::Tokens(prompt_ids.clone()), asks(greedy(6)))])
+        .unwrap();
+    let (g, w) = (&got[0], &want[0]);
+    assert_eq!(g.outputs[0].token_ids, w.outputs[0].token_ids);
+    assert_eq!(g.outputs[0].logprobs.len(), 6);
+    for (a, b) in g.outputs[0].logprobs.iter().zip(&w.outputs[0].logprobs) {
+        close(a, b);
+    }
+    let (gp, wp) = (
+        g.prompt_logprobs.as_ref().unwrap(),
+        w.prompt_logprobs.as_ref().unwrap(),
+    );
+    assert_eq!(gp.len(), prompt_ids.len() - 1);
+    assert_eq!(gp.len(), wp.len());
+    for (a, b) in gp.iter().zip(wp) {
+        assert_eq!(a.rank, b.rank);
+        close(&a.logprobs, &b.logprobs);
+    }
+    // seeded: its tokens scored as the prompt's continuation on the CPU
+    let out = &got[1].outputs[0];
+    assert_eq!(out.logprobs.len(), 6);
+    let mut scored = prompt_ids.clone();
+    scored.extend(&out.token_ids);
+    let want = cpu
+        .generate_each(vec![(
+            Prompt::Tokens(scored),
+            SamplingParams {
+                prompt_logprobs: Some(5),
+                ..greedy(1)
+            },
+        )])
+        .unwrap();
+    let wp = &want[0].prompt_logprobs.as_ref().unwrap()[prompt_ids.len() - 1..];
+    for (a, b) in out.logprobs.iter().zip(wp) {
+        close(a, &b.logprobs);
+    }
+    assert_eq!(got[2].outputs[0].token_ids.len(), 6);
+    assert!(
+        got[2].outputs[0].logprobs.is_empty(),
+        "best_of asked for none"
+    );
 }
 
 /// Prefill over bf16, f16 and fp8 caches on the emulated GPU, where it runs on (emulated)

@@ -60,7 +60,7 @@ fn prefill(r: &mut dyn ModelRunner, prompt: &[u32]) -> Vec<f32> {
     let table: Vec<u32> = (1..64u32).rev().collect();
     let input: BatchInput = single_sequence_step(prompt.to_vec(), 0, &table, 16);
     let out = r.execute(input, &[None]).unwrap();
-    assert_eq!(out.tokens, [None]);
+    assert_eq!(out.choices, [None]);
     out.logits
 }
 
@@ -494,7 +494,7 @@ fn a_failed_step_with_another_in_flight_leaves_the_workers_usable() {
     let e = match r.finish() {
         Ok(out) => {
             assert_eq!(
-                out.tokens,
+                out.choices,
                 [None],
                 "a token for a step that asked for logits"
             );

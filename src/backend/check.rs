@@ -13,9 +13,11 @@
 //! boundaries where rounding could choose another token).
 
 use super::{
-    Activation, AttentionOptions, Backend, BackendKind, BatchInput, CpuBackend, CudaBackend,
-    DeviceBatch, EmuBackend, HipBackend, KvLayout, LogitEdit, QkvLayout, RowSampling, WgpuBackend,
+    Activation, AttentionOptions, Backend, BackendKind, BatchInput, Choice, CpuBackend,
+    CudaBackend, DeviceBatch, EmuBackend, HipBackend, KvLayout, LogitEdit, QkvLayout, RowSampling,
+    WgpuBackend,
 };
+use crate::sampling::sampler::{logprobs_of, rank_of};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail};
 use rand_chacha::ChaCha8Rng;
@@ -145,6 +147,15 @@ enum Case {
         cols: usize,
         logits: Vec<f32>,
         rows: Vec<RowSampling>,
+    },
+    /// Log-probabilities on the device (`sample_rows` with [`RowSampling::logprobs`]), of rows
+    /// sampled, greedy, edited or given a token to score: the tokens and ranks (`ids`, exact)
+    /// or the log-probabilities (f32's tolerance), of the same rows.
+    Logprobs {
+        cols: usize,
+        logits: Vec<f32>,
+        rows: Vec<RowSampling>,
+        ids: bool,
     },
     /// Swap's block copies: the cache filled block by block, some blocks overwritten, some
     /// read back; the result is the blocks read, then the whole cache.
@@ -348,7 +359,19 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
             let mut lb = be.upload_f32(logits)?;
             be.sample_rows(&mut lb, *cols, rows)?
                 .into_iter()
-                .map(|i| i as f32)
+                .map(|c| c.token as f32)
+                .collect()
+        }
+        Case::Logprobs {
+            cols,
+            logits,
+            rows,
+            ids,
+        } => {
+            let mut lb = be.upload_f32(logits)?;
+            logprob_words(&be.sample_rows(&mut lb, *cols, rows)?, *ids)
+                .into_iter()
+                .map(|v| v as f32)
                 .collect()
         }
         Case::KvBlocks {
@@ -572,6 +595,28 @@ fn reference(case: &Case) -> Vec<f64> {
             .zip(rows)
             .map(|(x, s)| sample_reference(&s.edited(x), s).0 as f64)
             .collect(),
+        Case::Logprobs {
+            cols,
+            logits,
+            rows,
+            ids,
+        } => {
+            let choices: Vec<Choice> = logits
+                .chunks(*cols)
+                .zip(rows)
+                .map(|(x, s)| {
+                    let token = s
+                        .score
+                        .unwrap_or_else(|| sample_reference(&s.edited(x), s).0 as u32);
+                    Choice {
+                        token,
+                        logprobs: s.logprobs.map(|k| logprobs_of(x, token, k as usize)),
+                        rank: rank_of(x, token),
+                    }
+                })
+                .collect();
+            logprob_words(&choices, *ids)
+        }
         Case::KvBlocks {
             kv,
             cache,
@@ -741,6 +786,48 @@ fn sample_case(
         logits,
         rows: out,
     }
+}
+
+/// What a [`Case::Logprobs`] compares of each row: the token, its rank and the top tokens
+/// (`ids`), or the token's log-probability and the top ones'. A row without log-probabilities
+/// gives its token alone.
+fn logprob_words(choices: &[Choice], ids: bool) -> Vec<f64> {
+    let mut out = Vec::new();
+    for c in choices {
+        match (&c.logprobs, ids) {
+            (None, _) => out.push(c.token as f64),
+            (Some(lp), true) => {
+                out.extend([c.token as f64, c.rank as f64, lp.top.len() as f64]);
+                out.extend(lp.top.iter().map(|t| t.0 as f64));
+            }
+            (Some(lp), false) => {
+                out.push(lp.logprob as f64);
+                out.extend(lp.top.iter().map(|t| t.1 as f64));
+            }
+        }
+    }
+    out
+}
+
+/// The two [`Case::Logprobs`] of `rows` made by [`sample_case`] (its margins keep the draws
+/// clear of f32 rounding), each asking for its own count of top log-probabilities.
+fn logprobs_cases(
+    r: &mut ChaCha8Rng,
+    cols: usize,
+    scale: f32,
+    ties: usize,
+    rows: &[RowSampling],
+) -> [Case; 2] {
+    let Case::Sample { logits, rows, .. } = sample_case(r, cols, scale, ties, rows) else {
+        unreachable!("sample_case makes a sample case")
+    };
+    let case = |ids| Case::Logprobs {
+        cols,
+        logits: logits.clone(),
+        rows: rows.clone(),
+        ids,
+    };
+    [case(true), case(false)]
 }
 
 /// The tolerance of an attention case: f32's, but where tensor cores may run the prefill of a
@@ -1464,6 +1551,48 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
         0.0,
         sample_case(&mut r, 100, 3.0, 0, &small),
     ));
+    // log-probabilities on the device: sampled, greedy and edited rows (whose raw logits are
+    // kept for them), rows without any between them, prompt tokens scored; ties across the
+    // top 20; rows shorter than the count asked
+    let lp = |k: u32, s: RowSampling| RowSampling {
+        logprobs: Some(k),
+        ..s
+    };
+    let score = |k: u32, token: u32| RowSampling {
+        score: Some(token),
+        ..lp(k, RowSampling::GREEDY)
+    };
+    let cols = 20_000;
+    let rows = [
+        lp(5, row(1.0, 0, 1.0, 0.0)),
+        lp(20, RowSampling::GREEDY),
+        lp(0, row(0.8, 50, 0.9, 0.0)),
+        lp(3, edited(row(1.0, 0, 0.9, 0.0), 1.2, 0.3, 0.1)),
+        row(1.0, 0, 1.0, 0.0),
+        lp(20, edited(RowSampling::GREEDY, 1.3, 0.5, 0.2)),
+        score(4, 7),
+        score(0, cols as u32 - 1),
+    ];
+    let plain = [
+        lp(20, row(1.0, 20, 1.0, 0.0)),
+        lp(20, RowSampling::GREEDY),
+        score(20, 3),
+    ];
+    for (what, cols, ties, rows) in [
+        ("sampled, greedy, edited, scored", cols, 0, &rows[..]),
+        ("30 tokens tied for first", cols, 30, &plain[..]),
+        ("rows of 12", 12, 0, &plain[..]),
+    ] {
+        let [ids, values] = logprobs_cases(&mut r, cols, 6.0, ties, rows);
+        let name = format!("{}x{cols}: {what}", rows.len());
+        out.push((
+            "logprobs".into(),
+            format!("{name}: tokens, ranks"),
+            0.0,
+            ids,
+        ));
+        out.push(("logprobs".into(), format!("{name}: values"), 1e-5, values));
+    }
     // KV block copies (swap): 80 blocks of 512 bytes span several parts of a split cache;
     // half and fp8 caches round what is written (the reference too) and widen what is read
     for dtype in [DType::F32, DType::BF16, DType::F16, DType::F8E4M3] {
@@ -1513,7 +1642,8 @@ impl Case {
         let kv = self
             .kv_dtype()
             .is_none_or(|d| be.kv_cache_dtypes().contains(&d));
-        kv && (be.samples_on_device() || !matches!(self, Case::Sample { .. }))
+        kv && (be.samples_on_device()
+            || !matches!(self, Case::Sample { .. } | Case::Logprobs { .. }))
     }
 }
 

@@ -23,6 +23,7 @@ mod stubs;
 pub mod wgpu;
 
 use crate::quant::QuantTensor;
+use crate::sampling::sampler::TokenLogprobs;
 use crate::tensor::{DType, HostTensor};
 use anyhow::Result;
 
@@ -652,30 +653,57 @@ pub trait Backend: Send + Sync + 'static {
         false
     }
 
-    /// The token chosen from each row of `logits` `[rows.len(), cols]` as `rows` asks (see
-    /// [`RowSampling`]; the rows' edits are applied to `logits` in place first). The default
-    /// takes greedy rows without edits only ([`Self::argmax_rows`]).
+    /// The token chosen from each row of `logits` `[rows.len(), cols]` as `rows` asks, with
+    /// its log-probabilities where asked (see [`RowSampling`]; the rows' edits are applied to
+    /// `logits` in place first). The default takes greedy rows without edits or
+    /// log-probabilities only ([`Self::argmax_rows`]).
     fn sample_rows(
         &self,
         logits: &mut Self::Buf,
         cols: usize,
         rows: &[RowSampling],
-    ) -> Result<Vec<u32>> {
+    ) -> Result<Vec<Choice>> {
         anyhow::ensure!(
             rows.iter().all(RowSampling::is_plain_greedy),
-            "{} samples on the host: only greedy rows without penalties, bias or banned tokens \
-             can be reduced on the device",
+            "{} samples on the host: only greedy rows without penalties, bias, banned tokens \
+             or log-probabilities can be reduced on the device",
             self.name()
         );
-        self.argmax_rows(logits, rows.len(), cols)
+        Ok(self
+            .argmax_rows(logits, rows.len(), cols)?
+            .into_iter()
+            .map(Choice::token)
+            .collect())
+    }
+}
+
+/// What [`Backend::sample_rows`] brings back for one row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    /// The token chosen (or scored: [`RowSampling::score`]).
+    pub token: u32,
+    /// With [`RowSampling::logprobs`]: the raw log-probabilities, as
+    /// [`crate::sampling::sampler::logprobs_of`] gives them.
+    pub logprobs: Option<TokenLogprobs>,
+    /// With them, the token's rank among all ([`crate::sampling::sampler::rank_of`]).
+    pub rank: u32,
+}
+
+impl Choice {
+    pub fn token(token: u32) -> Choice {
+        Choice {
+            token,
+            logprobs: None,
+            rank: 0,
+        }
     }
 }
 
 /// How one logits row becomes a token on the device ([`Backend::sample_rows`]), as the host
 /// sampler would choose it: its edits (logit bias, banned tokens, penalties), then greedy, or
 /// temperature, top-k, top-p and min-p with the host's uniform draw for the row's
-/// `(seed, step)`. Structured output and log-probabilities are not here: rows that need them
-/// are sampled on the host.
+/// `(seed, step)`; or a given token scored (`score`). The raw log-probabilities come back where
+/// asked. Structured output is not here: rows that need it are sampled on the host.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RowSampling {
     /// 0: greedy (the argmax, ties to the lowest id).
@@ -691,6 +719,12 @@ pub struct RowSampling {
     pub frequency_penalty: f32,
     /// The tokens whose logits change before the choice, each once, in increasing order.
     pub edits: Vec<LogitEdit>,
+    /// `Some(k)`: the log-probability of the token chosen, its rank, and the `k` (at most
+    /// [`crate::sampling::params::MAX_LOGPROBS`]) most likely tokens' come back too, of the
+    /// raw logits (before the edits and the temperature, as vLLM reports them).
+    pub logprobs: Option<u32>,
+    /// A token to score rather than choose (`prompt_logprobs`: the prompt's next token).
+    pub score: Option<u32>,
 }
 
 /// What happens to one token's logit before a row is sampled, in this order: `bias` added,
@@ -716,6 +750,8 @@ impl RowSampling {
         presence_penalty: 0.0,
         frequency_penalty: 0.0,
         edits: Vec::new(),
+        logprobs: None,
+        score: None,
     };
 
     pub fn is_greedy(&self) -> bool {
@@ -723,9 +759,9 @@ impl RowSampling {
         self.temperature.is_nan() || self.temperature <= 0.0 || self.top_k == 1
     }
 
-    /// Greedy on the raw logits: what every backend's `argmax_rows` gives.
+    /// Greedy on the raw logits, the token alone: what every backend's `argmax_rows` gives.
     pub fn is_plain_greedy(&self) -> bool {
-        self.is_greedy() && self.edits.is_empty()
+        self.is_greedy() && self.edits.is_empty() && self.logprobs.is_none() && self.score.is_none()
     }
 
     /// The sampling kernel's parameter words: temperature, top_k, top_p, min_p (f32 bits), the

@@ -10,7 +10,7 @@ mod workers;
 pub use llm::{CompletionOutput, LLM, RequestOutput};
 pub use runner::{KvBudget, ModelRunner, StepResult};
 
-use crate::backend::{BackendKind, BatchInput, LogitEdit, RowSampling};
+use crate::backend::{BackendKind, BatchInput, Choice, LogitEdit, RowSampling};
 use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK, PrefixCacheStats};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{KvCacheDtype, ModelConfig, load_model};
@@ -25,7 +25,7 @@ use crate::sched::{
     SchedulingPolicy,
 };
 use crate::tensor::WeightDtype;
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
 use std::collections::HashMap;
@@ -105,19 +105,17 @@ impl Default for EngineArgs {
 
 /// Whether a request's next token can be chosen where the logits are ([`RowSampling`]: the
 /// host sampler's logit bias, banned tokens and penalties, then greedy or its temperature,
-/// top-k, top-p and min-p with its draw): no structured output or log-probabilities, which need
-/// the logits on the host.
+/// top-k, top-p and min-p with its draw, and the raw log-probabilities): no structured output,
+/// whose grammar is on the host.
 fn samples_anywhere(p: &SamplingParams) -> bool {
-    p.logprobs.is_none()
-        && p.best_of() == p.n
-        && p.structured.is_none()
-        && p.prompt_logprobs.is_none()
+    p.structured.is_none()
 }
 
 /// How a request that [`samples_anywhere`] chooses its next token, as the host sampler would:
 /// the edits of its logit bias, the tokens it may not choose yet (`banned`) and its penalties
 /// over `prompt` and `output` (tokens past `vocab` ignored), then greedy (also top-k 1) as the
-/// argmax, or a draw of `(seed, step)` with `step` the output's length.
+/// argmax, or a draw of `(seed, step)` with `step` the output's length; the log-probabilities
+/// it asks for, or the chosen token's alone where `best_of` ranks its sequences by them.
 fn row_sampling(
     p: &SamplingParams,
     seed: u64,
@@ -159,6 +157,10 @@ fn row_sampling(
         presence_penalty: p.presence_penalty,
         frequency_penalty: p.frequency_penalty,
         edits,
+        logprobs: p
+            .logprobs
+            .or((p.best_of() > p.n).then_some(0))
+            .map(|k| k as u32),
         ..RowSampling::GREEDY
     };
     if !p.chooses_argmax() {
@@ -288,13 +290,9 @@ pub struct PromptLogprob {
 }
 
 fn prompt_logprob(row: &[f32], token: u32, k: usize) -> PromptLogprob {
-    let x = row
-        .get(token as usize)
-        .copied()
-        .unwrap_or(f32::NEG_INFINITY);
     PromptLogprob {
         logprobs: crate::sampling::sampler::logprobs_of(row, token, k),
-        rank: 1 + row.iter().filter(|&&v| v > x).count(),
+        rank: crate::sampling::sampler::rank_of(row, token) as usize,
     }
 }
 
@@ -1071,6 +1069,19 @@ impl Engine {
                 reduce[row] = Some(how);
             }
         }
+        if on_device {
+            for &(id, pos, row) in &prompt_rows {
+                let (Some(st), Some(req)) = (self.states.get(&id), self.scheduler.request(id))
+                else {
+                    continue;
+                };
+                reduce[row] = Some(RowSampling {
+                    score: Some(req.tokens[pos + 1]),
+                    logprobs: st.params.prompt_logprobs.map(|k| k as u32),
+                    ..RowSampling::GREEDY
+                });
+            }
+        }
         Ok((
             input,
             PendingStep {
@@ -1099,18 +1110,21 @@ impl Engine {
             reduce,
         } = step;
         let vocab = self.config.vocab_size;
-        let StepResult { tokens, logits } = result;
+        let StepResult {
+            mut choices,
+            logits,
+        } = result;
         // Where each row's logits are in `logits` (rows that came back as a token have none).
         let mut host_row = Vec::with_capacity(reduce.len());
         let mut n = 0;
-        for t in &tokens {
+        for c in &choices {
             host_row.push(n);
-            n += usize::from(t.is_none());
+            n += usize::from(c.is_none());
         }
         ensure!(
-            tokens.len() == reduce.len() && logits.len() == n * vocab,
+            choices.len() == reduce.len() && logits.len() == n * vocab,
             "the runner returned {} tokens and {} logits for {} rows",
-            tokens.len(),
+            choices.len(),
             logits.len(),
             reduce.len()
         );
@@ -1122,20 +1136,42 @@ impl Engine {
             else {
                 continue;
             };
-            let row = host_row[row];
-            let row = &logits[row * vocab..(row + 1) * vocab];
-            let next = req.tokens[pos + 1];
-            let k = st.params.prompt_logprobs.unwrap_or(0);
-            st.prompt_logprobs.push(prompt_logprob(row, next, k));
+            let scored = match choices[row].take() {
+                Some(Choice {
+                    logprobs: Some(logprobs),
+                    rank,
+                    ..
+                }) => PromptLogprob {
+                    logprobs,
+                    rank: rank as usize,
+                },
+                Some(_) => bail!("the runner brought back no log-probabilities for a prompt row"),
+                None => {
+                    let row = host_row[row];
+                    let row = &logits[row * vocab..(row + 1) * vocab];
+                    let next = req.tokens[pos + 1];
+                    let k = st.params.prompt_logprobs.unwrap_or(0);
+                    prompt_logprob(row, next, k)
+                }
+            };
+            st.prompt_logprobs.push(scored);
         }
         let mut sampled = HashMap::new();
         let mut logprobs = HashMap::new();
         for (i, id) in sampling.iter().enumerate() {
             let i = sample_rows[i];
-            if let Some(t) = tokens[i] {
+            if let Some(c) = choices[i].take() {
                 self.stats.random_samples_on_device +=
                     u64::from(reduce[i].as_ref().is_some_and(|r| !r.is_greedy()));
-                sampled.insert(*id, t);
+                sampled.insert(*id, c.token);
+                if let (Some(lp), Some(st)) = (c.logprobs, self.states.get_mut(id)) {
+                    if st.params.best_of() > st.params.n {
+                        st.cum_logprob += lp.logprob as f64;
+                    }
+                    if st.params.logprobs.is_some() {
+                        logprobs.insert(*id, lp);
+                    }
+                }
                 continue;
             }
             let i = host_row[i];

@@ -3,8 +3,8 @@
 //! [`ModelRunner`] trait, so the engine above it is not generic.
 
 use crate::backend::{
-    Backend, BackendKind, BatchInput, CpuBackend, CudaBackend, DeviceBatch, EmuBackend, HipBackend,
-    RowSampling, WgpuBackend,
+    Backend, BackendKind, BatchInput, Choice, CpuBackend, CudaBackend, DeviceBatch, EmuBackend,
+    HipBackend, RowSampling, WgpuBackend,
 };
 use crate::models::WeightStats;
 use crate::models::kv_cache::{self, KvCache, KvCacheDtype, LayerKvSpec};
@@ -41,16 +41,17 @@ pub trait ModelRunner: Send {
     /// Element type of the KV pool (`--kv-cache-dtype` resolved).
     fn kv_dtype(&self) -> DType;
     /// Runs the batch: writes its K/V into the pool, then for each row in `logits_rows` either
-    /// chooses its token where the logits are (a [`RowSampling`] in `sampling`; on a GPU only
-    /// the token comes back) or brings its logits to the host (`None`). Rows with edits or a
-    /// random draw only where [`Self::samples_on_device`]; plain greedy rows everywhere.
+    /// chooses (or scores) its token where the logits are (a [`RowSampling`] in `sampling`; on
+    /// a GPU only the token and the asked log-probabilities come back) or brings its logits to
+    /// the host (`None`). Rows with edits, log-probabilities or a random draw only where
+    /// [`Self::samples_on_device`]; plain greedy rows everywhere.
     fn execute(
         &mut self,
         input: BatchInput,
         sampling: &[Option<RowSampling>],
     ) -> Result<StepResult>;
-    /// Whether [`Self::execute`] applies edits and draws random samples (not only plain
-    /// greedy rows).
+    /// Whether [`Self::execute`] applies edits, draws random samples and computes
+    /// log-probabilities (not only plain greedy rows).
     fn samples_on_device(&self) -> bool {
         false
     }
@@ -83,9 +84,9 @@ pub trait ModelRunner: Send {
 /// What a step brings back to the host.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepResult {
-    /// Per logits row: the token chosen where the logits are, or `None` for a row whose logits
-    /// came back.
-    pub tokens: Vec<Option<u32>>,
+    /// Per logits row: the token chosen (or scored) where the logits are, or `None` for a row
+    /// whose logits came back.
+    pub choices: Vec<Option<Choice>>,
     /// The logits `[rows without a token, vocab]`, in row order.
     pub logits: Vec<f32>,
 }
@@ -106,12 +107,12 @@ impl StepResult {
             sampling.len()
         );
         if sampling.iter().all(Option::is_none) {
-            let tokens = vec![None; sampling.len()];
-            return Ok(StepResult { tokens, logits });
+            let choices = vec![None; sampling.len()];
+            return Ok(StepResult { choices, logits });
         }
         let mut out = StepResult::default();
         for (row, s) in logits.chunks_exact(vocab.max(1)).zip(sampling) {
-            out.tokens.push(match s {
+            out.choices.push(match s {
                 None => {
                     out.logits.extend_from_slice(row);
                     None
@@ -121,7 +122,7 @@ impl StepResult {
                         s.is_plain_greedy(),
                         "this runner samples on the host: only plain greedy rows are reduced here"
                     );
-                    Some(crate::backend::argmax(row) as u32)
+                    Some(Choice::token(crate::backend::argmax(row) as u32))
                 }
             });
         }
@@ -140,7 +141,7 @@ fn reduce_logits<B: Backend>(
     let host: Vec<u32> = (0..sampling.len() as u32)
         .filter(|&i| sampling[i as usize].is_none())
         .collect();
-    let tokens = if host.len() == sampling.len() {
+    let choices = if host.len() == sampling.len() {
         vec![None; sampling.len()]
     } else {
         // NOTE: the rows whose logits come back are reduced too (as greedy, one cheap pass)
@@ -149,11 +150,11 @@ fn reduce_logits<B: Backend>(
             .iter()
             .map(|s| s.clone().unwrap_or(RowSampling::GREEDY))
             .collect();
-        let t = b.sample_rows(logits, vocab, &rows)?;
+        let c = b.sample_rows(logits, vocab, &rows)?;
         sampling
             .iter()
-            .zip(t)
-            .map(|(s, t)| s.as_ref().map(|_| t))
+            .zip(c)
+            .map(|(s, c)| s.as_ref().map(|_| c))
             .collect()
     };
     let logits = if host.is_empty() {
@@ -166,7 +167,7 @@ fn reduce_logits<B: Backend>(
         b.gather_rows(logits, &idx, vocab, &mut out)?;
         b.download_f32(&out)?
     };
-    Ok(StepResult { tokens, logits })
+    Ok(StepResult { choices, logits })
 }
 
 pub(super) struct Runner<B: Backend> {

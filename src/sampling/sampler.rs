@@ -551,6 +551,16 @@ pub fn logprobs_of(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
     raw_logprobs(logits, token, k)
 }
 
+/// The rank of `token` under `logits`: 1 + the count of logits above its own (1: the most
+/// likely; a token past the row ranks below every finite logit).
+pub fn rank_of(logits: &[f32], token: u32) -> u32 {
+    let x = logits
+        .get(token as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    1 + logits.iter().filter(|&&v| v > x).count() as u32
+}
+
 fn raw_logprobs(logits: &[f32], chosen: u32, k: usize) -> TokenLogprobs {
     // NaN counts as -inf; +inf as the largest finite value (so no inf - inf below).
     let clean = |v: f32| nan_to_neg_inf(v).min(f32::MAX);

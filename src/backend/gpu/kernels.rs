@@ -52,6 +52,11 @@ pub const DECODE_HEAD_DIMS: [usize; 7] = [16, 32, 64, 80, 96, 128, 256];
 /// Threads per block of the `sample` kernels (`SAMPLE_THREADS` in sample.cu).
 pub const SAMPLE_THREADS: u32 = 512;
 
+/// Most top log-probabilities per row of `logprobs_f32`, and the words of one row of its
+/// output (`LOGPROBS_MAX` and `LOGPROBS_WORDS` in sample.cu).
+pub const LOGPROBS_MAX: usize = 20;
+pub const LOGPROBS_WORDS: usize = 3 + 2 * LOGPROBS_MAX;
+
 /// Largest row count served by the `matvec_<dtype>_<M>` kernels.
 pub const MATVEC_MAX_ROWS: usize = 8;
 
@@ -76,7 +81,12 @@ pub fn kernel_names(stem: &str, tensor_cores: bool) -> Vec<String> {
             "layer_norm_f32",
             "qk_norm_f32",
         ],
-        "sample" => &["argmax_f32", "logit_edits_f32", "sample_f32"],
+        "sample" => &[
+            "argmax_f32",
+            "logit_edits_f32",
+            "sample_f32",
+            "logprobs_f32",
+        ],
         "rope" => &["rope_f32"],
         "attention" => &["attention_reduce_f32"],
         _ => &[],
