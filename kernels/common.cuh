@@ -133,6 +133,16 @@ __device__ __forceinline__ void unpack16(uint4 raw, float* out, const float*) {
     out[3] = __uint_as_float(raw.w);
 }
 
+// act: 0 SiLU, 1 GELU (tanh approximation), 2 GELU (erf).
+// NOTE: SiLU divides with __fdividef (within 2 ulp; 0 for a denominator above 2^126, where the
+// quotient is below 1e-36): IEEE division's slow path is a call, and around it the matvecs that
+// end with the activation spilled registers.
+__device__ __forceinline__ float activate(float x, u32 act) {
+    if (act == 0) return __fdividef(x, 1.0f + expf(-x));
+    if (act == 1) return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118f));
+}
+
 // ---- reductions -----------------------------------------------------------------------------
 
 __device__ __forceinline__ float warp_sum(float v) {

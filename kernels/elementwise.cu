@@ -9,13 +9,6 @@ extern "C" __global__ void add_assign_f32(float* x, const float* y, u32 n) {
         x[i] += y[i];
 }
 
-// act: 0 SiLU, 1 GELU (tanh approximation), 2 GELU (erf).
-__device__ __forceinline__ float activate(float x, u32 act) {
-    if (act == 0) return x / (1.0f + expf(-x));
-    if (act == 1) return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
-    return 0.5f * x * (1.0f + erff(x * 0.70710678118f));
-}
-
 // out[r, i] = act(gu[r, i]) * gu[r, ffn + i]          gu: [rows, 2 ffn]   out: [rows, ffn]
 extern "C" __global__ void gated_act_f32(const float* gu, float* out, u32 rows, u32 ffn, u32 act) {
     const u64 n = (u64)rows * ffn;

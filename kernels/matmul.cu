@@ -3,6 +3,8 @@
 //   - matvec_<dtype>_<M>: M ≤ 8 rows (decode). Memory-bound: each weight row is streamed once
 //     with 16-byte loads, one warp per weight row, while the M rows of x (a few KiB) stay in
 //     L1/L2. Needs k to be a multiple of 8 (16-bit weights) or 4 (f32) — checked on the host.
+//     matvec_gated_<dtype>_<M>: the same for the gated MLP's gate and up rows, their
+//     activation's product out.
 //   - gemm_<dtype>: any shape, 64 × 64 output tiles through shared memory. The GEMM of the HIP
 //     backend, and the CUDA backend's fallback when cuBLAS is not used.
 #include "common.cuh"
@@ -22,6 +24,27 @@ __device__ __forceinline__ void matvec_chunk(uint4 raw, const float* __restrict_
         for (int v = 0; v < VEC / 4; ++v) {
             const float4 xv = __ldg(xp + v);
             acc[m] += xv.x * wv[4 * v] + xv.y * wv[4 * v + 1] + xv.z * wv[4 * v + 2] + xv.w * wv[4 * v + 3];
+        }
+    }
+}
+
+// The same for two weight rows over the same x (each x vector loaded once, used twice):
+// a[m] += x[m] · (the weights in ra), b[m] += x[m] · (the weights in rb).
+template <typename W, int M>
+__device__ __forceinline__ void matvec_chunk2(uint4 ra, uint4 rb, const float* __restrict__ x, u32 k, u32 k0,
+                                              float* a, float* b) {
+    constexpr int VEC = 16 / sizeof(W);
+    float wa[VEC], wb[VEC];
+    unpack16(ra, wa, (const W*)0);
+    unpack16(rb, wb, (const W*)0);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * k + k0);
+#pragma unroll
+        for (int v = 0; v < VEC / 4; ++v) {
+            const float4 xv = __ldg(xp + v);
+            a[m] += xv.x * wa[4 * v] + xv.y * wa[4 * v + 1] + xv.z * wa[4 * v + 2] + xv.w * wa[4 * v + 3];
+            b[m] += xv.x * wb[4 * v] + xv.y * wb[4 * v + 1] + xv.z * wb[4 * v + 2] + xv.w * wb[4 * v + 3];
         }
     }
 }
@@ -64,10 +87,61 @@ __device__ __forceinline__ void matvec_impl(const float* __restrict__ x, const W
     }
 }
 
+// The gated MLP's first half for decode rows: y[m, i] = act(x[m] · w[i]) · (x[m] · w[ffn + i])
+// (w: [2 ffn, k], the gate rows then the up rows), so the gate and up projections never go
+// through memory. One warp per output i streams both rows, their loads interleaved: U loads of
+// each in flight, half matvec_impl's U for the same total. Each product sums in matvec_impl's
+// order.
+template <typename W, int M>
+__device__ __forceinline__ void matvec_gated_impl(const float* __restrict__ x, const W* __restrict__ w,
+                                                  float* __restrict__ y, u32 ffn, u32 k, u32 act) {
+    constexpr int VEC = 16 / sizeof(W);
+    constexpr u32 STEP = PG_WARP_SIZE * VEC;
+    constexpr int U = M > 4 ? 1 : 2;
+    const u32 row = blockIdx.x * (blockDim.x / PG_WARP_SIZE) + threadIdx.x / PG_WARP_SIZE;
+    const u32 lane = threadIdx.x % PG_WARP_SIZE;
+    if (row >= ffn) return;
+    const W* wg = w + (u64)row * k;
+    const W* wu = w + (u64)(ffn + row) * k;
+    float g[M], u[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) g[m] = u[m] = 0.0f;
+    u32 k0 = lane * VEC;
+    for (; k0 + (U - 1) * STEP < k; k0 += U * STEP) {
+        uint4 rg[U], ru[U];
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            rg[j] = __ldg(reinterpret_cast<const uint4*>(wg + k0 + j * STEP));
+            ru[j] = __ldg(reinterpret_cast<const uint4*>(wu + k0 + j * STEP));
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) matvec_chunk2<W, M>(rg[j], ru[j], x, k, k0 + j * STEP, g, u);
+    }
+#pragma unroll 1
+    for (; k0 < k; k0 += STEP)
+        matvec_chunk2<W, M>(__ldg(reinterpret_cast<const uint4*>(wg + k0)),
+                            __ldg(reinterpret_cast<const uint4*>(wu + k0)), x, k, k0, g, u);
+    // Lane m finishes row m: one activation per lane, none live across another's call.
+    float gm = 0.0f, um = 0.0f;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float gs = warp_sum(g[m]), us = warp_sum(u[m]);
+        if (lane == (u32)m) {
+            gm = gs;
+            um = us;
+        }
+    }
+    if (lane < (u32)M) y[(u64)lane * ffn + row] = activate(gm, act) * um;
+}
+
 #define MATVEC(DT, W, M)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS)                                          \
         matvec_##DT##_##M(const float* x, const W* w, const float* bias, float* y, u32 n, u32 k) {        \
         matvec_impl<W, M>(x, w, bias, y, n, k);                                                           \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS)                                          \
+        matvec_gated_##DT##_##M(const float* x, const W* w, float* y, u32 ffn, u32 k, u32 act) {          \
+        matvec_gated_impl<W, M>(x, w, y, ffn, k, act);                                                    \
     }
 #define MATVEC_ALL_M(DT, W) \
     MATVEC(DT, W, 1)        \

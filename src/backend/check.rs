@@ -136,6 +136,16 @@ enum Case {
         batch: BatchInput,
         opts: AttentionOptions,
     },
+    /// The gated MLP's gate and up projections with the activation's product
+    /// (`matmul_gated_act`), under each activation.
+    GatedMatmul {
+        dtype: DType,
+        m: usize,
+        k: usize,
+        ffn: usize,
+        x: Vec<f32>,
+        w: Vec<f32>,
+    },
     Argmax {
         rows: usize,
         cols: usize,
@@ -185,6 +195,25 @@ fn run<B: Backend>(be: &B, case: &Case) -> Result<Vec<f32>> {
             let mut out = be.alloc_f32(m * n)?;
             be.matmul(&xb, &wb, bb.as_ref(), *m, *k, *n, &mut out)?;
             be.download_f32(&out)?
+        }
+        Case::GatedMatmul {
+            dtype,
+            m,
+            k,
+            ffn,
+            x,
+            w,
+        } => {
+            let xb = be.upload_f32(x)?;
+            let wb = be.upload_weight(&HostTensor::new(vec![2 * ffn, *k], w.clone()), *dtype)?;
+            let mut v = Vec::new();
+            for act in [Activation::Silu, Activation::GeluTanh, Activation::Gelu] {
+                let mut gu = be.alloc_f32(m * 2 * ffn)?;
+                let mut out = be.alloc_f32(m * ffn)?;
+                be.matmul_gated_act(&xb, &wb, *m, *k, *ffn, act, &mut gu, &mut out)?;
+                v.extend(be.download_f32(&out)?);
+            }
+            v
         }
         Case::RmsNorm {
             rows,
@@ -430,6 +459,26 @@ fn reference(case: &Case) -> Vec<f64> {
                 for j in 0..*n {
                     let dot: f64 = (0..*k).map(|l| x[i * k + l] as f64 * w[j * k + l]).sum();
                     out.push(dot + b.as_ref().map_or(0.0, |b| b[j] as f64));
+                }
+            }
+            out
+        }
+        Case::GatedMatmul {
+            dtype,
+            m,
+            k,
+            ffn,
+            x,
+            w,
+        } => {
+            let w = rounded(*dtype, w);
+            let dot = |i: usize, j: usize| -> f64 {
+                (0..*k).map(|l| x[i * k + l] as f64 * w[j * k + l]).sum()
+            };
+            let mut out = Vec::with_capacity(3 * m * ffn);
+            for act in [Activation::Silu, Activation::GeluTanh, Activation::Gelu] {
+                for i in 0..*m {
+                    out.extend((0..*ffn).map(|j| act.apply_f64(dot(i, j)) * dot(i, ffn + j)));
                 }
             }
             out
@@ -1029,6 +1078,35 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
                     x: rand_vec(&mut r, m * k),
                     w: rand_vec(&mut r, n * k),
                     b: bias.then(|| rand_vec(&mut r, n)),
+                },
+            ));
+        }
+    }
+    // the gated MLP's first half: decode rows (fused on a GPU), an odd k, a prefill batch
+    for dtype in [DType::F32, DType::BF16] {
+        for &(m, k, ffn) in &[
+            (1, 576, 384),
+            (5, 256, 200),
+            (8, 520, 96),
+            (3, 130, 64),
+            (20, 128, 96),
+        ] {
+            let tol = if dtype == DType::F32 || (m <= 8 && usize::is_multiple_of(k, 8)) {
+                1e-5
+            } else {
+                1e-2
+            };
+            out.push((
+                "matmul_gated_act".into(),
+                format!("{} {m}x{k}x(2x{ffn})", dtype.name()),
+                tol,
+                Case::GatedMatmul {
+                    dtype,
+                    m,
+                    k,
+                    ffn,
+                    x: rand_vec(&mut r, m * k),
+                    w: rand_vec(&mut r, 2 * ffn * k),
                 },
             ));
         }

@@ -551,6 +551,26 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buf,
     ) -> Result<()>;
 
+    /// `out[r, i] = act(g) · u` where `[g | u] = x[r] · w_gate_upᵀ` (`x` `[rows, k]`,
+    /// `w_gate_up` `[2 ffn, k]`, gate rows then up rows): the gated MLP's first half.
+    /// `gate_up` `[rows, 2 ffn]` is scratch: the default fills it ([`Self::matmul`], then
+    /// [`Self::gated_act`]); a backend that fuses the two may leave it untouched.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_gated_act(
+        &self,
+        x: &Self::Buf,
+        w_gate_up: &Self::Buf,
+        rows: usize,
+        k: usize,
+        ffn: usize,
+        act: Activation,
+        gate_up: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        self.matmul(x, w_gate_up, None, rows, k, 2 * ffn, gate_up)?;
+        self.gated_act(gate_up, rows, ffn, act, out)
+    }
+
     /// `x[i] = act(x[i])` over the first `n` elements (a plain MLP).
     fn act(&self, x: &mut Self::Buf, n: usize, act: Activation) -> Result<()>;
 

@@ -387,8 +387,16 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
             // x += post_attn_norm(o); h = pre_ffn_norm(x)
             backend.rms_norm(&o, &w.post_attn_norm, t, hid, eps, &mut on)?;
             backend.add_rms_norm(&mut x, &on, &w.pre_ffn_norm, t, hid, eps, &mut h)?;
-            backend.matmul(&h, &w.w_gate_up, None, t, hid, 2 * f, &mut gu)?;
-            backend.gated_act(&gu, t, f, c.hidden_act, &mut act)?;
+            backend.matmul_gated_act(
+                &h,
+                &w.w_gate_up,
+                t,
+                hid,
+                f,
+                c.hidden_act,
+                &mut gu,
+                &mut act,
+            )?;
             backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             // x += post_ffn_norm(o); h = the next layer's input norm of x

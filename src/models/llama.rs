@@ -284,8 +284,16 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             backend.add_rms_norm(&mut x, &o, &w.mlp_norm, t, hid, eps, &mut h)?;
-            backend.matmul(&h, &w.w_gate_up, None, t, hid, 2 * f, &mut gu)?;
-            backend.gated_act(&gu, t, f, c.hidden_act, &mut act)?;
+            backend.matmul_gated_act(
+                &h,
+                &w.w_gate_up,
+                t,
+                hid,
+                f,
+                c.hidden_act,
+                &mut gu,
+                &mut act,
+            )?;
             backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             match self.layers.get(j + 1) {

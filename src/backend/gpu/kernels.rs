@@ -57,7 +57,7 @@ pub const SAMPLE_THREADS: u32 = 512;
 pub const LOGPROBS_MAX: usize = 20;
 pub const LOGPROBS_WORDS: usize = 3 + 2 * LOGPROBS_MAX;
 
-/// Largest row count served by the `matvec_<dtype>_<M>` kernels.
+/// Largest row count served by the `matvec_<dtype>_<M>` and `matvec_gated_<dtype>_<M>` kernels.
 pub const MATVEC_MAX_ROWS: usize = 8;
 
 /// The `extern "C"` kernels that each file defines (those stamped out by macros included);
@@ -120,6 +120,7 @@ pub fn kernel_names(stem: &str, tensor_cores: bool) -> Vec<String> {
                 names.push(format!("gemm_{d}"));
                 for m in 1..=MATVEC_MAX_ROWS {
                     names.push(format!("matvec_{d}_{m}"));
+                    names.push(format!("matvec_gated_{d}_{m}"));
                 }
             }
         }
@@ -308,7 +309,7 @@ mod tests {
                 let stamped = match n.split('_').collect::<Vec<_>>()[..] {
                     ["embedding", d] => src.contains(&format!("EMBEDDING(embedding_{d},")),
                     ["gemm", d] => src.contains(&format!("GEMM({d},")),
-                    ["matvec", d, m] => {
+                    ["matvec", d, m] | ["matvec", "gated", d, m] => {
                         src.contains(&format!("MATVEC_ALL_M({d},"))
                             && src.contains(&format!("MATVEC(DT, W, {m})"))
                     }

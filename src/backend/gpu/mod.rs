@@ -954,6 +954,48 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         )
     }
 
+    fn matmul_gated_act(
+        &self,
+        x: &GpuBuf<R>,
+        w_gate_up: &GpuBuf<R>,
+        rows: usize,
+        k: usize,
+        ffn: usize,
+        act: Activation,
+        gate_up: &mut GpuBuf<R>,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        let vec = if w_gate_up.elem == Elem::F32 { 4 } else { 8 };
+        if rows == 0 || rows > MATVEC_MAX_ROWS || !k.is_multiple_of(vec) {
+            self.matmul(x, w_gate_up, None, rows, k, 2 * ffn, gate_up)?;
+            return self.gated_act(gate_up, rows, ffn, act, out);
+        }
+        // Decode: the gate and up rows streamed together, their product written once.
+        self.rt.bind()?;
+        x.expect(Elem::F32, "matmul_gated_act x")?;
+        out.expect(Elem::F32, "matmul_gated_act out")?;
+        ensure!(
+            x.len >= rows * k && out.len >= rows * ffn && w_gate_up.len == 2 * ffn * k,
+            "matmul_gated_act: bad sizes for {rows}x{k}x(2x{ffn})"
+        );
+        let dt = w_gate_up.elem.kernel_suffix()?;
+        let warps = 256 / self.rt.warp_size();
+        self.launch(
+            &format!("matvec_gated_{dt}_{rows}"),
+            [ffn.div_ceil(warps as usize) as u32, 1, 1],
+            [256, 1, 1],
+            0,
+            &[
+                Arg::P(x.ptr()),
+                Arg::P(w_gate_up.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(ffn, "ffn")?,
+                u32_arg(k, "k")?,
+                Arg::U(act.code()),
+            ],
+        )
+    }
+
     fn act(&self, x: &mut GpuBuf<R>, n: usize, act: Activation) -> Result<()> {
         self.rt.bind()?;
         x.expect(Elem::F32, "act x")?;
