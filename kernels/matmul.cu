@@ -11,40 +11,25 @@
 
 #define MATVEC_THREADS 256
 
-// acc[m] += x[m, k0 .. k0 + VEC] · (the VEC weights in raw), for every row m of x.
-template <typename W, int M>
-__device__ __forceinline__ void matvec_chunk(uint4 raw, const float* __restrict__ x, u32 k, u32 k0, float* acc) {
+// acc[r][m] += x[m, k0 .. k0 + VEC] · (the VEC weights of weight row r, in raw[r]), for every
+// row m of x and each of R weight rows (each vector of x loaded once for all R).
+template <typename W, int M, int R>
+__device__ __forceinline__ void matvec_chunk(const uint4* raw, const float* __restrict__ x, u32 k, u32 k0,
+                                             float (*acc)[M]) {
     constexpr int VEC = 16 / sizeof(W);
-    float wv[VEC];
-    unpack16(raw, wv, (const W*)0);
+    float wv[R][VEC];
+#pragma unroll
+    for (int r = 0; r < R; ++r) unpack16(raw[r], wv[r], (const W*)0);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * k + k0);
 #pragma unroll
         for (int v = 0; v < VEC / 4; ++v) {
             const float4 xv = __ldg(xp + v);
-            acc[m] += xv.x * wv[4 * v] + xv.y * wv[4 * v + 1] + xv.z * wv[4 * v + 2] + xv.w * wv[4 * v + 3];
-        }
-    }
-}
-
-// The same for two weight rows over the same x (each x vector loaded once, used twice):
-// a[m] += x[m] · (the weights in ra), b[m] += x[m] · (the weights in rb).
-template <typename W, int M>
-__device__ __forceinline__ void matvec_chunk2(uint4 ra, uint4 rb, const float* __restrict__ x, u32 k, u32 k0,
-                                              float* a, float* b) {
-    constexpr int VEC = 16 / sizeof(W);
-    float wa[VEC], wb[VEC];
-    unpack16(ra, wa, (const W*)0);
-    unpack16(rb, wb, (const W*)0);
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * k + k0);
-#pragma unroll
-        for (int v = 0; v < VEC / 4; ++v) {
-            const float4 xv = __ldg(xp + v);
-            a[m] += xv.x * wa[4 * v] + xv.y * wa[4 * v + 1] + xv.z * wa[4 * v + 2] + xv.w * wa[4 * v + 3];
-            b[m] += xv.x * wb[4 * v] + xv.y * wb[4 * v + 1] + xv.z * wb[4 * v + 2] + xv.w * wb[4 * v + 3];
+            for (int r = 0; r < R; ++r)
+                acc[r][m] += xv.x * wv[r][4 * v] + xv.y * wv[r][4 * v + 1] + xv.z * wv[r][4 * v + 2] +
+                             xv.w * wv[r][4 * v + 3];
         }
     }
 }
@@ -65,25 +50,28 @@ __device__ __forceinline__ void matvec_impl(const float* __restrict__ x, const W
     const u32 lane = threadIdx.x % PG_WARP_SIZE;
     if (row >= n) return;
     const W* wr = w + (u64)row * k;
-    float acc[M];
+    float acc[1][M];
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+    for (int m = 0; m < M; ++m) acc[0][m] = 0.0f;
     u32 k0 = lane * VEC;
     for (; k0 + (U - 1) * STEP < k; k0 += U * STEP) {
         uint4 raw[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) raw[u] = __ldg(reinterpret_cast<const uint4*>(wr + k0 + u * STEP));
 #pragma unroll
-        for (int u = 0; u < U; ++u) matvec_chunk<W, M>(raw[u], x, k, k0 + u * STEP, acc);
+        for (int u = 0; u < U; ++u) matvec_chunk<W, M, 1>(&raw[u], x, k, k0 + u * STEP, acc);
     }
 #pragma unroll 1
-    for (; k0 < k; k0 += STEP) matvec_chunk<W, M>(__ldg(reinterpret_cast<const uint4*>(wr + k0)), x, k, k0, acc);
+    for (; k0 < k; k0 += STEP) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(wr + k0));
+        matvec_chunk<W, M, 1>(&raw, x, k, k0, acc);
+    }
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+    for (int m = 0; m < M; ++m) acc[0][m] = warp_sum(acc[0][m]);
     if (lane == 0) {
         const float b = bias ? bias[row] : 0.0f;
 #pragma unroll
-        for (int m = 0; m < M; ++m) y[(u64)m * n + row] = acc[m] + b;
+        for (int m = 0; m < M; ++m) y[(u64)m * n + row] = acc[0][m] + b;
     }
 }
 
@@ -103,29 +91,31 @@ __device__ __forceinline__ void matvec_gated_impl(const float* __restrict__ x, c
     if (row >= ffn) return;
     const W* wg = w + (u64)row * k;
     const W* wu = w + (u64)(ffn + row) * k;
-    float g[M], u[M];
+    float acc[2][M];  // gate, up
 #pragma unroll
-    for (int m = 0; m < M; ++m) g[m] = u[m] = 0.0f;
+    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.0f;
     u32 k0 = lane * VEC;
     for (; k0 + (U - 1) * STEP < k; k0 += U * STEP) {
-        uint4 rg[U], ru[U];
+        uint4 raw[U][2];
 #pragma unroll
         for (int j = 0; j < U; ++j) {
-            rg[j] = __ldg(reinterpret_cast<const uint4*>(wg + k0 + j * STEP));
-            ru[j] = __ldg(reinterpret_cast<const uint4*>(wu + k0 + j * STEP));
+            raw[j][0] = __ldg(reinterpret_cast<const uint4*>(wg + k0 + j * STEP));
+            raw[j][1] = __ldg(reinterpret_cast<const uint4*>(wu + k0 + j * STEP));
         }
 #pragma unroll
-        for (int j = 0; j < U; ++j) matvec_chunk2<W, M>(rg[j], ru[j], x, k, k0 + j * STEP, g, u);
+        for (int j = 0; j < U; ++j) matvec_chunk<W, M, 2>(raw[j], x, k, k0 + j * STEP, acc);
     }
 #pragma unroll 1
-    for (; k0 < k; k0 += STEP)
-        matvec_chunk2<W, M>(__ldg(reinterpret_cast<const uint4*>(wg + k0)),
-                            __ldg(reinterpret_cast<const uint4*>(wu + k0)), x, k, k0, g, u);
+    for (; k0 < k; k0 += STEP) {
+        const uint4 raw[2] = {__ldg(reinterpret_cast<const uint4*>(wg + k0)),
+                              __ldg(reinterpret_cast<const uint4*>(wu + k0))};
+        matvec_chunk<W, M, 2>(raw, x, k, k0, acc);
+    }
     // Lane m finishes row m: one activation per lane, none live across another's call.
     float gm = 0.0f, um = 0.0f;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-        const float gs = warp_sum(g[m]), us = warp_sum(u[m]);
+        const float gs = warp_sum(acc[0][m]), us = warp_sum(acc[1][m]);
         if (lane == (u32)m) {
             gm = gs;
             um = us;

@@ -1042,6 +1042,17 @@ fn attention_case(
     }
 }
 
+/// The tolerance of a product of `m` rows by `dtype` weights over `k`.
+// NOTE: half weights with a decode-sized batch go through the GEMV kernels, which keep x in
+// f32; elsewhere a vendor GEMM may round x to the weights' type first.
+fn matmul_tolerance(dtype: DType, m: usize, k: usize) -> f64 {
+    if dtype == DType::F32 || (m <= 8 && k.is_multiple_of(8)) {
+        1e-5
+    } else {
+        1e-2
+    }
+}
+
 fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
     let mut r = ChaCha8Rng::seed_from_u64(seed);
     let mut out = Vec::new();
@@ -1055,13 +1066,7 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             (130, 256, 320, false),
             (5, 130, 33, true),
         ] {
-            // NOTE: half weights with a decode-sized batch go through the GEMV kernels, which
-            // keep x in f32; elsewhere a vendor GEMM may round x to the weights' type first.
-            let tol = if dtype == DType::F32 || (m <= 8 && usize::is_multiple_of(k, 8)) {
-                1e-5
-            } else {
-                1e-2
-            };
+            let tol = matmul_tolerance(dtype, m, k);
             out.push((
                 "matmul".into(),
                 format!(
@@ -1091,15 +1096,10 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
             (3, 130, 64),
             (20, 128, 96),
         ] {
-            let tol = if dtype == DType::F32 || (m <= 8 && usize::is_multiple_of(k, 8)) {
-                1e-5
-            } else {
-                1e-2
-            };
             out.push((
                 "matmul_gated_act".into(),
                 format!("{} {m}x{k}x(2x{ffn})", dtype.name()),
-                tol,
+                matmul_tolerance(dtype, m, k),
                 Case::GatedMatmul {
                     dtype,
                     m,
