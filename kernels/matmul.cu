@@ -40,34 +40,49 @@ __device__ __forceinline__ void matvec_chunk(const uint4* raw, const float* __re
 // matrix, 4 loads give 32 KiB in flight per SM; with 5 or more rows of x, whose loads are in
 // flight too, 2 (4 would spill).
 
-template <typename W, int M>
-__device__ __forceinline__ void matvec_impl(const float* __restrict__ x, const W* __restrict__ w,
-                                            const float* __restrict__ bias, float* __restrict__ y, u32 n, u32 k) {
+// acc[r][m] = x[m] · (weight row r) over all k, in every lane: R weight rows streamed together,
+// U 16-byte loads of each in flight per lane, summed over the warp.
+template <typename W, int M, int R, int U>
+__device__ __forceinline__ void matvec_rows(const W* const* wr, const float* __restrict__ x, u32 k, u32 lane,
+                                            float (*acc)[M]) {
     constexpr int VEC = 16 / sizeof(W);  // weights per 16-byte load
     constexpr u32 STEP = PG_WARP_SIZE * VEC;
-    constexpr int U = M > 4 ? 2 : 4;
-    const u32 row = blockIdx.x * (blockDim.x / PG_WARP_SIZE) + threadIdx.x / PG_WARP_SIZE;
-    const u32 lane = threadIdx.x % PG_WARP_SIZE;
-    if (row >= n) return;
-    const W* wr = w + (u64)row * k;
-    float acc[1][M];
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[0][m] = 0.0f;
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
     u32 k0 = lane * VEC;
     for (; k0 + (U - 1) * STEP < k; k0 += U * STEP) {
-        uint4 raw[U];
+        uint4 raw[U][R];
 #pragma unroll
-        for (int u = 0; u < U; ++u) raw[u] = __ldg(reinterpret_cast<const uint4*>(wr + k0 + u * STEP));
+        for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int u = 0; u < U; ++u) matvec_chunk<W, M, 1>(&raw[u], x, k, k0 + u * STEP, acc);
+            for (int r = 0; r < R; ++r) raw[u][r] = __ldg(reinterpret_cast<const uint4*>(wr[r] + k0 + u * STEP));
+#pragma unroll
+        for (int u = 0; u < U; ++u) matvec_chunk<W, M, R>(raw[u], x, k, k0 + u * STEP, acc);
     }
 #pragma unroll 1
     for (; k0 < k; k0 += STEP) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(wr + k0));
-        matvec_chunk<W, M, 1>(&raw, x, k, k0, acc);
+        uint4 raw[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) raw[r] = __ldg(reinterpret_cast<const uint4*>(wr[r] + k0));
+        matvec_chunk<W, M, R>(raw, x, k, k0, acc);
     }
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[0][m] = warp_sum(acc[0][m]);
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
+}
+
+template <typename W, int M>
+__device__ __forceinline__ void matvec_impl(const float* __restrict__ x, const W* __restrict__ w,
+                                            const float* __restrict__ bias, float* __restrict__ y, u32 n, u32 k) {
+    const u32 row = blockIdx.x * (blockDim.x / PG_WARP_SIZE) + threadIdx.x / PG_WARP_SIZE;
+    const u32 lane = threadIdx.x % PG_WARP_SIZE;
+    if (row >= n) return;
+    const W* wr[1] = {w + (u64)row * k};
+    float acc[1][M];
+    matvec_rows<W, M, 1, (M > 4 ? 2 : 4)>(wr, x, k, lane, acc);
     if (lane == 0) {
         const float b = bias ? bias[row] : 0.0f;
 #pragma unroll
@@ -83,42 +98,19 @@ __device__ __forceinline__ void matvec_impl(const float* __restrict__ x, const W
 template <typename W, int M>
 __device__ __forceinline__ void matvec_gated_impl(const float* __restrict__ x, const W* __restrict__ w,
                                                   float* __restrict__ y, u32 ffn, u32 k, u32 act) {
-    constexpr int VEC = 16 / sizeof(W);
-    constexpr u32 STEP = PG_WARP_SIZE * VEC;
-    constexpr int U = M > 4 ? 1 : 2;
     const u32 row = blockIdx.x * (blockDim.x / PG_WARP_SIZE) + threadIdx.x / PG_WARP_SIZE;
     const u32 lane = threadIdx.x % PG_WARP_SIZE;
     if (row >= ffn) return;
-    const W* wg = w + (u64)row * k;
-    const W* wu = w + (u64)(ffn + row) * k;
-    float acc[2][M];  // gate, up
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.0f;
-    u32 k0 = lane * VEC;
-    for (; k0 + (U - 1) * STEP < k; k0 += U * STEP) {
-        uint4 raw[U][2];
-#pragma unroll
-        for (int j = 0; j < U; ++j) {
-            raw[j][0] = __ldg(reinterpret_cast<const uint4*>(wg + k0 + j * STEP));
-            raw[j][1] = __ldg(reinterpret_cast<const uint4*>(wu + k0 + j * STEP));
-        }
-#pragma unroll
-        for (int j = 0; j < U; ++j) matvec_chunk<W, M, 2>(raw[j], x, k, k0 + j * STEP, acc);
-    }
-#pragma unroll 1
-    for (; k0 < k; k0 += STEP) {
-        const uint4 raw[2] = {__ldg(reinterpret_cast<const uint4*>(wg + k0)),
-                              __ldg(reinterpret_cast<const uint4*>(wu + k0))};
-        matvec_chunk<W, M, 2>(raw, x, k, k0, acc);
-    }
+    const W* wr[2] = {w + (u64)row * k, w + (u64)(ffn + row) * k};  // gate, up
+    float acc[2][M];
+    matvec_rows<W, M, 2, (M > 4 ? 1 : 2)>(wr, x, k, lane, acc);
     // Lane m finishes row m: one activation per lane, none live across another's call.
     float gm = 0.0f, um = 0.0f;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-        const float gs = warp_sum(acc[0][m]), us = warp_sum(acc[1][m]);
         if (lane == (u32)m) {
-            gm = gs;
-            um = us;
+            gm = acc[0][m];
+            um = acc[1][m];
         }
     }
     if (lane < (u32)M) y[(u64)lane * ffn + row] = activate(gm, act) * um;
