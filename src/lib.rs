@@ -25,10 +25,11 @@ pub mod sampling;
 pub mod sched;
 pub mod server;
 pub mod tensor;
+pub mod tokenizer;
 pub mod untrusted;
 
 pub use backend::BackendKind;
 pub use engine::{CompletionOutput, Engine, EngineArgs, LLM, Prompt, RequestOutput, StepOutput};
-pub use models::tokenizer::ChatMessage;
 pub use sampling::SamplingParams;
 pub use tensor::{DType, WeightDtype};
+pub use tokenizer::ChatMessage;

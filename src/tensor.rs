@@ -1,5 +1,7 @@
 //! Host-side tensors: what loaders produce and backends upload.
 
+use std::collections::BTreeMap;
+
 /// Element type of weights in memory (`--dtype`) and of the KV cache (`--kv-cache-dtype`).
 /// Activations are always computed with f32 accumulation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -184,6 +186,44 @@ impl std::str::FromStr for WeightDtype {
         s.parse::<DType>()
             .map(WeightDtype::Fixed)
             .map_err(|_| anyhow::anyhow!("unknown dtype '{s}' (expected auto, f32, f16 or bf16)"))
+    }
+}
+
+/// What a model's weights take once uploaded, as counted while loading.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WeightStats {
+    /// Bytes of every weight, norm and bias.
+    pub bytes: u64,
+    /// Elements of every weight, norm and bias.
+    pub params: u64,
+    /// Bytes by storage type (`f32`, `bf16`, `Q4_1`, ...).
+    pub by_type: BTreeMap<String, u64>,
+}
+
+impl WeightStats {
+    pub fn add(&mut self, ty: String, bytes: u64, params: u64) {
+        self.bytes += bytes;
+        self.params += params;
+        *self.by_type.entry(ty).or_default() += bytes;
+    }
+
+    /// Adds another worker's weights (a model split over workers).
+    pub fn absorb(&mut self, other: &WeightStats) {
+        self.bytes += other.bytes;
+        self.params += other.params;
+        for (t, b) in &other.by_type {
+            *self.by_type.entry(t.clone()).or_default() += b;
+        }
+    }
+
+    /// `Q4_1 84.2 MiB, f32 28.1 MiB` (largest first).
+    pub fn describe(&self) -> String {
+        let mut v: Vec<(&String, &u64)> = self.by_type.iter().collect();
+        v.sort_by(|a, b| b.1.cmp(a.1));
+        v.iter()
+            .map(|(t, b)| format!("{t} {:.1} MiB", **b as f64 / (1u64 << 20) as f64))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 

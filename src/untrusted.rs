@@ -4,6 +4,7 @@
 //! that one corrupt value cannot produce a message of hundreds of kilobytes.
 
 use std::fmt::Write;
+use std::path::Path;
 
 /// At most this many characters of escaped text are kept.
 pub const MAX_CHARS: usize = 200;
@@ -40,6 +41,80 @@ fn escaped(s: &str, keep: &[char]) -> String {
 /// bidirectional overrides, is escaped here.
 pub fn json(v: &serde_json::Value) -> String {
     escaped(&v.to_string(), &['"', '\'', '\\'])
+}
+
+/// What kind of file system object this is, for error messages.
+pub fn file_kind(t: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO (named pipe)";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+    }
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_file() {
+        "a regular file"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// The metadata of `path`, symbolic links followed; `Ok(None)` when nothing is there. A
+/// dangling link and every other failure (a loop of links, no permission) are errors that say
+/// so.
+pub fn metadata(path: &Path) -> anyhow::Result<Option<std::fs::Metadata>> {
+    match std::fs::metadata(path) {
+        Ok(m) => Ok(Some(m)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Ok(target) = std::fs::read_link(path) {
+                anyhow::bail!(
+                    "{} is a symbolic link to {}, which does not exist",
+                    path.display(),
+                    target.display()
+                );
+            }
+            Ok(None)
+        }
+        Err(e) => anyhow::bail!("cannot access {}: {e}", path.display()),
+    }
+}
+
+/// Checks, before it is opened, that the optional file `path` is a regular file where it
+/// exists: `Ok(false)` when it does not.
+///
+/// NOTE: opening a FIFO blocks until a writer comes and a device may read forever, so a model
+/// path of the wrong type would hang the load instead of failing.
+pub fn optional_regular_file(path: &Path) -> anyhow::Result<bool> {
+    match metadata(path)? {
+        None => Ok(false),
+        Some(m) if m.is_file() => Ok(true),
+        Some(m) => anyhow::bail!(
+            "{} is {}, not a regular file",
+            path.display(),
+            file_kind(&m.file_type())
+        ),
+    }
+}
+
+/// Checks that `path` exists and is a regular file, before it is opened.
+pub fn regular_file(path: &Path) -> anyhow::Result<()> {
+    if !optional_regular_file(path)? {
+        anyhow::bail!("{} does not exist", path.display());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use pagoda::models::tokenizer::{ChatMessage, Tokenizer};
 use pagoda::sampling::IncrementalDetokenizer;
+use pagoda::tokenizer::{ChatMessage, Tokenizer};
 use serde_json::Value;
 
 mod common;

@@ -5,8 +5,8 @@
 mod common;
 
 use common::*;
-use pagoda::models::tokenizer::ChatMessage;
 use pagoda::sampling::StructuredOutput;
+use pagoda::tokenizer::ChatMessage;
 use pagoda::{EngineArgs, LLM, Prompt, SamplingParams};
 use serde_json::{Value, json};
 

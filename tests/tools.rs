@@ -8,9 +8,9 @@ mod common;
 mod server_util;
 
 use common::{QWEN_GGUF, model_path};
-use pagoda::models::tokenizer::ChatMessage;
 use pagoda::server::tools::ToolCallParser;
 use pagoda::server::{ServerArgs, ServerHandle};
+use pagoda::tokenizer::ChatMessage;
 use serde_json::{Value, json};
 use server_util::*;
 use std::net::SocketAddr;

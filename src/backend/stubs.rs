@@ -215,24 +215,8 @@ macro_rules! unavailable_backend {
                     ))
                 }
             }
-        }
-        impl crate::parallel::MultiDevice for $name {
-            fn kind() -> &'static str {
-                $feature
-            }
-            fn device_count() -> Result<usize> {
-                Self::new().map(|b| match b.0 {})
-            }
-            fn open_device(_device: usize) -> Result<Self> {
-                Self::new()
-            }
-            fn device_groups(
-                _: crate::parallel::ParallelConfig,
-                _: &[Option<usize>],
-            ) -> Result<Option<crate::parallel::DeviceGroups<Self>>> {
-                Self::new().map(|b| match b.0 {})
-            }
-            fn binder(&self) -> crate::parallel::Binder {
+            /// What a value of this type proves: that it cannot exist.
+            pub fn never(&self) -> ! {
                 match self.0 {}
             }
         }

@@ -1,9 +1,9 @@
 //! Offline inference: a batch of prompts in, their complete outputs out (vLLM's `LLM`).
 
 use super::{Engine, EngineArgs, Prompt};
-use crate::models::tokenizer::ChatMessage;
 use crate::sampling::{SamplingParams, TokenLogprobs};
 use crate::sched::{FinishReason, RequestId};
+use crate::tokenizer::ChatMessage;
 use anyhow::Result;
 use std::collections::HashMap;
 

@@ -2,9 +2,11 @@
 //! (add_request / step / abort, streaming per-step outputs, for the server) and [`LLM`]
 //! (offline batch generation and chat).
 
+pub mod launch;
 mod llm;
 mod nodes;
 pub mod runner;
+mod worker;
 mod workers;
 
 pub use llm::{CompletionOutput, LLM, RequestOutput};
@@ -12,7 +14,6 @@ pub use runner::{KvBudget, ModelRunner, StepResult};
 
 use crate::backend::{BackendKind, BatchInput, Choice, LogitEdit, RowSampling};
 use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK, PrefixCacheStats};
-use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::models::{KvCacheDtype, ModelConfig, load_model};
 use crate::parallel::{NodeConfig, ParallelConfig};
 use crate::sampling::{
@@ -25,6 +26,7 @@ use crate::sched::{
     SchedulingPolicy,
 };
 use crate::tensor::WeightDtype;
+use crate::tokenizer::{ChatMessage, Tokenizer};
 use anyhow::{Context, Result, bail, ensure};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
@@ -480,7 +482,7 @@ fn prepare(args: &EngineArgs) -> Result<(crate::models::LoadedModel, runner::Run
 /// node 0 closes the connections.
 pub fn run_worker_node(args: EngineArgs) -> Result<()> {
     let (model, runner_args) = prepare(&args)?;
-    runner::serve_node(&model, &runner_args)
+    launch::serve_node(&model, &runner_args)
 }
 
 impl Engine {
@@ -504,7 +506,7 @@ impl Engine {
                 b.set_position(done as u64);
             }
         };
-        let runner = runner::create_runner(&model, &runner_args, &mut progress)?;
+        let runner = launch::create_runner(&model, &runner_args, &mut progress)?;
         if let Some(b) = bar {
             b.finish_and_clear();
         }
@@ -609,7 +611,7 @@ impl Engine {
         self.runner.weight_stats().bytes
     }
     /// What the weights take: bytes, parameters, bytes by storage type (`f32`, `Q4_1`, ...).
-    pub fn weight_stats(&self) -> &crate::models::WeightStats {
+    pub fn weight_stats(&self) -> &crate::tensor::WeightStats {
         self.runner.weight_stats()
     }
     /// The model's own default sampling parameters (generation_config.json or GGUF keys).

@@ -22,14 +22,15 @@
 //! ```
 
 use super::runner::{LogitsPart, Runner, RunnerArgs, kv_spec, plan};
-use super::workers::{Job, Sink, Worker, load_shards, node_devices, run_job, stage_layers};
+use super::worker::{Job, Sink, Worker, load_shards, node_devices, run_job, stage_layers};
 use crate::backend::Backend;
-use crate::models::{LoadedModel, WeightStats, kv_cache};
+use crate::models::{LoadedModel, kv_cache};
 use crate::parallel::ccl::NodeCcl;
 use crate::parallel::tcp::{Conn, Msg, PP, RemoteComm, TP, read_msg, resolve, write_msg};
 use crate::parallel::{
     Binder, Communicator, GroupControl, LocalComm, MultiDevice, NodeConfig, Placement,
 };
+use crate::tensor::WeightStats;
 use anyhow::{Context, Result, anyhow, bail};
 use std::io::{BufReader, BufWriter, ErrorKind};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -374,7 +375,7 @@ impl GroupControl for NodeControl {
 pub fn serve_node<B: MultiDevice>(model: &LoadedModel, args: &RunnerArgs) -> Result<()> {
     let pc = args.parallel;
     let nodes = &args.nodes;
-    pc.check(&model.config)?;
+    pc.check(&model.config.dims())?;
     nodes.check(&pc)?;
     if nodes.node_rank == 0 {
         bail!("node 0 runs the engine, not serve_node");

@@ -2,9 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
-use std::path::Path;
 
-pub use super::registry::Arch;
 use crate::backend::Activation;
 
 /// The largest context (`max_position_embeddings`, `--max-model-len`) a config may have.
@@ -51,6 +49,27 @@ pub struct Llama3RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+/// The decoder families this engine can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 2/3, SmolLM2.
+    Llama,
+    /// Mistral: Llama with sliding-window attention.
+    Mistral,
+    /// Qwen2 / Qwen2.5: Llama with QKV biases.
+    Qwen2,
+    /// Qwen3: Llama with per-head RMSNorm of Q and K before RoPE.
+    Qwen3,
+    /// Phi-3: Llama with fused projections and longrope.
+    Phi3,
+    /// Gemma 3: local and global layers, four norms per layer, GeGLU.
+    Gemma3,
+    /// GPT-2: learned positions, LayerNorm, a plain GELU MLP, biases everywhere.
+    Gpt2,
+    /// Falcon: attention and MLP in parallel off LayerNorm, multi-query or grouped KV.
+    Falcon,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     pub arch: Arch,
@@ -93,6 +112,17 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// The sizes that tensor and pipeline parallelism split.
+    pub fn dims(&self) -> crate::parallel::Dims {
+        crate::parallel::Dims {
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            intermediate_size: self.intermediate_size,
+            vocab_size: self.vocab_size,
+            num_layers: self.num_layers,
+        }
+    }
+
     /// The sliding window of layer `l`, if it has one.
     pub fn layer_window(&self, l: usize) -> Option<usize> {
         match self.sliding_layers.get(l) {
@@ -290,24 +320,11 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Reads an HF `config.json`.
-    pub fn from_hf_json(path: &Path) -> Result<Self> {
-        super::loader::regular_file(path)?;
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let v: Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not valid JSON", path.display()))?;
-        Self::from_hf_value(&v).with_context(|| format!("in {}", path.display()))
-    }
-
-    pub fn from_hf_value(v: &Value) -> Result<Self> {
-        let family = match Fields::top(v).str("model_type")? {
-            None | Some("") => bail!("config.json has no model_type"),
-            Some(t) => super::registry::by_hf_model_type(t)?,
-        };
-        let mut v = v.clone();
-        (family.hf_prepare)(&mut v)?;
-        let f = Fields::top(&v);
+    /// The common fields of an HF `config.json` (after the family's renames), for a model of
+    /// family `arch`; the family's own fields are the registry's to add
+    /// ([`crate::models::registry::hf_config`]).
+    pub fn from_hf_common(v: &Value, arch: Arch) -> Result<Self> {
+        let f = Fields::top(v);
         let hidden_size = f.req_usize("hidden_size")?;
         let num_heads = f.req_usize("num_attention_heads")?;
         let num_kv_heads = f.usize("num_key_value_heads")?.unwrap_or(num_heads);
@@ -346,7 +363,7 @@ impl ModelConfig {
         };
         let max_position_embeddings = f.usize("max_position_embeddings")?;
         let mut c = ModelConfig {
-            arch: family.arch,
+            arch,
             hidden_size,
             intermediate_size: f.req_usize("intermediate_size")?,
             num_layers: f.req_usize("num_hidden_layers")?,
@@ -389,8 +406,6 @@ impl ModelConfig {
         if let (Some(s), Some("longrope" | "su")) = (&scaling, rope_type) {
             c.longrope = Some(longrope(&f, s, head_dim, max_position_embeddings)?);
         }
-        (family.hf_config)(&v, &mut c)?;
-        c.validate()?;
         Ok(c)
     }
 }
@@ -609,7 +624,7 @@ mod tests {
     fn err(edit: impl Fn(&mut Value)) -> String {
         let mut v = base();
         edit(&mut v);
-        match ModelConfig::from_hf_value(&v) {
+        match crate::models::registry::hf_config(&v) {
             Ok(c) => panic!("accepted: {c:?}"),
             Err(e) => format!("{e:#}"),
         }
@@ -617,7 +632,7 @@ mod tests {
 
     #[test]
     fn the_base_config_is_valid() {
-        let c = ModelConfig::from_hf_value(&base()).unwrap();
+        let c = crate::models::registry::hf_config(&base()).unwrap();
         assert_eq!((c.num_layers, c.head_dim), (2, 16));
     }
 
@@ -729,7 +744,7 @@ mod tests {
             assert!(e.contains(want), "want {want:?}: {e}");
         }
         // non-finite values, which JSON cannot hold, reach validate from GGUF files
-        let mut c = ModelConfig::from_hf_value(&base()).unwrap();
+        let mut c = crate::models::registry::hf_config(&base()).unwrap();
         for x in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
             c.rope_theta = x;
             assert!(c.validate().unwrap_err().to_string().contains("RoPE base"));

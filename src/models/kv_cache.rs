@@ -3,10 +3,10 @@
 //! all layers) and allocates it; the block manager hands out block ids that index every
 //! layer's cache alike.
 
-use super::WeightStats;
 use super::config::ModelConfig;
 use crate::backend::{Backend, KvLayout};
 use crate::tensor::DType;
+use crate::tensor::WeightStats;
 use anyhow::{Context, Result, bail};
 
 /// `--kv-cache-dtype`: the element type of the KV pool, as vLLM's flag.

@@ -1,14 +1,10 @@
-//! Finds a model on disk and opens its weights, config and tokenizer: an HF-layout directory
-//! (config.json, model.safetensors or sharded safetensors with an index, tokenizer.json,
-//! tokenizer_config.json, generation_config.json) or a GGUF file.
+//! Where weights come from, by HF tensor name: the [`WeightSource`] trait, over a GGUF file or
+//! the safetensors of an HF-layout directory (one file, or shards with an index).
 
-use super::config::ModelConfig;
 use super::gguf::{GgmlType, GgufFile};
-use super::tokenizer::Tokenizer;
 use super::{Part, Weight};
-use crate::sampling::SamplingDefaults;
 use crate::tensor::{DType, HostTensor};
-use crate::untrusted::text;
+use crate::untrusted::{optional_regular_file, regular_file, text};
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
 use memmap2::Mmap;
@@ -16,80 +12,6 @@ use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-
-/// What kind of file system object this is, for error messages.
-fn kind(t: &std::fs::FileType) -> &'static str {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt;
-        if t.is_fifo() {
-            return "a FIFO (named pipe)";
-        }
-        if t.is_socket() {
-            return "a socket";
-        }
-        if t.is_char_device() {
-            return "a character device";
-        }
-        if t.is_block_device() {
-            return "a block device";
-        }
-    }
-    if t.is_dir() {
-        "a directory"
-    } else if t.is_file() {
-        "a regular file"
-    } else if t.is_symlink() {
-        "a symbolic link"
-    } else {
-        "not a regular file"
-    }
-}
-
-/// The metadata of `path`, symbolic links followed; `Ok(None)` when nothing is there. A
-/// dangling link and every other failure (a loop of links, no permission) are errors that say
-/// so.
-fn metadata(path: &Path) -> Result<Option<std::fs::Metadata>> {
-    match std::fs::metadata(path) {
-        Ok(m) => Ok(Some(m)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            if let Ok(target) = std::fs::read_link(path) {
-                bail!(
-                    "{} is a symbolic link to {}, which does not exist",
-                    path.display(),
-                    target.display()
-                );
-            }
-            Ok(None)
-        }
-        Err(e) => bail!("cannot access {}: {e}", path.display()),
-    }
-}
-
-/// Checks, before it is opened, that the optional file `path` is a regular file where it
-/// exists: `Ok(false)` when it does not.
-///
-/// NOTE: opening a FIFO blocks until a writer comes and a device may read forever, so a model
-/// path of the wrong type would hang the load instead of failing.
-pub(crate) fn optional_regular_file(path: &Path) -> Result<bool> {
-    match metadata(path)? {
-        None => Ok(false),
-        Some(m) if m.is_file() => Ok(true),
-        Some(m) => bail!(
-            "{} is {}, not a regular file",
-            path.display(),
-            kind(&m.file_type())
-        ),
-    }
-}
-
-/// Checks that `path` exists and is a regular file, before it is opened.
-pub(crate) fn regular_file(path: &Path) -> Result<()> {
-    if !optional_regular_file(path)? {
-        bail!("{} does not exist", path.display());
-    }
-    Ok(())
-}
 
 /// Where weights come from, by HF tensor name (`model.layers.0.self_attn.q_proj.weight`).
 pub trait WeightSource: Send + Sync {
@@ -302,7 +224,7 @@ impl SafetensorsWeights {
             .tensor(name)
             .map_err(|e| anyhow::anyhow!("{}: {name}: {}", shown(), text(&e.to_string())))?;
         let out = f(&t).map(Some).with_context(shown);
-        release(mmap, t.data());
+        super::mmap::release(mmap, t.data());
         out
     }
 
@@ -317,24 +239,6 @@ impl SafetensorsWeights {
             ))
         })
     }
-}
-
-/// Lets the pages of `bytes` (a range of `mmap`) go from this process's memory once a tensor
-/// has been copied out of them: a hint; reading them again faults them back in from the file.
-/// NOTE: every loader copies (or converts) what it reads, so without this a model's file
-/// stayed resident beside its weights until the mapping was dropped, and loading peaked near
-/// twice the weights' size.
-pub(super) fn release(mmap: &Mmap, bytes: &[u8]) {
-    #[cfg(unix)]
-    if let Some(start) = (bytes.as_ptr() as usize).checked_sub(mmap.as_ptr() as usize) {
-        // SAFETY: the mapping is read-only and shared, so dropping its pages (memmap2 widens
-        // the range to whole pages) loses nothing: the next access reads the file again.
-        let _ = unsafe {
-            mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, bytes.len())
-        };
-    }
-    #[cfg(not(unix))]
-    let _ = (mmap, bytes);
 }
 
 /// The type a safetensors dtype is kept in by `--dtype auto`.
@@ -364,129 +268,4 @@ fn to_f32(name: &str, dtype: Dtype, b: &[u8], out: &mut Vec<f32>) -> Result<()> 
         other => bail!("tensor {name} has dtype {other:?} (supported: F32, F16, BF16)"),
     }
     Ok(())
-}
-
-/// What generation needs from a model besides its weights.
-pub struct LoadedModel {
-    /// A short name for logs and the API (the file or directory name).
-    pub name: String,
-    pub path: PathBuf,
-    pub config: ModelConfig,
-    pub tokenizer: Tokenizer,
-    pub weights: Box<dyn WeightSource>,
-    /// Token ids that end generation by default (EOS of config, generation_config and tokenizer).
-    pub eos_token_ids: Vec<u32>,
-    /// The model's default sampling parameters (generation_config.json, or a GGUF's
-    /// `general.sampling.*` keys).
-    pub sampling_defaults: SamplingDefaults,
-}
-
-/// End-of-turn tokens of common chat formats. NOTE: chat models end a turn with these while their
-/// config names only one EOS (SmolLM2: `<|im_end|>`, while `<|endoftext|>` ends documents);
-/// llama.cpp stops on the same set.
-const END_OF_GENERATION_TOKENS: &[&str] = &[
-    "<|endoftext|>",
-    "<|im_end|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|end_of_text|>",
-    "<end_of_turn>",
-];
-
-fn end_of_generation_ids(mut ids: Vec<u32>, tokenizer: &Tokenizer) -> Vec<u32> {
-    ids.extend(tokenizer.eos_token_id());
-    ids.extend(
-        END_OF_GENERATION_TOKENS
-            .iter()
-            .filter_map(|t| tokenizer.token_to_id(t)),
-    );
-    ids.sort();
-    ids.dedup();
-    ids
-}
-
-/// Opens a GGUF file or an HF-layout directory.
-pub fn load_model(path: &Path) -> Result<LoadedModel> {
-    let meta = metadata(path)
-        .map_err(|e| anyhow::anyhow!("model path: {e}"))?
-        .with_context(|| format!("model path {} does not exist", path.display()))?;
-    let name = path
-        .file_name()
-        .map(|s| s.to_string_lossy().trim_end_matches(".gguf").to_string())
-        .unwrap_or_else(|| path.display().to_string());
-    if meta.is_dir() {
-        let config_path = path.join("config.json");
-        if !optional_regular_file(&config_path)? {
-            bail!(
-                "{} is a directory without config.json: neither an HF model directory nor a GGUF file",
-                path.display()
-            );
-        }
-        let config = ModelConfig::from_hf_json(&config_path)?;
-        let tokenizer = Tokenizer::from_hf_dir(path)?;
-        let weights = SafetensorsWeights::open(path)?;
-        let gen_path = path.join("generation_config.json");
-        let generation_defaults = if optional_regular_file(&gen_path)? {
-            let text = std::fs::read_to_string(&gen_path)
-                .with_context(|| format!("cannot read {}", gen_path.display()))?;
-            serde_json::from_str(&text)
-                .with_context(|| format!("{} is not valid JSON", gen_path.display()))?
-        } else {
-            serde_json::Value::Null
-        };
-        let mut eos = config.eos_token_ids.clone();
-        let gen_eos = super::config::Fields::top(&generation_defaults)
-            .token_ids("eos_token_id")
-            .with_context(|| format!("in {}", gen_path.display()))?;
-        if let Some(&bad) = gen_eos.iter().find(|&&t| t as usize >= config.vocab_size) {
-            bail!(
-                "in {}: eos_token_id {bad} is not a token (the vocabulary has {})",
-                gen_path.display(),
-                config.vocab_size
-            );
-        }
-        eos.extend(gen_eos);
-        let eos = end_of_generation_ids(eos, &tokenizer);
-        Ok(LoadedModel {
-            name,
-            path: path.to_path_buf(),
-            config,
-            tokenizer,
-            weights: Box::new(weights),
-            eos_token_ids: eos,
-            sampling_defaults: SamplingDefaults::from_generation_config(&generation_defaults)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
-        })
-    } else if meta.is_file() {
-        let g = GgufFile::open(path)?;
-        let config = g
-            .config()
-            .with_context(|| format!("in {}", path.display()))?;
-        let text = |id: Option<u32>| id.and_then(|i| g.token_text(i)).map(String::from);
-        let tokenizer = Tokenizer::from_parts(
-            g.tokenizer()
-                .with_context(|| format!("tokenizer of {}", path.display()))?,
-            g.chat_template(),
-            text(config.bos_token_id),
-            text(config.eos_token_ids.first().copied()),
-            g.add_bos_token(),
-        );
-        let eos = end_of_generation_ids(config.eos_token_ids.clone(), &tokenizer);
-        let sampling_defaults = g.sampling_defaults()?;
-        Ok(LoadedModel {
-            name,
-            path: path.to_path_buf(),
-            config,
-            tokenizer,
-            weights: Box::new(g),
-            eos_token_ids: eos,
-            sampling_defaults,
-        })
-    } else {
-        bail!(
-            "model path {} is {}, not a GGUF file or an HF model directory",
-            path.display(),
-            kind(&meta.file_type())
-        )
-    }
 }

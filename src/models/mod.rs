@@ -9,23 +9,24 @@ pub mod gpt2;
 pub mod kv_cache;
 pub mod llama;
 pub mod loader;
+pub mod mmap;
+pub mod open;
 pub mod phi3;
 pub mod registry;
 pub mod rope;
 pub mod shard;
-pub mod spm;
-pub mod tokenizer;
 
+pub use config::Arch;
 pub use config::ModelConfig;
 pub use kv_cache::{KvCache, KvCacheDtype, LayerKvSpec};
-pub use loader::{LoadedModel, WeightSource, load_model};
-pub use registry::Arch;
+pub use loader::WeightSource;
+pub use open::{LoadedModel, load_model};
 
 use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
 use crate::quant::QuantTensor;
-use crate::tensor::{DType, HostTensor, WeightDtype};
+use crate::tensor::{DType, HostTensor, WeightDtype, WeightStats};
 use anyhow::{Context, Result, bail};
-use std::collections::BTreeMap;
+
 use std::ops::Range;
 
 /// A causal language model on a backend: what the runner needs of every family.
@@ -53,44 +54,6 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
         let v = self.config().vocab_size;
         Some((0..v, v))
-    }
-}
-
-/// What a model's weights take once uploaded, as counted while loading.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct WeightStats {
-    /// Bytes of every weight, norm and bias.
-    pub bytes: u64,
-    /// Elements of every weight, norm and bias.
-    pub params: u64,
-    /// Bytes by storage type (`f32`, `bf16`, `Q4_1`, ...).
-    pub by_type: BTreeMap<String, u64>,
-}
-
-impl WeightStats {
-    fn add(&mut self, ty: String, bytes: u64, params: u64) {
-        self.bytes += bytes;
-        self.params += params;
-        *self.by_type.entry(ty).or_default() += bytes;
-    }
-
-    /// Adds another worker's weights (a model split over workers).
-    pub fn absorb(&mut self, other: &WeightStats) {
-        self.bytes += other.bytes;
-        self.params += other.params;
-        for (t, b) in &other.by_type {
-            *self.by_type.entry(t.clone()).or_default() += b;
-        }
-    }
-
-    /// `Q4_1 84.2 MiB, f32 28.1 MiB` (largest first).
-    pub fn describe(&self) -> String {
-        let mut v: Vec<(&String, &u64)> = self.by_type.iter().collect();
-        v.sort_by(|a, b| b.1.cmp(a.1));
-        v.iter()
-            .map(|(t, b)| format!("{t} {:.1} MiB", **b as f64 / (1u64 << 20) as f64))
-            .collect::<Vec<_>>()
-            .join(", ")
     }
 }
 

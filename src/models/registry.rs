@@ -7,7 +7,7 @@
 //! the `Backend` trait) and an entry here (an `Arch` variant, a `Family` row, a `load` arm).
 
 use super::CausalLm;
-use super::config::ModelConfig;
+use super::config::{Arch, Fields, ModelConfig};
 use super::falcon::Falcon;
 use super::gemma3::Gemma3;
 use super::gguf::{GgufFile, GgufTensorName};
@@ -17,29 +17,9 @@ use super::loader::WeightSource;
 use crate::backend::Backend;
 use crate::parallel::Placement;
 use crate::tensor::WeightDtype;
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use serde_json::Value;
-
-/// The decoder families this engine can run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arch {
-    /// Llama 2/3, SmolLM2.
-    Llama,
-    /// Mistral: Llama with sliding-window attention.
-    Mistral,
-    /// Qwen2 / Qwen2.5: Llama with QKV biases.
-    Qwen2,
-    /// Qwen3: Llama with per-head RMSNorm of Q and K before RoPE.
-    Qwen3,
-    /// Phi-3: Llama with fused projections and longrope.
-    Phi3,
-    /// Gemma 3: local and global layers, four norms per layer, GeGLU.
-    Gemma3,
-    /// GPT-2: learned positions, LayerNorm, a plain GELU MLP, biases everywhere.
-    Gpt2,
-    /// Falcon: attention and MLP in parallel off LayerNorm, multi-query or grouped KV.
-    Falcon,
-}
+use std::path::Path;
 
 /// One family's entry.
 #[derive(Debug)]
@@ -233,6 +213,31 @@ pub fn load_shard<B: Backend>(
             Box::new(Llama::load(b, c, s, d, m, place, progress)?)
         }
     })
+}
+
+/// Reads an HF `config.json`.
+pub fn hf_config_file(path: &Path) -> Result<ModelConfig> {
+    crate::untrusted::regular_file(path)?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let v: Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", path.display()))?;
+    hf_config(&v).with_context(|| format!("in {}", path.display()))
+}
+
+/// Reads an HF `config.json`'s value: the family's renames, the common fields, then the
+/// family's own fields and checks.
+pub fn hf_config(v: &Value) -> Result<ModelConfig> {
+    let family = match Fields::top(v).str("model_type")? {
+        None | Some("") => bail!("config.json has no model_type"),
+        Some(t) => by_hf_model_type(t)?,
+    };
+    let mut v = v.clone();
+    (family.hf_prepare)(&mut v)?;
+    let mut c = ModelConfig::from_hf_common(&v, family.arch)?;
+    (family.hf_config)(&v, &mut c)?;
+    c.validate()?;
+    Ok(c)
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
-//! Collectives between GPUs through NCCL (CUDA) or RCCL (HIP): device buffers go from device to
-//! device, never through the host. Both libraries are loaded at run time, so the crate builds
-//! and starts without them; a missing library is an error that names it, raised before any
-//! weight is loaded.
+//! The devices of tensor and pipeline parallelism ([`MultiDevice`]: one worker per device, on
+//! the CPU threads sharing it) and the collectives between GPUs through NCCL (CUDA) or RCCL
+//! (HIP): device buffers go from device to device, never through the host. Both libraries are
+//! loaded at run time, so the crate builds and starts without them; a missing library is an
+//! error that names it, raised before any weight is loaded.
 //!
 //! NOTE: NCCL and RCCL export the same C API (RCCL is AMD's port of NCCL, with the same names,
 //! enum values and structs), so one binding of the dozen entry points we use serves both;
@@ -15,13 +16,107 @@
 //! its output, with no host synchronisation.
 
 use super::comm::Communicator;
-use super::{Binder, DeviceGroups, GroupControl, MultiDevice, ParallelConfig};
-use crate::backend::Backend;
+use super::{GroupControl, ParallelConfig};
 use crate::backend::gpu::{GpuBackend, GpuBuf, GpuRuntime};
+use crate::backend::{Backend, CpuBackend};
 use anyhow::{Context, Result, anyhow, bail};
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+
+/// A worker's two communicators (its stage's tensor-parallel group, its rank's pipeline
+/// group), and those groups.
+pub type WorkerComms<B> = ([Arc<dyn Communicator<B>>; 2], [Arc<dyn GroupControl>; 2]);
+
+/// Communicators that pass device buffers from device to device ([`MultiDevice::device_groups`]).
+pub struct DeviceGroups<B: Backend> {
+    /// Every worker's, in worker order (`None`: a worker of another node).
+    pub workers: Vec<Option<WorkerComms<B>>>,
+    /// Every group.
+    pub all: Vec<Arc<dyn GroupControl>>,
+    /// The library, for the runner's name: "NCCL libnccl.so.2 (version 22703)".
+    pub library: String,
+    /// Where the groups span nodes: they are made once every node has loaded its shards,
+    /// from ids node 0 makes (until then every collective fails).
+    pub nodes: Option<Arc<NodeCcl>>,
+}
+
+/// Makes a backend's device the calling thread's current one.
+pub type Binder = Arc<dyn Fn() -> Result<()> + Send + Sync>;
+
+/// A backend that runs one worker per device.
+pub trait MultiDevice: Backend + Sized {
+    /// "cpu", "cuda", "hip", "emu": nodes must agree on it.
+    fn kind() -> &'static str;
+    /// How many devices this process sees (`usize::MAX` where the workers share one, as on
+    /// the CPU).
+    fn device_count() -> Result<usize>;
+    /// The backend on device `device`.
+    fn open_device(device: usize) -> Result<Self>;
+    /// Communicators that pass device buffers from device to device (NCCL, RCCL) between
+    /// workers on `devices` (worker `w` on device `devices[w]` of this process, `None` on
+    /// another node), or `None` where buffers go through the host ([`LocalGroup`]). An error
+    /// where the library is needed and missing.
+    fn device_groups(
+        pc: ParallelConfig,
+        devices: &[Option<usize>],
+    ) -> Result<Option<DeviceGroups<Self>>>;
+    /// Makes this backend's device current on the calling thread (as a collective library's
+    /// set-up needs).
+    fn binder(&self) -> Binder;
+}
+
+impl MultiDevice for CpuBackend {
+    fn kind() -> &'static str {
+        "cpu"
+    }
+    fn device_count() -> Result<usize> {
+        Ok(usize::MAX)
+    }
+    fn open_device(_device: usize) -> Result<Self> {
+        Ok(CpuBackend::new())
+    }
+    fn device_groups(_: ParallelConfig, _: &[Option<usize>]) -> Result<Option<DeviceGroups<Self>>> {
+        Ok(None)
+    }
+    fn binder(&self) -> Binder {
+        Arc::new(|| Ok(()))
+    }
+}
+
+/// A backend whose Cargo feature is off (`backend/stubs.rs`): never constructed, so every call
+/// fails as its `new` does.
+#[cfg(not(all(feature = "wgpu", feature = "cuda", feature = "hip")))]
+macro_rules! unavailable_multi_device {
+    ($name:ty, $feature:literal) => {
+        impl MultiDevice for $name {
+            fn kind() -> &'static str {
+                $feature
+            }
+            fn device_count() -> Result<usize> {
+                <$name>::new().map(|b| b.never())
+            }
+            fn open_device(_device: usize) -> Result<Self> {
+                <$name>::new()
+            }
+            fn device_groups(
+                _: ParallelConfig,
+                _: &[Option<usize>],
+            ) -> Result<Option<DeviceGroups<Self>>> {
+                <$name>::new().map(|b| b.never())
+            }
+            fn binder(&self) -> Binder {
+                self.never()
+            }
+        }
+    };
+}
+#[cfg(not(feature = "wgpu"))]
+unavailable_multi_device!(crate::backend::WgpuBackend, "wgpu");
+#[cfg(not(feature = "cuda"))]
+unavailable_multi_device!(crate::backend::CudaBackend, "cuda");
+#[cfg(not(feature = "hip"))]
+unavailable_multi_device!(crate::backend::HipBackend, "hip");
 
 type Comm = *mut c_void;
 type Res = c_int;

@@ -13,10 +13,10 @@ pub mod ccl;
 pub mod comm;
 pub mod tcp;
 
+pub use ccl::{Binder, DeviceGroups, MultiDevice, WorkerComms};
 pub use comm::{Communicator, HostCollectives, LocalComm, LocalGroup};
 
-use crate::backend::{Backend, CpuBackend};
-use crate::models::ModelConfig;
+use crate::backend::Backend;
 use anyhow::{Result, bail};
 use std::ops::Range;
 use std::sync::Arc;
@@ -39,64 +39,14 @@ impl GroupControl for LocalGroup {
     }
 }
 
-/// A worker's two communicators (its stage's tensor-parallel group, its rank's pipeline
-/// group), and those groups.
-pub type WorkerComms<B> = ([Arc<dyn Communicator<B>>; 2], [Arc<dyn GroupControl>; 2]);
-
-/// Communicators that pass device buffers from device to device ([`MultiDevice::device_groups`]).
-pub struct DeviceGroups<B: Backend> {
-    /// Every worker's, in worker order (`None`: a worker of another node).
-    pub workers: Vec<Option<WorkerComms<B>>>,
-    /// Every group.
-    pub all: Vec<Arc<dyn GroupControl>>,
-    /// The library, for the runner's name: "NCCL libnccl.so.2 (version 22703)".
-    pub library: String,
-    /// Where the groups span nodes: they are made once every node has loaded its shards,
-    /// from ids node 0 makes (until then every collective fails).
-    pub nodes: Option<Arc<ccl::NodeCcl>>,
-}
-
-/// Makes a backend's device the calling thread's current one.
-pub type Binder = Arc<dyn Fn() -> Result<()> + Send + Sync>;
-
-/// A backend that runs one worker per device.
-pub trait MultiDevice: Backend + Sized {
-    /// "cpu", "cuda", "hip", "emu": nodes must agree on it.
-    fn kind() -> &'static str;
-    /// How many devices this process sees (`usize::MAX` where the workers share one, as on
-    /// the CPU).
-    fn device_count() -> Result<usize>;
-    /// The backend on device `device`.
-    fn open_device(device: usize) -> Result<Self>;
-    /// Communicators that pass device buffers from device to device (NCCL, RCCL) between
-    /// workers on `devices` (worker `w` on device `devices[w]` of this process, `None` on
-    /// another node), or `None` where buffers go through the host ([`LocalGroup`]). An error
-    /// where the library is needed and missing.
-    fn device_groups(
-        pc: ParallelConfig,
-        devices: &[Option<usize>],
-    ) -> Result<Option<DeviceGroups<Self>>>;
-    /// Makes this backend's device current on the calling thread (as a collective library's
-    /// set-up needs).
-    fn binder(&self) -> Binder;
-}
-
-impl MultiDevice for CpuBackend {
-    fn kind() -> &'static str {
-        "cpu"
-    }
-    fn device_count() -> Result<usize> {
-        Ok(usize::MAX)
-    }
-    fn open_device(_device: usize) -> Result<Self> {
-        Ok(CpuBackend::new())
-    }
-    fn device_groups(_: ParallelConfig, _: &[Option<usize>]) -> Result<Option<DeviceGroups<Self>>> {
-        Ok(None)
-    }
-    fn binder(&self) -> Binder {
-        Arc::new(|| Ok(()))
-    }
+/// What placement needs to know of a model: the sizes that are split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    pub num_layers: usize,
 }
 
 /// `--tensor-parallel-size` and `--pipeline-parallel-size`.
@@ -129,7 +79,7 @@ impl ParallelConfig {
     /// KV heads than ranks), a part of the MLP's columns and of the vocabulary (these two need
     /// not divide: parts differ by one at most, one block of 256 for the MLP where it can); every
     /// stage at least one layer. Checked before any weight is loaded.
-    pub fn check(&self, c: &ModelConfig) -> Result<()> {
+    pub fn check(&self, c: &Dims) -> Result<()> {
         if self.tensor == 0 || self.pipeline == 0 {
             bail!("--tensor-parallel-size and --pipeline-parallel-size must be at least 1");
         }

@@ -27,7 +27,7 @@
 
 use super::HostCollectives;
 use crate::backend::BatchInput;
-use crate::models::WeightStats;
+use crate::tensor::WeightStats;
 use anyhow::{Context, Result, anyhow, bail};
 use std::io::{BufReader, BufWriter, ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};

@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use crate::models::tokenizer::Tokenizer;
+use crate::tokenizer::Tokenizer;
 
 /// Prompt tokens kept as left context for the first decode (vLLM uses 5 too).
 const INITIAL_CONTEXT: usize = 5;
@@ -84,7 +84,7 @@ fn common_prefix_len(a: &str, b: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::tokenizer::tests::tiny_tokenizer;
+    use crate::tokenizer::tests::tiny_tokenizer;
 
     fn tiny() -> Arc<Tokenizer> {
         Arc::new(Tokenizer::from_parts(

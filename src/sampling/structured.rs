@@ -3,7 +3,7 @@
 //! vocabulary into a matcher that, at every step, gives the set of tokens that keep the output
 //! on the grammar (the mask the sampler applies) and then consumes the token chosen.
 
-use crate::models::tokenizer::Tokenizer;
+use crate::tokenizer::Tokenizer;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{self, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};

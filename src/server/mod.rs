@@ -25,7 +25,7 @@ pub use http::default_max_connections;
 pub use metrics::Metrics;
 
 use crate::engine::{Engine, EngineArgs};
-use crate::models::tokenizer::Tokenizer;
+use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
 use std::future::Future;
 use std::net::SocketAddr;

@@ -15,7 +15,8 @@
 use super::exp::exp_approx;
 #[cfg(target_arch = "x86_64")]
 use super::exp::{exp8, exp16};
-use super::matmul::{self, Elem, Path, reduce8};
+use super::matmul::{Elem, Path};
+use super::simd::{self, reduce8};
 use crate::backend::{AttentionOptions, BatchInput};
 
 /// A thread's buffers for its attention tasks: where each key's row starts in the cache, and
@@ -211,8 +212,8 @@ const AHEAD: usize = 16;
 fn prefetch_kv<T>(kc: &[T], vc: &[T], rows: &[usize], keys: std::ops::Range<usize>, d: usize) {
     let bytes = d * std::mem::size_of::<T>();
     for &at in &rows[keys.start.min(rows.len())..keys.end.min(rows.len())] {
-        matmul::prefetch_lines(kc.as_ptr().wrapping_add(at) as *const u8, bytes);
-        matmul::prefetch_lines(vc.as_ptr().wrapping_add(at) as *const u8, bytes);
+        simd::prefetch_lines(kc.as_ptr().wrapping_add(at) as *const u8, bytes);
+        simd::prefetch_lines(vc.as_ptr().wrapping_add(at) as *const u8, bytes);
     }
 }
 
@@ -478,7 +479,7 @@ mod x86 {
                 }
             }
         }
-        let mut s = matmul::hsum8(_mm256_add_ps(acc[0], acc[1]));
+        let mut s = simd::hsum8(_mm256_add_ps(acc[0], acc[1]));
         for x in chunks.into_remainder() {
             *x = exp_approx(*x - max);
             s += *x;
@@ -501,7 +502,7 @@ mod x86 {
             }
         }
         let lo = _mm512_castps512_ps256(acc);
-        let mut s = matmul::hsum8(_mm256_add_ps(lo, _mm512_extractf32x8_ps::<1>(acc)));
+        let mut s = simd::hsum8(_mm256_add_ps(lo, _mm512_extractf32x8_ps::<1>(acc)));
         for x in chunks.into_remainder() {
             *x = exp_approx(*x - max);
             s += *x;

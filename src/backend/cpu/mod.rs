@@ -6,6 +6,7 @@ mod attention;
 mod exp;
 pub mod matmul;
 pub mod qmatmul;
+mod simd;
 
 use attention::{AttnArgs, AttnTask, Scratch};
 use matmul::{Elem, Packed, Weights};

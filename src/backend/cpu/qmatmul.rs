@@ -31,7 +31,7 @@
 //! except on AVX2 with more than one tile, where the slab is decoded once into [`Decoded`] and
 //! every tile reads the values from there.
 
-use super::matmul::{PREFETCH_BYTES, prefetch_lines, reduce8};
+use super::simd::{PREFETCH_BYTES, prefetch_lines, reduce8};
 use crate::quant::{GgmlType, QuantTensor};
 use half::f16;
 use rayon::prelude::*;
@@ -828,7 +828,7 @@ mod x86 {
         }
     }
 
-    pub(super) use super::super::matmul::hsum8 as hsum;
+    pub(super) use super::super::simd::hsum8 as hsum;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]

@@ -13,6 +13,7 @@
 //! tensor's byte range is checked against the file size when the file is opened.
 
 mod config;
+mod hf;
 mod names;
 mod tokenizer;
 
@@ -20,8 +21,8 @@ pub use crate::quant::{GgmlType, dequantize};
 pub use names::{GgufFix, GgufTensorName, llama_tensor_name, map_name};
 use names::{unpermute_order, unpermute_rows};
 
-use super::{Part, Weight};
-use crate::quant::{QuantTensor, dequantize_into};
+use super::Weight;
+use crate::quant::QuantTensor;
 use crate::tensor::{DType, HostTensor};
 use crate::untrusted::text;
 use anyhow::{Context, Result, anyhow, bail};
@@ -29,7 +30,6 @@ use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::fs::File;
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 /// A metadata value. Its `Debug` is bounded: strings are escaped and cut
@@ -355,7 +355,7 @@ impl GgufFile {
     /// Opens, memory-maps and validates a GGUF file (header, metadata, tensor directory, and
     /// every tensor's byte range). Tensor data are read lazily by [`GgufFile::tensor`].
     pub fn open(path: &Path) -> Result<Self> {
-        crate::models::loader::regular_file(path)?;
+        crate::untrusted::regular_file(path)?;
         let file = File::open(path).map_err(|e| anyhow!("{}: cannot open: {e}", path.display()))?;
         // SAFETY: the map is read-only; as with any memory-mapped file, the file must not be
         // truncated or modified by another process while this `GgufFile` lives.
@@ -413,38 +413,6 @@ impl GgufFile {
         }
     }
 
-    /// Loads one tensor by its HF name, dequantized to f32, in HF shape (row-major, `[out, in]`
-    /// for linear weights; the GGUF dims reversed). `Ok(None)` if the model has no such tensor.
-    /// For `llama`, llama.cpp's row permutation of the Q and K projections is undone.
-    pub fn tensor(&self, hf_name: &str) -> Result<Option<HostTensor>> {
-        self.by_hf_name(hf_name, |info, fix| self.load_hf(info, fix))
-    }
-
-    /// `load(info, fix)` of the tensor with this HF name, its errors naming the file and the
-    /// tensor; `Ok(None)` if the model has no such tensor.
-    fn by_hf_name<T>(
-        &self,
-        hf_name: &str,
-        load: impl FnOnce(&TensorInfo, Option<GgufFix>) -> Result<T>,
-    ) -> Result<Option<T>> {
-        let family = super::registry::by_gguf_architecture(self.arch_str()?)?;
-        let Some((gguf_name, fix)) = (family.gguf_tensor_name)(hf_name) else {
-            return Ok(None);
-        };
-        let Some(info) = self.tensor_info(&gguf_name) else {
-            return Ok(None);
-        };
-        let out = load(info, fix);
-        self.release(info);
-        out.map(Some).map_err(|e| {
-            anyhow!(
-                "{}: tensor '{}' ({hf_name}): {e:#}",
-                self.path.display(),
-                text(&info.name)
-            )
-        })
-    }
-
     fn load_hf(&self, info: &TensorInfo, fix: Option<GgufFix>) -> Result<HostTensor> {
         let shape = hf_dims(info)?;
         let mut data = self.load_gguf_tensor(info)?;
@@ -497,84 +465,12 @@ impl GgufFile {
             .map_err(|_| anyhow!("{heads_key} is too large"))
     }
 
-    /// A linear weight by its HF name, as stored: a 2-D tensor in a block format with a kernel
-    /// stays in it (llama's Q/K rows put back in HF order), anything else is dequantized and
-    /// says which type it was stored in. `Ok(None)` if the model has no such tensor.
-    pub fn weight(&self, hf_name: &str) -> Result<Option<Weight>> {
-        self.by_hf_name(hf_name, |info, fix| self.load_weight(info, fix))
-    }
-
     fn load_weight(&self, info: &TensorInfo, fix: Option<GgufFix>) -> Result<Weight> {
         if keeps_blocks(info, fix) {
             return self.load_quant(info, fix);
         }
         self.load_hf(info, fix)
             .map(|t| Weight::dense(t, stored_type(info.ty)))
-    }
-
-    /// The shape [`GgufFile::tensor`] gives the tensor with this HF name, without reading it.
-    pub fn hf_shape(&self, hf_name: &str) -> Result<Option<Vec<usize>>> {
-        self.by_hf_name(hf_name, |info, fix| {
-            let mut shape = hf_dims(info)?;
-            if fix == Some(GgufFix::Transpose) && shape.len() == 2 {
-                shape.swap(0, 1);
-            }
-            Ok(shape)
-        })
-    }
-
-    /// `part` of a linear weight by its HF name, as [`GgufFile::weight`] stores it, reading
-    /// only the part's rows (through llama's Q/K row order) and, where a block format's blocks
-    /// allow it, only its columns' bytes; a part that splits blocks is read as whole rows and
-    /// cut (f32, as `Weight::slice_cols` makes it).
-    pub fn weight_part(&self, hf_name: &str, part: &Part) -> Result<Option<Weight>> {
-        self.by_hf_name(hf_name, |info, fix| {
-            let matrix = info.dims.len() == 2
-                && matches!(fix, None | Some(GgufFix::UnpermuteQ | GgufFix::UnpermuteK));
-            if !matrix {
-                return part.apply(self.load_weight(info, fix)?);
-            }
-            let k = usize::try_from(info.dims[0]).map_err(|_| anyhow!("dimension too large"))?;
-            let rows = usize::try_from(info.dims[1]).map_err(|_| anyhow!("dimension too large"))?;
-            let mut ids = part.row_ids(rows)?;
-            if let Some(n_head) = self.unpermute_heads(fix)? {
-                let order = unpermute_order(rows, n_head)?;
-                ids.iter_mut().for_each(|i| *i = order[*i]);
-            }
-            let cols = part.col_range(k)?;
-            let raw = self.raw_bytes(info)?;
-            let rb = info.ty.row_bytes(k)?;
-            let row = |r: usize, bytes: Range<usize>| {
-                raw.get(r * rb + bytes.start..r * rb + bytes.end)
-                    .context("tensor data outside the file")
-            };
-            if keeps_blocks(info, fix) {
-                let (block, bb) = info.ty.block_layout();
-                if cols.start.is_multiple_of(block) && cols.end.is_multiple_of(block) {
-                    let bytes = cols.start / block * bb..cols.end / block * bb;
-                    let mut data = Vec::with_capacity(ids.len() * bytes.len());
-                    for &r in &ids {
-                        data.extend_from_slice(row(r, bytes.clone())?);
-                    }
-                    let q = QuantTensor::new(info.ty, ids.len(), cols.len(), data)?;
-                    return Ok(Weight::Quant(q));
-                }
-                let mut data = Vec::with_capacity(ids.len() * rb);
-                for &r in &ids {
-                    data.extend_from_slice(row(r, 0..rb)?);
-                }
-                let q = QuantTensor::new(info.ty, ids.len(), k, data)?;
-                return Weight::Quant(q).slice_cols(cols);
-            }
-            let mut data = Vec::with_capacity(ids.len() * cols.len());
-            let mut values = vec![0f32; k];
-            for &r in &ids {
-                dequantize_into(info.ty, row(r, 0..rb)?, &mut values)?;
-                data.extend_from_slice(&values[cols.clone()]);
-            }
-            let t = HostTensor::new(vec![ids.len(), cols.len()], data);
-            Ok(Weight::dense(t, stored_type(info.ty)))
-        })
     }
 
     fn load_quant(&self, info: &TensorInfo, fix: Option<GgufFix>) -> Result<Weight> {
@@ -606,10 +502,10 @@ impl GgufFile {
         dequantize(info.ty, self.raw_bytes(info)?, n)
     }
 
-    /// Lets the tensor's pages go once it has been read (see `loader::release`).
+    /// Lets the tensor's pages go once it has been read (see `models::mmap::release`).
     fn release(&self, info: &TensorInfo) {
         if let Ok(bytes) = self.raw_bytes(info) {
-            super::loader::release(&self.mmap, bytes);
+            super::mmap::release(&self.mmap, bytes);
         }
     }
 
@@ -792,6 +688,7 @@ fn parse(data: &[u8]) -> Result<Parsed> {
 mod tests {
     use super::config::llama3_rope_factors;
     use super::*;
+    use crate::models::Part;
     use crate::models::config::{Arch, Llama3RopeScaling, ModelConfig};
     use half::f16;
     use std::path::PathBuf;

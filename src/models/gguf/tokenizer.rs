@@ -181,7 +181,7 @@ impl GgufFile {
             .get("tokenizer.ggml.unknown_token_id")
             .and_then(GgufValue::as_u64)
             .unwrap_or(0) as usize;
-        crate::models::spm::tokenizer(&tokens, &scores, &types, unk)
+        crate::tokenizer::spm::tokenizer(&tokens, &scores, &types, unk)
     }
 
     fn string_array(&self, key: &str) -> Result<Vec<&str>> {

@@ -1,6 +1,8 @@
 //! The tokenizer of a model: a HF `tokenizers::Tokenizer` plus what `tokenizer_config.json` adds
 //! (chat template, BOS/EOS tokens, whether to prepend BOS).
 
+pub mod spm;
+
 use std::fmt;
 use std::path::Path;
 use std::sync::OnceLock;
@@ -125,7 +127,7 @@ impl Tokenizer {
     /// Without `add_bos_token`, BOS is prepended when the tokenizer's post-processor would add it.
     pub fn from_hf_dir(dir: &Path) -> anyhow::Result<Self> {
         let tok_path = dir.join("tokenizer.json");
-        if !super::loader::optional_regular_file(&tok_path)? {
+        if !crate::untrusted::optional_regular_file(&tok_path)? {
             bail!(
                 "{} not found: a HF tokenizer directory must contain tokenizer.json",
                 tok_path.display()
@@ -146,7 +148,7 @@ impl Tokenizer {
         let mut bos_token = None;
         let mut eos_token = None;
         let mut add_bos_token = None;
-        if super::loader::optional_regular_file(&cfg_path)? {
+        if crate::untrusted::optional_regular_file(&cfg_path)? {
             let text = std::fs::read_to_string(&cfg_path)
                 .with_context(|| format!("reading {}", cfg_path.display()))?;
             let json: Json = serde_json::from_str(&text)
@@ -169,7 +171,7 @@ impl Tokenizer {
         }
         if chat_template.is_none() {
             let jinja = dir.join("chat_template.jinja");
-            if super::loader::optional_regular_file(&jinja)? {
+            if crate::untrusted::optional_regular_file(&jinja)? {
                 chat_template = Some(
                     std::fs::read_to_string(&jinja)
                         .with_context(|| format!("reading {}", jinja.display()))?,
