@@ -11,10 +11,15 @@
 //! [`serve`] is the command line's: it runs until SIGINT or SIGTERM, then stops accepting, lets
 //! running requests finish within the grace period, and returns.
 
+mod chat;
+mod completions;
 mod error;
 mod http;
 mod metrics;
+mod params;
+mod response;
 mod routes;
+mod state;
 mod streaming;
 pub mod tools;
 mod types;
@@ -25,8 +30,8 @@ pub use http::default_max_connections;
 pub use metrics::Metrics;
 
 use crate::engine::{Engine, EngineArgs};
-use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
+use state::AppState;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -77,48 +82,6 @@ impl Default for ServerArgs {
             max_connections: http::default_max_connections(),
             tool_call_parser: None,
         }
-    }
-}
-
-/// What the handlers share.
-pub(crate) struct AppState {
-    commands: mpsc::Sender<Command>,
-    tokenizer: Arc<Tokenizer>,
-    model_names: Vec<String>,
-    model_root: String,
-    max_model_len: usize,
-    vocab_size: usize,
-    /// The model's own sampling defaults, for the fields a request leaves out (as vLLM does with
-    /// `--generation-config auto`).
-    sampling_defaults: crate::sampling::SamplingDefaults,
-    api_key: Option<String>,
-    metrics: Arc<Metrics>,
-    created: u64,
-    id_prefix: u64,
-    next_id: AtomicU64,
-    draining: AtomicBool,
-    dead: Arc<AtomicBool>,
-    max_body_bytes: usize,
-    max_waiting: usize,
-    /// Longest text worth tokenizing: longer ones have more tokens than the model's context.
-    max_prompt_bytes: usize,
-    /// Tokenizer and chat template work running at once (each may take a core and memory in
-    /// proportion to its text).
-    tokenizer_slots: tokio::sync::Semaphore,
-    tool_call_parser: Option<tools::ToolCallParser>,
-}
-
-impl AppState {
-    fn send(&self, cmd: Command) -> Result<(), ApiError> {
-        self.commands
-            .send(cmd)
-            .map_err(|_| ApiError::internal("the engine thread is gone"))
-    }
-
-    /// `cmpl-…` / `chatcmpl-…`: unique within a run and unlikely to repeat across runs.
-    fn new_id(&self, kind: &str) -> String {
-        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        format!("{kind}-{:012x}{n:08x}", self.id_prefix)
     }
 }
 

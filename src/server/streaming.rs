@@ -3,7 +3,7 @@
 //! `stream_options.include_usage` asks for it, then `data: [DONE]`.
 
 use super::error::ApiError;
-use super::routes::{AbortGuard, TextOffsets, call_id, chat_logprobs, completion_logprobs};
+use super::response::{AbortGuard, TextOffsets, call_id, chat_logprobs, completion_logprobs};
 use super::tools::{self, ToolMode};
 use super::types::*;
 use super::worker::{Event, EventKind};

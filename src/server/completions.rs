@@ -1,0 +1,230 @@
+//! `/v1/completions`: one or more prompts (text or token ids), `n`/`best_of` choices each,
+//! `echo`, legacy log-probs; one JSON response or a stream.
+
+use super::error::ApiError;
+use super::params::*;
+use super::response::*;
+use super::state::{AppState, St};
+use super::streaming::{self, CompletionStream};
+use super::types::*;
+use super::worker::SubRequest;
+use crate::engine::Prompt;
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::response::{IntoResponse, Response};
+use std::sync::Arc;
+use std::time::Instant;
+
+pub(super) async fn completions(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
+    match completions_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn completions_inner(
+    st: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let body = read_json(&st, body)?;
+    let req: CompletionRequest = from_json(&body)?;
+    let sampling: SamplingFields = from_json(&body)?;
+    let model = check_model(&st, &req.model)?;
+    check_accepting(&st)?;
+    if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::unsupported("suffix is not supported", "suffix"));
+    }
+    refuse_unsupported(&body, UNSUPPORTED)?;
+    let structured = structured_output(&body)?;
+    let field = structured.as_ref().map(|(_, f)| *f);
+    let echo = req.echo.unwrap_or(false);
+    let echo_logprobs = echo && req.logprobs.is_some();
+    let mut params = sampling_params(
+        &sampling,
+        req.max_tokens,
+        req.logprobs,
+        &st.sampling_defaults,
+    )?;
+    params.structured = structured.map(|(c, _)| c);
+    // NOTE: echo with logprobs scores the prompt too (OpenAI's legacy completions), as many
+    // top tokens per prompt position as per generated one.
+    params.prompt_logprobs = match (sampling.prompt_logprobs, echo_logprobs) {
+        (Some(k), _) => Some(k),
+        (None, true) => req.logprobs,
+        (None, false) => None,
+    };
+    params
+        .validate()
+        .map_err(|e| name_structured_field(ApiError::invalid(e.message, Some(e.param)), field))?;
+    let stream = req.stream.unwrap_or(false);
+    check_stream_options(stream, &req.stream_options)?;
+    check_stream_best_of(&params, stream)?;
+    check_stream_prompt_logprobs(&params, stream)?;
+    let params_prompt_logprobs = params.prompt_logprobs.is_some();
+    let samples = params.n;
+    let prompts = parse_prompts(&req.prompt)?;
+    // NOTE: a request with more prompts than may ever wait could only be refused as "busy",
+    // which clients retry: it is the request that is wrong.
+    if prompts.len() > st.max_waiting.max(1) {
+        return Err(ApiError::invalid(
+            format!(
+                "{} prompts in one request: more than the {} requests that may wait at once (--max-waiting); split the request",
+                prompts.len(),
+                st.max_waiting
+            ),
+            Some("prompt"),
+        ));
+    }
+    for p in &prompts {
+        match p {
+            PromptIn::Text(t) => check_text_len(&st, t.len(), "prompt")?,
+            PromptIn::Tokens(ids) if ids.len() >= st.max_model_len => {
+                return Err(ApiError::invalid(
+                    format!(
+                        "the prompt has {} tokens: the model's context is {} tokens, and at least one must be left to generate",
+                        ids.len(),
+                        st.max_model_len
+                    ),
+                    Some("prompt"),
+                ));
+            }
+            PromptIn::Tokens(_) => {}
+        }
+    }
+    let tok = st.tokenizer.clone();
+    // (token ids, prompt text for echo)
+    let prompts: Vec<(Vec<u32>, String)> = blocking(&st, move || {
+        prompts
+            .into_iter()
+            .map(|p| match p {
+                PromptIn::Text(t) if t.is_empty() => {
+                    Err(ApiError::invalid("the prompt is empty", Some("prompt")))
+                }
+                PromptIn::Text(t) => tok
+                    .encode(&t)
+                    .map(|ids| (ids, t))
+                    .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("prompt"))),
+                PromptIn::Tokens(ids) => {
+                    let text = if echo {
+                        tok.decode(&ids, false).unwrap_or_default()
+                    } else {
+                        String::new()
+                    };
+                    Ok((ids, text))
+                }
+            })
+            .collect()
+    })
+    .await?;
+    // NOTE: choice i * n + j is prompt i's completion j, as OpenAI numbers them.
+    let n = prompts.len() * samples;
+    let requests = prompts
+        .iter()
+        .map(|(ids, _)| SubRequest {
+            prompt: Prompt::Tokens(ids.clone()),
+            params: params.clone(),
+        })
+        .collect();
+    let id = st.new_id("cmpl");
+    let (mut rx, mut guard) = submit(
+        &st,
+        requests,
+        &id,
+        arrival,
+        "prompt",
+        req.max_tokens.is_some(),
+    )
+    .await
+    .map_err(|e| name_structured_field(e, field))?;
+    let created = unix_now();
+    let prompt_ids: Vec<Vec<u32>> = if params_prompt_logprobs {
+        prompts
+            .iter()
+            .flat_map(|(ids, _)| std::iter::repeat_n(ids.clone(), samples))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let echo_texts: Vec<String> = prompts
+        .into_iter()
+        .flat_map(|(_, t)| std::iter::repeat_n(if echo { t } else { String::new() }, samples))
+        .collect();
+
+    if stream {
+        let include_usage = req
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        let fmt = CompletionStream::new(
+            id,
+            created,
+            model,
+            st.tokenizer.clone(),
+            echo_texts,
+            req.logprobs.is_some(),
+        );
+        return Ok(streaming::response(
+            rx,
+            guard,
+            n,
+            samples,
+            include_usage,
+            fmt,
+        ));
+    }
+
+    let results = collect(&mut rx, n).await?;
+    guard.disarm();
+    let mut usage = Usage::default();
+    let choices = results
+        .into_iter()
+        .zip(echo_texts)
+        .enumerate()
+        .map(|(index, (c, echo_text))| {
+            // NOTE: a prompt counts once however many completions it has.
+            let prompt_tokens = if index % samples == 0 {
+                c.prompt_tokens
+            } else {
+                0
+            };
+            usage = Usage::new(
+                usage.prompt_tokens + prompt_tokens,
+                usage.completion_tokens + c.output_tokens,
+            );
+            let scored = c.prompt_logprobs.as_deref().unwrap_or_default();
+            let logprobs = req.logprobs.is_some().then(|| {
+                let mut offsets = TextOffsets::new(echo_text.chars().count());
+                let tail = completion_logprobs(&st.tokenizer, &c.logprobs, &mut offsets);
+                match prompt_ids.get(index) {
+                    Some(ids) if echo_logprobs => {
+                        let mut head = echo_logprobs_of(&st.tokenizer, ids, scored);
+                        head.append(tail);
+                        head
+                    }
+                    _ => tail,
+                }
+            });
+            CompletionChoice {
+                index,
+                text: echo_text + &c.text,
+                logprobs,
+                finish_reason: finish_str(c.finish),
+                prompt_logprobs: sampling
+                    .prompt_logprobs
+                    .map(|_| prompt_logprobs_json(&st.tokenizer, scored)),
+            }
+        })
+        .collect();
+    Ok(Json(CompletionResponse {
+        id,
+        object: "text_completion",
+        created,
+        model,
+        choices,
+        usage: UsageField::Some(usage),
+    })
+    .into_response())
+}

@@ -1,0 +1,449 @@
+//! A request body into the engine's terms: JSON read under the size limit, the model name and
+//! the server's state checked, OpenAI's and vLLM's sampling fields into [`SamplingParams`], the
+//! structured-output constraint, the prompts of a completions request, and the fields Pagoda
+//! refuses by name rather than ignore.
+
+use super::error::ApiError;
+use super::state::AppState;
+use super::types::*;
+use crate::sampling::{SamplingDefaults, SamplingParams, StructuredOutput};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use std::sync::atomic::Ordering;
+
+/// Reads a JSON body (413 over the size limit, 400 when it is not JSON).
+pub(super) fn read_json(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Value, ApiError> {
+    let bytes = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(st.max_body_bytes)
+        } else {
+            ApiError::invalid(format!("cannot read the request body: {e}"), None)
+        }
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))
+}
+
+/// A request struct from a JSON value; a value of the wrong type names its field in `param`.
+pub(super) fn from_json<T: DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
+    if !v.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object", None));
+    }
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ApiError::invalid(format!("invalid request: {inner}"), None)
+        } else {
+            let field = path.split(['.', '[']).next().unwrap_or(&path).to_string();
+            ApiError::invalid(format!("invalid value for '{path}': {inner}"), Some(&field))
+        }
+    })
+}
+
+pub(super) fn parse_body<T: DeserializeOwned>(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    from_json(&read_json(st, body)?)
+}
+
+pub(super) fn check_model(st: &AppState, model: &Option<String>) -> Result<String, ApiError> {
+    match model {
+        Some(m) if !st.model_names.iter().any(|n| n == m) => Err(ApiError::model_not_found(m)),
+        Some(m) => Ok(m.clone()),
+        None => Ok(st.model_names[0].clone()),
+    }
+}
+
+pub(super) fn check_accepting(st: &AppState) -> Result<(), ApiError> {
+    if st.draining.load(Ordering::Relaxed) {
+        return Err(ApiError::overloaded("the server is shutting down"));
+    }
+    if st.dead.load(Ordering::Relaxed) {
+        return Err(ApiError::internal(
+            "the engine has failed; restart the server",
+        ));
+    }
+    Ok(())
+}
+
+/// The engine's sampling parameters from the request's fields.
+pub(super) fn sampling_params(
+    f: &SamplingFields,
+    max_tokens: Option<usize>,
+    logprobs: Option<usize>,
+    model: &SamplingDefaults,
+) -> Result<SamplingParams, ApiError> {
+    let mut logit_bias = std::collections::BTreeMap::new();
+    for (k, v) in f.logit_bias.iter().flatten() {
+        let bad = |what: &str| {
+            ApiError::invalid(
+                format!(
+                    "logit_bias: {what} (keys are token ids, values numbers in [-100, 100]), got \"{}\": {}",
+                    crate::untrusted::text(k),
+                    crate::untrusted::json(v)
+                ),
+                Some("logit_bias"),
+            )
+        };
+        let id: u32 = k
+            .trim()
+            .parse()
+            .map_err(|_| bad("a key is not a token id"))?;
+        let b = v.as_f64().ok_or_else(|| bad("a value is not a number"))?;
+        logit_bias.insert(id, b as f32);
+    }
+    let d = SamplingParams::default();
+    let explicit = SamplingDefaults {
+        temperature: f.temperature,
+        top_p: f.top_p,
+        top_k: f.top_k,
+        min_p: f.min_p,
+        repetition_penalty: f.repetition_penalty,
+    };
+    let p = SamplingParams {
+        n: f.n.unwrap_or(1),
+        best_of: f.best_of,
+        max_tokens,
+        presence_penalty: f.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: f.frequency_penalty.unwrap_or(d.frequency_penalty),
+        seed: f.seed,
+        stop: f.stop.clone().map(StopField::into_vec).unwrap_or_default(),
+        stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+        logprobs,
+        skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+        logit_bias,
+        min_tokens: f.min_tokens.unwrap_or(0),
+        bad_words: f.bad_words.clone().unwrap_or_default(),
+        ..d
+    };
+    // NOTE: what the request leaves out comes from the model's generation_config, then from
+    // OpenAI's defaults.
+    let p = model.fill(&explicit, p);
+    p.validate()
+        .map_err(|e| ApiError::invalid(e.message, Some(e.param)))?;
+    Ok(p)
+}
+
+/// Fields of OpenAI's or vLLM's API that Pagoda does not implement yet: refused by name (400)
+/// rather than accepted and ignored. A field set to its inert value (`null`, `false`, empty)
+/// asks for nothing and passes.
+pub(super) const UNSUPPORTED: &[&str] = &[
+    "guided_whitespace_pattern",
+    "allowed_token_ids",
+    "truncate_prompt_tokens",
+    "use_beam_search",
+];
+
+/// The fields only chat completions refuse (on top of [`UNSUPPORTED`]).
+pub(super) const UNSUPPORTED_CHAT: &[&str] = &["functions", "function_call", "documents"];
+
+pub(super) fn refuse_unsupported(body: &Value, fields: &[&str]) -> Result<(), ApiError> {
+    let inert = |v: &Value| match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::Bool(true) | Value::Number(_) => false,
+    };
+    for &f in fields {
+        if body.get(f).is_some_and(|v| !inert(v)) {
+            return Err(ApiError::unsupported(
+                format!("'{f}' is not supported by this server yet"),
+                f,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The request's structured-output constraint, and the field that gave it (errors name it):
+/// OpenAI's `response_format`, vLLM's `structured_outputs` or its older `guided_*` fields. At
+/// most one may be given.
+pub(super) fn structured_output(
+    body: &Value,
+) -> Result<Option<(StructuredOutput, &'static str)>, ApiError> {
+    let bad = |field: &str, what: &str| ApiError::invalid(format!("{field}: {what}"), Some(field));
+    // One constraint of a kind (json, regex, choice, grammar), as `field` gave it.
+    let of_kind =
+        |field: &'static str, kind: &str, v: &Value| -> Result<StructuredOutput, ApiError> {
+            let string = || {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| bad(field, &format!("{kind} must be a string")))
+            };
+            match kind {
+                // NOTE: vLLM takes a schema given as a JSON string too.
+                "json" => match v {
+                    Value::String(s) => serde_json::from_str(s)
+                        .map(StructuredOutput::Json)
+                        .map_err(|e| bad(field, &format!("the schema is not valid JSON: {e}"))),
+                    v => Ok(StructuredOutput::Json(v.clone())),
+                },
+                "regex" => string().map(StructuredOutput::Regex),
+                "grammar" => string().map(StructuredOutput::Grammar),
+                "choice" => serde_json::from_value(v.clone())
+                    .map(StructuredOutput::Choice)
+                    .map_err(|_| bad(field, "choice must be a list of strings")),
+                "json_object" => match v.as_bool() {
+                    Some(true) => Ok(StructuredOutput::JsonObject),
+                    _ => Err(bad(field, "json_object must be true")),
+                },
+                other => Err(bad(
+                    field,
+                    &format!(
+                        "'{}' is not supported (json, regex, choice, grammar, json_object)",
+                        crate::untrusted::text(other)
+                    ),
+                )),
+            }
+        };
+    let mut found: Vec<(StructuredOutput, &'static str)> = Vec::new();
+    let given = |k: &str| body.get(k).filter(|v| !v.is_null());
+    if let Some(rf) = given("response_format") {
+        const F: &str = "response_format";
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push((StructuredOutput::JsonObject, F)),
+            Some("json_schema") => {
+                let s = rf
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .ok_or_else(|| bad(F, "json_schema.schema is missing"))?;
+                found.push((of_kind(F, "json", s)?, F));
+            }
+            _ => {
+                return Err(bad(
+                    F,
+                    "type must be \"text\", \"json_object\" or \"json_schema\"",
+                ));
+            }
+        }
+    }
+    for (field, kind) in [
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ] {
+        if let Some(v) = given(field) {
+            found.push((of_kind(field, kind, v)?, field));
+        }
+    }
+    if let Some(so) = given("structured_outputs") {
+        const F: &str = "structured_outputs";
+        let o = so.as_object().ok_or_else(|| bad(F, "must be an object"))?;
+        for (k, v) in o
+            .iter()
+            .filter(|(_, v)| !v.is_null() && **v != Value::Bool(false))
+        {
+            found.push((of_kind(F, k, v)?, F));
+        }
+    }
+    // NOTE: the backend is llguidance whatever is asked; a request that names another one
+    // (xgrammar, outlines) is told so rather than silently served by this one.
+    if let Some(b) = given("guided_decoding_backend") {
+        let name = b.as_str().unwrap_or_default();
+        if !matches!(name, "auto" | "guidance" | "llguidance") {
+            return Err(bad(
+                "guided_decoding_backend",
+                "only \"guidance\" (llguidance) is available",
+            ));
+        }
+    }
+    if found.len() > 1 {
+        let fields: Vec<&str> = found.iter().map(|(_, f)| *f).collect();
+        return Err(ApiError::invalid(
+            format!(
+                "give one structured output constraint, not several ({})",
+                fields.join(", ")
+            ),
+            Some(fields[1]),
+        ));
+    }
+    Ok(found.pop())
+}
+
+/// Names the request's own field in an error about its structured-output constraint.
+pub(super) fn name_structured_field(mut e: ApiError, field: Option<&str>) -> ApiError {
+    if let Some(f) = field
+        && e.param.as_deref() == Some("structured_outputs")
+    {
+        e.param = Some(f.to_string());
+    }
+    e
+}
+
+/// `stream_options` only means something on a stream (vLLM and OpenAI refuse it otherwise).
+pub(super) fn check_stream_options(
+    stream: bool,
+    options: &Option<StreamOptions>,
+) -> Result<(), ApiError> {
+    if options.is_some() && !stream {
+        return Err(ApiError::invalid(
+            "stream_options can only be given when stream is true",
+            Some("stream_options"),
+        ));
+    }
+    Ok(())
+}
+
+/// Prompt log-probabilities come with the first output; they are not streamed (as in vLLM).
+pub(super) fn check_stream_prompt_logprobs(
+    p: &SamplingParams,
+    stream: bool,
+) -> Result<(), ApiError> {
+    if stream && p.prompt_logprobs.is_some() {
+        return Err(ApiError::unsupported(
+            "prompt log-probabilities (prompt_logprobs, or echo with logprobs) are not available when streaming",
+            "prompt_logprobs",
+        ));
+    }
+    Ok(())
+}
+
+/// `best_of > n` returns the best completions once all have ended: nothing to stream before.
+pub(super) fn check_stream_best_of(p: &SamplingParams, stream: bool) -> Result<(), ApiError> {
+    if stream && p.best_of() > p.n {
+        return Err(ApiError::invalid(
+            format!(
+                "best_of ({}) > n ({}) cannot be streamed: the best completions are known only when all have ended",
+                p.best_of(),
+                p.n
+            ),
+            Some("best_of"),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a text too long to be a prompt before tokenizing it: it has more tokens than the
+/// model's context holds, and tokenizing it would cost memory and CPU in proportion.
+pub(super) fn check_text_len(st: &AppState, len: usize, param: &str) -> Result<(), ApiError> {
+    if len > st.max_prompt_bytes {
+        return Err(ApiError::invalid(
+            format!(
+                "the text is {len} bytes long: more tokens than the model's context of {} tokens \
+                 can hold (no token here stands for more than {} bytes)",
+                st.max_model_len,
+                st.max_prompt_bytes / st.max_model_len.max(1)
+            ),
+            Some(param),
+        ));
+    }
+    Ok(())
+}
+
+/// A prompt of a completions request, before tokenizing.
+pub(super) enum PromptIn {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+pub(super) fn token_list(v: &[Value]) -> Option<Vec<u32>> {
+    v.iter()
+        .map(|x| x.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}
+
+pub(super) fn parse_prompts(v: &Value) -> Result<Vec<PromptIn>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "prompt must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
+            Some("prompt"),
+        )
+    };
+    match v {
+        Value::String(s) => Ok(vec![PromptIn::Text(s.clone())]),
+        Value::Array(items) if items.is_empty() => Err(ApiError::invalid(
+            "prompt must not be an empty list",
+            Some("prompt"),
+        )),
+        Value::Array(items) => {
+            if items.iter().all(Value::is_string) {
+                Ok(items
+                    .iter()
+                    .filter_map(|s| s.as_str().map(|s| PromptIn::Text(s.to_string())))
+                    .collect())
+            } else if items.iter().all(Value::is_number) {
+                Ok(vec![PromptIn::Tokens(token_list(items).ok_or_else(bad)?)])
+            } else if items.iter().all(Value::is_array) {
+                items
+                    .iter()
+                    .map(|x| {
+                        let list = x.as_array().map(Vec::as_slice).unwrap_or_default();
+                        token_list(list).map(PromptIn::Tokens).ok_or_else(bad)
+                    })
+                    .collect()
+            } else {
+                Err(bad())
+            }
+        }
+        _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_model_defaults_fill_what_a_request_leaves_out() {
+        let model = SamplingDefaults {
+            temperature: Some(0.6),
+            top_k: Some(20),
+            ..Default::default()
+        };
+        let p = sampling_params(&SamplingFields::default(), Some(8), None, &model).unwrap();
+        assert_eq!((p.temperature, p.top_k, p.top_p), (0.6, 20, 1.0));
+        let f = SamplingFields {
+            temperature: Some(0.0),
+            ..Default::default()
+        };
+        let p = sampling_params(&f, Some(8), None, &model).unwrap();
+        assert_eq!((p.temperature, p.top_k), (0.0, 20));
+        // a model without defaults: OpenAI's
+        let p =
+            sampling_params(&SamplingFields::default(), None, None, &Default::default()).unwrap();
+        assert_eq!(
+            p,
+            SamplingParams {
+                max_tokens: None,
+                ..SamplingParams::default()
+            }
+        );
+    }
+
+    #[test]
+    fn prompts_of_every_shape() {
+        let p = parse_prompts(&serde_json::json!("hi")).unwrap();
+        assert!(matches!(&p[..], [PromptIn::Text(t)] if t == "hi"));
+        let p = parse_prompts(&serde_json::json!(["a", "b"])).unwrap();
+        assert_eq!(p.len(), 2);
+        let p = parse_prompts(&serde_json::json!([1, 2, 3])).unwrap();
+        assert!(matches!(&p[..], [PromptIn::Tokens(t)] if t == &[1, 2, 3]));
+        let p = parse_prompts(&serde_json::json!([[1], [2, 3]])).unwrap();
+        assert_eq!(p.len(), 2);
+        for bad in [
+            serde_json::json!([]),
+            serde_json::json!([1, "a"]),
+            serde_json::json!([-1]),
+            serde_json::json!([1.5]),
+            serde_json::json!(5),
+            serde_json::json!(null),
+            serde_json::json!([[1], ["a"]]),
+        ] {
+            let e = parse_prompts(&bad).err().unwrap();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert_eq!(e.param.as_deref(), Some("prompt"));
+        }
+    }
+}
