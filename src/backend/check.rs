@@ -13,11 +13,11 @@
 //! boundaries where rounding could choose another token).
 
 use super::{
-    Activation, AttentionOptions, Backend, BackendKind, BatchInput, Choice, CpuBackend,
-    CudaBackend, DeviceBatch, EmuBackend, HipBackend, KvLayout, LogitEdit, QkvLayout, RowSampling,
-    WgpuBackend,
+    Activation, AttentionOptions, Backend, BackendKind, BatchInput, CpuBackend, CudaBackend,
+    DeviceBatch, EmuBackend, HipBackend, KvLayout, QkvLayout, WgpuBackend,
 };
 use crate::sampling::sampler::{logprobs_of, rank_of};
+use crate::sampling::{Choice, LogitEdit, RowSampling};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Result, bail};
 use rand_chacha::ChaCha8Rng;

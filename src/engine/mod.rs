@@ -12,10 +12,11 @@ mod workers;
 pub use llm::{CompletionOutput, LLM, RequestOutput};
 pub use runner::{KvBudget, ModelRunner, StepResult};
 
-use crate::backend::{BackendKind, BatchInput, Choice, LogitEdit, RowSampling};
+use crate::backend::{BackendKind, BatchInput};
 use crate::kv::{KvCacheManager, KvUsage, NULL_BLOCK, PrefixCacheStats};
 use crate::models::{KvCacheDtype, ModelConfig, load_model};
 use crate::parallel::{NodeConfig, ParallelConfig};
+use crate::sampling::{Choice, LogitEdit, RowSampling};
 use crate::sampling::{
     IncrementalDetokenizer, InvalidParam, Restrict, SamplingDefaults, SamplingParams, StopChecker,
     StructuredCompiler, TokenLogprobs, sampler::sample_restricted, sampler::uniform_bits,

@@ -2,10 +2,11 @@
 //! paged KV pool, and runs one flattened batch per step. Everything behind the object-safe
 //! [`ModelRunner`] trait, so the engine above it is not generic.
 
-use crate::backend::{Backend, BackendKind, BatchInput, Choice, DeviceBatch, RowSampling};
+use crate::backend::{Backend, BackendKind, BatchInput, DeviceBatch};
 use crate::models::kv_cache::{self, KvCache, KvCacheDtype, LayerKvSpec};
 use crate::models::{CausalLm, LoadedModel, registry};
 use crate::parallel::{NodeConfig, ParallelConfig};
+use crate::sampling::{Choice, RowSampling};
 use crate::tensor::WeightStats;
 use crate::tensor::{DType, WeightDtype};
 use anyhow::{Context, Result, bail};

@@ -23,10 +23,11 @@ use super::runner::{
 use super::worker::{
     Job, Sink, Worker, load_shards, make_groups, node_devices, serve, stage_layers,
 };
-use crate::backend::{BatchInput, RowSampling};
+use crate::backend::BatchInput;
 use crate::models::LoadedModel;
 use crate::models::kv_cache;
 use crate::parallel::{Communicator, GroupControl, MultiDevice, ParallelConfig, Placement};
+use crate::sampling::RowSampling;
 use crate::tensor::DType;
 use crate::tensor::WeightStats;
 use anyhow::{Context, Result, anyhow, bail, ensure};

@@ -4,12 +4,14 @@
 
 pub mod detokenizer;
 pub mod params;
+pub mod rows;
 pub mod sampler;
 pub mod stop;
 pub mod structured;
 
 pub use detokenizer::IncrementalDetokenizer;
 pub use params::{InvalidParam, SamplingDefaults, SamplingParams};
+pub use rows::{Choice, LogitEdit, RowSampling};
 pub use sampler::{Restrict, SampledToken, TokenLogprobs, sample, token_logprob};
 pub use stop::StopChecker;
 pub use structured::{StructuredCompiler, StructuredOutput};

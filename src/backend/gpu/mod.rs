@@ -18,11 +18,9 @@ mod runtime;
 pub use memory::GpuBuf;
 pub use runtime::{CclLibrary, Elem, GpuRuntime};
 
-use super::{
-    Activation, AttentionOptions, Backend, BatchInput, Choice, DeviceBatch, KvLayout, QkvLayout,
-    RowSampling,
-};
+use super::{Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
 use crate::sampling::sampler::TokenLogprobs;
+use crate::sampling::{Choice, RowSampling};
 use crate::tensor::{DType, HostTensor, e4m3_to_f32, f32_to_e4m3};
 use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
