@@ -11,6 +11,7 @@
 //!   `y = x · Wᵀ (+ b)`;
 //! - index buffers (token ids, positions, slots, block tables) are u32.
 
+pub mod args;
 pub mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -695,17 +696,6 @@ pub trait Backend: Send + Sync + 'static {
             .map(Choice::token)
             .collect())
     }
-}
-
-/// Checks a `write_kv_blocks` call's sizes: `data` holds `blocks.len()` blocks of `block_len`.
-pub fn check_kv_blocks_data(data: &[f32], blocks: &[u32], block_len: usize) -> Result<()> {
-    anyhow::ensure!(
-        data.len() == blocks.len() * block_len && block_len > 0,
-        "write_kv_blocks: {} values for {} blocks of {block_len}",
-        data.len(),
-        blocks.len()
-    );
-    Ok(())
 }
 
 /// Index of the largest value: ties go to the lowest index; NaN never wins (0 when nothing

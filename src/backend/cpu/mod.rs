@@ -11,7 +11,7 @@ mod simd;
 use attention::{AttnArgs, AttnTask, Scratch};
 use matmul::{Elem, Packed, Weights};
 
-use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
+use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout, args};
 use crate::quant::QuantTensor;
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
@@ -115,13 +115,11 @@ impl CpuBuf {
 
 /// Blocks `blocks` (`block_len` values each) of a cache, widened to f32, in the order given.
 fn read_blocks<T: Elem>(c: &[T], block_len: usize, blocks: &[u32]) -> Result<Vec<f32>> {
+    args::kv_blocks("read_kv_blocks", blocks, block_len, c.len())?;
     let mut out = Vec::with_capacity(blocks.len() * block_len);
     for &b in blocks {
         let at = b as usize * block_len;
-        let src = c
-            .get(at..at + block_len)
-            .with_context(|| format!("read_kv_blocks: block {b} is outside the cache"))?;
-        out.extend(src.iter().map(|x| x.f32()));
+        out.extend(c[at..at + block_len].iter().map(|x| x.f32()));
     }
     Ok(out)
 }
@@ -133,13 +131,11 @@ fn write_blocks<T: Elem>(
     blocks: &[u32],
     data: &[f32],
 ) -> Result<()> {
-    super::check_kv_blocks_data(data, blocks, block_len)?;
+    args::kv_blocks_data(data, blocks, block_len)?;
+    args::kv_blocks("write_kv_blocks", blocks, block_len, c.len())?;
     for (&b, src) in blocks.iter().zip(data.chunks_exact(block_len)) {
         let at = b as usize * block_len;
-        let dst = c
-            .get_mut(at..at + block_len)
-            .with_context(|| format!("write_kv_blocks: block {b} is outside the cache"))?;
-        store(dst, src);
+        store(&mut c[at..at + block_len], src);
     }
     Ok(())
 }
@@ -164,22 +160,10 @@ fn write_rows<T: Elem>(
 ) -> Result<()> {
     let (d, hkv, bs) = (layout.head_dim, layout.num_kv_heads, kv.block_size);
     let stride = layout.row_len();
-    ensure!(
-        kc.len() == kv.numel() && vc.len() == kv.numel(),
-        "write_kv: cache size mismatch"
-    );
-    ensure!(
-        slots.len() >= rows && qkv.len() >= rows * stride,
-        "write_kv: {rows} rows, {} slots",
-        slots.len()
-    );
+    args::write_kv(qkv.len(), slots, rows, layout, (kc.len(), vc.len()), kv)?;
     for t in 0..rows {
         let slot = slots[t] as usize;
         let (block, off) = (slot / bs, slot % bs);
-        ensure!(
-            block < kv.num_blocks,
-            "write_kv: slot {slot} outside the pool"
-        );
         let row = &qkv[t * stride..(t + 1) * stride];
         let k = &row[layout.q_len()..layout.q_len() + layout.kv_len()];
         let v = &row[layout.q_len() + layout.kv_len()..];
@@ -338,8 +322,7 @@ impl Backend for CpuBackend {
     fn embedding(&self, table: &CpuBuf, ids: &CpuBuf, dim: usize, out: &mut CpuBuf) -> Result<()> {
         let ids = ids.u32()?;
         let out = out.f32_mut()?;
-        ensure!(out.len() >= ids.len() * dim, "embedding: output too small");
-        let vocab = table.len() / dim;
+        args::embedding(ids, table.len(), dim, out.len())?;
         if let Some(k) = table.packed_k() {
             ensure!(
                 k == dim,
@@ -347,10 +330,6 @@ impl Backend for CpuBackend {
             );
         }
         for (t, &id) in ids.iter().enumerate() {
-            ensure!(
-                (id as usize) < vocab,
-                "token id {id} is outside the vocabulary ({vocab})"
-            );
             let src = id as usize * dim..(id as usize + 1) * dim;
             let dst = &mut out[t * dim..(t + 1) * dim];
             match table {
@@ -384,15 +363,13 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let x = x.f32()?;
         let out = out.f32_mut()?;
-        ensure!(
-            x.len() >= m * k && out.len() >= m * n,
-            "matmul: buffer too small for {m}x{k}x{n}"
-        );
-        ensure!(
-            w.len() == n * k,
-            "matmul: weight has {} elements, expected {n}x{k}",
-            w.len()
-        );
+        args::matmul(
+            x.len(),
+            w.len(),
+            bias.map(CpuBuf::len),
+            (m, k, n),
+            out.len(),
+        )?;
         let out = &mut out[..m * n];
         let x = &x[..m * k];
         let w = match w {
@@ -407,11 +384,6 @@ impl Backend for CpuBackend {
         matmul::matmul(x, m, k, n, out, w);
         if let Some(b) = bias {
             let b = b.f32()?;
-            ensure!(
-                b.len() == n,
-                "matmul: bias has {} elements, expected {n}",
-                b.len()
-            );
             out.par_chunks_mut(n)
                 .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
         }
@@ -430,10 +402,7 @@ impl Backend for CpuBackend {
         let x = x.f32()?;
         let w = w.f32()?;
         let out = out.f32_mut()?;
-        ensure!(
-            x.len() >= rows * dim && out.len() >= rows * dim && w.len() == dim,
-            "rms_norm: bad sizes"
-        );
+        args::rms_norm(x.len(), w.len(), rows, dim, out.len())?;
         out[..rows * dim]
             .par_chunks_mut(dim)
             .zip(x[..rows * dim].par_chunks(dim))
@@ -461,10 +430,7 @@ impl Backend for CpuBackend {
         let qkv = qkv.f32_mut()?;
         let (d, stride) = (layout.head_dim, layout.row_len());
         let heads = layout.num_heads + layout.num_kv_heads;
-        ensure!(
-            qkv.len() >= rows * stride && qw.len() == d && kw.len() == d,
-            "qk_norm: bad sizes"
-        );
+        args::qk_norm(qkv.len(), qw.len(), kw.len(), rows, layout)?;
         qkv[..rows * stride].par_chunks_mut(stride).for_each(|row| {
             for (h, x) in row[..heads * d].chunks_mut(d).enumerate() {
                 let w = if h < layout.num_heads { qw } else { kw };
@@ -478,10 +444,7 @@ impl Backend for CpuBackend {
     fn add_assign(&self, x: &mut CpuBuf, y: &CpuBuf, n: usize) -> Result<()> {
         let x = x.f32_mut()?;
         let y = y.f32()?;
-        ensure!(
-            x.len() >= n && y.len() >= n,
-            "add_assign: buffers too small"
-        );
+        args::add_assign(x.len(), y.len(), n)?;
         x[..n].iter_mut().zip(&y[..n]).for_each(|(a, b)| *a += b);
         Ok(())
     }
@@ -501,14 +464,7 @@ impl Backend for CpuBackend {
         let d = layout.head_dim;
         let half = d / 2;
         let stride = layout.row_len();
-        ensure!(
-            qkv.len() >= rows * stride && pos.len() >= rows,
-            "rope: bad sizes"
-        );
-        let max_pos = cos.len() / half;
-        if let Some(&p) = pos[..rows].iter().find(|&&p| p as usize >= max_pos) {
-            bail!("rope: position {p} is beyond the table ({max_pos})");
-        }
+        args::rope(qkv.len(), pos, cos.len(), sin.len(), rows, layout)?;
         let heads = layout.num_heads + layout.num_kv_heads;
         qkv[..rows * stride]
             .par_chunks_mut(stride)
@@ -538,10 +494,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let gu = gate_up.f32()?;
         let out = out.f32_mut()?;
-        ensure!(
-            gu.len() >= rows * 2 * ffn && out.len() >= rows * ffn,
-            "gated_act: bad sizes"
-        );
+        args::gated_act(gu.len(), rows, ffn, out.len())?;
         let simd = act == Activation::Silu && matmul::Path::Avx2.available();
         out[..rows * ffn]
             .par_chunks_mut(ffn)
@@ -563,7 +516,7 @@ impl Backend for CpuBackend {
 
     fn act(&self, x: &mut CpuBuf, n: usize, act: Activation) -> Result<()> {
         let x = x.f32_mut()?;
-        ensure!(x.len() >= n, "act: buffer too small");
+        args::in_place("act", x.len(), n)?;
         x[..n]
             .par_chunks_mut(4096)
             .for_each(|c| c.iter_mut().for_each(|v| *v = activation(act, *v)));
@@ -572,15 +525,14 @@ impl Backend for CpuBackend {
 
     fn scale(&self, x: &mut CpuBuf, s: f32, n: usize) -> Result<()> {
         let x = x.f32_mut()?;
-        ensure!(x.len() >= n, "scale: buffer too small");
+        args::in_place("scale", x.len(), n)?;
         x[..n].iter_mut().for_each(|v| *v *= s);
         Ok(())
     }
 
     fn softcap(&self, x: &mut CpuBuf, cap: f32, n: usize) -> Result<()> {
         let x = x.f32_mut()?;
-        ensure!(x.len() >= n, "softcap: buffer too small");
-        ensure!(cap > 0.0, "softcap: the cap must be positive");
+        args::softcap(x.len(), n, cap)?;
         x[..n]
             .par_chunks_mut(4096)
             .for_each(|c| c.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh()));
@@ -599,10 +551,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let (x, w, b) = (x.f32()?, w.f32()?, b.f32()?);
         let out = out.f32_mut()?;
-        ensure!(
-            x.len() >= rows * dim && out.len() >= rows * dim && w.len() == dim && b.len() == dim,
-            "layer_norm: bad sizes"
-        );
+        args::layer_norm(x.len(), w.len(), b.len(), rows, dim, out.len())?;
         out[..rows * dim]
             .par_chunks_mut(dim)
             .zip(x[..rows * dim].par_chunks(dim))
@@ -623,16 +572,9 @@ impl Backend for CpuBackend {
         let x = x.f32()?;
         let rows = rows.u32()?;
         let out = out.f32_mut()?;
-        ensure!(
-            out.len() >= rows.len() * dim,
-            "gather_rows: output too small"
-        );
+        args::gather_rows(x.len(), rows, dim, out.len())?;
         for (i, &r) in rows.iter().enumerate() {
             let r = r as usize;
-            ensure!(
-                (r + 1) * dim <= x.len(),
-                "gather_rows: row {r} out of range"
-            );
             out[i * dim..(i + 1) * dim].copy_from_slice(&x[r * dim..(r + 1) * dim]);
         }
         Ok(())
@@ -659,7 +601,7 @@ impl Backend for CpuBackend {
 
     fn argmax_rows(&self, logits: &CpuBuf, rows: usize, cols: usize) -> Result<Vec<u32>> {
         let v = logits.f32()?;
-        ensure!(v.len() >= rows * cols, "argmax_rows: buffer too small");
+        args::argmax_rows(v.len(), rows, cols)?;
         if cols == 0 {
             return Ok(vec![0; rows]);
         }
@@ -695,10 +637,8 @@ impl Backend for CpuBackend {
         let rep = h / hkv;
         let t_rows = b.num_tokens();
         let stride = layout.row_len();
-        ensure!(
-            out.len() >= t_rows * h * d,
-            "paged_attention: output too small"
-        );
+        let caches = (k_cache.len(), v_cache.len());
+        args::paged_attention(qkv.len(), t_rows, layout, caches, kv, out.len())?;
         batch.shape.check_kv(kv.num_blocks, bs, b.max_blocks)?;
         // Which sequence each row belongs to (query_start was checked at upload).
         let mut row_seq = vec![0usize; t_rows];
@@ -721,22 +661,16 @@ impl Backend for CpuBackend {
         };
         let out = &mut out[..t_rows * h * d];
         match (k_cache.kv()?, v_cache.kv()?) {
-            (KvSlice::F32(k), KvSlice::F32(v)) => attend(AttnTask { args, kc: k, vc: v }, kv, out),
-            (KvSlice::F16(k), KvSlice::F16(v)) => attend(AttnTask { args, kc: k, vc: v }, kv, out),
-            (KvSlice::BF16(k), KvSlice::BF16(v)) => {
-                attend(AttnTask { args, kc: k, vc: v }, kv, out)
-            }
+            (KvSlice::F32(k), KvSlice::F32(v)) => attend(AttnTask { args, kc: k, vc: v }, out),
+            (KvSlice::F16(k), KvSlice::F16(v)) => attend(AttnTask { args, kc: k, vc: v }, out),
+            (KvSlice::BF16(k), KvSlice::BF16(v)) => attend(AttnTask { args, kc: k, vc: v }, out),
             _ => bail!("paged_attention: K and V caches of one type expected"),
         }
     }
 }
 
 /// Every attention task of a step into `out` (`[T, H·D]`).
-fn attend<T: Elem>(task: AttnTask<T>, kv: KvLayout, out: &mut [f32]) -> Result<()> {
-    ensure!(
-        task.kc.len() == kv.numel() && task.vc.len() == kv.numel(),
-        "paged_attention: cache size mismatch"
-    );
+fn attend<T: Elem>(task: AttnTask<T>, out: &mut [f32]) -> Result<()> {
     let path = matmul::Path::detect();
     // NOTE: one task per (row, kv head): decode of a single sequence still uses every thread
     // when there are several kv heads, and each task reads its K/V block by block.

@@ -6,6 +6,7 @@ use super::plan::{
     AttentionLaunch, DEC_THREADS, plan_attention, plan_decode_attention, plan_prefill_attention_mma,
 };
 use super::{Arg, Elem, GpuBackend, GpuBuf, GpuRuntime, kernels, u32_arg};
+use crate::backend::args;
 use crate::backend::{AttentionOptions, DeviceBatch, KvLayout, QkvLayout};
 use anyhow::{Result, ensure};
 
@@ -31,24 +32,14 @@ impl<R: GpuRuntime> GpuBackend<R> {
             layout.num_kv_heads,
             kv.block_size,
         );
-        ensure!(
-            hkv > 0 && h % hkv == 0,
-            "paged_attention: {h} heads over {hkv} kv heads"
-        );
+        let caches = (k_cache.len, v_cache.len);
+        args::paged_attention(qkv.len, b.num_tokens(), layout, caches, kv, out.len)?;
         // NOTE: K, V and q rows are read in 16-byte chunks.
         ensure!(
             d % 8 == 0,
             "paged_attention: head size {d} is not a multiple of 8"
         );
         let t_rows = b.num_tokens();
-        ensure!(
-            out.len >= t_rows * h * d && qkv.len >= t_rows * layout.row_len(),
-            "paged_attention: buffers too small"
-        );
-        ensure!(
-            k_cache.len == kv.numel() && v_cache.len == kv.numel(),
-            "paged_attention: cache size mismatch"
-        );
         ensure!(
             k_cache.elem == v_cache.elem,
             "paged_attention: K and V caches of different types"

@@ -18,7 +18,9 @@ mod runtime;
 pub use memory::GpuBuf;
 pub use runtime::{CclLibrary, Elem, GpuRuntime};
 
-use super::{Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
+use super::{
+    Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout, args,
+};
 use crate::sampling::sampler::TokenLogprobs;
 use crate::sampling::{Choice, RowSampling};
 use crate::tensor::{DType, HostTensor, e4m3_to_f32, f32_to_e4m3};
@@ -423,17 +425,7 @@ fn check_rope<R: GpuRuntime>(
     layout: QkvLayout,
 ) -> Result<()> {
     let pos = positions.host_u32("rope")?;
-    let half = layout.head_dim / 2;
-    ensure!(
-        qkv.len >= rows * layout.row_len() && pos.len() >= rows,
-        "rope: bad sizes"
-    );
-    ensure!(half > 0 && cos.len == sin.len, "rope: bad tables");
-    let max_pos = cos.len / half;
-    if let Some(&p) = pos[..rows].iter().find(|&&p| p as usize >= max_pos) {
-        bail!("rope: position {p} is beyond the table ({max_pos})");
-    }
-    Ok(())
+    args::rope(qkv.len, pos, cos.len, sin.len, rows, layout)
 }
 
 /// The checks of `write_kv`: sizes, and every slot inside the pool.
@@ -447,20 +439,7 @@ fn check_write_kv<R: GpuRuntime>(
     kv: KvLayout,
 ) -> Result<()> {
     let slots = slot_mapping.host_u32("write_kv")?;
-    ensure!(
-        k_cache.len == kv.numel() && v_cache.len == kv.numel(),
-        "write_kv: cache size mismatch"
-    );
-    ensure!(
-        qkv.len >= rows * layout.row_len() && slots.len() >= rows,
-        "write_kv: bad sizes"
-    );
-    if let Some(&s) = slots[..rows]
-        .iter()
-        .find(|&&s| s as usize / kv.block_size >= kv.num_blocks)
-    {
-        bail!("write_kv: slot {s} outside the pool");
-    }
+    args::write_kv(qkv.len, slots, rows, layout, (k_cache.len, v_cache.len), kv)?;
     ensure!(
         k_cache.elem == v_cache.elem,
         "write_kv: K and V caches of different types"
@@ -579,12 +558,9 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
     ) -> Result<Vec<f32>> {
         self.rt.bind()?;
         let bytes = block_len * cache.elem.size();
+        args::kv_blocks("read_kv_blocks", blocks, block_len, cache.len)?;
         let mut out = vec![0u8; blocks.len() * bytes];
         for (&b, dst) in blocks.iter().zip(out.chunks_exact_mut(bytes.max(1))) {
-            ensure!(
-                (b as usize + 1) * block_len <= cache.len,
-                "read_kv_blocks: block {b} is outside the cache"
-            );
             // SAFETY: the block lies inside the buffer (checked above).
             unsafe {
                 self.rt
@@ -601,15 +577,12 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         blocks: &[u32],
         data: &[f32],
     ) -> Result<()> {
-        super::check_kv_blocks_data(data, blocks, block_len)?;
+        args::kv_blocks_data(data, blocks, block_len)?;
+        args::kv_blocks("write_kv_blocks", blocks, block_len, cache.len)?;
         self.rt.bind()?;
         let bytes = block_len * cache.elem.size();
         let src = narrow(cache.elem, data)?;
         for (&b, chunk) in blocks.iter().zip(src.chunks_exact(bytes.max(1))) {
-            ensure!(
-                (b as usize + 1) * block_len <= cache.len,
-                "write_kv_blocks: block {b} is outside the cache"
-            );
             // SAFETY: the block lies inside the buffer (checked above).
             unsafe {
                 self.rt
@@ -645,12 +618,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         let host = ids.host_u32("embedding")?;
         let n = ids.len;
         out.expect(Elem::F32, "embedding")?;
-        ensure!(out.len >= n * dim, "embedding: output too small");
-        ensure!(dim > 0, "embedding: zero dim");
-        let vocab = table.len / dim;
-        if let Some(&id) = host.iter().find(|&&id| id as usize >= vocab) {
-            bail!("token id {id} is outside the vocabulary ({vocab})");
-        }
+        args::embedding(host, table.len, dim, out.len)?;
         let name = format!("embedding_{}", table.elem.kernel_suffix()?);
         self.elementwise(
             &name,
@@ -678,22 +646,9 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         self.rt.bind()?;
         x.expect(Elem::F32, "matmul x")?;
         out.expect(Elem::F32, "matmul out")?;
-        ensure!(
-            x.len >= m * k && out.len >= m * n,
-            "matmul: buffer too small for {m}x{k}x{n}"
-        );
-        ensure!(
-            w.len == n * k,
-            "matmul: weight has {} elements, expected {n}x{k}",
-            w.len
-        );
+        args::matmul(x.len, w.len, bias.map(|b| b.len), (m, k, n), out.len)?;
         if let Some(b) = bias {
             b.expect(Elem::F32, "matmul bias")?;
-            ensure!(
-                b.len == n,
-                "matmul: bias has {} elements, expected {n}",
-                b.len
-            );
         }
         if m == 0 || n == 0 {
             return Ok(());
@@ -786,10 +741,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         self.rt.bind()?;
         x.expect(Elem::F32, "rms_norm x")?;
         w.expect(Elem::F32, "rms_norm weight")?;
-        ensure!(
-            x.len >= rows * dim && out.len >= rows * dim && w.len == dim,
-            "rms_norm: bad sizes"
-        );
+        args::rms_norm(x.len, w.len, rows, dim, out.len)?;
         ensure!(rows <= i32::MAX as usize, "rms_norm: too many rows");
         self.launch(
             "rms_norm_f32",
@@ -820,10 +772,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         q_w.expect(Elem::F32, "q norm weight")?;
         k_w.expect(Elem::F32, "k norm weight")?;
         let d = layout.head_dim;
-        ensure!(
-            qkv.len >= rows * layout.row_len() && q_w.len == d && k_w.len == d,
-            "qk_norm: bad sizes"
-        );
+        args::qk_norm(qkv.len, q_w.len, k_w.len, rows, layout)?;
         if rows == 0 {
             return Ok(());
         }
@@ -864,10 +813,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         x.expect(Elem::F32, "add_rms_norm x")?;
         y.expect(Elem::F32, "add_rms_norm y")?;
         w.expect(Elem::F32, "add_rms_norm weight")?;
-        ensure!(
-            x.len >= rows * dim && y.len >= rows * dim && out.len >= rows * dim && w.len == dim,
-            "add_rms_norm: bad sizes"
-        );
+        args::add_rms_norm(x.len, y.len, w.len, rows, dim, out.len)?;
         ensure!(rows <= i32::MAX as usize, "add_rms_norm: too many rows");
         self.launch(
             "add_rms_norm_f32",
@@ -889,7 +835,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         self.rt.bind()?;
         x.expect(Elem::F32, "add_assign x")?;
         y.expect(Elem::F32, "add_assign y")?;
-        ensure!(x.len >= n && y.len >= n, "add_assign: buffers too small");
+        args::add_assign(x.len, y.len, n)?;
         self.elementwise(
             "add_assign_f32",
             n,
@@ -935,10 +881,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
         self.rt.bind()?;
-        ensure!(
-            gate_up.len >= rows * 2 * ffn && out.len >= rows * ffn,
-            "gated_act: bad sizes"
-        );
+        args::gated_act(gate_up.len, rows, ffn, out.len)?;
         self.elementwise(
             "gated_act_f32",
             rows * ffn,
@@ -972,10 +915,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         self.rt.bind()?;
         x.expect(Elem::F32, "matmul_gated_act x")?;
         out.expect(Elem::F32, "matmul_gated_act out")?;
-        ensure!(
-            x.len >= rows * k && out.len >= rows * ffn && w_gate_up.len == 2 * ffn * k,
-            "matmul_gated_act: bad sizes for {rows}x{k}x(2x{ffn})"
-        );
+        args::matmul_gated_act(x.len, w_gate_up.len, rows, k, ffn, out.len)?;
         let dt = w_gate_up.elem.kernel_suffix()?;
         let warps = 256 / self.rt.warp_size();
         self.launch(
@@ -997,7 +937,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
     fn act(&self, x: &mut GpuBuf<R>, n: usize, act: Activation) -> Result<()> {
         self.rt.bind()?;
         x.expect(Elem::F32, "act x")?;
-        ensure!(x.len >= n, "act: buffer too small");
+        args::in_place("act", x.len, n)?;
         self.elementwise(
             "act_f32",
             n,
@@ -1008,7 +948,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
     fn scale(&self, x: &mut GpuBuf<R>, s: f32, n: usize) -> Result<()> {
         self.rt.bind()?;
         x.expect(Elem::F32, "scale x")?;
-        ensure!(x.len >= n, "scale: buffer too small");
+        args::in_place("scale", x.len, n)?;
         self.elementwise(
             "scale_f32",
             n,
@@ -1019,8 +959,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
     fn softcap(&self, x: &mut GpuBuf<R>, cap: f32, n: usize) -> Result<()> {
         self.rt.bind()?;
         x.expect(Elem::F32, "softcap x")?;
-        ensure!(x.len >= n, "softcap: buffer too small");
-        ensure!(cap > 0.0, "softcap: the cap must be positive");
+        args::softcap(x.len, n, cap)?;
         self.elementwise(
             "softcap_f32",
             n,
@@ -1042,10 +981,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         x.expect(Elem::F32, "layer_norm x")?;
         w.expect(Elem::F32, "layer_norm weight")?;
         b.expect(Elem::F32, "layer_norm bias")?;
-        ensure!(
-            x.len >= rows * dim && out.len >= rows * dim && w.len == dim && b.len == dim,
-            "layer_norm: bad sizes"
-        );
+        args::layer_norm(x.len, w.len, b.len, rows, dim, out.len)?;
         if rows == 0 {
             return Ok(());
         }
@@ -1075,13 +1011,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
     ) -> Result<()> {
         self.rt.bind()?;
         let idx = rows.host_u32("gather_rows")?;
-        ensure!(out.len >= idx.len() * dim, "gather_rows: output too small");
-        for &r in idx {
-            ensure!(
-                (r as usize + 1) * dim <= x.len,
-                "gather_rows: row {r} out of range"
-            );
-        }
+        args::gather_rows(x.len, idx, dim, out.len)?;
         self.elementwise(
             "gather_rows_f32",
             idx.len() * dim,

@@ -17,7 +17,7 @@ mod kernels;
 
 pub use device::is_software;
 
-use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout};
+use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout, args};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
 use device::{AdapterPolicy, Bind, Gpu};
@@ -283,7 +283,6 @@ impl WgpuBackend {
         act: u32,
         s: f32,
     ) -> Result<()> {
-        ensure!(x.len >= n, "elementwise op: buffer too small");
         let xb = x.f32("elementwise op")?;
         for (e0, len) in self.windows(n, &[4])? {
             self.gpu.dispatch(
@@ -621,6 +620,7 @@ impl Backend for WgpuBackend {
             cache.elem == Elem::F32,
             "read_kv_blocks: the KV cache is not f32"
         );
+        args::kv_blocks("read_kv_blocks", blocks, block_len, cache.len)?;
         let binds = blocks
             .iter()
             .map(|&b| cache.block_bind(b as usize, block_len))
@@ -640,7 +640,8 @@ impl Backend for WgpuBackend {
             cache.elem == Elem::F32,
             "write_kv_blocks: the KV cache is not f32"
         );
-        super::check_kv_blocks_data(data, blocks, block_len)?;
+        args::kv_blocks_data(data, blocks, block_len)?;
+        args::kv_blocks("write_kv_blocks", blocks, block_len, cache.len)?;
         let binds = blocks
             .iter()
             .map(|&b| cache.block_bind(b as usize, block_len))
@@ -661,15 +662,12 @@ impl Backend for WgpuBackend {
     ) -> Result<()> {
         let (idb, host) = ids.u32("token ids")?;
         let t = host.len();
-        ensure!(out.len >= t * dim, "embedding: output too small");
+        args::embedding(host, table.len, dim, out.len)?;
         ensure!(
             table.parts.len() == 1 || table.row_len == dim,
             "embedding: table rows are not of length {dim}"
         );
-        let vocab = table.len / dim.max(1);
-        if let Some(&id) = host.iter().find(|&&i| i as usize >= vocab) {
-            bail!("token id {id} is outside the vocabulary ({vocab})");
-        }
+        let vocab = table.len / dim;
         let outb = out.f32("embedding output")?;
         let key = PipelineKey {
             kernel: Kernel::Embedding,
@@ -700,30 +698,12 @@ impl Backend for WgpuBackend {
         n: usize,
         out: &mut WgpuBuf,
     ) -> Result<()> {
-        ensure!(
-            x.len >= m * k && out.len >= m * n,
-            "matmul: buffer too small for {m}x{k}x{n}"
-        );
-        ensure!(
-            w.len == n * k,
-            "matmul: weight has {} elements, expected {n}x{k}",
-            w.len
-        );
+        args::matmul(x.len, w.len, bias.map(|b| b.len), (m, k, n), out.len)?;
         ensure!(
             w.parts.len() == 1 || w.row_len == k,
             "matmul: weight rows are not of length {k}"
         );
-        let bias_b = match bias {
-            Some(b) => {
-                ensure!(
-                    b.len == n,
-                    "matmul: bias has {} elements, expected {n}",
-                    b.len
-                );
-                Some(b.f32("bias")?)
-            }
-            None => None,
-        };
+        let bias_b = bias.map(|b| b.f32("bias")).transpose()?;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -744,10 +724,7 @@ impl Backend for WgpuBackend {
         eps: f32,
         out: &mut WgpuBuf,
     ) -> Result<()> {
-        ensure!(
-            x.len >= rows_n * dim && out.len >= rows_n * dim && w.len == dim,
-            "rms_norm: bad sizes"
-        );
+        args::rms_norm(x.len, w.len, rows_n, dim, out.len)?;
         let (xb, wb, outb) = (
             x.f32("rms_norm input")?,
             w.f32("rms_norm weight")?,
@@ -780,10 +757,7 @@ impl Backend for WgpuBackend {
     ) -> Result<()> {
         let (d, stride) = (layout.head_dim, layout.row_len());
         let heads = layout.num_heads + layout.num_kv_heads;
-        ensure!(
-            qkv.len >= rows_n * stride && q_w.len == d && k_w.len == d,
-            "qk_norm: bad sizes"
-        );
+        args::qk_norm(qkv.len, q_w.len, k_w.len, rows_n, layout)?;
         let (qb, qwb, kwb) = (
             qkv.f32("qkv")?,
             q_w.f32("q norm weight")?,
@@ -808,7 +782,7 @@ impl Backend for WgpuBackend {
     }
 
     fn add_assign(&self, x: &mut WgpuBuf, y: &WgpuBuf, n: usize) -> Result<()> {
-        ensure!(x.len >= n && y.len >= n, "add_assign: buffers too small");
+        args::add_assign(x.len, y.len, n)?;
         let (xb, yb) = (x.f32("add_assign x")?, y.f32("add_assign y")?);
         for (e0, len) in self.windows(n, &[4])? {
             self.gpu.dispatch(
@@ -834,14 +808,7 @@ impl Backend for WgpuBackend {
         let d = layout.head_dim;
         let half = d / 2;
         let stride = layout.row_len();
-        ensure!(
-            qkv.len >= rows_n * stride && pos.len() >= rows_n,
-            "rope: bad sizes"
-        );
-        let max_pos = cos.len / half.max(1);
-        if let Some(&p) = pos[..rows_n].iter().find(|&&p| p as usize >= max_pos) {
-            bail!("rope: position {p} is beyond the table ({max_pos})");
-        }
+        args::rope(qkv.len, pos, cos.len, sin.len, rows_n, layout)?;
         let heads = layout.num_heads + layout.num_kv_heads;
         let (qb, cb, sb) = (qkv.f32("qkv")?, cos.f32("rope cos")?, sin.f32("rope sin")?);
         for (r0, n) in self.windows(rows_n, &[stride as u64 * 4])? {
@@ -868,10 +835,7 @@ impl Backend for WgpuBackend {
         act: Activation,
         out: &mut WgpuBuf,
     ) -> Result<()> {
-        ensure!(
-            gate_up.len >= rows_n * 2 * ffn && out.len >= rows_n * ffn,
-            "gated_act: bad sizes"
-        );
+        args::gated_act(gate_up.len, rows_n, ffn, out.len)?;
         let (gb, ob) = (gate_up.f32("gate_up")?, out.f32("gated_act output")?);
         for (r0, n) in self.windows(rows_n, &[2 * ffn as u64 * 4])? {
             self.gpu.dispatch(
@@ -885,15 +849,17 @@ impl Backend for WgpuBackend {
     }
 
     fn act(&self, x: &mut WgpuBuf, n: usize, act: Activation) -> Result<()> {
+        args::in_place("act", x.len, n)?;
         self.elementwise_in_place(x, n, 1, act.code(), 0.0)
     }
 
     fn scale(&self, x: &mut WgpuBuf, s: f32, n: usize) -> Result<()> {
+        args::in_place("scale", x.len, n)?;
         self.elementwise_in_place(x, n, 2, 0, s)
     }
 
     fn softcap(&self, x: &mut WgpuBuf, cap: f32, n: usize) -> Result<()> {
-        ensure!(cap > 0.0, "softcap: the cap must be positive");
+        args::softcap(x.len, n, cap)?;
         self.elementwise_in_place(x, n, 3, 0, cap)
     }
 
@@ -907,10 +873,7 @@ impl Backend for WgpuBackend {
         eps: f32,
         out: &mut WgpuBuf,
     ) -> Result<()> {
-        ensure!(
-            x.len >= rows_n * dim && out.len >= rows_n * dim && w.len == dim && b.len == dim,
-            "layer_norm: bad sizes"
-        );
+        args::layer_norm(x.len, w.len, b.len, rows_n, dim, out.len)?;
         let (xb, wb, bb, outb) = (
             x.f32("layer_norm input")?,
             w.f32("layer_norm weight")?,
@@ -941,10 +904,7 @@ impl Backend for WgpuBackend {
         out: &mut WgpuBuf,
     ) -> Result<()> {
         let (ib, idx) = rows_idx.u32("rows")?;
-        ensure!(out.len >= idx.len() * dim, "gather_rows: output too small");
-        if let Some(&r) = idx.iter().find(|&&r| (r as usize + 1) * dim > x.len) {
-            bail!("gather_rows: row {r} out of range");
-        }
+        args::gather_rows(x.len, idx, dim, out.len)?;
         let (xb, ob) = (x.f32("gather_rows input")?, out.f32("gather_rows output")?);
         ensure!(
             xb.size() <= self.gpu.max_binding,
@@ -973,22 +933,14 @@ impl Backend for WgpuBackend {
         kv: KvLayout,
     ) -> Result<()> {
         let (sb, slots) = slot_mapping.u32("slot mapping")?;
-        ensure!(
-            k_cache.len == kv.numel() && v_cache.len == kv.numel(),
-            "write_kv: cache size mismatch"
-        );
+        let caches = (k_cache.len, v_cache.len);
+        args::write_kv(qkv.len, slots, rows_n, layout, caches, kv)?;
         ensure!(
             k_cache.parts.len() == v_cache.parts.len(),
             "write_kv: K and V caches are split differently"
         );
-        ensure!(slots.len() >= rows_n, "write_kv: slot mapping too short");
-        let pool = kv.num_blocks * kv.block_size;
-        if let Some(&s) = slots[..rows_n].iter().find(|&&s| s as usize >= pool) {
-            bail!("write_kv: slot {s} outside the pool");
-        }
         let stride = layout.row_len();
         let qb = qkv.f32("qkv")?;
-        ensure!(qkv.len >= rows_n * stride, "write_kv: qkv too small");
         for (r0, n) in self.windows(rows_n, &[stride as u64 * 4])? {
             for (kp, vp) in k_cache.parts.iter().zip(&v_cache.parts) {
                 let params = [
@@ -1037,19 +989,13 @@ impl Backend for WgpuBackend {
             layout.num_kv_heads,
             kv.block_size,
         );
-        ensure!(
-            hkv > 0 && h % hkv == 0,
-            "paged_attention: {h} heads do not group over {hkv} kv heads"
-        );
+        let caches = (k_cache.len, v_cache.len);
+        args::paged_attention(qkv.len, b.num_tokens(), layout, caches, kv, out.len)?;
         ensure!(
             (1..=256).contains(&d),
             "paged_attention: head_dim {d} is not supported by the wgpu kernel (at most 256)"
         );
         let t_rows = b.num_tokens();
-        ensure!(
-            out.len >= t_rows * h * d,
-            "paged_attention: output too small"
-        );
         batch.shape.check_kv(kv.num_blocks, bs, b.max_blocks)?;
         if t_rows == 0 {
             return Ok(());
@@ -1129,7 +1075,7 @@ impl Backend for WgpuBackend {
     }
 
     fn argmax_rows(&self, logits: &WgpuBuf, rows_n: usize, cols: usize) -> Result<Vec<u32>> {
-        ensure!(logits.len >= rows_n * cols, "argmax_rows: buffer too small");
+        args::argmax_rows(logits.len, rows_n, cols)?;
         if rows_n == 0 {
             return Ok(Vec::new());
         }
