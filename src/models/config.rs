@@ -131,6 +131,12 @@ impl ModelConfig {
         }
     }
 
+    /// A layer's sizes: query heads, KV heads, head size, hidden size, MLP size (all ranks').
+    pub fn layer_sizes(&self) -> (usize, usize, usize, usize, usize) {
+        let (h, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        (h, hkv, d, self.hidden_size, self.intermediate_size)
+    }
+
     /// What layer `l` asks of attention: the scale, its window, the soft-cap.
     pub fn attention_options(&self, l: usize) -> crate::backend::AttentionOptions {
         crate::backend::AttentionOptions {

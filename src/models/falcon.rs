@@ -7,18 +7,17 @@
 
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufTensorName, map_name};
-use super::kv_cache::{KvCache, LayerKvSpec};
+use super::kv_cache::KvCache;
 use super::loader::WeightSource;
 use super::shard::Lin::{File, Have};
-use super::shard::{self, Head, Lin, Shard, stage_input, stage_output};
-use super::{CausalLm, Norm, Uploader, attend, check_positions};
+use super::shard::{Head, Lin, Shard};
+use super::stack::{Family, Stack};
+use super::{Norm, Uploader, attend};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
-use crate::tensor::WeightStats;
 use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
-use std::ops::Range;
 
 /// Falcon's own config keys, copied to the common names; the KV heads follow transformers:
 /// `num_kv_heads` in the new architecture, 1 with `multi_query`, else one per query head.
@@ -180,20 +179,10 @@ struct Layer<B: Backend> {
 }
 
 pub struct Falcon<B: Backend> {
-    cfg: ModelConfig,
-    /// This rank's heads, MLP columns and vocabulary (all of them on one device).
-    shard: Shard,
-    /// `[rows, hidden]`: this rank's part of the embedding (also the lm_head), with its row
-    /// count; on the first and the last stage.
-    embed: Option<(B::Buf, usize)>,
+    stack: Stack<B>,
     layers: Vec<Layer<B>>,
-    /// The final norm and the head (tied: the embedding table), on the last stage.
-    head: Option<(Norm<B>, Head<B>)>,
     rope_cos: B::Buf,
     rope_sin: B::Buf,
-    max_positions: usize,
-    weights: WeightStats,
-    place: Placement<B>,
 }
 
 impl<B: Backend> Falcon<B> {
@@ -209,13 +198,7 @@ impl<B: Backend> Falcon<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = cfg;
-        let (h, hkv, d, hid, f) = (
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.hidden_size,
-            c.intermediate_size,
-        );
+        let (h, hkv, d, hid, f) = c.layer_sizes();
         if !c.tie_word_embeddings {
             bail!("Falcon with an untied lm_head is not supported");
         }
@@ -308,49 +291,25 @@ impl<B: Backend> Falcon<B> {
         progress(total, total);
         let (cos, sin) = super::rope::tables(c, c.rope_theta, max_positions);
         Ok(Falcon {
-            cfg: c.clone(),
-            shard: sh,
-            embed,
+            stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
-            head,
             rope_cos: backend.upload_f32(&cos)?,
             rope_sin: backend.upload_f32(&sin)?,
-            max_positions,
-            weights: up.stats,
-            place,
         })
     }
 }
 
-impl<B: Backend> CausalLm<B> for Falcon<B> {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn weight_stats(&self) -> &WeightStats {
-        &self.weights
-    }
-
-    fn kv_spec(&self) -> Vec<LayerKvSpec> {
-        self.shard.kv_spec(&self.cfg, &self.place)
-    }
-
-    fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
-        shard::logits_shard(&self.shard, self.head.as_ref(), self.embed.as_ref())
+impl<B: Backend> Family<B> for Falcon<B> {
+    fn stack(&self) -> &Stack<B> {
+        &self.stack
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
-        let c = &self.cfg;
-        let t = batch.host.num_tokens();
-        check_positions(&batch.host.positions, self.max_positions)?;
-        let (hid, f) = (c.hidden_size, self.shard.ffn.len());
-        let ql = self.shard.ql;
-        let eps = c.rms_norm_eps as f32;
+        let s = &self.stack;
+        let (c, tp, t) = (&s.cfg, &s.place.tp, batch.host.num_tokens());
+        let (hid, f, ql, eps) = s.sizes();
         let parallel = flag(c, "parallel_attn");
-        let tp = &self.place.tp;
-        let embed = self.embed.as_ref().map(|e| &e.0);
-        // [T, hidden] residual stream
-        let mut x = stage_input(backend, &self.place, &self.shard, embed, batch, c)?;
+        let mut x = s.input(backend, batch)?; // [T, hidden] residual stream
         let mut ha = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] attention's normed input
         let mut hm = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] the MLP's normed input
         let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
@@ -360,7 +319,7 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
         let mut om = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] MLP output
 
         for (j, w) in self.layers.iter().enumerate() {
-            let l = self.place.layers.start + j;
+            let l = s.place.layers.start + j;
             w.ln_attn.apply(backend, &x, t, hid, eps, &mut ha)?;
             backend.matmul(
                 &ha,
@@ -407,14 +366,6 @@ impl<B: Backend> CausalLm<B> for Falcon<B> {
             }
             backend.add_assign(&mut x, &om, t * hid)?;
         }
-        stage_output(
-            backend,
-            &self.place,
-            c,
-            x,
-            batch,
-            self.head.as_ref(),
-            self.embed.as_ref(),
-        )
+        s.output(backend, x, batch)
     }
 }

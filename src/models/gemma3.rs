@@ -9,18 +9,17 @@
 
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
-use super::kv_cache::{KvCache, LayerKvSpec};
+use super::kv_cache::KvCache;
 use super::loader::WeightSource;
 use super::shard::Lin::File;
-use super::shard::{self, Head, Shard, stage_input, stage_output};
-use super::{CausalLm, Norm, Uploader, attend, check_positions};
+use super::shard::{Head, Shard};
+use super::stack::{Family, Stack};
+use super::{Norm, Uploader, attend};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
-use crate::tensor::WeightStats;
 use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
-use std::ops::Range;
 
 /// The RoPE base of local layers where the config does not say (google/gemma-3 configs).
 const LOCAL_ROPE_THETA: f64 = 10_000.0;
@@ -203,22 +202,12 @@ struct Layer<B: Backend> {
 }
 
 pub struct Gemma3<B: Backend> {
-    cfg: ModelConfig,
-    /// This rank's heads, MLP columns and vocabulary (all of them on one device).
-    shard: Shard,
-    /// `[rows, hidden]`: the embedding of this rank's vocabulary (also the head where tied),
-    /// with its row count; on the first stage, and on the last where the head is tied.
-    embed: Option<(B::Buf, usize)>,
+    stack: Stack<B>,
     /// This stage's layers.
     layers: Vec<Layer<B>>,
-    /// The final norm ([hidden] f32, 1 + w) and the head, on the last stage.
-    head: Option<(Norm<B>, Head<B>)>,
     /// RoPE tables `[max_positions, D / 2]`: global layers, then local ones.
     rope_global: (B::Buf, B::Buf),
     rope_local: (B::Buf, B::Buf),
-    max_positions: usize,
-    weights: WeightStats,
-    place: Placement<B>,
 }
 
 /// Gemma's RMSNorm scales by `1 + w`: the weight is uploaded with the 1 added.
@@ -240,13 +229,7 @@ impl<B: Backend> Gemma3<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = cfg;
-        let (h, hkv, d, hid, f) = (
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.hidden_size,
-            c.intermediate_size,
-        );
+        let (h, hkv, d, hid, f) = c.layer_sizes();
         let sh = Shard::new(c, &place)?;
         let total = place.layers.len() + 2;
         let mut up = Uploader::new(backend, src, dtype);
@@ -304,50 +287,26 @@ impl<B: Backend> Gemma3<B> {
         let rope_global = tables(c.rope_theta)?;
         let rope_local = tables(c.rope_theta_local.unwrap_or(c.rope_theta))?;
         Ok(Gemma3 {
-            cfg: c.clone(),
-            shard: sh,
-            embed,
+            stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
-            head,
             rope_global,
             rope_local,
-            max_positions,
-            weights: up.stats,
-            place,
         })
     }
 }
 
-impl<B: Backend> CausalLm<B> for Gemma3<B> {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn weight_stats(&self) -> &WeightStats {
-        &self.weights
-    }
-
-    fn kv_spec(&self) -> Vec<LayerKvSpec> {
-        self.shard.kv_spec(&self.cfg, &self.place)
-    }
-
-    fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
-        shard::logits_shard(&self.shard, self.head.as_ref(), self.embed.as_ref())
+impl<B: Backend> Family<B> for Gemma3<B> {
+    fn stack(&self) -> &Stack<B> {
+        &self.stack
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
-        let c = &self.cfg;
-        let t = batch.host.num_tokens();
-        check_positions(&batch.host.positions, self.max_positions)?;
-        let (hid, f) = (c.hidden_size, self.shard.ffn.len());
-        let ql = self.shard.ql;
-        let eps = c.rms_norm_eps as f32;
-        let tp = &self.place.tp;
+        let s = &self.stack;
+        let (c, tp, t) = (&s.cfg, &s.place.tp, batch.host.num_tokens());
+        let (hid, f, ql, eps) = s.sizes();
 
-        // [T, hidden] residual stream
-        let embed = self.embed.as_ref().map(|e| &e.0);
-        let mut x = stage_input(backend, &self.place, &self.shard, embed, batch, c)?;
-        if self.place.first_stage() {
+        let mut x = s.input(backend, batch)?; // [T, hidden] residual stream
+        if s.place.first_stage() {
             // NOTE: transformers rounds sqrt(hidden) to the embedding's dtype; ours is f32.
             backend.scale(&mut x, (hid as f32).sqrt(), t * hid)?;
         }
@@ -363,7 +322,7 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
             backend.rms_norm(&x, &first.in_norm, t, hid, eps, &mut h)?;
         }
         for (j, w) in self.layers.iter().enumerate() {
-            let l = self.place.layers.start + j;
+            let l = s.place.layers.start + j;
             let (cos, sin) = match c.layer_window(l) {
                 Some(_) => &self.rope_local,
                 None => &self.rope_global,
@@ -409,14 +368,6 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
                 None => backend.add_assign(&mut x, &on, t * hid)?,
             }
         }
-        stage_output(
-            backend,
-            &self.place,
-            c,
-            x,
-            batch,
-            self.head.as_ref(),
-            self.embed.as_ref(),
-        )
+        s.output(backend, x, batch)
     }
 }

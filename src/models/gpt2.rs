@@ -7,18 +7,17 @@
 
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
-use super::kv_cache::{KvCache, LayerKvSpec};
+use super::kv_cache::KvCache;
 use super::loader::WeightSource;
 use super::shard::Lin::Have;
-use super::shard::{self, Head, Shard, stage_input, stage_output};
-use super::{CausalLm, Norm, Uploader, Weight, attend, check_positions};
+use super::shard::{Head, Shard};
+use super::stack::{Family, Stack};
+use super::{Norm, Uploader, Weight, attend};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
-use crate::tensor::WeightStats;
 use crate::tensor::{DType, HostTensor, WeightDtype};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
-use std::ops::Range;
 
 /// GPT-2's config names the common fields its own way (`n_embd`, `n_head`, ...): they are
 /// copied to the common names before the common parse.
@@ -126,18 +125,9 @@ struct Layer<B: Backend> {
 }
 
 pub struct Gpt2<B: Backend> {
-    cfg: ModelConfig,
-    /// This rank's heads, MLP columns and vocabulary (all of them on one device).
-    shard: Shard,
-    /// `[rows, hidden]`: this rank's part of wte (also the lm_head), with its row count; on
-    /// the first and the last stage.
-    wte: Option<(B::Buf, usize)>,
+    stack: Stack<B>,
     wpe: Option<B::Buf>, // [n_positions, hidden], on the first stage
     layers: Vec<Layer<B>>,
-    /// The final norm and the head (tied: the embedding table), on the last stage.
-    head: Option<(Norm<B>, Head<B>)>,
-    weights: WeightStats,
-    place: Placement<B>,
 }
 
 impl<B: Backend> Gpt2<B> {
@@ -228,43 +218,22 @@ impl<B: Backend> Gpt2<B> {
         };
         progress(total, total);
         Ok(Gpt2 {
-            cfg: c.clone(),
-            shard: sh,
-            wte,
+            stack: Stack::new(c, sh, wte, head, c.max_position_embeddings, up.stats, place),
             wpe,
             layers,
-            head,
-            weights: up.stats,
-            place,
         })
     }
 }
 
-impl<B: Backend> CausalLm<B> for Gpt2<B> {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn weight_stats(&self) -> &WeightStats {
-        &self.weights
-    }
-
-    fn kv_spec(&self) -> Vec<LayerKvSpec> {
-        self.shard.kv_spec(&self.cfg, &self.place)
-    }
-
-    fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
-        shard::logits_shard(&self.shard, self.head.as_ref(), self.wte.as_ref())
+impl<B: Backend> Family<B> for Gpt2<B> {
+    fn stack(&self) -> &Stack<B> {
+        &self.stack
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
-        let c = &self.cfg;
-        let t = batch.host.num_tokens();
-        check_positions(&batch.host.positions, c.max_position_embeddings)?;
-        let (hid, f) = (c.hidden_size, self.shard.ffn.len());
-        let ql = self.shard.ql;
-        let eps = c.rms_norm_eps as f32;
-        let tp = &self.place.tp;
+        let s = &self.stack;
+        let (c, tp, t) = (&s.cfg, &s.place.tp, batch.host.num_tokens());
+        let (hid, f, ql, eps) = s.sizes();
         let mut h = backend.alloc_scratch_f32(t * hid)?; // [T, hidden]
         let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, 3 H D] of this rank
         let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
@@ -272,14 +241,13 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
         let mut o = backend.alloc_scratch_f32(t * hid)?; // [T, hidden]
 
         // x = wte[ids] + wpe[positions] on the first stage
-        let wte = self.wte.as_ref().map(|w| &w.0);
-        let mut x = stage_input(backend, &self.place, &self.shard, wte, batch, c)?;
+        let mut x = s.input(backend, batch)?;
         if let Some(wpe) = &self.wpe {
             backend.embedding(wpe, &batch.positions, hid, &mut o)?;
             backend.add_assign(&mut x, &o, t * hid)?;
         }
         for (j, w) in self.layers.iter().enumerate() {
-            let l = self.place.layers.start + j;
+            let l = s.place.layers.start + j;
             w.ln_1.apply(backend, &x, t, hid, eps, &mut h)?;
             backend.matmul(&h, &w.w_qkv, Some(&w.b_qkv), t, hid, ql.row_len(), &mut qkv)?;
             attend(
@@ -303,14 +271,6 @@ impl<B: Backend> CausalLm<B> for Gpt2<B> {
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             backend.add_assign(&mut x, &o, t * hid)?;
         }
-        stage_output(
-            backend,
-            &self.place,
-            c,
-            x,
-            batch,
-            self.head.as_ref(),
-            self.wte.as_ref(),
-        )
+        s.output(backend, x, batch)
     }
 }

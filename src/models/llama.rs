@@ -7,18 +7,17 @@
 
 use super::config::{Fields, ModelConfig};
 use super::gguf::GgufFile;
-use super::kv_cache::{KvCache, LayerKvSpec};
+use super::kv_cache::KvCache;
 use super::loader::WeightSource;
 use super::shard::Lin::File;
-use super::shard::{self, Head, Lin, Shard, stage_input, stage_output};
-use super::{CausalLm, Norm, Uploader, attend, check_positions};
+use super::shard::{Head, Lin, Shard};
+use super::stack::{Family, Stack};
+use super::{Norm, Uploader, attend};
 use crate::backend::{Backend, DeviceBatch};
 use crate::parallel::Placement;
-use crate::tensor::WeightStats;
 use crate::tensor::{DType, WeightDtype};
 use anyhow::{Result, bail};
 use serde_json::Value;
-use std::ops::Range;
 
 struct Layer<B: Backend> {
     attn_norm: B::Buf,      // [hidden] f32
@@ -33,21 +32,11 @@ struct Layer<B: Backend> {
 }
 
 pub struct Llama<B: Backend> {
-    pub cfg: ModelConfig,
-    /// This rank's heads, MLP columns and vocabulary (all of them on one device).
-    shard: Shard,
-    /// `[rows, hidden]`: the embedding of this rank's vocabulary, with its row count; on the
-    /// first stage, and on the last where the head is tied.
-    embed: Option<(B::Buf, usize)>,
+    stack: Stack<B>,
     /// This stage's layers.
     layers: Vec<Layer<B>>,
-    /// The final norm ([hidden] f32) and the head, on the last stage.
-    head: Option<(Norm<B>, Head<B>)>,
     rope_cos: B::Buf, // [max_positions, D / 2]
     rope_sin: B::Buf, // [max_positions, D / 2]
-    max_positions: usize,
-    weights: WeightStats,
-    place: Placement<B>,
 }
 
 // ---- configuration: the family-specific parts (registry hooks) ------------------------------
@@ -125,13 +114,7 @@ impl<B: Backend> Llama<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = cfg;
-        let (h, hkv, d, hid, f) = (
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.hidden_size,
-            c.intermediate_size,
-        );
+        let (h, hkv, d, hid, f) = c.layer_sizes();
         let sh = Shard::new(c, &place)?;
         let total = place.layers.len() + 2;
         let mut up = Uploader::new(backend, src, dtype);
@@ -209,49 +192,25 @@ impl<B: Backend> Llama<B> {
         progress(total, total);
         let (cos, sin) = super::rope::tables(c, c.rope_theta, max_positions);
         Ok(Llama {
-            cfg: c.clone(),
-            shard: sh,
-            embed,
+            stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
-            head,
             rope_cos: backend.upload_f32(&cos)?,
             rope_sin: backend.upload_f32(&sin)?,
-            max_positions,
-            weights: up.stats,
-            place,
         })
     }
 }
 
-impl<B: Backend> CausalLm<B> for Llama<B> {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn weight_stats(&self) -> &WeightStats {
-        &self.weights
-    }
-
-    fn kv_spec(&self) -> Vec<LayerKvSpec> {
-        self.shard.kv_spec(&self.cfg, &self.place)
-    }
-
-    fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
-        shard::logits_shard(&self.shard, self.head.as_ref(), self.embed.as_ref())
+impl<B: Backend> Family<B> for Llama<B> {
+    fn stack(&self) -> &Stack<B> {
+        &self.stack
     }
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
-        let c = &self.cfg;
-        let t = batch.host.num_tokens();
-        check_positions(&batch.host.positions, self.max_positions)?;
-        let (hid, f) = (c.hidden_size, self.shard.ffn.len());
-        let ql = self.shard.ql;
-        let eps = c.rms_norm_eps as f32;
-        let tp = &self.place.tp;
+        let s = &self.stack;
+        let (c, tp, t) = (&s.cfg, &s.place.tp, batch.host.num_tokens());
+        let (hid, f, ql, eps) = s.sizes();
 
-        // [T, hidden] residual stream
-        let embed = self.embed.as_ref().map(|e| &e.0);
-        let mut x = stage_input(backend, &self.place, &self.shard, embed, batch, c)?;
+        let mut x = s.input(backend, batch)?; // [T, hidden] residual stream
         let mut h = backend.alloc_scratch_f32(t * hid)?; // [T, hidden]
         let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
         let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
@@ -266,7 +225,7 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
             backend.rms_norm(&x, &first.attn_norm, t, hid, eps, &mut h)?;
         }
         for (j, w) in self.layers.iter().enumerate() {
-            let l = self.place.layers.start + j;
+            let l = s.place.layers.start + j;
             backend.matmul(&h, &w.wqkv, w.bqkv.as_ref(), t, hid, ql.row_len(), &mut qkv)?;
             if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
                 backend.qk_norm(&mut qkv, qn, kn, t, ql, eps)?;
@@ -304,14 +263,6 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
                 None => backend.add_assign(&mut x, &o, t * hid)?,
             }
         }
-        stage_output(
-            backend,
-            &self.place,
-            c,
-            x,
-            batch,
-            self.head.as_ref(),
-            self.embed.as_ref(),
-        )
+        s.output(backend, x, batch)
     }
 }

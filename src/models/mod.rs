@@ -15,6 +15,7 @@ pub mod phi3;
 pub mod registry;
 pub mod rope;
 pub mod shard;
+pub mod stack;
 
 pub use config::Arch;
 pub use config::ModelConfig;
