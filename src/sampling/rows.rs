@@ -3,7 +3,9 @@
 //! engine builds them from a request's [`super::SamplingParams`]; every backend's sampling
 //! kernel is checked against [`RowSampling::edited`] and the host sampler.
 
-use super::sampler::TokenLogprobs;
+use super::SamplingParams;
+use super::sampler::{TokenLogprobs, uniform_bits};
+use std::collections::HashMap;
 
 /// What [`crate::backend::Backend::sample_rows`] brings back for one row.
 #[derive(Debug, Clone, PartialEq)]
@@ -144,5 +146,128 @@ impl RowSampling {
             *l = v;
         }
         x
+    }
+}
+
+/// Whether a request's next token can be chosen where the logits are ([`RowSampling`]: the
+/// host sampler's logit bias, banned tokens and penalties, then greedy or its temperature,
+/// top-k, top-p and min-p with its draw, and the raw log-probabilities): no structured output,
+/// whose grammar is on the host.
+pub fn samples_anywhere(p: &SamplingParams) -> bool {
+    p.structured.is_none()
+}
+
+/// How a request that [`samples_anywhere`] chooses its next token, as the host sampler would:
+/// the edits of its logit bias, the tokens it may not choose yet (`banned`) and its penalties
+/// over `prompt` and `output` (tokens past `vocab` ignored), then greedy (also top-k 1) as the
+/// argmax, or a draw of `(seed, step)` with `step` the output's length; the log-probabilities
+/// it asks for, or the chosen token's alone where `best_of` ranks its sequences by them.
+pub fn row_sampling(
+    p: &SamplingParams,
+    seed: u64,
+    prompt: &[u32],
+    output: &[u32],
+    banned: &[u32],
+    vocab: usize,
+) -> RowSampling {
+    let mut edits: HashMap<u32, LogitEdit> = HashMap::new();
+    fn edit(edits: &mut HashMap<u32, LogitEdit>, t: u32) -> &mut LogitEdit {
+        edits.entry(t).or_insert(LogitEdit {
+            token: t,
+            ..Default::default()
+        })
+    }
+    for (&t, &b) in &p.logit_bias {
+        edit(&mut edits, t).bias += b;
+    }
+    for &t in banned {
+        edit(&mut edits, t).banned = true;
+    }
+    if p.repetition_penalty != 1.0 {
+        for &t in prompt.iter().chain(output) {
+            edit(&mut edits, t).seen = true;
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        for &t in output {
+            edit(&mut edits, t).count += 1;
+        }
+    }
+    let mut edits: Vec<LogitEdit> = edits
+        .into_values()
+        .filter(|e| (e.token as usize) < vocab)
+        .collect();
+    edits.sort_unstable_by_key(|e| e.token);
+    let mut row = RowSampling {
+        repetition_penalty: p.repetition_penalty,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        edits,
+        logprobs: p
+            .logprobs
+            .or((p.best_of() > p.n).then_some(0))
+            .map(|k| k as u32),
+        ..RowSampling::GREEDY
+    };
+    if !p.chooses_argmax() {
+        row.temperature = p.temperature;
+        row.top_k = p
+            .effective_top_k()
+            .map_or(0, |k| k.min(u32::MAX as usize) as u32);
+        row.top_p = p.top_p;
+        row.min_p = p.min_p;
+        row.u53 = uniform_bits(seed, output.len());
+    }
+    row
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::Restrict;
+    use crate::sampling::sampler::sample_restricted;
+    use rand_chacha::ChaCha8Rng;
+    use rand_chacha::rand_core::{Rng, SeedableRng};
+
+    /// The edits a row carries to the device, applied as the kernel applies them, choose the
+    /// token the host sampler chooses for a greedy request with the same bias, bans and
+    /// penalties (tokens past the vocabulary ignored by both).
+    #[test]
+    fn device_edits_give_the_host_samplers_greedy_choice() {
+        let mut r = ChaCha8Rng::seed_from_u64(4);
+        let vocab = 300;
+        let mut differs = 0;
+        for trial in 0..300 {
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| (r.next_u32() % 2000) as f32 / 250.0 - 4.0)
+                .collect();
+            let mut ids = |n: usize| -> Vec<u32> {
+                (0..n).map(|_| r.next_u32() % (vocab as u32 + 5)).collect()
+            };
+            let (prompt, output, banned) = (ids(40), ids(trial % 30), ids(trial % 3));
+            let mut params = SamplingParams {
+                repetition_penalty: [1.0, 1.3, 0.8][trial % 3],
+                presence_penalty: [0.0, 0.5, -0.4][trial % 3],
+                frequency_penalty: [0.3, 0.0, 0.2][trial % 3],
+                ..SamplingParams::greedy()
+            };
+            for t in ids(trial % 4) {
+                params.logit_bias.insert(t, 2.5);
+            }
+            let row = row_sampling(&params, 1, &prompt, &output, &banned, vocab);
+            assert!(row.is_greedy());
+            let device = crate::backend::argmax(&row.edited(&logits)) as u32;
+            let restrict = Restrict {
+                banned: &banned,
+                allowed: None,
+            };
+            let host = sample_restricted(&logits, &params, &prompt, &output, &restrict, 1, 0);
+            assert_eq!(device, host.token_id, "trial {trial}");
+            differs += usize::from(device != crate::backend::argmax(&logits) as u32);
+        }
+        assert!(
+            differs > 100,
+            "the edits changed only {differs} of 300 choices"
+        );
     }
 }

@@ -1,0 +1,270 @@
+//! Applying a step's results: each sampling request's token chosen (on the host where the
+//! device did not), checked against its stops and appended, its prompt log-probabilities
+//! kept, the scheduler told what finished, and the callers' [`StepOutput`]s made (`best_of`
+//! samples ranked once all have ended).
+
+use super::request::*;
+use super::{Engine, StepResult};
+use crate::sampling::{Choice, Restrict, sampler::sample_restricted, token_logprob};
+use crate::sched::{FinishReason, RequestId};
+use anyhow::{Context, Result, bail, ensure};
+use std::collections::HashMap;
+
+impl Engine {
+    /// Samples a step's tokens from its results and applies them: the scheduler's update, stop
+    /// strings, detokenization, the outputs.
+    pub(super) fn complete_step(
+        &mut self,
+        step: PendingStep,
+        result: StepResult,
+        mut masks: HashMap<RequestId, Masked>,
+    ) -> Result<Vec<StepOutput>> {
+        let PendingStep {
+            sched,
+            sampling,
+            sample_rows,
+            prompt_rows,
+            reduce,
+        } = step;
+        let vocab = self.config.vocab_size;
+        let StepResult {
+            mut choices,
+            logits,
+        } = result;
+        // Where each row's logits are in `logits` (rows that came back as a token have none).
+        let mut host_row = Vec::with_capacity(reduce.len());
+        let mut n = 0;
+        for c in &choices {
+            host_row.push(n);
+            n += usize::from(c.is_none());
+        }
+        ensure!(
+            choices.len() == reduce.len() && logits.len() == n * vocab,
+            "the runner returned {} tokens and {} logits for {} rows",
+            choices.len(),
+            logits.len(),
+            reduce.len()
+        );
+
+        // NOTE: a request aborted while its step was in flight has no state any more: its
+        // results are dropped.
+        for &(id, pos, row) in &prompt_rows {
+            let (Some(req), Some(st)) = (self.scheduler.request(id), self.states.get_mut(&id))
+            else {
+                continue;
+            };
+            let scored = match choices[row].take() {
+                Some(Choice {
+                    logprobs: Some(logprobs),
+                    rank,
+                    ..
+                }) => PromptLogprob {
+                    logprobs,
+                    rank: rank as usize,
+                },
+                Some(_) => bail!("the runner brought back no log-probabilities for a prompt row"),
+                None => {
+                    let row = host_row[row];
+                    let row = &logits[row * vocab..(row + 1) * vocab];
+                    let next = req.tokens[pos + 1];
+                    let k = st.params.prompt_logprobs.unwrap_or(0);
+                    prompt_logprob(row, next, k)
+                }
+            };
+            st.prompt_logprobs.push(scored);
+        }
+        let mut sampled = HashMap::new();
+        let mut logprobs = HashMap::new();
+        for (i, id) in sampling.iter().enumerate() {
+            let i = sample_rows[i];
+            if let Some(c) = choices[i].take() {
+                self.stats.random_samples_on_device +=
+                    u64::from(reduce[i].as_ref().is_some_and(|r| !r.is_greedy()));
+                sampled.insert(*id, c.token);
+                if let (Some(lp), Some(st)) = (c.logprobs, self.states.get_mut(id)) {
+                    if st.params.best_of() > st.params.n {
+                        st.cum_logprob += lp.logprob as f64;
+                    }
+                    if st.params.logprobs.is_some() {
+                        logprobs.insert(*id, lp);
+                    }
+                }
+                continue;
+            }
+            let i = host_row[i];
+            let (Some(req), Some(st)) = (self.scheduler.request(*id), self.states.get_mut(id))
+            else {
+                continue;
+            };
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            let banned = banned_tokens(st, req.output());
+            // NOTE: a grammar that fails midway lets the output end (its stop tokens only)
+            // rather than take the step down.
+            let mask = match masks.remove(id) {
+                Some(Ok(v)) => Some(v),
+                Some(Err(e)) => {
+                    tracing::warn!("request {id}: structured output failed: {e}");
+                    let mut v = llguidance::toktrie::SimpleVob::alloc(vocab);
+                    st.stop_ids.iter().for_each(|&t| v.allow_token(t));
+                    Some(v)
+                }
+                None => None,
+            };
+            let restrict = Restrict {
+                banned: &banned,
+                allowed: mask.as_ref().map(|m| m.as_slice()),
+            };
+            let tok = sample_restricted(
+                row,
+                &st.params,
+                req.prompt(),
+                req.output(),
+                &restrict,
+                st.seed,
+                req.output().len(),
+            );
+            if let Some(m) = &mut st.matcher
+                && let Err(e) = m.consume_token(tok.token_id)
+            {
+                tracing::warn!("request {id}: structured output failed: {e:#}");
+            }
+            if st.params.best_of() > st.params.n {
+                st.cum_logprob += match &tok.logprobs {
+                    Some(lp) => lp.logprob,
+                    None => token_logprob(row, tok.token_id),
+                } as f64;
+            }
+            sampled.insert(*id, tok.token_id);
+            if let Some(lp) = tok.logprobs {
+                logprobs.insert(*id, lp);
+            }
+        }
+
+        let events = self.scheduler.update_from_output(&sched, &sampled);
+        let mut outputs = Vec::with_capacity(events.len());
+        for ev in events {
+            self.stats.generated_tokens += 1;
+            let n_out = self
+                .scheduler
+                .request(ev.id)
+                .map_or(0, |r| r.output().len());
+            let st = self
+                .states
+                .get_mut(&ev.id)
+                .context("request state is missing")?;
+            // NOTE: the token that ends a request (EOS, a stop token id) is not part of its
+            // text, as in vLLM, also when special tokens are kept.
+            let delta =
+                if ev.finished == Some(FinishReason::Stop) && st.stop_ids.contains(&ev.token) {
+                    String::new()
+                } else {
+                    st.detok.push(ev.token)?
+                };
+            let (mut text, stopped) = if n_out <= st.params.min_tokens {
+                (st.stop.push_unchecked(&delta), false)
+            } else {
+                st.stop.push(&delta)
+            };
+            let mut finish = ev.finished;
+            // NOTE: a grammar that is complete and allows nothing more ends the output here
+            // (the mask would allow only EOS next).
+            let grammar_done = finish.is_none()
+                && !stopped
+                && st
+                    .matcher
+                    .as_ref()
+                    .is_some_and(|m| m.is_stopped() && !st.stop_ids.contains(&ev.token));
+            let stopped = stopped || grammar_done;
+            if grammar_done {
+                text.push_str(&st.stop.flush());
+            }
+            if stopped {
+                // NOTE: a stop string ends the request even when the token also hit a limit.
+                self.scheduler.finish_request(ev.id, FinishReason::Stop);
+                finish = Some(FinishReason::Stop);
+            } else if finish.is_some() {
+                text.push_str(&st.stop.flush());
+            }
+            let req = self
+                .scheduler
+                .request(ev.id)
+                .context("request is unknown")?;
+            let prompt_logprobs = if st.params.prompt_logprobs.is_some() && !st.prompt_logprobs_sent
+            {
+                st.prompt_logprobs_sent = true;
+                Some(std::mem::take(&mut st.prompt_logprobs))
+            } else {
+                None
+            };
+            let out = StepOutput {
+                prompt_logprobs,
+                request_id: st.group,
+                index: st.index,
+                new_token_ids: vec![ev.token],
+                new_text: text,
+                new_logprobs: logprobs.remove(&ev.id).into_iter().collect(),
+                finish_reason: finish,
+                num_prompt_tokens: req.prompt_len,
+                num_output_tokens: req.output().len(),
+            };
+            let (group, cum_logprob) = (st.group, st.cum_logprob);
+            if finish.is_some() {
+                self.scheduler.remove_finished(ev.id);
+                self.states.remove(&ev.id);
+            }
+            self.emit(group, out, cum_logprob, &mut outputs)?;
+        }
+        self.stats.steps += 1;
+        Ok(outputs)
+    }
+
+    /// Passes a sample's output on, or keeps it while its request ranks `best_of` samples; ends
+    /// the request when its last sample ends.
+    fn emit(
+        &mut self,
+        group: RequestId,
+        out: StepOutput,
+        cum_logprob: f64,
+        outputs: &mut Vec<StepOutput>,
+    ) -> Result<()> {
+        let g = self
+            .groups
+            .get_mut(&group)
+            .context("request group is missing")?;
+        let finished = out.finished();
+        match &mut g.ranked {
+            None => outputs.push(out),
+            Some(r) => match r.kept.iter_mut().find(|(k, _)| k.index == out.index) {
+                Some((k, score)) => {
+                    k.new_token_ids.extend(out.new_token_ids);
+                    k.new_text.push_str(&out.new_text);
+                    k.new_logprobs.extend(out.new_logprobs);
+                    k.finish_reason = out.finish_reason;
+                    k.num_output_tokens = out.num_output_tokens;
+                    *score = cum_logprob;
+                }
+                None => r.kept.push((out, cum_logprob)),
+            },
+        }
+        if finished {
+            g.unfinished -= 1;
+        }
+        if g.unfinished > 0 {
+            return Ok(());
+        }
+        let g = self
+            .groups
+            .remove(&group)
+            .context("request group is missing")?;
+        if let Some(mut r) = g.ranked {
+            // The n most likely samples, best first (ties: the lower sample index).
+            r.kept
+                .sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.index.cmp(&b.0.index)));
+            for (index, (mut out, _)) in r.kept.into_iter().take(r.n).enumerate() {
+                out.index = index;
+                outputs.push(out);
+            }
+        }
+        Ok(())
+    }
+}
