@@ -11,9 +11,12 @@
 mod attention;
 pub mod emu;
 pub mod kernels;
+mod matmul;
 mod memory;
+mod norm;
 mod plan;
 mod runtime;
+mod sample;
 
 pub use memory::GpuBuf;
 pub use runtime::{CclLibrary, Elem, GpuRuntime};
@@ -21,12 +24,11 @@ pub use runtime::{CclLibrary, Elem, GpuRuntime};
 use super::{
     Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout, args,
 };
-use crate::sampling::sampler::TokenLogprobs;
 use crate::sampling::{Choice, RowSampling};
 use crate::tensor::{DType, HostTensor, e4m3_to_f32, f32_to_e4m3};
 use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
-use kernels::{KernelCache, MATVEC_MAX_ROWS, SOURCES};
+use kernels::{KernelCache, SOURCES};
 use memory::Pool;
 use runtime::panic_text;
 use std::collections::HashMap;
@@ -643,90 +645,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         n: usize,
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
-        self.rt.bind()?;
-        x.expect(Elem::F32, "matmul x")?;
-        out.expect(Elem::F32, "matmul out")?;
-        args::matmul(x.len, w.len, bias.map(|b| b.len), (m, k, n), out.len)?;
-        if let Some(b) = bias {
-            b.expect(Elem::F32, "matmul bias")?;
-        }
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        let dt = w.elem.kernel_suffix()?;
-        let (mu, nu, ku) = (u32_arg(m, "m")?, u32_arg(n, "n")?, u32_arg(k, "k")?);
-        let vec = if w.elem == Elem::F32 { 4 } else { 8 };
-        if m <= MATVEC_MAX_ROWS && k.is_multiple_of(vec) {
-            // Decode: weights streamed once, x kept in f32.
-            let warps = 256 / self.rt.warp_size();
-            return self.launch(
-                &format!("matvec_{dt}_{m}"),
-                [n.div_ceil(warps as usize) as u32, 1, 1],
-                [256, 1, 1],
-                0,
-                &[
-                    Arg::P(x.ptr()),
-                    Arg::P(w.ptr()),
-                    ptr_or_null(bias),
-                    Arg::P(out.ptr()),
-                    nu,
-                    ku,
-                ],
-            );
-        }
-        if self.gemm_path == GemmPath::Auto && self.rt.has_blas() {
-            // NOTE: vendor GEMMs take both operands in one type, so with half weights x is
-            // rounded to that type first (as a framework running in f16/bf16 would have it).
-            let xb = match w.elem {
-                Elem::F32 => None,
-                e => {
-                    let xh = self.alloc(m * k, e, false)?;
-                    let cast = if e == Elem::F16 {
-                        "cast_f32_f16"
-                    } else {
-                        "cast_f32_bf16"
-                    };
-                    self.elementwise(
-                        cast,
-                        m * k,
-                        &[Arg::P(x.ptr()), Arg::P(xh.ptr()), u32_arg(m * k, "m*k")?],
-                    )?;
-                    Some(xh)
-                }
-            };
-            let xp = xb.as_ref().map_or(x.ptr(), |b| b.ptr());
-            self.timed("gemm (vendor BLAS)", || {
-                // SAFETY: sizes checked above; xb holds m*k elements of w's type.
-                unsafe { self.rt.gemm(w.elem, m, n, k, xp, w.ptr(), out.ptr()) }
-            })?;
-            if let Some(b) = bias {
-                self.elementwise(
-                    "add_bias_f32",
-                    m * n,
-                    &[Arg::P(out.ptr()), Arg::P(b.ptr()), mu, nu],
-                )?;
-            }
-            return Ok(());
-        }
-        ensure!(
-            m.div_ceil(64) <= 65535,
-            "matmul: {m} rows is more than one launch takes"
-        );
-        self.launch(
-            &format!("gemm_{dt}"),
-            [n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1],
-            [256, 1, 1],
-            0,
-            &[
-                Arg::P(x.ptr()),
-                Arg::P(w.ptr()),
-                ptr_or_null(bias),
-                Arg::P(out.ptr()),
-                mu,
-                nu,
-                ku,
-            ],
-        )
+        self.matmul_op(x, w, bias, m, k, n, out)
     }
 
     fn rms_norm(
@@ -738,24 +657,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         eps: f32,
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
-        self.rt.bind()?;
-        x.expect(Elem::F32, "rms_norm x")?;
-        w.expect(Elem::F32, "rms_norm weight")?;
-        args::rms_norm(x.len, w.len, rows, dim, out.len)?;
-        ensure!(rows <= i32::MAX as usize, "rms_norm: too many rows");
-        self.launch(
-            "rms_norm_f32",
-            [rows as u32, 1, 1],
-            [self.norm_threads(dim), 1, 1],
-            0,
-            &[
-                Arg::P(x.ptr()),
-                Arg::P(w.ptr()),
-                Arg::P(out.ptr()),
-                u32_arg(dim, "dim")?,
-                Arg::F(eps),
-            ],
-        )
+        self.rms_norm_op(x, w, rows, dim, eps, out)
     }
 
     fn qk_norm(
@@ -767,35 +669,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         layout: QkvLayout,
         eps: f32,
     ) -> Result<()> {
-        self.rt.bind()?;
-        qkv.expect(Elem::F32, "qk_norm qkv")?;
-        q_w.expect(Elem::F32, "q norm weight")?;
-        k_w.expect(Elem::F32, "k norm weight")?;
-        let d = layout.head_dim;
-        args::qk_norm(qkv.len, q_w.len, k_w.len, rows, layout)?;
-        if rows == 0 {
-            return Ok(());
-        }
-        ensure!(rows <= i32::MAX as usize, "qk_norm: too many rows");
-        self.launch(
-            "qk_norm_f32",
-            [
-                rows as u32,
-                u32_arg(layout.num_heads + layout.num_kv_heads, "heads")?.bits() as u32,
-                1,
-            ],
-            [self.norm_threads(d), 1, 1],
-            0,
-            &[
-                Arg::P(qkv.ptr()),
-                Arg::P(q_w.ptr()),
-                Arg::P(k_w.ptr()),
-                u32_arg(layout.num_heads, "heads")?,
-                u32_arg(d, "head_dim")?,
-                u32_arg(layout.row_len(), "row length")?,
-                Arg::F(eps),
-            ],
-        )
+        self.qk_norm_op(qkv, q_w, k_w, rows, layout, eps)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -809,26 +683,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         eps: f32,
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
-        self.rt.bind()?;
-        x.expect(Elem::F32, "add_rms_norm x")?;
-        y.expect(Elem::F32, "add_rms_norm y")?;
-        w.expect(Elem::F32, "add_rms_norm weight")?;
-        args::add_rms_norm(x.len, y.len, w.len, rows, dim, out.len)?;
-        ensure!(rows <= i32::MAX as usize, "add_rms_norm: too many rows");
-        self.launch(
-            "add_rms_norm_f32",
-            [rows as u32, 1, 1],
-            [self.norm_threads(dim), 1, 1],
-            0,
-            &[
-                Arg::P(x.ptr()),
-                Arg::P(y.ptr()),
-                Arg::P(w.ptr()),
-                Arg::P(out.ptr()),
-                u32_arg(dim, "dim")?,
-                Arg::F(eps),
-            ],
-        )
+        self.add_rms_norm_op(x, y, w, rows, dim, eps, out)
     }
 
     fn add_assign(&self, x: &mut GpuBuf<R>, y: &GpuBuf<R>, n: usize) -> Result<()> {
@@ -906,32 +761,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         gate_up: &mut GpuBuf<R>,
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
-        let vec = if w_gate_up.elem == Elem::F32 { 4 } else { 8 };
-        if rows == 0 || rows > MATVEC_MAX_ROWS || !k.is_multiple_of(vec) {
-            self.matmul(x, w_gate_up, None, rows, k, 2 * ffn, gate_up)?;
-            return self.gated_act(gate_up, rows, ffn, act, out);
-        }
-        // Decode: the gate and up rows streamed together, their product written once.
-        self.rt.bind()?;
-        x.expect(Elem::F32, "matmul_gated_act x")?;
-        out.expect(Elem::F32, "matmul_gated_act out")?;
-        args::matmul_gated_act(x.len, w_gate_up.len, rows, k, ffn, out.len)?;
-        let dt = w_gate_up.elem.kernel_suffix()?;
-        let warps = 256 / self.rt.warp_size();
-        self.launch(
-            &format!("matvec_gated_{dt}_{rows}"),
-            [ffn.div_ceil(warps as usize) as u32, 1, 1],
-            [256, 1, 1],
-            0,
-            &[
-                Arg::P(x.ptr()),
-                Arg::P(w_gate_up.ptr()),
-                Arg::P(out.ptr()),
-                u32_arg(ffn, "ffn")?,
-                u32_arg(k, "k")?,
-                Arg::U(act.code()),
-            ],
-        )
+        self.matmul_gated_act_op(x, w_gate_up, rows, k, ffn, act, gate_up, out)
     }
 
     fn act(&self, x: &mut GpuBuf<R>, n: usize, act: Activation) -> Result<()> {
@@ -977,29 +807,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         eps: f32,
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
-        self.rt.bind()?;
-        x.expect(Elem::F32, "layer_norm x")?;
-        w.expect(Elem::F32, "layer_norm weight")?;
-        b.expect(Elem::F32, "layer_norm bias")?;
-        args::layer_norm(x.len, w.len, b.len, rows, dim, out.len)?;
-        if rows == 0 {
-            return Ok(());
-        }
-        ensure!(rows <= i32::MAX as usize, "layer_norm: too many rows");
-        self.launch(
-            "layer_norm_f32",
-            [rows as u32, 1, 1],
-            [self.norm_threads(dim), 1, 1],
-            0,
-            &[
-                Arg::P(x.ptr()),
-                Arg::P(w.ptr()),
-                Arg::P(b.ptr()),
-                Arg::P(out.ptr()),
-                u32_arg(dim, "dim")?,
-                Arg::F(eps),
-            ],
-        )
+        self.layer_norm_op(x, w, b, rows, dim, eps, out)
     }
 
     fn gather_rows(
@@ -1107,14 +915,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
     }
 
     fn argmax_rows(&self, logits: &GpuBuf<R>, rows: usize, cols: usize) -> Result<Vec<u32>> {
-        self.rt.bind()?;
-        logits.expect(Elem::F32, "argmax")?;
-        ensure!(logits.len >= rows * cols, "argmax: buffer too small");
-        if rows == 0 {
-            return Ok(Vec::new());
-        }
-        let out = self.argmax_on_device(logits, rows, cols)?;
-        Ok(from_bytes::<u32>(&self.download_bytes(&out)?))
+        self.argmax_rows_op(logits, rows, cols)
     }
 
     fn samples_on_device(&self) -> bool {
@@ -1127,150 +928,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         cols: usize,
         rows: &[RowSampling],
     ) -> Result<Vec<Choice>> {
-        self.rt.bind()?;
-        logits.expect(Elem::F32, "sample")?;
-        ensure!(logits.len >= rows.len() * cols, "sample: buffer too small");
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let edits: Vec<u32> = (0u32..)
-            .zip(rows)
-            .flat_map(|(r, s)| s.edit_words(r))
-            .collect();
-        if let Some(e) = edits
-            .iter()
-            .skip(1)
-            .step_by(8)
-            .find(|&&t| t as usize >= cols)
-        {
-            bail!("sample: an edit of token {e} in rows of {cols}");
-        }
-        // The rows whose log-probabilities come back: (row, k).
-        let scored: Vec<(usize, u32)> = (0..rows.len())
-            .filter_map(|i| rows[i].logprobs.map(|k| (i, k)))
-            .collect();
-        if let Some(&(_, k)) = scored.iter().find(|s| s.1 as usize > kernels::LOGPROBS_MAX) {
-            bail!(
-                "sample: {k} log-probabilities asked, at most {}",
-                kernels::LOGPROBS_MAX
-            );
-        }
-        // NOTE: log-probabilities are of the raw logits, so a scored row that has edits is
-        // copied before they are applied; the others are read where they are.
-        let raw = if scored.iter().any(|&(i, _)| !rows[i].edits.is_empty()) {
-            let idx: Vec<u32> = scored.iter().map(|&(i, _)| i as u32).collect();
-            let idx = self.upload_u32(&idx)?;
-            let mut raw = self.alloc_f32(scored.len() * cols)?;
-            self.gather_rows(logits, &idx, cols, &mut raw)?;
-            Some(raw)
-        } else {
-            None
-        };
-        if !edits.is_empty() {
-            let n = edits.len() / 8;
-            let buf = self.upload_u32(&edits)?;
-            self.launch(
-                "logit_edits_f32",
-                [u32_arg(n.div_ceil(256), "edits")?.bits() as u32, 1, 1],
-                [256, 1, 1],
-                0,
-                &[
-                    Arg::P(logits.ptr()),
-                    Arg::P(buf.ptr()),
-                    u32_arg(n, "edits")?,
-                    u32_arg(cols, "cols")?,
-                ],
-            )?;
-        }
-        let tokens = if rows.iter().all(RowSampling::is_greedy) {
-            self.argmax_on_device(logits, rows.len(), cols)?
-        } else {
-            let words: Vec<u32> = rows.iter().flat_map(RowSampling::words).collect();
-            let params = self.upload_u32(&words)?;
-            let out = self.alloc(rows.len(), Elem::U32, false)?;
-            self.launch(
-                "sample_f32",
-                [u32_arg(rows.len(), "rows")?.bits() as u32, 1, 1],
-                [kernels::SAMPLE_THREADS, 1, 1],
-                0,
-                &[
-                    Arg::P(logits.ptr()),
-                    Arg::P(params.ptr()),
-                    Arg::P(out.ptr()),
-                    u32_arg(cols, "cols")?,
-                ],
-            )?;
-            out
-        };
-        let lp_words = if scored.is_empty() {
-            Vec::new()
-        } else {
-            let params: Vec<u32> = scored
-                .iter()
-                .enumerate()
-                .flat_map(|(j, &(i, k))| {
-                    let src = if raw.is_some() { j } else { i };
-                    [src as u32, i as u32, rows[i].score.unwrap_or(u32::MAX), k]
-                })
-                .collect();
-            let params = self.upload_u32(&params)?;
-            let out = self.alloc(scored.len() * kernels::LOGPROBS_WORDS, Elem::U32, false)?;
-            self.launch(
-                "logprobs_f32",
-                [u32_arg(scored.len(), "rows")?.bits() as u32, 1, 1],
-                [kernels::SAMPLE_THREADS, 1, 1],
-                0,
-                &[
-                    Arg::P(raw.as_ref().unwrap_or(logits).ptr()),
-                    Arg::P(params.ptr()),
-                    Arg::P(tokens.ptr()),
-                    Arg::P(out.ptr()),
-                    u32_arg(cols, "cols")?,
-                ],
-            )?;
-            from_bytes::<u32>(&self.download_bytes(&out)?)
-        };
-        let mut out: Vec<Choice> = from_bytes::<u32>(&self.download_bytes(&tokens)?)
-            .into_iter()
-            .map(Choice::token)
-            .collect();
-        for (&(i, k), w) in scored
-            .iter()
-            .zip(lp_words.chunks_exact(kernels::LOGPROBS_WORDS))
-        {
-            let lp = |j: usize| f32::from_bits(w[j]);
-            out[i] = Choice {
-                token: w[0],
-                logprobs: Some(TokenLogprobs {
-                    token_id: w[0],
-                    logprob: lp(1),
-                    top: (0..k.min(cols as u32) as usize)
-                        .map(|j| (w[3 + 2 * j], lp(4 + 2 * j)))
-                        .collect(),
-                }),
-                rank: w[2],
-            };
-        }
-        Ok(out)
-    }
-}
-
-impl<R: GpuRuntime> GpuBackend<R> {
-    /// The argmax of each row, left on the device.
-    fn argmax_on_device(&self, logits: &GpuBuf<R>, rows: usize, cols: usize) -> Result<GpuBuf<R>> {
-        let out = self.alloc(rows, Elem::U32, false)?;
-        self.launch(
-            "argmax_f32",
-            [u32_arg(rows, "rows")?.bits() as u32, 1, 1],
-            [kernels::SAMPLE_THREADS, 1, 1],
-            0,
-            &[
-                Arg::P(logits.ptr()),
-                Arg::P(out.ptr()),
-                u32_arg(cols, "cols")?,
-            ],
-        )?;
-        Ok(out)
+        self.sample_rows_op(logits, cols, rows)
     }
 }
 

@@ -12,6 +12,8 @@
 //! - Index buffers (token ids, positions, slots, block tables) keep a host copy, so that bad
 //!   indices are errors with the same words as on the CPU backend, not garbage.
 
+mod attention;
+mod cache;
 mod device;
 mod kernels;
 
@@ -548,34 +550,7 @@ impl Backend for WgpuBackend {
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<WgpuBuf> {
-        anyhow::ensure!(
-            layout.dtype == DType::F32,
-            "the wgpu backend stores the KV cache in f32 only, not {}",
-            layout.dtype.name()
-        );
-        let block = layout.block_len();
-        let block_bytes = block as u64 * 4;
-        let per = (self.gpu.max_binding / block_bytes.max(1)) as usize;
-        if per == 0 {
-            bail!(
-                "wgpu backend: one KV block ({block_bytes} bytes) is larger than the adapter's \
-                 storage binding ({} bytes)",
-                self.gpu.max_binding
-            );
-        }
-        let mut parts = Vec::new();
-        for row0 in (0..layout.num_blocks).step_by(per) {
-            let rows = per.min(layout.num_blocks - row0);
-            let buf = self.gpu.buffer(rows as u64 * block_bytes, "KV cache")?;
-            parts.push(Part { buf, row0, rows });
-        }
-        Ok(WgpuBuf {
-            parts,
-            elem: Elem::F32,
-            len: layout.numel(),
-            row_len: block,
-            host: None,
-        })
+        self.alloc_kv_op(layout)
     }
 
     fn download_f32(&self, buf: &WgpuBuf) -> Result<Vec<f32>> {
@@ -616,17 +591,7 @@ impl Backend for WgpuBackend {
         block_len: usize,
         blocks: &[u32],
     ) -> Result<Vec<f32>> {
-        ensure!(
-            cache.elem == Elem::F32,
-            "read_kv_blocks: the KV cache is not f32"
-        );
-        args::kv_blocks("read_kv_blocks", blocks, block_len, cache.len)?;
-        let binds = blocks
-            .iter()
-            .map(|&b| cache.block_bind(b as usize, block_len))
-            .collect::<Result<Vec<_>>>()?;
-        let bytes = self.gpu.read(&binds)?;
-        Ok(bytemuck::pod_collect_to_vec(&bytes))
+        self.read_kv_blocks_op(cache, block_len, blocks)
     }
 
     fn write_kv_blocks(
@@ -636,17 +601,7 @@ impl Backend for WgpuBackend {
         blocks: &[u32],
         data: &[f32],
     ) -> Result<()> {
-        ensure!(
-            cache.elem == Elem::F32,
-            "write_kv_blocks: the KV cache is not f32"
-        );
-        args::kv_blocks_data(data, blocks, block_len)?;
-        args::kv_blocks("write_kv_blocks", blocks, block_len, cache.len)?;
-        let binds = blocks
-            .iter()
-            .map(|&b| cache.block_bind(b as usize, block_len))
-            .collect::<Result<Vec<_>>>()?;
-        self.gpu.copy_in(bytemuck::cast_slice(data), &binds)
+        self.write_kv_blocks_op(cache, block_len, blocks, data)
     }
 
     fn len(&self, buf: &WgpuBuf) -> usize {
@@ -932,42 +887,7 @@ impl Backend for WgpuBackend {
         v_cache: &mut WgpuBuf,
         kv: KvLayout,
     ) -> Result<()> {
-        let (sb, slots) = slot_mapping.u32("slot mapping")?;
-        let caches = (k_cache.len, v_cache.len);
-        args::write_kv(qkv.len, slots, rows_n, layout, caches, kv)?;
-        ensure!(
-            k_cache.parts.len() == v_cache.parts.len(),
-            "write_kv: K and V caches are split differently"
-        );
-        let stride = layout.row_len();
-        let qb = qkv.f32("qkv")?;
-        for (r0, n) in self.windows(rows_n, &[stride as u64 * 4])? {
-            for (kp, vp) in k_cache.parts.iter().zip(&v_cache.parts) {
-                let params = [
-                    n as u32,
-                    r0 as u32,
-                    layout.num_kv_heads as u32,
-                    layout.head_dim as u32,
-                    kv.block_size as u32,
-                    stride as u32,
-                    layout.q_len() as u32,
-                    kp.row0 as u32,
-                    kp.rows as u32,
-                ];
-                self.gpu.dispatch(
-                    &Kernel::WriteKv.key(),
-                    &params,
-                    &[
-                        rows(qb, r0, n, stride),
-                        Bind::whole(sb),
-                        Bind::whole(&kp.buf),
-                        Bind::whole(&vp.buf),
-                    ],
-                    self.grid(n * layout.kv_len()),
-                )?;
-            }
-        }
-        Ok(())
+        self.write_kv_op(qkv, slot_mapping, rows_n, layout, k_cache, v_cache, kv)
     }
 
     fn paged_attention(
@@ -981,97 +901,7 @@ impl Backend for WgpuBackend {
         opts: AttentionOptions,
         out: &mut WgpuBuf,
     ) -> Result<()> {
-        let (window, softcap) = (opts.window_u32()?, opts.softcap_f32()?);
-        let b = &batch.host;
-        let (d, h, hkv, bs) = (
-            layout.head_dim,
-            layout.num_heads,
-            layout.num_kv_heads,
-            kv.block_size,
-        );
-        let caches = (k_cache.len, v_cache.len);
-        args::paged_attention(qkv.len, b.num_tokens(), layout, caches, kv, out.len)?;
-        ensure!(
-            (1..=256).contains(&d),
-            "paged_attention: head_dim {d} is not supported by the wgpu kernel (at most 256)"
-        );
-        let t_rows = b.num_tokens();
-        batch.shape.check_kv(kv.num_blocks, bs, b.max_blocks)?;
-        if t_rows == 0 {
-            return Ok(());
-        }
-        let rep = h / hkv;
-        let dc = d.div_ceil(64);
-        let hpw = rep.min(16).min(1024 / d).min(32 / dc).max(1);
-        let nsub = rep.div_ceil(hpw);
-        let stride = layout.row_len();
-        let qb = qkv.f32("qkv")?;
-        let ob = out.f32("attention output")?;
-        let qs = batch.query_start.whole("query_start")?;
-        let sl = batch.seq_lens.whole("seq_lens")?;
-        let bt = batch.block_tables.whole("block tables")?;
-        let parts = k_cache.parts.len();
-        ensure!(
-            parts == v_cache.parts.len(),
-            "paged_attention: K and V caches are split differently"
-        );
-        let state_row = h * (d + 2);
-        let mut row_bytes = vec![stride as u64 * 4, (h * d) as u64 * 4];
-        if parts > 1 {
-            row_bytes.push(state_row as u64 * 4);
-        }
-        let wins = self.windows(t_rows, &row_bytes)?;
-        let state = if parts > 1 {
-            let most = wins.iter().map(|w| w.1).max().unwrap_or(0);
-            Some(
-                self.gpu
-                    .buffer((most * state_row) as u64 * 4, "attention state")?,
-            )
-        } else {
-            None
-        };
-        for (r0, n) in wins {
-            for (i, (kp, vp)) in k_cache.parts.iter().zip(&v_cache.parts).enumerate() {
-                let mode = (i == 0) as u32 | (((i + 1 == parts) as u32) << 1);
-                let params = [
-                    n as u32,
-                    r0 as u32,
-                    b.num_seqs() as u32,
-                    b.max_blocks as u32,
-                    h as u32,
-                    hkv as u32,
-                    d as u32,
-                    bs as u32,
-                    hpw as u32,
-                    kp.row0 as u32,
-                    kp.rows as u32,
-                    mode,
-                    opts.scale.to_bits(),
-                    window,
-                    softcap.to_bits(),
-                ];
-                let st = match &state {
-                    Some(s) => rows(s, 0, n, state_row),
-                    None => Bind::whole(&self.gpu.dummy),
-                };
-                self.gpu.dispatch(
-                    &Kernel::Attention.key(),
-                    &params,
-                    &[
-                        rows(qb, r0, n, stride),
-                        Bind::whole(qs),
-                        Bind::whole(sl),
-                        Bind::whole(bt),
-                        Bind::whole(&kp.buf),
-                        Bind::whole(&vp.buf),
-                        rows(ob, r0, n, h * d),
-                        st,
-                    ],
-                    [n as u32, hkv as u32, nsub as u32],
-                )?;
-            }
-        }
-        Ok(())
+        self.paged_attention_op(qkv, k_cache, v_cache, batch, layout, kv, opts, out)
     }
 
     fn argmax_rows(&self, logits: &WgpuBuf, rows_n: usize, cols: usize) -> Result<Vec<u32>> {

@@ -1,6 +1,7 @@
 //! Every type on every path against dequantize-then-f64, on random blocks.
 
 use super::*;
+use crate::quant::GgmlType;
 use crate::quant::dequantize;
 
 const TYPES: [GgmlType; 8] = [

@@ -1,0 +1,66 @@
+//! The GGML block types the quantized kernels take, as const-generic codes, and what the
+//! portable and the x86 kernels both read of them.
+
+use crate::quant::GgmlType;
+
+// Type codes for the const-generic kernels.
+pub(super) const Q4_0: u8 = 0;
+pub(super) const Q4_1: u8 = 1;
+pub(super) const Q5_0: u8 = 2;
+pub(super) const Q5_1: u8 = 3;
+pub(super) const Q8_0: u8 = 4;
+pub(super) const Q4_K: u8 = 5;
+pub(super) const Q5_K: u8 = 6;
+pub(super) const Q6_K: u8 = 7;
+
+pub(super) fn code(ty: GgmlType) -> Option<u8> {
+    Some(match ty {
+        GgmlType::Q4_0 => Q4_0,
+        GgmlType::Q4_1 => Q4_1,
+        GgmlType::Q5_0 => Q5_0,
+        GgmlType::Q5_1 => Q5_1,
+        GgmlType::Q8_0 => Q8_0,
+        GgmlType::Q4_K => Q4_K,
+        GgmlType::Q5_K => Q5_K,
+        GgmlType::Q6_K => Q6_K,
+        _ => return None,
+    })
+}
+
+/// Bytes of one block of the type.
+pub(super) const fn block_bytes(t: u8) -> usize {
+    match t {
+        Q4_0 => 18,
+        Q4_1 => 20,
+        Q5_0 => 22,
+        Q5_1 => 24,
+        Q8_0 => 34,
+        Q4_K => 144,
+        Q5_K => 176,
+        _ => 210,
+    }
+}
+
+/// 32-value sub-blocks per block.
+pub(super) const fn subs(t: u8) -> usize {
+    if t >= Q4_K { 8 } else { 1 }
+}
+
+/// Whether the type has a minimum (`w = scale·v + min`); its decoded values are never
+/// negative.
+pub(super) const fn has_min(t: u8) -> bool {
+    matches!(t, Q4_1 | Q5_1 | Q4_K | Q5_K)
+}
+
+/// Q4_K / Q5_K: the 6-bit (scale, min) of sub-block `j` from the 12 packed bytes.
+#[inline(always)]
+pub(super) fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}

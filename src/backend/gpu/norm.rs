@@ -1,0 +1,145 @@
+//! The norms on the GPU backends (RMSNorm, the residual add fused with it, LayerNorm, the
+//! per-head Q/K norm): one block per row; the kernels are in kernels/norm.cu.
+
+use super::{Arg, Elem, GpuBackend, GpuBuf, GpuRuntime, u32_arg};
+use crate::backend::{QkvLayout, args};
+use anyhow::{Result, ensure};
+
+impl<R: GpuRuntime> GpuBackend<R> {
+    pub(super) fn rms_norm_op(
+        &self,
+        x: &GpuBuf<R>,
+        w: &GpuBuf<R>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "rms_norm x")?;
+        w.expect(Elem::F32, "rms_norm weight")?;
+        args::rms_norm(x.len, w.len, rows, dim, out.len)?;
+        ensure!(rows <= i32::MAX as usize, "rms_norm: too many rows");
+        self.launch(
+            "rms_norm_f32",
+            [rows as u32, 1, 1],
+            [self.norm_threads(dim), 1, 1],
+            0,
+            &[
+                Arg::P(x.ptr()),
+                Arg::P(w.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(dim, "dim")?,
+                Arg::F(eps),
+            ],
+        )
+    }
+
+    pub(super) fn qk_norm_op(
+        &self,
+        qkv: &mut GpuBuf<R>,
+        q_w: &GpuBuf<R>,
+        k_w: &GpuBuf<R>,
+        rows: usize,
+        layout: QkvLayout,
+        eps: f32,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        qkv.expect(Elem::F32, "qk_norm qkv")?;
+        q_w.expect(Elem::F32, "q norm weight")?;
+        k_w.expect(Elem::F32, "k norm weight")?;
+        let d = layout.head_dim;
+        args::qk_norm(qkv.len, q_w.len, k_w.len, rows, layout)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        ensure!(rows <= i32::MAX as usize, "qk_norm: too many rows");
+        self.launch(
+            "qk_norm_f32",
+            [
+                rows as u32,
+                u32_arg(layout.num_heads + layout.num_kv_heads, "heads")?.bits() as u32,
+                1,
+            ],
+            [self.norm_threads(d), 1, 1],
+            0,
+            &[
+                Arg::P(qkv.ptr()),
+                Arg::P(q_w.ptr()),
+                Arg::P(k_w.ptr()),
+                u32_arg(layout.num_heads, "heads")?,
+                u32_arg(d, "head_dim")?,
+                u32_arg(layout.row_len(), "row length")?,
+                Arg::F(eps),
+            ],
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn add_rms_norm_op(
+        &self,
+        x: &mut GpuBuf<R>,
+        y: &GpuBuf<R>,
+        w: &GpuBuf<R>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "add_rms_norm x")?;
+        y.expect(Elem::F32, "add_rms_norm y")?;
+        w.expect(Elem::F32, "add_rms_norm weight")?;
+        args::add_rms_norm(x.len, y.len, w.len, rows, dim, out.len)?;
+        ensure!(rows <= i32::MAX as usize, "add_rms_norm: too many rows");
+        self.launch(
+            "add_rms_norm_f32",
+            [rows as u32, 1, 1],
+            [self.norm_threads(dim), 1, 1],
+            0,
+            &[
+                Arg::P(x.ptr()),
+                Arg::P(y.ptr()),
+                Arg::P(w.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(dim, "dim")?,
+                Arg::F(eps),
+            ],
+        )
+    }
+
+    pub(super) fn layer_norm_op(
+        &self,
+        x: &GpuBuf<R>,
+        w: &GpuBuf<R>,
+        b: &GpuBuf<R>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "layer_norm x")?;
+        w.expect(Elem::F32, "layer_norm weight")?;
+        b.expect(Elem::F32, "layer_norm bias")?;
+        args::layer_norm(x.len, w.len, b.len, rows, dim, out.len)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        ensure!(rows <= i32::MAX as usize, "layer_norm: too many rows");
+        self.launch(
+            "layer_norm_f32",
+            [rows as u32, 1, 1],
+            [self.norm_threads(dim), 1, 1],
+            0,
+            &[
+                Arg::P(x.ptr()),
+                Arg::P(w.ptr()),
+                Arg::P(b.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(dim, "dim")?,
+                Arg::F(eps),
+            ],
+        )
+    }
+}
