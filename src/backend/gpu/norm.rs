@@ -6,6 +6,13 @@ use crate::backend::{QkvLayout, args};
 use anyhow::{Result, ensure};
 
 impl<R: GpuRuntime> GpuBackend<R> {
+    /// A norm kernel's launch: one block per row of `dim` values.
+    fn row_launch(&self, name: &str, rows: usize, dim: usize, args: &[Arg]) -> Result<()> {
+        ensure!(rows <= i32::MAX as usize, "{name}: too many rows");
+        let threads = self.norm_threads(dim);
+        self.launch(name, [rows as u32, 1, 1], [threads, 1, 1], 0, args)
+    }
+
     pub(super) fn rms_norm_op(
         &self,
         x: &GpuBuf<R>,
@@ -19,12 +26,10 @@ impl<R: GpuRuntime> GpuBackend<R> {
         x.expect(Elem::F32, "rms_norm x")?;
         w.expect(Elem::F32, "rms_norm weight")?;
         args::rms_norm(x.len, w.len, rows, dim, out.len)?;
-        ensure!(rows <= i32::MAX as usize, "rms_norm: too many rows");
-        self.launch(
+        self.row_launch(
             "rms_norm_f32",
-            [rows as u32, 1, 1],
-            [self.norm_threads(dim), 1, 1],
-            0,
+            rows,
+            dim,
             &[
                 Arg::P(x.ptr()),
                 Arg::P(w.ptr()),
@@ -91,12 +96,10 @@ impl<R: GpuRuntime> GpuBackend<R> {
         y.expect(Elem::F32, "add_rms_norm y")?;
         w.expect(Elem::F32, "add_rms_norm weight")?;
         args::add_rms_norm(x.len, y.len, w.len, rows, dim, out.len)?;
-        ensure!(rows <= i32::MAX as usize, "add_rms_norm: too many rows");
-        self.launch(
+        self.row_launch(
             "add_rms_norm_f32",
-            [rows as u32, 1, 1],
-            [self.norm_threads(dim), 1, 1],
-            0,
+            rows,
+            dim,
             &[
                 Arg::P(x.ptr()),
                 Arg::P(y.ptr()),
@@ -123,15 +126,10 @@ impl<R: GpuRuntime> GpuBackend<R> {
         w.expect(Elem::F32, "layer_norm weight")?;
         b.expect(Elem::F32, "layer_norm bias")?;
         args::layer_norm(x.len, w.len, b.len, rows, dim, out.len)?;
-        if rows == 0 {
-            return Ok(());
-        }
-        ensure!(rows <= i32::MAX as usize, "layer_norm: too many rows");
-        self.launch(
+        self.row_launch(
             "layer_norm_f32",
-            [rows as u32, 1, 1],
-            [self.norm_threads(dim), 1, 1],
-            0,
+            rows,
+            dim,
             &[
                 Arg::P(x.ptr()),
                 Arg::P(w.ptr()),

@@ -1,5 +1,5 @@
 //! The tokenizer stored in GGUF metadata: byte-level BPE (`gpt2`, with llama.cpp's
-//! pre-tokenizer types) or SentencePiece (`llama`, see `models/spm.rs`), the chat template and
+//! pre-tokenizer types) or SentencePiece (`llama`, see `tokenizer/spm.rs`), the chat template and
 //! the special tokens.
 
 use super::{GgufFile, GgufValue, in_file};

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Makes the dequantization fixtures for src/models/gguf.rs.
+"""Makes the dequantization fixtures for src/models/gguf/ (the GGUF reader).
 
 For every GGML type that Pagoda dequantizes, writes
   <TYPE>.blocks  a few blocks of random bytes (f16 scale fields set to random finite values in [-2, 2])
