@@ -8,14 +8,12 @@
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
-use super::loader::WeightSource;
 use super::shard::Lin::{File, Have};
-use super::shard::{Head, Lin, Shard};
-use super::stack::{Family, Stack};
+use super::shard::{Head, Lin};
+use super::stack::{Family, Load, Stack};
 use super::{Norm, Uploader, attend};
 use crate::backend::{Backend, DeviceBatch};
-use crate::parallel::Placement;
-use crate::tensor::{DType, HostTensor, WeightDtype};
+use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
@@ -186,26 +184,16 @@ pub struct Falcon<B: Backend> {
 }
 
 impl<B: Backend> Falcon<B> {
-    /// Uploads the weights of one worker's shard (`place`; [`Placement::single`]: all of
-    /// them). `max_positions` bounds the RoPE tables (the max model length).
-    pub fn load(
-        backend: &B,
-        cfg: &ModelConfig,
-        src: &dyn WeightSource,
-        dtype: WeightDtype,
-        max_positions: usize,
-        place: Placement<B>,
-        progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<Self> {
-        let c = cfg;
+    /// Uploads the weights of one worker's shard ([`Load`]).
+    pub fn load(ld: Load<'_, B>, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+        let (c, backend, max_positions) = (ld.cfg, ld.backend, ld.max_positions);
         let (h, hkv, d, hid, f) = c.layer_sizes();
         if !c.tie_word_embeddings {
             bail!("Falcon with an untied lm_head is not supported");
         }
         let bias = flag(c, "bias");
-        let sh = Shard::new(c, &place)?;
-        let total = place.layers.len() + 2;
-        let mut up = Uploader::new(backend, src, dtype);
+        let (sh, mut up, total) = ld.start()?;
+        let place = ld.place;
         let embed = match place.first_stage() || place.last_stage() {
             true => Some(sh.vocab_table(
                 &mut up,

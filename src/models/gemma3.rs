@@ -10,14 +10,12 @@
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
-use super::loader::WeightSource;
+use super::shard::Head;
 use super::shard::Lin::File;
-use super::shard::{Head, Shard};
-use super::stack::{Family, Stack};
+use super::stack::{Family, Load, Stack};
 use super::{Norm, Uploader, attend};
 use crate::backend::{Backend, DeviceBatch};
-use crate::parallel::Placement;
-use crate::tensor::{DType, HostTensor, WeightDtype};
+use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
@@ -217,22 +215,12 @@ fn plus_one(mut t: HostTensor) -> HostTensor {
 }
 
 impl<B: Backend> Gemma3<B> {
-    /// Uploads the weights of one worker's shard (`place`; [`Placement::single`]: all of
-    /// them). `max_positions` bounds the RoPE tables (the max model length).
-    pub fn load(
-        backend: &B,
-        cfg: &ModelConfig,
-        src: &dyn WeightSource,
-        dtype: WeightDtype,
-        max_positions: usize,
-        place: Placement<B>,
-        progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<Self> {
-        let c = cfg;
+    /// Uploads the weights of one worker's shard ([`Load`]).
+    pub fn load(ld: Load<'_, B>, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+        let (c, backend, max_positions) = (ld.cfg, ld.backend, ld.max_positions);
         let (h, hkv, d, hid, f) = c.layer_sizes();
-        let sh = Shard::new(c, &place)?;
-        let total = place.layers.len() + 2;
-        let mut up = Uploader::new(backend, src, dtype);
+        let (sh, mut up, total) = ld.start()?;
+        let place = ld.place;
         let norm = |up: &mut Uploader<B>, name: &str, dim: usize| -> Result<B::Buf> {
             let t = plus_one(up.fetch(name, &[dim])?);
             up.upload(&t, DType::F32)

@@ -8,14 +8,12 @@
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
-use super::loader::WeightSource;
+use super::shard::Head;
 use super::shard::Lin::Have;
-use super::shard::{Head, Shard};
-use super::stack::{Family, Stack};
+use super::stack::{Family, Load, Stack};
 use super::{Norm, Uploader, Weight, attend};
 use crate::backend::{Backend, DeviceBatch};
-use crate::parallel::Placement;
-use crate::tensor::{DType, HostTensor, WeightDtype};
+use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
@@ -131,18 +129,9 @@ pub struct Gpt2<B: Backend> {
 }
 
 impl<B: Backend> Gpt2<B> {
-    /// Uploads the weights of one worker's shard (`place`; [`Placement::single`]: all of
-    /// them).
-    pub fn load(
-        backend: &B,
-        cfg: &ModelConfig,
-        src: &dyn WeightSource,
-        dtype: WeightDtype,
-        max_positions: usize,
-        place: Placement<B>,
-        progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<Self> {
-        let c = cfg;
+    /// Uploads the weights of one worker's shard ([`Load`]).
+    pub fn load(ld: Load<'_, B>, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+        let (c, _backend, max_positions) = (ld.cfg, ld.backend, ld.max_positions);
         let (hid, f) = (c.hidden_size, c.intermediate_size);
         let q = c.num_heads * c.head_dim;
         if q != hid || c.num_kv_heads != c.num_heads {
@@ -157,9 +146,8 @@ impl<B: Backend> Gpt2<B> {
         if !c.tie_word_embeddings {
             bail!("GPT-2 with an untied lm_head is not supported");
         }
-        let sh = Shard::new(c, &place)?;
-        let total = place.layers.len() + 2;
-        let mut up = Uploader::new(backend, src, dtype);
+        let (sh, mut up, total) = ld.start()?;
+        let place = ld.place;
         // NOTE: wte is the head too: the first and the last stage have it.
         let wte = match place.first_stage() || place.last_stage() {
             true => Some(sh.vocab_table(&mut up, "transformer.wte.weight", hid, c.vocab_size)?),

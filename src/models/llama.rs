@@ -8,14 +8,12 @@
 use super::config::{Fields, ModelConfig};
 use super::gguf::GgufFile;
 use super::kv_cache::KvCache;
-use super::loader::WeightSource;
 use super::shard::Lin::File;
-use super::shard::{Head, Lin, Shard};
-use super::stack::{Family, Stack};
-use super::{Norm, Uploader, attend};
+use super::shard::{Head, Lin};
+use super::stack::{Family, Load, Stack};
+use super::{Norm, attend};
 use crate::backend::{Backend, DeviceBatch};
-use crate::parallel::Placement;
-use crate::tensor::{DType, WeightDtype};
+use crate::tensor::DType;
 use anyhow::{Result, bail};
 use serde_json::Value;
 
@@ -102,22 +100,12 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
 }
 
 impl<B: Backend> Llama<B> {
-    /// Uploads the weights of one worker's shard (`place`; [`Placement::single`]: all of
-    /// them). `max_positions` bounds the RoPE tables (the max model length).
-    pub fn load(
-        backend: &B,
-        cfg: &ModelConfig,
-        src: &dyn WeightSource,
-        dtype: WeightDtype,
-        max_positions: usize,
-        place: Placement<B>,
-        progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<Self> {
-        let c = cfg;
+    /// Uploads the weights of one worker's shard ([`Load`]).
+    pub fn load(ld: Load<'_, B>, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+        let (c, backend, max_positions) = (ld.cfg, ld.backend, ld.max_positions);
         let (h, hkv, d, hid, f) = c.layer_sizes();
-        let sh = Shard::new(c, &place)?;
-        let total = place.layers.len() + 2;
-        let mut up = Uploader::new(backend, src, dtype);
+        let (sh, mut up, total) = ld.start()?;
+        let place = ld.place;
         let embed = if place.first_stage() || (c.tie_word_embeddings && place.last_stage()) {
             Some(sh.vocab_table(&mut up, "model.embed_tokens.weight", hid, c.vocab_size)?)
         } else {

@@ -14,6 +14,7 @@ use super::gguf::{GgufFile, GgufTensorName};
 use super::gpt2::Gpt2;
 use super::llama::Llama;
 use super::loader::WeightSource;
+use super::stack::Load;
 use crate::backend::Backend;
 use crate::parallel::Placement;
 use crate::tensor::WeightDtype;
@@ -204,13 +205,20 @@ pub fn load_shard<B: Backend>(
     place: Placement<B>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn CausalLm<B>>> {
-    let (b, c, s, d, m) = (backend, cfg, src, dtype, max_positions);
+    let ld = Load {
+        backend,
+        cfg,
+        src,
+        dtype,
+        max_positions,
+        place,
+    };
     Ok(match cfg.arch {
-        Arch::Gemma3 => Box::new(Gemma3::load(b, c, s, d, m, place, progress)?),
-        Arch::Gpt2 => Box::new(Gpt2::load(b, c, s, d, m, place, progress)?),
-        Arch::Falcon => Box::new(Falcon::load(b, c, s, d, m, place, progress)?),
+        Arch::Gemma3 => Box::new(Gemma3::load(ld, progress)?),
+        Arch::Gpt2 => Box::new(Gpt2::load(ld, progress)?),
+        Arch::Falcon => Box::new(Falcon::load(ld, progress)?),
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => {
-            Box::new(Llama::load(b, c, s, d, m, place, progress)?)
+            Box::new(Llama::load(ld, progress)?)
         }
     })
 }

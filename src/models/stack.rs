@@ -4,13 +4,37 @@
 
 use super::config::ModelConfig;
 use super::kv_cache::{KvCache, LayerKvSpec};
+use super::loader::WeightSource;
 use super::shard::{self, Head, Shard, stage_input, stage_output};
-use super::{CausalLm, Norm, check_positions};
+use super::{CausalLm, Norm, Uploader, check_positions};
 use crate::backend::{Backend, DeviceBatch, QkvLayout};
 use crate::parallel::Placement;
-use crate::tensor::WeightStats;
+use crate::tensor::{WeightDtype, WeightStats};
 use anyhow::Result;
 use std::ops::Range;
+
+/// What loading one worker's shard of a family's model starts from.
+pub struct Load<'a, B: Backend> {
+    pub backend: &'a B,
+    pub cfg: &'a ModelConfig,
+    pub src: &'a dyn WeightSource,
+    /// The type to store the weights in (`auto`: as the file stores them).
+    pub dtype: WeightDtype,
+    /// Bounds the RoPE tables (the max model length).
+    pub max_positions: usize,
+    /// This worker's layers, heads and vocabulary ([`Placement::single`]: all of them).
+    pub place: Placement<B>,
+}
+
+impl<'a, B: Backend> Load<'a, B> {
+    /// This worker's shard of the sizes, an uploader over the source, and the steps the
+    /// progress counts (the embedding, each layer, the head).
+    pub fn start(&self) -> Result<(Shard, Uploader<'a, B>, usize)> {
+        let shard = Shard::new(self.cfg, &self.place)?;
+        let up = Uploader::new(self.backend, self.src, self.dtype);
+        Ok((shard, up, self.place.layers.len() + 2))
+    }
+}
 
 /// A model's parts that are not its layers.
 pub struct Stack<B: Backend> {
