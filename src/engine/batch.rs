@@ -3,7 +3,7 @@
 //! (a token chosen where the logits are, or the row brought to the host).
 
 use super::Engine;
-use super::request::*;
+use super::request::{PendingStep, banned_tokens};
 use crate::backend::BatchInput;
 use crate::kv::NULL_BLOCK;
 use crate::sampling::RowSampling;

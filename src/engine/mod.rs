@@ -32,7 +32,9 @@ use crate::tokenizer::{ChatMessage, Tokenizer};
 use anyhow::{Context, Result};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
-use request::*;
+use request::{
+    Group, PendingStep, Ranked, RequestState, bad_word_ids, compute_masks, constrained_matchers,
+};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -3,7 +3,9 @@
 //! kept, the scheduler told what finished, and the callers' [`StepOutput`]s made (`best_of`
 //! samples ranked once all have ended).
 
-use super::request::*;
+use super::request::{
+    Masked, PendingStep, PromptLogprob, StepOutput, banned_tokens, prompt_logprob,
+};
 use super::{Engine, StepResult};
 use crate::sampling::{Choice, Restrict, sampler::sample_restricted, token_logprob};
 use crate::sched::{FinishReason, RequestId};

@@ -2,8 +2,14 @@
 //! template, tools and tool calls, `continue_final_message`; one JSON response or a stream.
 
 use super::error::ApiError;
-use super::params::*;
-use super::response::*;
+use super::params::{
+    UNSUPPORTED, UNSUPPORTED_CHAT, check_accepting, check_model, check_stream_best_of,
+    check_stream_options, check_stream_prompt_logprobs, check_text_len, from_json,
+    name_structured_field, read_json, refuse_unsupported, sampling_params, structured_output,
+};
+use super::response::{
+    blocking, call_id, chat_logprobs, collect, finish_str, prompt_logprobs_json, submit, unix_now,
+};
 use super::state::{AppState, St};
 use super::streaming::{self, ChatStream};
 use super::types::*;

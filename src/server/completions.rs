@@ -2,8 +2,16 @@
 //! `echo`, legacy log-probs; one JSON response or a stream.
 
 use super::error::ApiError;
-use super::params::*;
-use super::response::*;
+use super::params::{
+    PromptIn, UNSUPPORTED, check_accepting, check_model, check_stream_best_of,
+    check_stream_options, check_stream_prompt_logprobs, check_text_len, from_json,
+    name_structured_field, parse_prompts, read_json, refuse_unsupported, sampling_params,
+    structured_output,
+};
+use super::response::{
+    TextOffsets, blocking, collect, completion_logprobs, echo_logprobs_of, finish_str,
+    prompt_logprobs_json, submit, unix_now,
+};
 use super::state::{AppState, St};
 use super::streaming::{self, CompletionStream};
 use super::types::*;

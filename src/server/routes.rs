@@ -11,8 +11,8 @@
 use super::chat::{chat_completions, chat_input};
 use super::completions::completions;
 use super::error::ApiError;
-use super::params::*;
-use super::response::*;
+use super::params::{check_model, check_text_len, parse_body};
+use super::response::blocking;
 use super::state::{AppState, St};
 use super::types::*;
 use axum::body::Bytes;
