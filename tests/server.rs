@@ -255,6 +255,12 @@ fn stop_strings_and_seeds() {
     let v = completion(b);
     assert_eq!(v["choices"][0]["text"], &text[..cut]);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // vLLM's stop_reason: which stop string ended it; null when none did.
+    assert_eq!(v["choices"][0]["stop_reason"], stop.as_str());
+    assert_eq!(
+        completion(base.clone())["choices"][0]["stop_reason"],
+        Value::Null
+    );
 
     let sampled = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 1234, "ignore_eos": true});
     let a = completion(sampled.clone());
@@ -700,6 +706,172 @@ fn unsupported_fields_are_refused_by_name() {
 
 /// The routes that do work need the key; unknown `/v1` routes say 401 before 404; a wrong
 /// method gets a body; embeddings are a 400.
+/// Anthropic's Messages API on the wire: the key as `x-api-key`, the reply's blocks and usage
+/// (the chat route's text for the same conversation), events named by their type, the stop
+/// sequence told, count_tokens, errors in Anthropic's shape. (The official SDK runs against it
+/// in tests/python/test_anthropic_client.py.)
+#[test]
+fn anthropic_messages_on_the_wire() {
+    let addr = server();
+    let messages = json!([{"role": "user", "content": "Name three colours."}]);
+    let body = json!({"model": MODEL, "max_tokens": 12, "temperature": 0, "messages": messages});
+    let send = |path: &str, key: Option<&str>, body: &Value| {
+        let mut h = vec![("anthropic-version", "2023-06-01")];
+        h.extend(key.map(|k| ("x-api-key", k)));
+        request(
+            addr,
+            "POST",
+            path,
+            &h,
+            Some(&serde_json::to_vec(body).unwrap()),
+        )
+    };
+    let r = send("/v1/messages", Some(KEY), &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let m = r.json();
+    assert_eq!(
+        (&m["type"], &m["role"]),
+        (&json!("message"), &json!("assistant"))
+    );
+    assert_eq!(m["content"][0]["type"], "text");
+    let text = m["content"][0]["text"].as_str().unwrap().to_string();
+    let c = chat(json!({"model": MODEL, "max_tokens": 12, "temperature": 0, "messages": messages}));
+    assert_eq!(
+        text,
+        c["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert_eq!(m["usage"]["input_tokens"], c["usage"]["prompt_tokens"]);
+    assert_eq!(m["usage"]["output_tokens"], c["usage"]["completion_tokens"]);
+    let finish = c["choices"][0]["finish_reason"].as_str().unwrap();
+    let reason = if finish == "length" {
+        "max_tokens"
+    } else {
+        "end_turn"
+    };
+    assert_eq!(m["stop_reason"], reason);
+
+    // The stream: `event: TYPE` then `data: {"type": TYPE, ...}`, in Anthropic's order.
+    let mut b = body.clone();
+    b["stream"] = json!(true);
+    let r = send("/v1/messages", Some(KEY), &b);
+    assert_eq!(r.status, 200);
+    let raw = r.text();
+    let events: Vec<(String, Value)> = raw
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').unwrap();
+            let name = name.strip_prefix("event: ").unwrap().to_string();
+            (
+                name,
+                serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap(),
+            )
+        })
+        .collect();
+    for (name, data) in &events {
+        assert_eq!(data["type"], name.as_str(), "{raw}");
+    }
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names[..3],
+        ["message_start", "ping", "content_block_start"],
+        "{raw}"
+    );
+    assert_eq!(
+        names[names.len() - 3..],
+        ["content_block_stop", "message_delta", "message_stop"]
+    );
+    assert!(
+        names[3..names.len() - 3]
+            .iter()
+            .all(|&n| n == "content_block_delta")
+    );
+    let streamed: String = events
+        .iter()
+        .filter_map(|(_, d)| d["delta"]["text"].as_str())
+        .collect();
+    assert_eq!(streamed, text);
+    let delta = &events[events.len() - 2].1;
+    assert_eq!(delta["delta"]["stop_reason"], reason);
+    assert_eq!(delta["usage"]["output_tokens"], m["usage"]["output_tokens"]);
+    assert_eq!(
+        events[0].1["message"]["usage"]["input_tokens"],
+        m["usage"]["input_tokens"]
+    );
+
+    // A stop sequence is told.
+    let stop: String = text.chars().skip(4).take(3).collect();
+    let mut b = body.clone();
+    b["stop_sequences"] = json!([stop]);
+    let s = send("/v1/messages", Some(KEY), &b).json();
+    assert_eq!(s["content"][0]["text"], &text[..text.find(&stop).unwrap()]);
+    assert_eq!(
+        (&s["stop_reason"], &s["stop_sequence"]),
+        (&json!("stop_sequence"), &json!(stop))
+    );
+
+    let n = send(
+        "/v1/messages/count_tokens",
+        Some(KEY),
+        &json!({"model": MODEL, "messages": messages}),
+    );
+    assert_eq!(n.json()["input_tokens"], m["usage"]["input_tokens"]);
+
+    // Errors in Anthropic's shape.
+    let anthropic_error = |r: HttpResponse, status: u16, kind: &str| {
+        assert_eq!(r.status, status, "{}", r.text());
+        let v = r.json();
+        assert_eq!(
+            (&v["type"], &v["error"]["type"]),
+            (&json!("error"), &json!(kind)),
+            "{v}"
+        );
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    };
+    anthropic_error(
+        send("/v1/messages", None, &body),
+        401,
+        "authentication_error",
+    );
+    anthropic_error(
+        send("/v1/messages", Some("wrong"), &body),
+        401,
+        "authentication_error",
+    );
+    let no_max = json!({"model": MODEL, "messages": messages});
+    anthropic_error(
+        send("/v1/messages", Some(KEY), &no_max),
+        400,
+        "invalid_request_error",
+    );
+    let mut b = body.clone();
+    b["model"] = json!("nope");
+    anthropic_error(send("/v1/messages", Some(KEY), &b), 404, "not_found_error");
+    let mut b = body.clone();
+    b["thinking"] = json!({"type": "enabled", "budget_tokens": 1024});
+    anthropic_error(
+        send("/v1/messages", Some(KEY), &b),
+        400,
+        "invalid_request_error",
+    );
+    let mut b = body.clone();
+    b["tool_choice"] = json!({"type": "any"});
+    anthropic_error(
+        send("/v1/messages", Some(KEY), &b),
+        400,
+        "invalid_request_error",
+    );
+    // The OpenAI routes take the key as x-api-key too.
+    assert_eq!(
+        request(addr, "GET", "/v1/models", &[("x-api-key", KEY)], None).status,
+        200
+    );
+}
+
 #[test]
 fn routes_keys_and_methods() {
     let addr = server();

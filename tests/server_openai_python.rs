@@ -1,8 +1,8 @@
-//! The official `openai` Python package against `pagoda serve` (the real binary) on SmolLM2
-//! (tests/python/test_openai_client.py) and on Qwen2.5-Coder for tool calling
-//! (tests/python/test_openai_tools.py), run with pytest from a virtual environment under
-//! `$PAGODA_CACHE` (created, and `openai` and `pytest` installed into it, on first use). Then
-//! SIGTERM must stop the server cleanly.
+//! The official `openai` and `anthropic` Python packages against `pagoda serve` (the real
+//! binary) on SmolLM2 (tests/python/test_openai_client.py, test_anthropic_client.py) and on
+//! Qwen2.5-Coder for tool calling (test_openai_tools.py, test_anthropic_tools.py), run with
+//! pytest from a virtual environment under `$PAGODA_CACHE` (created, and the clients and
+//! `pytest` installed into it, on first use). Then SIGTERM must stop the server cleanly.
 
 mod common;
 
@@ -31,8 +31,8 @@ fn run(cmd: &mut Command) {
     assert!(status.success(), "{cmd:?} failed: {status}");
 }
 
-/// A virtual environment with `openai`, `pytest` and `jsonschema` (which validates structured
-/// output independently of the engine's grammar compiler).
+/// A virtual environment with `openai`, `anthropic`, `pytest` and `jsonschema` (which validates
+/// structured output independently of the engine's grammar compiler).
 fn venv() -> PathBuf {
     // NOTE: the tests of this file run at once; the first makes the environment while the
     // other waits (two `python3 -m venv` into one folder fail).
@@ -42,7 +42,7 @@ fn venv() -> PathBuf {
     let python = dir.join("bin/python");
     let ready = |p: &Path| {
         Command::new(p)
-            .args(["-c", "import openai, pytest, jsonschema"])
+            .args(["-c", "import openai, anthropic, pytest, jsonschema"])
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
@@ -56,12 +56,13 @@ fn venv() -> PathBuf {
             "--quiet",
             "--disable-pip-version-check",
             "openai>=1.40",
+            "anthropic>=0.40",
             "pytest",
             "jsonschema",
         ]));
         assert!(
             ready(&python),
-            "openai, pytest and jsonschema do not import after pip install"
+            "openai, anthropic, pytest and jsonschema do not import after pip install"
         );
     }
     python
@@ -77,9 +78,14 @@ impl Drop for Server {
     }
 }
 
-/// Runs `pagoda serve` on `model` with `extra` flags and the pytest file `test` against it,
+/// Runs `pagoda serve` on `model` with `extra` flags and the pytest files `tests` against it,
 /// then stops the server with SIGTERM, which must end it cleanly; returns the server's log.
-fn serve_and_pytest(model: &Path, served_name: &str, extra: &[&str], test: &str) -> Vec<String> {
+fn serve_and_pytest(
+    model: &Path,
+    served_name: &str,
+    extra: &[&str],
+    tests: &[&str],
+) -> Vec<String> {
     let python = venv();
     let mut child = Command::new(env!("CARGO_BIN_EXE_pagoda"))
         .args(["serve", "--port", "0", "--kv-cache-memory", "256MiB"])
@@ -115,11 +121,11 @@ fn serve_and_pytest(model: &Path, served_name: &str, extra: &[&str], test: &str)
 
     let out = Command::new(&python)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
-        .arg(
+        .args(tests.iter().map(|t| {
             Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("tests/python")
-                .join(test),
-        )
+                .join(t)
+        }))
         .env("PAGODA_BASE_URL", format!("http://{addr}/v1"))
         .env("PAGODA_API_KEY", KEY)
         .env("PAGODA_MODEL", served_name)
@@ -152,7 +158,12 @@ fn serve_and_pytest(model: &Path, served_name: &str, extra: &[&str], test: &str)
 
 #[test]
 fn openai_python_client() {
-    let lines = serve_and_pytest(&model_path(SMOL_GGUF), MODEL, &[], "test_openai_client.py");
+    let lines = serve_and_pytest(
+        &model_path(SMOL_GGUF),
+        MODEL,
+        &[],
+        &["test_openai_client.py", "test_anthropic_client.py"],
+    );
     // One log line per request.
     assert!(
         lines
@@ -163,13 +174,13 @@ fn openai_python_client() {
     );
 }
 
-/// Tool calling with the official client on Qwen2.5-Coder (its template renders tools).
+/// Tool calling with the official clients on Qwen2.5-Coder (its template renders tools).
 #[test]
 fn openai_python_client_tools() {
     serve_and_pytest(
         &model_path(QWEN_GGUF),
         "Qwen2.5-Coder-0.5B-Instruct",
         &["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-        "test_openai_tools.py",
+        &["test_openai_tools.py", "test_anthropic_tools.py"],
     );
 }

@@ -16,6 +16,8 @@ pub struct CompletionOutput {
     /// One entry per generated token when `logprobs` was asked for.
     pub logprobs: Vec<TokenLogprobs>,
     pub finish_reason: Option<FinishReason>,
+    /// The stop string or stop token id that ended it (vLLM's `stop_reason`).
+    pub stop_reason: Option<super::StopReason>,
 }
 
 /// The complete result of one request.
@@ -134,6 +136,7 @@ impl LLM {
                     c.logprobs.extend(o.new_logprobs);
                     if let Some(f) = o.finish_reason {
                         c.finish_reason = Some(f);
+                        c.stop_reason = o.stop_reason;
                         r.finished = r.outputs.iter().all(|c| c.finish_reason.is_some());
                     }
                 }

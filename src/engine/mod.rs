@@ -13,7 +13,7 @@ mod worker;
 mod workers;
 
 pub use llm::{CompletionOutput, LLM, RequestOutput};
-pub use request::{Prompt, PromptLogprob, RequestError, StepOutput, sample_seed};
+pub use request::{Prompt, PromptLogprob, RequestError, StepOutput, StopReason, sample_seed};
 pub use runner::{KvBudget, ModelRunner, StepResult};
 
 use crate::backend::BackendKind;

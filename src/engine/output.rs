@@ -4,7 +4,7 @@
 //! samples ranked once all have ended).
 
 use super::request::{
-    Masked, PendingStep, PromptLogprob, StepOutput, banned_tokens, prompt_logprob,
+    Masked, PendingStep, PromptLogprob, StepOutput, StopReason, banned_tokens, prompt_logprob,
 };
 use super::{Engine, StepResult};
 use crate::sampling::{Choice, Restrict, sampler::sample_restricted, token_logprob};
@@ -198,8 +198,18 @@ impl Engine {
             } else {
                 None
             };
+            let stop_reason = match st.stop.matched() {
+                Some(m) => Some(StopReason::Text(m.to_string())),
+                None if finish == Some(FinishReason::Stop)
+                    && st.params.stop_token_ids.contains(&ev.token) =>
+                {
+                    Some(StopReason::Token(ev.token))
+                }
+                None => None,
+            };
             let out = StepOutput {
                 prompt_logprobs,
+                stop_reason,
                 request_id: st.group,
                 index: st.index,
                 new_token_ids: vec![ev.token],
@@ -242,6 +252,7 @@ impl Engine {
                     k.new_text.push_str(&out.new_text);
                     k.new_logprobs.extend(out.new_logprobs);
                     k.finish_reason = out.finish_reason;
+                    k.stop_reason = out.stop_reason;
                     k.num_output_tokens = out.num_output_tokens;
                     *score = cum_logprob;
                 }

@@ -118,8 +118,20 @@ pub struct StepOutput {
     /// after the first (which nothing predicts).
     pub prompt_logprobs: Option<Vec<PromptLogprob>>,
     pub finish_reason: Option<FinishReason>,
+    /// What ended a completion that finished with `Stop` (vLLM's `stop_reason`): `None` for
+    /// the model's end of sequence or a complete grammar.
+    pub stop_reason: Option<StopReason>,
     pub num_prompt_tokens: usize,
     pub num_output_tokens: usize,
+}
+
+/// A stop the request asked for, which ended a completion.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StopReason {
+    /// One of `stop` (the text ends right before it).
+    Text(String),
+    /// One of `stop_token_ids`.
+    Token(u32),
 }
 
 /// How likely the model found one prompt token, given the tokens before it.

@@ -20,7 +20,8 @@
 pub struct StopChecker {
     stops: Vec<String>,
     held: String,
-    stopped: bool,
+    /// The stop string found (its index in `stops`).
+    matched: Option<usize>,
 }
 
 impl StopChecker {
@@ -30,19 +31,24 @@ impl StopChecker {
         Self {
             stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
             held: String::new(),
-            stopped: false,
+            matched: None,
         }
     }
 
     /// Whether a stop string was found.
     pub fn stopped(&self) -> bool {
-        self.stopped
+        self.matched.is_some()
+    }
+
+    /// The stop string that was found.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
     }
 
     /// Adds new text; returns the text now safe to emit and whether a stop string was found
     /// (then the emitted text ends right before it, and later pushes emit nothing).
     pub fn push(&mut self, delta: &str) -> (String, bool) {
-        if self.stopped {
+        if self.stopped() {
             return (String::new(), true);
         }
         if self.stops.is_empty() {
@@ -52,18 +58,18 @@ impl StopChecker {
         // NOTE: no stop string lies entirely inside what was held before (the previous push
         // would have found it) nor starts in what was emitted (the held suffix would then have
         // been longer), so searching `held` finds exactly the new occurrences.
-        let mut first: Option<(usize, usize)> = None; // (end, start)
-        for s in &self.stops {
+        let mut first: Option<(usize, usize, usize)> = None; // (end, start, which)
+        for (i, s) in self.stops.iter().enumerate() {
             if let Some(start) = self.held.find(s.as_str()) {
-                let found = (start + s.len(), start);
+                let found = (start + s.len(), start, i);
                 if first.is_none_or(|f| found < f) {
                     first = Some(found);
                 }
             }
         }
-        if let Some((_, start)) = first {
+        if let Some((_, start, which)) = first {
             self.held.truncate(start);
-            self.stopped = true;
+            self.matched = Some(which);
             return (std::mem::take(&mut self.held), true);
         }
         let keep = self.partial_suffix_len();
@@ -174,6 +180,13 @@ mod tests {
         assert_eq!(run(&["cd", "abcdef"], &["abc", "def"]).0, "ab");
         assert_eq!(run(&["d", "bcd"], &["abcde"]).0, "a");
         assert_eq!(run(&["END", "STOP"], &["one S", "TOP two END"]).0, "one ");
+        // The stop string found is told (Anthropic's `stop_sequence`, vLLM's `stop_reason`).
+        let mut c = checker(&["END", "STOP"]);
+        assert_eq!(c.matched(), None);
+        c.push("one S");
+        assert_eq!(c.matched(), None);
+        c.push("TOP two END");
+        assert_eq!(c.matched(), Some("STOP"));
         // After stopping, nothing more is emitted.
         let mut c = checker(&["x"]);
         assert_eq!(c.push("ax"), ("a".to_string(), true));

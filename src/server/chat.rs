@@ -8,7 +8,8 @@ use super::params::{
     name_structured_field, read_json, refuse_unsupported, sampling_params, structured_output,
 };
 use super::response::{
-    blocking, call_id, chat_logprobs, collect, finish_str, prompt_logprobs_json, submit, unix_now,
+    blocking, call_id, chat_logprobs, collect, finish_str, prompt_logprobs_json, stop_reason_json,
+    submit, unix_now,
 };
 use super::state::{AppState, St};
 use super::streaming::{self, ChatStream};
@@ -141,7 +142,7 @@ pub(super) struct ChatRender {
 }
 
 impl ChatRender {
-    fn new(
+    pub(super) fn new(
         messages: &[ChatMessage],
         add_generation_prompt: Option<bool>,
         continue_final_message: Option<bool>,
@@ -192,6 +193,34 @@ impl ChatRender {
         }
         Ok(text)
     }
+}
+
+/// The prompt's token ids: the conversation rendered with the chat template (and the tools),
+/// refused when it renders to more text than the model's context can hold.
+pub(super) async fn encode_chat(
+    st: &AppState,
+    messages: Vec<ChatMessage>,
+    render: ChatRender,
+    tools: Option<Vec<Value>>,
+) -> Result<Vec<u32>, ApiError> {
+    let tok = st.tokenizer.clone();
+    let max_bytes = st.max_prompt_bytes;
+    let max_len = st.max_model_len;
+    blocking(st, move || {
+        let text = render.apply(&tok, &messages, tools.as_deref())?;
+        if text.len() > max_bytes {
+            return Err(ApiError::invalid(
+                format!(
+                    "the conversation renders to {} bytes: more tokens than the model's context of {max_len} tokens can hold",
+                    text.len()
+                ),
+                Some("messages"),
+            ));
+        }
+        tok.encode(&text)
+            .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("messages")))
+    })
+    .await
 }
 
 pub(super) async fn chat_completions(
@@ -284,25 +313,8 @@ pub(super) async fn chat_inner(
             Some("echo"),
         ));
     }
-    let tok = st.tokenizer.clone();
-    let max_bytes = st.max_prompt_bytes;
-    let max_len = st.max_model_len;
     let rendered_tools = (!raw_tools.is_empty()).then_some(raw_tools);
-    let ids = blocking(&st, move || {
-        let text = render.apply(&tok, &messages, rendered_tools.as_deref())?;
-        if text.len() > max_bytes {
-            return Err(ApiError::invalid(
-                format!(
-                    "the conversation renders to {} bytes: more tokens than the model's context of {max_len} tokens can hold",
-                    text.len()
-                ),
-                Some("messages"),
-            ));
-        }
-        tok.encode(&text)
-            .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("messages")))
-    })
-    .await?;
+    let ids = encode_chat(&st, messages, render, rendered_tools).await?;
     let id = st.new_id("chatcmpl");
     let (mut rx, mut guard) = submit(
         &st,
@@ -386,6 +398,7 @@ pub(super) async fn chat_inner(
                         .collect(),
                 },
                 finish_reason: finish,
+                stop_reason: stop_reason_json(c.stop_reason.as_ref()),
             }
         })
         .collect();

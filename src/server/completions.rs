@@ -10,7 +10,7 @@ use super::params::{
 };
 use super::response::{
     TextOffsets, blocking, collect, completion_logprobs, echo_logprobs_of, finish_str,
-    prompt_logprobs_json, submit, unix_now,
+    prompt_logprobs_json, stop_reason_json, submit, unix_now,
 };
 use super::state::{AppState, St};
 use super::streaming::{self, CompletionStream};
@@ -220,6 +220,7 @@ pub(super) async fn completions_inner(
                 text: echo_text + &c.text,
                 logprobs,
                 finish_reason: finish_str(c.finish),
+                stop_reason: stop_reason_json(c.stop_reason.as_ref()),
                 prompt_logprobs: sampling
                     .prompt_logprobs
                     .map(|_| prompt_logprobs_json(&st.tokenizer, scored)),

@@ -51,7 +51,7 @@ impl ApiError {
     pub fn unauthorized() -> Self {
         ApiError {
             status: StatusCode::UNAUTHORIZED,
-            message: "Incorrect or missing API key: send the header 'Authorization: Bearer KEY'"
+            message: "Incorrect or missing API key: send the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
                 .into(),
             kind: "invalid_request_error",
             param: None,

@@ -11,6 +11,7 @@
 //! [`serve`] is the command line's: it runs until SIGINT or SIGTERM, then stops accepting, lets
 //! running requests finish within the grace period, and returns.
 
+mod anthropic;
 mod chat;
 mod completions;
 mod error;

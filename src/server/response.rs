@@ -7,7 +7,7 @@ use super::error::ApiError;
 use super::state::AppState;
 use super::types::*;
 use super::worker::{AddError, Command, Event, EventKind, SubRequest};
-use crate::engine::{Prompt, RequestError};
+use crate::engine::{Prompt, RequestError, StopReason};
 use crate::sampling::TokenLogprobs;
 use crate::sched::{FinishReason, RequestId};
 use crate::tokenizer::Tokenizer;
@@ -189,6 +189,7 @@ pub(super) struct Collected {
     pub(super) logprobs: Vec<TokenLogprobs>,
     pub(super) prompt_logprobs: Option<Vec<crate::engine::PromptLogprob>>,
     pub(super) finish: Option<FinishReason>,
+    pub(super) stop_reason: Option<StopReason>,
     pub(super) prompt_tokens: usize,
     pub(super) output_tokens: usize,
 }
@@ -217,6 +218,7 @@ pub(super) async fn collect(
                 c.output_tokens = o.num_output_tokens;
                 if o.finish_reason.is_some() && c.finish.is_none() {
                     left -= 1;
+                    c.stop_reason = o.stop_reason;
                 }
                 c.finish = c.finish.or(o.finish_reason);
             }
@@ -351,6 +353,14 @@ pub fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprobs]) -> ChatLogprobs {
 
 pub(super) fn finish_str(f: Option<FinishReason>) -> Option<&'static str> {
     f.map(FinishReason::as_str)
+}
+
+/// vLLM's `stop_reason`: the stop string (a JSON string) or stop token id (a number).
+pub(super) fn stop_reason_json(r: Option<&StopReason>) -> Option<Value> {
+    r.map(|r| match r {
+        StopReason::Text(s) => Value::from(s.as_str()),
+        StopReason::Token(t) => Value::from(*t),
+    })
 }
 
 #[cfg(test)]

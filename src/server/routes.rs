@@ -1,5 +1,5 @@
 //! The router: OpenAI's `/v1/models`, `/v1/completions` (`completions.rs`),
-//! `/v1/chat/completions` (`chat.rs`), and vLLM's `/health`, `/version`, `/tokenize`,
+//! `/v1/chat/completions` (`chat.rs`), Anthropic's `/v1/messages` (`anthropic.rs`), and vLLM's `/health`, `/version`, `/tokenize`,
 //! `/detokenize`, `/metrics`; the API key check, and the errors for unknown routes and methods.
 //!
 //! A generating handler parses and checks the body (`params.rs`), tokenizes the prompt (off the
@@ -8,6 +8,7 @@
 //! (`streaming.rs`). An `AbortGuard` aborts the engine requests when the handler (or the stream)
 //! is dropped before the end — which is what happens when the client disconnects.
 
+use super::anthropic;
 use super::chat::{chat_completions, chat_input};
 use super::completions::completions;
 use super::error::ApiError;
@@ -35,6 +36,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -55,23 +58,26 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 async fn require_api_key(State(st): St, req: Request, next: Next) -> Response {
     if !has_key(&st, &req) {
+        if req.uri().path().starts_with("/v1/messages") {
+            return anthropic::error_response(ApiError::unauthorized());
+        }
         return ApiError::unauthorized().into_response();
     }
     next.run(req).await
 }
 
-/// Whether the request carries the server's API key (or none is required).
+/// Whether the request carries the server's API key (or none is required): as OpenAI's
+/// clients send it (`Authorization: Bearer KEY`) or Anthropic's (`x-api-key: KEY`).
 fn has_key(st: &AppState, req: &Request) -> bool {
     let Some(key) = &st.api_key else {
         return true;
     };
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()))
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let bearer = header(header::AUTHORIZATION.as_str()).and_then(|v| v.strip_prefix("Bearer "));
+    [bearer, header("x-api-key")]
+        .into_iter()
+        .flatten()
+        .any(|g| constant_time_eq(g.trim().as_bytes(), key.as_bytes()))
 }
 
 /// Compares without an early exit, so the time taken does not tell how much of a key matched.

@@ -3,7 +3,9 @@
 //! `stream_options.include_usage` asks for it, then `data: [DONE]`.
 
 use super::error::ApiError;
-use super::response::{AbortGuard, TextOffsets, call_id, chat_logprobs, completion_logprobs};
+use super::response::{
+    AbortGuard, TextOffsets, call_id, chat_logprobs, completion_logprobs, stop_reason_json,
+};
 use super::tools::{self, ToolMode};
 use super::types::*;
 use super::worker::{Event, EventKind};
@@ -27,6 +29,18 @@ pub trait ChunkFormat: Send + 'static {
     fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Vec<String>;
     /// The last chunk, with the usage of all sub-requests and no choices.
     fn usage(&mut self, usage: Usage) -> String;
+    /// One chunk as a Server-Sent Event: OpenAI's name no event.
+    fn frame(&self, chunk: &str) -> Bytes {
+        sse(chunk)
+    }
+    /// What follows the last chunk: OpenAI's `data: [DONE]`.
+    fn done(&self) -> Option<Bytes> {
+        Some(sse("[DONE]"))
+    }
+    /// A failure midway, as the stream's last event.
+    fn error(&self, e: &ApiError) -> Bytes {
+        sse(&e.body_json())
+    }
 }
 
 /// A delta carrying tool calls only.
@@ -109,6 +123,7 @@ impl ChunkFormat for CompletionStream {
                         text,
                         logprobs: None,
                         finish_reason: None,
+                        stop_reason: None,
                         prompt_logprobs: None,
                     },
                     usage_null,
@@ -136,6 +151,7 @@ impl ChunkFormat for CompletionStream {
                 text: out.new_text.clone(),
                 logprobs,
                 finish_reason: out.finish_reason.map(|f| f.as_str()),
+                stop_reason: stop_reason_json(out.stop_reason.as_ref()),
                 prompt_logprobs: None,
             },
             usage_null,
@@ -378,7 +394,7 @@ struct StreamState<F> {
     done: bool,
 }
 
-fn sse(data: &str) -> Bytes {
+pub(super) fn sse(data: &str) -> Bytes {
     Bytes::from(format!("data: {data}\n\n"))
 }
 
@@ -396,19 +412,20 @@ impl<F: ChunkFormat> StreamState<F> {
                     self.left -= 1;
                 }
                 for c in self.fmt.output(ev.index, &out, self.include_usage) {
-                    self.pending.push_back(sse(&c));
+                    self.pending.push_back(self.fmt.frame(&c));
                 }
                 if self.left == 0 {
                     self.end();
                 }
             }
-            EventKind::Error(m) => {
-                self.pending
-                    .push_back(sse(&ApiError::internal(m).body_json()));
-                self.pending.push_back(sse("[DONE]"));
-                self.done = true;
-            }
+            EventKind::Error(m) => self.fail(ApiError::internal(m)),
         }
+    }
+
+    fn fail(&mut self, e: ApiError) {
+        self.pending.push_back(self.fmt.error(&e));
+        self.pending.extend(self.fmt.done());
+        self.done = true;
     }
 
     fn end(&mut self) {
@@ -423,9 +440,9 @@ impl<F: ChunkFormat> StreamState<F> {
                     (p + prompt, c + x.1)
                 });
             let u = self.fmt.usage(Usage::new(p, c));
-            self.pending.push_back(sse(&u));
+            self.pending.push_back(self.fmt.frame(&u));
         }
-        self.pending.push_back(sse("[DONE]"));
+        self.pending.extend(self.fmt.done());
         self.guard.disarm();
         self.done = true;
     }
@@ -442,7 +459,11 @@ pub fn response<F: ChunkFormat>(
     include_usage: bool,
     mut fmt: F,
 ) -> Response {
-    let pending = fmt.start(include_usage).iter().map(|c| sse(c)).collect();
+    let pending = fmt
+        .start(include_usage)
+        .iter()
+        .map(|c| fmt.frame(c))
+        .collect();
     let state = StreamState {
         rx,
         guard,
@@ -464,13 +485,7 @@ pub fn response<F: ChunkFormat>(
             }
             match s.rx.recv().await {
                 Some(ev) => s.on_event(ev),
-                None => {
-                    s.pending.push_back(sse(
-                        &ApiError::internal("the engine thread is gone").body_json()
-                    ));
-                    s.pending.push_back(sse("[DONE]"));
-                    s.done = true;
-                }
+                None => s.fail(ApiError::internal("the engine thread is gone")),
             }
         }
     });

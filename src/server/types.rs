@@ -192,6 +192,8 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's `stop_reason`: the stop string or stop token id that ended the choice.
+    pub stop_reason: Option<Value>,
     /// vLLM's `prompt_logprobs`, when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Value>,
@@ -313,6 +315,8 @@ pub struct ChatChoice {
     pub message: ChatMessageOut,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's `stop_reason`: the stop string or stop token id that ended the choice.
+    pub stop_reason: Option<Value>,
 }
 
 #[derive(Debug, Clone, Serialize)]
