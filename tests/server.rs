@@ -656,7 +656,6 @@ fn graceful_shutdown_finishes_running_requests() {
 fn unsupported_fields_are_refused_by_name() {
     let user = json!([{"role": "user", "content": "Hi"}]);
     for (field, value) in [
-        ("guided_whitespace_pattern", json!("[ ]?")),
         ("use_beam_search", json!(true)),
         ("truncate_prompt_tokens", json!(8)),
     ] {
@@ -687,6 +686,42 @@ fn unsupported_fields_are_refused_by_name() {
         json!({"prompt": PROMPT, "max_tokens": 2, "stream_options": {"include_usage": true}}),
     );
     assert_error(&r, 400, Some("stream_options"));
+    // Tools belong to chat; audio output is not generated.
+    for (field, value) in [
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        ("tool_choice", json!("auto")),
+        ("functions", json!([{"name": "f"}])),
+    ] {
+        let mut body = json!({"prompt": PROMPT, "max_tokens": 2});
+        body[field] = value;
+        assert_error(&post("/v1/completions", body), 400, Some(field));
+    }
+    let r = post(
+        "/v1/chat/completions",
+        json!({"messages": user, "max_tokens": 2, "modalities": ["text", "audio"]}),
+    );
+    assert_error(&r, 400, Some("modalities"));
+    // A whitespace option needs a JSON constraint to apply to.
+    let r = post(
+        "/v1/completions",
+        json!({"prompt": PROMPT, "max_tokens": 2, "guided_whitespace_pattern": "[ ]?"}),
+    );
+    assert_error(&r, 400, Some("guided_whitespace_pattern"));
+    // Unknown fields pass (clients send newer fields), named in a header.
+    let r = post(
+        "/v1/completions",
+        json!({"prompt": PROMPT, "max_tokens": 2, "temprature": 0, "user": "u1"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("pagoda-ignored-fields"), Some("temprature, user"));
+    let r = post(
+        "/v1/chat/completions",
+        json!({"messages": user, "max_tokens": 2}),
+    );
+    assert_eq!(r.header("pagoda-ignored-fields"), None);
     // Inert values ask for nothing.
     chat(json!({
         "messages": user, "max_tokens": 2, "echo": false, "tool_choice": "none",

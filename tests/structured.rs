@@ -47,6 +47,28 @@ fn is_person(v: &Value) -> bool {
         && o["age"].as_u64().is_some_and(|a| a <= 150)
 }
 
+/// Whether JSON text is laid out as Python's `json.dumps` writes it: outside strings, no
+/// whitespace but one space after `,` and `:`.
+fn dumps_layout(text: &str) -> bool {
+    let (mut in_string, mut escaped, mut prev) = (false, false, ' ');
+    for c in text.chars() {
+        if in_string {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+        } else if c == '"' {
+            in_string = true;
+        } else if c.is_whitespace() && !(c == ' ' && matches!(prev, ',' | ':')) {
+            return false;
+        }
+        prev = c;
+    }
+    !in_string
+}
+
 #[test]
 fn json_schema_regex_choice_and_grammar() {
     let mut llm = llm();
@@ -71,6 +93,7 @@ fn json_schema_regex_choice_and_grammar() {
             let v: Value = serde_json::from_str(&c.text)
                 .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", c.text));
             assert!(is_person(&v), "{v}");
+            assert!(dumps_layout(&c.text), "{:?}", c.text);
             assert_eq!(c.finish_reason.map(|f| f.as_str()), Some("stop"));
         }
     }
@@ -84,6 +107,14 @@ fn json_schema_regex_choice_and_grammar() {
     let text = &out[0].outputs[0].text;
     let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
     assert!(v.is_object(), "{v}");
+    // NOTE: with free whitespace, this model padded the object with newlines until max_tokens.
+    assert!(dumps_layout(text), "{text:?}");
+    assert_eq!(
+        out[0].outputs[0].finish_reason.map(|f| f.as_str()),
+        Some("stop")
+    );
+    assert!(!dumps_layout("{\n\"a\": 1}") && !dumps_layout("{\"a\" : 1}"));
+    assert!(dumps_layout("{\"a b\": [1, \"x\\\" y\"]}"));
     // A regex: a phone number, whole.
     let out = llm
         .generate(

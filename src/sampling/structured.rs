@@ -46,10 +46,12 @@ impl StructuredOutput {
 
     fn grammar(&self) -> TopLevelGrammar {
         match self {
-            StructuredOutput::Json(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
-            StructuredOutput::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+            StructuredOutput::Json(schema) => {
+                TopLevelGrammar::from_json_schema(with_layout(schema.clone()))
             }
+            StructuredOutput::JsonObject => TopLevelGrammar::from_json_schema(with_layout(
+                serde_json::json!({"type": "object"}),
+            )),
             StructuredOutput::Regex(r) => TopLevelGrammar::from_regex(r),
             StructuredOutput::Choice(choices) => {
                 // NOTE: Lark string literals are JSON strings, so serde_json quotes each choice
@@ -64,6 +66,28 @@ impl StructuredOutput {
         }
     }
 }
+
+/// How generated JSON is laid out: as Python's `json.dumps` writes it (`", "` and `": "`, no
+/// other whitespace), unless the schema sets llguidance's own options under `x-guidance`
+/// (`whitespace_flexible`, `whitespace_pattern`, the separators).
+///
+/// NOTE: llguidance lets any whitespace run between JSON tokens by default, and a small model
+/// then pads its output with newlines until `max_tokens` runs out; vLLM's
+/// `disable_any_whitespace` exists for the same reason.
+pub fn with_layout(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = schema.as_object_mut()
+        && !o.contains_key(LAYOUT_KEY)
+    {
+        o.insert(
+            LAYOUT_KEY.into(),
+            serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
+    }
+    schema
+}
+
+/// Where a JSON schema carries llguidance's compile options.
+pub const LAYOUT_KEY: &str = "x-guidance";
 
 /// The vocabulary as llguidance sees it: each token's bytes in a trie, and the tokenizer for
 /// the text it needs tokenized.

@@ -8,8 +8,8 @@
 use super::chat::{ChatRender, encode_chat};
 use super::error::ApiError;
 use super::params::{
-    check_accepting, check_model, check_text_len, from_json, read_json, refuse_unsupported,
-    sampling_params,
+    check_accepting, check_model, check_text_len, from_json, ignored_fields, read_json,
+    refuse_unsupported, sampling_params, with_ignored,
 };
 use super::response::{Collected, collect, submit};
 use super::state::{AppState, St};
@@ -62,6 +62,30 @@ struct MessageIn {
     role: String,
     content: Value,
 }
+
+/// The fields this route reads or refuses (the others are listed as ignored).
+const KNOWN: &[&str] = &[
+    "model",
+    "messages",
+    "system",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_sequences",
+    "stream",
+    "tools",
+    "tool_choice",
+    "output_config",
+    "thinking",
+    "metadata",
+    "service_tier",
+    "speed",
+    "inference_geo",
+    "cache_control",
+    "mcp_servers",
+    "container",
+];
 
 /// Anthropic's fields that Pagoda does not serve: refused by name. (Accepted: `metadata`,
 /// `service_tier`, `speed`, `inference_geo`, which only tag or route the request on Anthropic's
@@ -398,6 +422,7 @@ async fn messages_inner(
     let model = check_model(&st, &req.model)?;
     check_accepting(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
+    let ignored = ignored_fields(&st, &body, &[KNOWN]);
     if let Some(t) = body.get("thinking")
         && !t.is_null()
         && t.get("type").and_then(Value::as_str) != Some("disabled")
@@ -475,14 +500,18 @@ async fn messages_inner(
             open: None,
             held: String::new(),
         };
-        return Ok(streaming::response(rx, guard, 1, 1, false, fmt));
+        return Ok(with_ignored(
+            streaming::response(rx, guard, 1, 1, false, fmt),
+            &ignored,
+        ));
     }
     let c = collect(&mut rx, 1)
         .await?
         .pop()
         .ok_or_else(|| ApiError::internal("the engine returned no output"))?;
     guard.disarm();
-    Ok(Json(message_json(&id, &model, mode.as_ref(), &c)).into_response())
+    let response = Json(message_json(&id, &model, mode.as_ref(), &c)).into_response();
+    Ok(with_ignored(response, &ignored))
 }
 
 /// The reply's content blocks: the text, then the calls (a call whose arguments are not a

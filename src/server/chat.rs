@@ -3,9 +3,10 @@
 
 use super::error::ApiError;
 use super::params::{
-    UNSUPPORTED, UNSUPPORTED_CHAT, check_accepting, check_model, check_stream_best_of,
-    check_stream_options, check_stream_prompt_logprobs, check_text_len, from_json,
-    name_structured_field, read_json, refuse_unsupported, sampling_params, structured_output,
+    KNOWN_CHAT, KNOWN_OPENAI, UNSUPPORTED, UNSUPPORTED_CHAT, check_accepting, check_modalities,
+    check_model, check_stream_best_of, check_stream_options, check_stream_prompt_logprobs,
+    check_text_len, from_json, ignored_fields, name_structured_field, read_json,
+    refuse_unsupported, sampling_params, structured_output, with_ignored,
 };
 use super::response::{
     blocking, call_id, chat_logprobs, collect, finish_str, prompt_logprobs_json, stop_reason_json,
@@ -35,7 +36,7 @@ pub(super) fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessag
             Some("messages"),
         ));
     }
-    messages
+    let out: Vec<ChatMessage> = messages
         .iter()
         .enumerate()
         .map(|(i, m)| {
@@ -112,7 +113,50 @@ pub(super) fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessag
             }
             Ok(msg)
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    check_tool_answers(&out)?;
+    Ok(out)
+}
+
+/// OpenAI's rule: a `tool` message answers a call of the assistant message before it (other
+/// answers may come between), named by its `tool_call_id` when it gives one.
+fn check_tool_answers(messages: &[ChatMessage]) -> Result<(), ApiError> {
+    let mut calls: Option<Vec<&str>> = None;
+    for (i, m) in messages.iter().enumerate() {
+        match m.role.as_str() {
+            "tool" => {
+                let Some(ids) = &calls else {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "messages[{i}]: a 'tool' message must answer the tool_calls of an assistant message before it"
+                        ),
+                        Some("messages"),
+                    ));
+                };
+                if let Some(id) = &m.tool_call_id
+                    && !ids.is_empty()
+                    && !ids.contains(&id.as_str())
+                {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "messages[{i}]: tool_call_id '{}' names no call of the assistant message before it",
+                            crate::untrusted::text(id)
+                        ),
+                        Some("messages"),
+                    ));
+                }
+            }
+            "assistant" => {
+                calls = m.tool_calls.as_ref().map(|c| {
+                    c.iter()
+                        .filter_map(|c| c.get("id").and_then(Value::as_str))
+                        .collect()
+                });
+            }
+            _ => calls = None,
+        }
+    }
+    Ok(())
 }
 
 /// A request's conversation, how to render it, and its length checked before rendering.
@@ -245,6 +289,8 @@ pub(super) async fn chat_inner(
     check_accepting(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
     refuse_unsupported(&body, UNSUPPORTED_CHAT)?;
+    check_modalities(&body)?;
+    let ignored = ignored_fields(&st, &body, &[KNOWN_OPENAI, KNOWN_CHAT]);
     let raw_tools: Vec<Value> = req.tools.clone().unwrap_or_default();
     let tools = super::tools::parse_tools(&raw_tools)?;
     let mode = super::tools::tool_mode(&tools, req.tool_choice.as_ref(), st.tool_call_parser)?;
@@ -346,13 +392,9 @@ pub(super) async fn chat_inner(
             mode,
         )
         .with_echo(echo);
-        return Ok(streaming::response(
-            rx,
-            guard,
-            samples,
-            samples,
-            include_usage,
-            fmt,
+        return Ok(with_ignored(
+            streaming::response(rx, guard, samples, samples, include_usage, fmt),
+            &ignored,
         ));
     }
 
@@ -402,7 +444,7 @@ pub(super) async fn chat_inner(
             }
         })
         .collect();
-    Ok(Json(ChatResponse {
+    let response = Json(ChatResponse {
         id,
         object: "chat.completion",
         created,
@@ -411,7 +453,8 @@ pub(super) async fn chat_inner(
         usage,
         prompt_logprobs,
     })
-    .into_response())
+    .into_response();
+    Ok(with_ignored(response, &ignored))
 }
 
 #[cfg(test)]
@@ -430,20 +473,26 @@ mod tests {
         assert_eq!(out[1].content, "a\nb");
         assert_eq!(out[2].content, "");
         let m: Vec<ChatMessageIn> = serde_json::from_value(serde_json::json!([
-            {"role": "tool", "tool_call_id": "call_1", "content": "x"},
             {"role": "assistant", "content": null, "tool_calls": [
                 {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}
             ]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "x"},
         ]))
         .unwrap();
         let out = chat_messages(&m).unwrap();
-        assert_eq!(out[0].tool_call_id.as_deref(), Some("call_1"));
-        let calls = out[1].tool_calls.as_ref().unwrap();
+        assert_eq!(out[1].tool_call_id.as_deref(), Some("call_1"));
+        let calls = out[0].tool_calls.as_ref().unwrap();
         assert_eq!(calls[0]["function"]["arguments"]["a"], 1);
         for bad in [
             serde_json::json!([{"role": "robot", "content": "x"}]),
             serde_json::json!([{"role": "user", "content": "x", "tool_calls": []}]),
             serde_json::json!([{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
+            // A tool message answers a call before it, by its id.
+            serde_json::json!([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]),
+            serde_json::json!([
+                {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "b", "content": "y"},
+            ]),
         ] {
             let m: Vec<ChatMessageIn> = serde_json::from_value(bad.clone()).unwrap();
             assert!(chat_messages(&m).is_err(), "{bad}");

@@ -3,10 +3,10 @@
 
 use super::error::ApiError;
 use super::params::{
-    PromptIn, UNSUPPORTED, check_accepting, check_model, check_stream_best_of,
-    check_stream_options, check_stream_prompt_logprobs, check_text_len, from_json,
-    name_structured_field, parse_prompts, read_json, refuse_unsupported, sampling_params,
-    structured_output,
+    KNOWN_COMPLETIONS, KNOWN_OPENAI, PromptIn, UNSUPPORTED, check_accepting, check_model,
+    check_stream_best_of, check_stream_options, check_stream_prompt_logprobs, check_text_len,
+    from_json, ignored_fields, name_structured_field, parse_prompts, read_json,
+    refuse_completion_tools, refuse_unsupported, sampling_params, structured_output, with_ignored,
 };
 use super::response::{
     TextOffsets, blocking, collect, completion_logprobs, echo_logprobs_of, finish_str,
@@ -46,6 +46,8 @@ pub(super) async fn completions_inner(
         return Err(ApiError::unsupported("suffix is not supported", "suffix"));
     }
     refuse_unsupported(&body, UNSUPPORTED)?;
+    refuse_completion_tools(&body)?;
+    let ignored = ignored_fields(&st, &body, &[KNOWN_OPENAI, KNOWN_COMPLETIONS]);
     let structured = structured_output(&body)?;
     let field = structured.as_ref().map(|(_, f)| *f);
     let echo = req.echo.unwrap_or(false);
@@ -174,13 +176,9 @@ pub(super) async fn completions_inner(
             echo_texts,
             req.logprobs.is_some(),
         );
-        return Ok(streaming::response(
-            rx,
-            guard,
-            n,
-            samples,
-            include_usage,
-            fmt,
+        return Ok(with_ignored(
+            streaming::response(rx, guard, n, samples, include_usage, fmt),
+            &ignored,
         ));
     }
 
@@ -227,7 +225,7 @@ pub(super) async fn completions_inner(
             }
         })
         .collect();
-    Ok(Json(CompletionResponse {
+    let response = Json(CompletionResponse {
         id,
         object: "text_completion",
         created,
@@ -235,5 +233,6 @@ pub(super) async fn completions_inner(
         choices,
         usage: UsageField::Some(usage),
     })
-    .into_response())
+    .into_response();
+    Ok(with_ignored(response, &ignored))
 }

@@ -230,6 +230,7 @@ async fn run(
             .max_model_len()
             .saturating_mul(engine.tokenizer().max_token_bytes()),
         tool_call_parser: args.tool_call_parser,
+        warned_fields: Default::default(),
         tokenizer_slots: tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(2, |n| n.get()),
         ),

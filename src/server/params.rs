@@ -6,12 +6,14 @@
 use super::error::ApiError;
 use super::state::AppState;
 use super::types::*;
+use crate::sampling::structured::LAYOUT_KEY;
 use crate::sampling::{SamplingDefaults, SamplingParams, StructuredOutput};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::Response;
 use serde::de::DeserializeOwned;
-use serde_json::Value;
+use serde_json::{Value, json};
 use std::sync::atomic::Ordering;
 
 /// Reads a JSON body (413 over the size limit, 400 when it is not JSON).
@@ -137,11 +139,135 @@ pub(super) fn sampling_params(
 /// rather than accepted and ignored. A field set to its inert value (`null`, `false`, empty)
 /// asks for nothing and passes.
 pub(super) const UNSUPPORTED: &[&str] = &[
+    "allowed_token_ids",
+    "truncate_prompt_tokens",
+    "use_beam_search",
+];
+
+/// The fields both OpenAI routes read (besides their own).
+pub(super) const KNOWN_OPENAI: &[&str] = &[
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "n",
+    "best_of",
+    "logit_bias",
+    "min_tokens",
+    "bad_words",
+    "prompt_logprobs",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "guided_decoding_backend",
     "guided_whitespace_pattern",
     "allowed_token_ids",
     "truncate_prompt_tokens",
     "use_beam_search",
 ];
+
+/// The fields only chat completions read (or refuse by name).
+pub(super) const KNOWN_CHAT: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "add_generation_prompt",
+    "continue_final_message",
+    "echo",
+    "functions",
+    "function_call",
+    "documents",
+    "modalities",
+];
+
+/// The fields only completions read (or refuse by name).
+pub(super) const KNOWN_COMPLETIONS: &[&str] = &[
+    "prompt",
+    "logprobs",
+    "echo",
+    "suffix",
+    "tools",
+    "functions",
+    "tool_choice",
+    "function_call",
+];
+
+/// The body's top-level fields that no route reads: accepted, as vLLM accepts them (clients
+/// send fields of newer API versions), but logged once per name and listed in the response's
+/// `pagoda-ignored-fields` header, so that a typo is seen to have done nothing.
+pub(super) fn ignored_fields(st: &AppState, body: &Value, known: &[&[&str]]) -> Vec<String> {
+    let ignored: Vec<String> = body
+        .as_object()
+        .into_iter()
+        .flat_map(|o| o.keys())
+        .filter(|k| !known.iter().any(|list| list.contains(&k.as_str())))
+        .map(|k| crate::untrusted::text(k).to_string())
+        .collect();
+    if !ignored.is_empty()
+        && let Ok(mut warned) = st.warned_fields.lock()
+    {
+        for k in &ignored {
+            if warned.len() < 1024 && warned.insert(k.clone()) {
+                tracing::warn!("request field '{k}' is not used by this server and is ignored");
+            }
+        }
+    }
+    ignored
+}
+
+/// `response` with the `pagoda-ignored-fields` header when fields were ignored.
+pub(super) fn with_ignored(mut response: Response, ignored: &[String]) -> Response {
+    if let Ok(v) = HeaderValue::from_str(&ignored.join(", "))
+        && !ignored.is_empty()
+    {
+        response.headers_mut().insert("pagoda-ignored-fields", v);
+    }
+    response
+}
+
+/// Fields OpenAI's completions route does not have: tools belong to chat completions.
+pub(super) fn refuse_completion_tools(body: &Value) -> Result<(), ApiError> {
+    refuse_unsupported(body, &["tools", "functions", "tool_choice", "function_call"]).map_err(
+        |mut e| {
+            e.message = format!(
+                "'{}' is not a field of /v1/completions: tool calling is served on /v1/chat/completions",
+                e.param.as_deref().unwrap_or_default()
+            );
+            e
+        },
+    )
+}
+
+/// Output modalities other than text (OpenAI's audio output) are refused by name.
+pub(super) fn check_modalities(body: &Value) -> Result<(), ApiError> {
+    match body.get("modalities") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Array(m)) if m.iter().all(|x| x == "text") => Ok(()),
+        Some(_) => Err(ApiError::unsupported(
+            "modalities: this server generates text only ([\"text\"])",
+            "modalities",
+        )),
+    }
+}
 
 /// The fields only chat completions refuse (on top of [`UNSUPPORTED`]).
 pub(super) const UNSUPPORTED_CHAT: &[&str] = &["functions", "function_call", "documents"];
@@ -238,14 +364,38 @@ pub(super) fn structured_output(
             found.push((of_kind(field, kind, v)?, field));
         }
     }
+    // How JSON may be laid out (llguidance's options; see `with_layout`), with the field that
+    // asked.
+    let mut layout: Option<(Value, &'static str)> = None;
+    if let Some(p) = given("guided_whitespace_pattern") {
+        let p = p
+            .as_str()
+            .ok_or_else(|| bad("guided_whitespace_pattern", "must be a string"))?;
+        layout = Some((
+            json!({"whitespace_pattern": p}),
+            "guided_whitespace_pattern",
+        ));
+    }
     if let Some(so) = given("structured_outputs") {
         const F: &str = "structured_outputs";
         let o = so.as_object().ok_or_else(|| bad(F, "must be an object"))?;
-        for (k, v) in o
-            .iter()
-            .filter(|(_, v)| !v.is_null() && **v != Value::Bool(false))
-        {
-            found.push((of_kind(F, k, v)?, F));
+        for (k, v) in o.iter().filter(|(_, v)| !v.is_null()) {
+            match k.as_str() {
+                // NOTE: vLLM's options; here JSON has no free whitespace unless asked.
+                "disable_any_whitespace" => match v.as_bool() {
+                    Some(true) => {}
+                    Some(false) => layout = Some((json!({"whitespace_flexible": true}), F)),
+                    None => return Err(bad(F, "disable_any_whitespace must be a boolean")),
+                },
+                "whitespace_pattern" => {
+                    let p = v
+                        .as_str()
+                        .ok_or_else(|| bad(F, "whitespace_pattern must be a string"))?;
+                    layout = Some((json!({"whitespace_pattern": p}), F));
+                }
+                _ if *v == Value::Bool(false) => {}
+                _ => found.push((of_kind(F, k, v)?, F)),
+            }
         }
     }
     // NOTE: the backend is llguidance whatever is asked; a request that names another one
@@ -269,7 +419,23 @@ pub(super) fn structured_output(
             Some(fields[1]),
         ));
     }
-    Ok(found.pop())
+    let Some((layout, field)) = layout else {
+        return Ok(found.pop());
+    };
+    match found.pop() {
+        Some((StructuredOutput::JsonObject, f)) => Ok(Some((
+            StructuredOutput::Json(json!({"type": "object", LAYOUT_KEY: layout})),
+            f,
+        ))),
+        Some((StructuredOutput::Json(mut schema), f)) if schema.is_object() => {
+            schema[LAYOUT_KEY] = layout;
+            Ok(Some((StructuredOutput::Json(schema), f)))
+        }
+        _ => Err(bad(
+            field,
+            "whitespace options apply to a JSON constraint (json, json_object, response_format), and there is none",
+        )),
+    }
 }
 
 /// Names the request's own field in an error about its structured-output constraint.
@@ -420,6 +586,40 @@ mod tests {
                 ..SamplingParams::default()
             }
         );
+    }
+
+    #[test]
+    fn json_layout_options() {
+        let so = |body: Value| structured_output(&body).map(|o| o.map(|(c, f)| (c, f)));
+        // Free whitespace asked back, on a JSON object.
+        let (c, f) = so(json!({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": false}}))
+            .unwrap()
+            .unwrap();
+        assert_eq!(f, "response_format");
+        assert_eq!(
+            c,
+            StructuredOutput::Json(
+                json!({"type": "object", "x-guidance": {"whitespace_flexible": true}})
+            )
+        );
+        // A pattern, on a schema.
+        let (c, _) =
+            so(json!({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "[ ]?"}))
+                .unwrap()
+                .unwrap();
+        assert_eq!(
+            c,
+            StructuredOutput::Json(
+                json!({"type": "object", "x-guidance": {"whitespace_pattern": "[ ]?"}})
+            )
+        );
+        // The default asks for nothing more; options without JSON are refused.
+        let (c, _) = so(json!({"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": true}}))
+            .unwrap()
+            .unwrap();
+        assert_eq!(c, StructuredOutput::Json(json!({"type": "object"})));
+        assert!(so(json!({"guided_regex": "a+", "guided_whitespace_pattern": " "})).is_err());
+        assert!(so(json!({"structured_outputs": {"whitespace_pattern": 5, "json": {}}})).is_err());
     }
 
     #[test]
