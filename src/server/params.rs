@@ -590,7 +590,7 @@ mod tests {
 
     #[test]
     fn json_layout_options() {
-        let so = |body: Value| structured_output(&body).map(|o| o.map(|(c, f)| (c, f)));
+        let so = |body: Value| structured_output(&body);
         // Free whitespace asked back, on a JSON object.
         let (c, f) = so(json!({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": false}}))
             .unwrap()
