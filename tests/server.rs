@@ -1419,3 +1419,177 @@ fn echo_logprobs_and_prompt_logprobs() {
     );
     assert_error(&r, 400, Some("prompt_logprobs"));
 }
+
+/// The ids of `text` alone (no BOS), from `/tokenize`.
+fn ids_of(text: &str) -> Vec<u64> {
+    let v = post(
+        "/tokenize",
+        json!({"prompt": text, "add_special_tokens": false}),
+    )
+    .json();
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+fn u64s(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not a list: {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// vLLM's `return_token_ids` and `return_tokens_as_token_ids`, streamed and not, on both routes.
+#[test]
+fn token_ids_are_returned_when_asked() {
+    let body = json!({"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": true,
+                      "return_token_ids": true, "logprobs": 2, "return_tokens_as_token_ids": true});
+    let v = completion(body.clone());
+    let c = &v["choices"][0];
+    let prompt = post("/tokenize", json!({"prompt": PROMPT})).json();
+    assert_eq!(u64s(&c["prompt_token_ids"]), u64s(&prompt["tokens"]));
+    let ids = u64s(&c["token_ids"]);
+    assert_eq!(ids.len(), 5);
+    let text = post("/detokenize", json!({"tokens": ids})).json();
+    assert_eq!(text["prompt"], c["text"]);
+    let names: Vec<String> = ids.iter().map(|i| format!("token_id:{i}")).collect();
+    assert_eq!(c["logprobs"]["tokens"], json!(names));
+    for top in c["logprobs"]["top_logprobs"].as_array().unwrap() {
+        assert!(
+            top.as_object()
+                .unwrap()
+                .keys()
+                .all(|k| k.starts_with("token_id:")),
+            "{top}"
+        );
+    }
+    // Without the options: neither field, names by text.
+    let plain = completion(json!({"prompt": PROMPT, "max_tokens": 5, "temperature": 0,
+                                  "ignore_eos": true, "logprobs": 2}));
+    let p = &plain["choices"][0];
+    assert!(
+        p.get("token_ids").is_none() && p.get("prompt_token_ids").is_none(),
+        "{p}"
+    );
+    assert!(
+        !p["logprobs"]["tokens"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("token_id:")
+    );
+
+    // Streamed: the prompt's ids once, in the first chunk; the chunks' ids add up.
+    let mut body = body;
+    body["stream"] = json!(true);
+    let (mut streamed, mut prompts) = (Vec::new(), Vec::new());
+    for e in stream("/v1/completions", body)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+    {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let c = &v["choices"][0];
+        streamed.extend(u64s(&c["token_ids"]));
+        if !c["prompt_token_ids"].is_null() {
+            prompts.push(u64s(&c["prompt_token_ids"]));
+        }
+    }
+    assert_eq!(streamed, ids);
+    assert_eq!(prompts, [u64s(&prompt["tokens"])]);
+
+    // Chat: the rendered prompt's ids at the top, the output's in the choice.
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                      "temperature": 0, "ignore_eos": true, "return_token_ids": true});
+    let v = chat(body.clone());
+    let rendered = post(
+        "/tokenize",
+        json!({"messages": [{"role": "user", "content": "Hi"}]}),
+    )
+    .json();
+    assert_eq!(u64s(&v["prompt_token_ids"]), u64s(&rendered["tokens"]));
+    let ids = u64s(&v["choices"][0]["token_ids"]);
+    assert_eq!(ids.len(), 4);
+    let mut body = body;
+    body["stream"] = json!(true);
+    let (mut streamed, mut prompts) = (Vec::new(), 0);
+    for e in stream("/v1/chat/completions", body)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+    {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if !v["prompt_token_ids"].is_null() {
+            assert_eq!(u64s(&v["prompt_token_ids"]), u64s(&rendered["tokens"]));
+            prompts += 1;
+        }
+        for c in v["choices"].as_array().unwrap() {
+            streamed.extend(u64s(&c["token_ids"]));
+        }
+    }
+    assert_eq!((streamed, prompts), (ids, 1));
+}
+
+/// A completion cut inside a character ends in U+FFFD, and the log-prob offsets point into
+/// the text: forced with `logit_bias` onto the first token of an emoji that takes several.
+#[test]
+fn an_output_cut_inside_a_character_shows_a_replacement() {
+    let wave = ids_of("👋");
+    assert!(wave.len() >= 2, "{wave:?}");
+    let body = |max_tokens: usize| {
+        json!({"prompt": PROMPT, "max_tokens": max_tokens, "logprobs": 0, "temperature": 0,
+               "logit_bias": {wave[0].to_string(): 100}})
+    };
+    let v = completion(body(1));
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], "\u{FFFD}", "{c}");
+    assert_eq!(c["logprobs"]["text_offset"], json!([0]));
+    assert!(
+        c["logprobs"]["tokens"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("bytes:")
+    );
+    // Twice: the first piece is cut short by the second, each shows as one U+FFFD.
+    let v = completion(body(2));
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], "\u{FFFD}\u{FFFD}", "{c}");
+    assert_eq!(c["logprobs"]["text_offset"], json!([0, 1]));
+    // Streamed, the same text.
+    let mut b = body(2);
+    b["stream"] = json!(true);
+    let text: String = stream("/v1/completions", b)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["text"].as_str().unwrap_or("").to_string()
+        })
+        .collect();
+    assert_eq!(text, "\u{FFFD}\u{FFFD}");
+}
+
+/// Fill-in-the-middle needs the model's FIM tokens, which SmolLM2 does not have.
+#[test]
+fn fill_in_the_middle_without_fim_tokens_is_refused() {
+    let r = post(
+        "/v1/completions",
+        json!({"prompt": "def f(", "suffix": "\n", "max_tokens": 4}),
+    );
+    let e = assert_error(&r, 400, Some("suffix"));
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("fill-in-the-middle")
+    );
+    let r = post(
+        "/infill",
+        json!({"input_prefix": "def f(", "input_suffix": "\n", "n_predict": 4}),
+    );
+    assert_error(&r, 400, Some("model"));
+    // An empty suffix asks for nothing.
+    let v = completion(json!({"prompt": PROMPT, "suffix": "", "max_tokens": 1}));
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+}

@@ -219,3 +219,143 @@ fn bad_tools_and_choices_are_400s() {
     let r = post_json(server(), "/v1/chat/completions", None, &body);
     assert_eq!(r.status, 400, "{}", r.text());
 }
+
+/// Qwen2.5-Coder's FIM token ids (its vocabulary's `<|fim_prefix|>`, ...).
+const FIM_PREFIX: u64 = 151659;
+const FIM_MIDDLE: u64 = 151660;
+const FIM_SUFFIX: u64 = 151661;
+const REPO_NAME: u64 = 151663;
+const FILE_SEP: u64 = 151664;
+
+const PREFIX: &str = "def fibonacci(n):\n    \"\"\"The n-th Fibonacci number.\"\"\"\n";
+const SUFFIX: &str = "\n\nprint(fibonacci(10))\n";
+
+fn ids_of(text: &str) -> Vec<u64> {
+    let r = post_json(
+        server(),
+        "/tokenize",
+        None,
+        &json!({"prompt": text, "add_special_tokens": false}),
+    );
+    r.json()["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// OpenAI's `suffix`: the prompt is PRE prefix SUF suffix MID, as llama.cpp lays it out (no
+/// BOS: Qwen adds none), and the middle it writes is code.
+#[test]
+fn suffix_fills_in_the_middle() {
+    let r = post_json(
+        server(),
+        "/v1/completions",
+        None,
+        &json!({"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 40, "temperature": 0,
+                "return_token_ids": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let c = &v["choices"][0];
+    let want: Vec<u64> = [
+        vec![FIM_PREFIX],
+        ids_of(PREFIX),
+        vec![FIM_SUFFIX],
+        ids_of(SUFFIX),
+        vec![FIM_MIDDLE],
+    ]
+    .concat();
+    assert_eq!(c["prompt_token_ids"], json!(want));
+    let middle = c["text"].as_str().unwrap();
+    eprintln!("middle: {middle:?}");
+    assert!(middle.contains("return"), "{middle:?}");
+    // Token ids as the prompt cannot carry a suffix (it needs the prefix's text).
+    let r = post_json(
+        server(),
+        "/v1/completions",
+        None,
+        &json!({"prompt": [1, 2, 3], "suffix": SUFFIX, "max_tokens": 4}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "suffix");
+}
+
+/// llama.cpp's `/infill`: the project's other files first, then the file edited; its answer
+/// and its stream agree; a context too small for everything cuts the project first.
+#[test]
+fn infill_lays_out_the_project_as_llama_cpp() {
+    let util = "def add(a, b):\n    return a + b\n";
+    let body = json!({
+        "input_prefix": PREFIX, "input_suffix": SUFFIX, "prompt": "    if",
+        "input_extra": [{"filename": "util.py", "text": util}],
+        "n_predict": 40, "temperature": 0, "return_tokens": true, "cache_prompt": true,
+    });
+    let r = post_json(server(), "/infill", None, &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let layout = [
+        vec![REPO_NAME],
+        ids_of("myproject\n"),
+        vec![FILE_SEP],
+        ids_of("util.py\n"),
+        ids_of(util),
+        vec![FILE_SEP],
+        ids_of("filename\n"),
+        vec![FIM_PREFIX],
+        ids_of(PREFIX),
+        ids_of("    if"),
+        vec![FIM_SUFFIX],
+        ids_of(SUFFIX),
+        vec![FIM_MIDDLE],
+    ]
+    .concat();
+    assert_eq!(v["tokens_evaluated"], layout.len(), "{v}");
+    assert_eq!((&v["stop"], &v["truncated"]), (&json!(true), &json!(false)));
+    let content = v["content"].as_str().unwrap();
+    eprintln!("infill: {content:?}");
+    assert!(!content.is_empty());
+    assert_eq!(
+        v["tokens"].as_array().unwrap().len(),
+        v["tokens_predicted"].as_u64().unwrap() as usize
+    );
+    assert!(
+        ["eos", "limit", "word"].contains(&v["stop_type"].as_str().unwrap()),
+        "{v}"
+    );
+    // The stream: content pieces with stop false, then one with stop true; no [DONE].
+    let mut b = body.clone();
+    b["stream"] = json!(true);
+    let events = Sse::open(server(), "/infill", &[], &b).all();
+    let (last, pieces) = events.split_last().unwrap();
+    let mut text = String::new();
+    for e in pieces {
+        let p: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(p["stop"], false, "{p}");
+        text.push_str(p["content"].as_str().unwrap());
+    }
+    let last: Value = serde_json::from_str(last).unwrap();
+    assert_eq!(last["stop"], true);
+    text.push_str(last["content"].as_str().unwrap());
+    assert_eq!(text, content);
+    assert_eq!(last["tokens_predicted"], v["tokens_predicted"]);
+
+    // Room for all but 5 tokens of the prompt (n_predict takes the rest of the context): the
+    // project loses its first 5, the file edited is whole.
+    let models = get(server(), "/v1/models", None).json();
+    let context = models["data"][0]["max_model_len"].as_u64().unwrap() as usize;
+    let mut b = body.clone();
+    b["n_predict"] = json!(context - (layout.len() - 5));
+    b["stop"] = json!(["\n"]);
+    let r = post_json(server(), "/infill", None, &b);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["tokens_evaluated"], layout.len() - 5, "{v}");
+    assert_eq!(v["truncated"], true);
+    assert_eq!(
+        (&v["stop_type"], &v["stopping_word"]),
+        (&json!("word"), &json!("\n")),
+        "{v}"
+    );
+}

@@ -185,6 +185,8 @@ impl Engine {
                 self.scheduler.finish_request(ev.id, FinishReason::Stop);
                 finish = Some(FinishReason::Stop);
             } else if finish.is_some() {
+                let tail = st.detok.finish()?;
+                text.push_str(&st.stop.push_unchecked(&tail));
                 text.push_str(&st.stop.flush());
             }
             let req = self

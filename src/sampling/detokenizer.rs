@@ -51,10 +51,21 @@ impl IncrementalDetokenizer {
     /// Adds one generated token; returns the text that is now complete (maybe empty).
     pub fn push(&mut self, token_id: u32) -> anyhow::Result<String> {
         self.ids.push(token_id);
+        self.emit(false)
+    }
+
+    /// The text held back when the output ends inside a character (a limit cut it there): the
+    /// incomplete character as U+FFFD, as a lossy decode shows it, so that the text has a
+    /// character for every token whose bytes it holds (and log-prob offsets point into it).
+    pub fn finish(&mut self) -> anyhow::Result<String> {
+        self.emit(true)
+    }
+
+    fn emit(&mut self, last: bool) -> anyhow::Result<String> {
         let skip = self.skip_special_tokens;
         let prefix_text = self.tokenizer.decode(&self.ids[..self.read_offset], skip)?;
         let new_text = self.tokenizer.decode(&self.ids, skip)?;
-        if new_text.len() <= prefix_text.len() || new_text.ends_with(REPLACEMENT) {
+        if new_text.len() <= prefix_text.len() || (!last && new_text.ends_with(REPLACEMENT)) {
             // Nothing new yet (a skipped special token), or a character is incomplete: wait.
             return Ok(String::new());
         }
@@ -175,6 +186,21 @@ mod tests {
             "{deltas:?}"
         );
         assert_eq!(deltas.concat(), "日本");
+    }
+
+    #[test]
+    fn an_output_cut_inside_a_character_ends_in_a_replacement() {
+        let tok = tiny();
+        let ids = tok.encode("日本").unwrap(); // 6 byte tokens
+        let mut d = IncrementalDetokenizer::new(tok.clone(), &[], true);
+        let text: String = ids[..4].iter().map(|&id| d.push(id).unwrap()).collect();
+        assert_eq!(text, "日");
+        assert_eq!(d.finish().unwrap(), REPLACEMENT.to_string());
+        assert_eq!(d.finish().unwrap(), "", "given once");
+        // Nothing held back: nothing more.
+        let mut d = IncrementalDetokenizer::new(tok.clone(), &[], true);
+        ids.iter().for_each(|&id| drop(d.push(id).unwrap()));
+        assert_eq!(d.finish().unwrap(), "");
     }
 
     #[test]

@@ -285,6 +285,7 @@ pub(super) async fn chat_inner(
     let body = read_json(&st, body)?;
     let req: ChatRequest = from_json(&body)?;
     let sampling: SamplingFields = from_json(&body)?;
+    let token_ids: TokenIdFields = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
     check_accepting(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
@@ -361,6 +362,7 @@ pub(super) async fn chat_inner(
     }
     let rendered_tools = (!raw_tools.is_empty()).then_some(raw_tools);
     let ids = encode_chat(&st, messages, render, rendered_tools).await?;
+    let prompt_token_ids = token_ids.ids().then(|| ids.clone());
     let id = st.new_id("chatcmpl");
     let (mut rx, mut guard) = submit(
         &st,
@@ -391,7 +393,8 @@ pub(super) async fn chat_inner(
             samples,
             mode,
         )
-        .with_echo(echo);
+        .with_echo(echo)
+        .with_token_ids(token_ids, prompt_token_ids);
         return Ok(with_ignored(
             streaming::response(rx, guard, samples, samples, include_usage, fmt),
             &ignored,
@@ -422,7 +425,8 @@ pub(super) async fn chat_inner(
             };
             ChatChoice {
                 index,
-                logprobs: want_logprobs.then(|| chat_logprobs(&st.tokenizer, &c.logprobs)),
+                logprobs: want_logprobs
+                    .then(|| chat_logprobs(&st.tokenizer, &c.logprobs, token_ids.names())),
                 message: ChatMessageOut {
                     role: "assistant",
                     content,
@@ -441,6 +445,7 @@ pub(super) async fn chat_inner(
                 },
                 finish_reason: finish,
                 stop_reason: stop_reason_json(c.stop_reason.as_ref()),
+                token_ids: token_ids.ids().then_some(c.token_ids),
             }
         })
         .collect();
@@ -452,6 +457,7 @@ pub(super) async fn chat_inner(
         choices,
         usage,
         prompt_logprobs,
+        prompt_token_ids,
     })
     .into_response();
     Ok(with_ignored(response, &ignored))

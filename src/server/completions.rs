@@ -40,17 +40,33 @@ pub(super) async fn completions_inner(
     let body = read_json(&st, body)?;
     let req: CompletionRequest = from_json(&body)?;
     let sampling: SamplingFields = from_json(&body)?;
+    let token_ids: TokenIdFields = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
     check_accepting(&st)?;
-    if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::unsupported("suffix is not supported", "suffix"));
-    }
     refuse_unsupported(&body, UNSUPPORTED)?;
     refuse_completion_tools(&body)?;
     let ignored = ignored_fields(&st, &body, &[KNOWN_OPENAI, KNOWN_COMPLETIONS]);
     let structured = structured_output(&body)?;
     let field = structured.as_ref().map(|(_, f)| *f);
     let echo = req.echo.unwrap_or(false);
+    let fim = match req.suffix.clone().filter(|s| !s.is_empty()) {
+        None => None,
+        Some(suffix) => {
+            let f = st.fim.ok_or_else(|| {
+                ApiError::invalid(
+                    "suffix: this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>), so it cannot write between a prefix and a suffix",
+                    Some("suffix"),
+                )
+            })?;
+            if echo {
+                return Err(ApiError::invalid(
+                    "echo cannot be combined with suffix",
+                    Some("echo"),
+                ));
+            }
+            Some((f, suffix))
+        }
+    };
     let echo_logprobs = echo && req.logprobs.is_some();
     let mut params = sampling_params(
         &sampling,
@@ -90,7 +106,17 @@ pub(super) async fn completions_inner(
     }
     for p in &prompts {
         match p {
-            PromptIn::Text(t) => check_text_len(&st, t.len(), "prompt")?,
+            PromptIn::Text(t) => check_text_len(
+                &st,
+                t.len() + fim.as_ref().map_or(0, |(_, s)| s.len()),
+                "prompt",
+            )?,
+            PromptIn::Tokens(_) if fim.is_some() => {
+                return Err(ApiError::invalid(
+                    "suffix needs the prompt as text (the prefix), not token ids",
+                    Some("suffix"),
+                ));
+            }
             PromptIn::Tokens(ids) if ids.len() >= st.max_model_len => {
                 return Err(ApiError::invalid(
                     format!(
@@ -110,13 +136,15 @@ pub(super) async fn completions_inner(
         prompts
             .into_iter()
             .map(|p| match p {
-                PromptIn::Text(t) if t.is_empty() => {
+                PromptIn::Text(t) if t.is_empty() && fim.is_none() => {
                     Err(ApiError::invalid("the prompt is empty", Some("prompt")))
                 }
-                PromptIn::Text(t) => tok
-                    .encode(&t)
-                    .map(|ids| (ids, t))
-                    .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("prompt"))),
+                PromptIn::Text(t) => match &fim {
+                    Some((f, suffix)) => f.prompt(&tok, &t, "", suffix, None),
+                    None => tok.encode(&t),
+                }
+                .map(|ids| (ids, t))
+                .map_err(|e| ApiError::invalid(format!("{e:#}"), Some("prompt"))),
                 PromptIn::Tokens(ids) => {
                     let text = if echo {
                         tok.decode(&ids, false).unwrap_or_default()
@@ -150,7 +178,7 @@ pub(super) async fn completions_inner(
     .await
     .map_err(|e| name_structured_field(e, field))?;
     let created = unix_now();
-    let prompt_ids: Vec<Vec<u32>> = if params_prompt_logprobs {
+    let prompt_ids: Vec<Vec<u32>> = if params_prompt_logprobs || token_ids.ids() {
         prompts
             .iter()
             .flat_map(|(ids, _)| std::iter::repeat_n(ids.clone(), samples))
@@ -175,7 +203,8 @@ pub(super) async fn completions_inner(
             st.tokenizer.clone(),
             echo_texts,
             req.logprobs.is_some(),
-        );
+        )
+        .with_token_ids(token_ids, prompt_ids);
         return Ok(with_ignored(
             streaming::response(rx, guard, n, samples, include_usage, fmt),
             &ignored,
@@ -203,10 +232,11 @@ pub(super) async fn completions_inner(
             let scored = c.prompt_logprobs.as_deref().unwrap_or_default();
             let logprobs = req.logprobs.is_some().then(|| {
                 let mut offsets = TextOffsets::new(echo_text.chars().count());
-                let tail = completion_logprobs(&st.tokenizer, &c.logprobs, &mut offsets);
+                let names = token_ids.names();
+                let tail = completion_logprobs(&st.tokenizer, &c.logprobs, &mut offsets, names);
                 match prompt_ids.get(index) {
                     Some(ids) if echo_logprobs => {
-                        let mut head = echo_logprobs_of(&st.tokenizer, ids, scored);
+                        let mut head = echo_logprobs_of(&st.tokenizer, ids, scored, names);
                         head.append(tail);
                         head
                     }
@@ -222,6 +252,8 @@ pub(super) async fn completions_inner(
                 prompt_logprobs: sampling
                     .prompt_logprobs
                     .map(|_| prompt_logprobs_json(&st.tokenizer, scored)),
+                prompt_token_ids: prompt_ids.get(index).filter(|_| token_ids.ids()).cloned(),
+                token_ids: token_ids.ids().then_some(c.token_ids),
             }
         })
         .collect();

@@ -16,6 +16,7 @@ mod chat;
 mod completions;
 mod error;
 mod http;
+mod infill;
 mod metrics;
 mod params;
 mod response;
@@ -231,6 +232,7 @@ async fn run(
             .saturating_mul(engine.tokenizer().max_token_bytes()),
         tool_call_parser: args.tool_call_parser,
         warned_fields: Default::default(),
+        fim: crate::tokenizer::Fim::of(engine.tokenizer()),
         tokenizer_slots: tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(2, |n| n.get()),
         ),

@@ -179,6 +179,8 @@ pub(super) const KNOWN_OPENAI: &[&str] = &[
     "allowed_token_ids",
     "truncate_prompt_tokens",
     "use_beam_search",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
 ];
 
 /// The fields only chat completions read (or refuse by name).

@@ -61,19 +61,20 @@ pub(super) fn echo_logprobs_of(
     tok: &Tokenizer,
     prompt: &[u32],
     lps: &[crate::engine::PromptLogprob],
+    as_ids: bool,
 ) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     let mut offsets = TextOffsets::new(0);
     for (i, &id) in prompt.iter().enumerate() {
         let bytes = tok.token_bytes(id);
         out.text_offset.push(offsets.advance(&bytes));
-        out.tokens.push(token_repr(&bytes));
+        out.tokens.push(token_name(tok, id, as_ids));
         match i.checked_sub(1).and_then(|j| lps.get(j)) {
             Some(p) => {
                 out.token_logprobs.push(Some(p.logprobs.logprob));
                 let mut top = serde_json::Map::new();
                 for &(t, l) in &p.logprobs.top {
-                    top.entry(token_repr(&tok.token_bytes(t)))
+                    top.entry(token_name(tok, t, as_ids))
                         .or_insert(Value::from(l));
                 }
                 out.top_logprobs.push(Some(top));
@@ -186,6 +187,7 @@ pub(super) async fn submit(
 #[derive(Default)]
 pub(super) struct Collected {
     pub(super) text: String,
+    pub(super) token_ids: Vec<u32>,
     pub(super) logprobs: Vec<TokenLogprobs>,
     pub(super) prompt_logprobs: Option<Vec<crate::engine::PromptLogprob>>,
     pub(super) finish: Option<FinishReason>,
@@ -210,6 +212,7 @@ pub(super) async fn collect(
         match ev.kind {
             EventKind::Output(o) => {
                 c.text.push_str(&o.new_text);
+                c.token_ids.extend_from_slice(&o.new_token_ids);
                 c.logprobs.extend(o.new_logprobs);
                 if o.prompt_logprobs.is_some() {
                     c.prompt_logprobs = o.prompt_logprobs;
@@ -244,6 +247,16 @@ pub fn token_repr(bytes: &[u8]) -> String {
     }
 }
 
+/// A token's name in log-probs: [`token_repr`] of its bytes, or vLLM's `token_id:N` with
+/// `return_tokens_as_token_ids` (for clients that must tell tokens with the same text apart).
+pub fn token_name(tok: &Tokenizer, id: u32, as_id: bool) -> String {
+    if as_id {
+        format!("token_id:{id}")
+    } else {
+        token_repr(&tok.token_bytes(id))
+    }
+}
+
 /// Where each token's text starts, in characters of the choice's text: a token whose bytes
 /// end inside a character (an emoji split over tokens) adds its character only once the
 /// token that completes it comes.
@@ -262,37 +275,41 @@ impl TextOffsets {
         }
     }
 
-    /// The offset of a token with these bytes; then moves past them.
+    /// The offset of a token with these bytes (of the character its first byte belongs to, as
+    /// the text shows it: a lossy decode, where an incomplete character cut short by the next
+    /// bytes is one U+FFFD); then moves past them.
     fn advance(&mut self, bytes: &[u8]) -> usize {
-        let at = self.chars;
+        // NOTE: `pending` holds at most an incomplete character; the token starts at `first`.
+        let mut first = self.pending.len();
         self.pending.extend_from_slice(bytes);
-        loop {
-            match std::str::from_utf8(&self.pending) {
-                Ok(s) => {
-                    self.chars += s.chars().count();
-                    self.pending.clear();
-                    break;
+        let mut at = None;
+        let mut done = 0;
+        while done < self.pending.len() {
+            let rest = &self.pending[done..];
+            let unit = match std::str::from_utf8(rest) {
+                Ok(s) => s.chars().next().map_or(rest.len(), char::len_utf8),
+                Err(e) if e.valid_up_to() > 0 => {
+                    // A whole character first: its length from its lead byte.
+                    std::str::from_utf8(&rest[..e.valid_up_to()])
+                        .ok()
+                        .and_then(|s| s.chars().next())
+                        .map_or(1, char::len_utf8)
                 }
-                Err(e) => {
-                    let valid = e.valid_up_to();
-                    self.chars += String::from_utf8_lossy(&self.pending[..valid])
-                        .chars()
-                        .count();
-                    match e.error_len() {
-                        // NOTE: bytes that can never be a character show as one U+FFFD.
-                        Some(bad) => {
-                            self.chars += 1;
-                            self.pending.drain(..valid + bad);
-                        }
-                        None => {
-                            self.pending.drain(..valid);
-                            break;
-                        }
-                    }
-                }
+                // Bytes that can never be a character show as one U+FFFD.
+                Err(e) => match e.error_len() {
+                    Some(bad) => bad,
+                    None => break,
+                },
+            };
+            if at.is_none() && first < unit {
+                at = Some(self.chars);
             }
+            first = first.saturating_sub(unit);
+            self.chars += 1;
+            done += unit;
         }
-        at
+        self.pending.drain(..done);
+        at.unwrap_or(self.chars)
     }
 }
 
@@ -300,16 +317,17 @@ pub fn completion_logprobs(
     tok: &Tokenizer,
     lps: &[TokenLogprobs],
     offsets: &mut TextOffsets,
+    as_ids: bool,
 ) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     for lp in lps {
         let bytes = tok.token_bytes(lp.token_id);
-        let s = token_repr(&bytes);
+        let s = token_name(tok, lp.token_id, as_ids);
         out.text_offset.push(offsets.advance(&bytes));
         out.token_logprobs.push(Some(lp.logprob));
         let mut top = serde_json::Map::new();
         for &(id, l) in &lp.top {
-            top.entry(token_repr(&tok.token_bytes(id)))
+            top.entry(token_name(tok, id, as_ids))
                 .or_insert(Value::from(l));
         }
         top.entry(s.clone()).or_insert(Value::from(lp.logprob));
@@ -319,11 +337,9 @@ pub fn completion_logprobs(
     out
 }
 
-pub fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprobs]) -> ChatLogprobs {
-    let entry = |id: u32| {
-        let bytes = tok.token_bytes(id);
-        (token_repr(&bytes), bytes)
-    };
+pub fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprobs], as_ids: bool) -> ChatLogprobs {
+    // NOTE: `bytes` stays the token's own bytes also when the name is its id.
+    let entry = |id: u32| (token_name(tok, id, as_ids), tok.token_bytes(id));
     ChatLogprobs {
         content: lps
             .iter()
@@ -389,6 +405,18 @@ mod tests {
         assert_eq!(
             (o.advance(&[0xff]), o.advance(b"x"), o.advance(b"")),
             (0, 1, 2)
+        );
+        // A character cut short by the next token's bytes is one U+FFFD; the next token starts
+        // after it (the text reads "\u{FFFD}\u{FFFD}x" when the second is cut short too).
+        let mut o = TextOffsets::new(0);
+        let got: Vec<usize> = [&emoji[..2], &emoji[..2], b"x"]
+            .iter()
+            .map(|t| o.advance(t))
+            .collect();
+        assert_eq!(got, [0, 1, 2]);
+        assert_eq!(
+            String::from_utf8_lossy(&[&emoji[..2], &emoji[..2], b"x"].concat()),
+            "\u{FFFD}\u{FFFD}x"
         );
     }
 

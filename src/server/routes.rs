@@ -1,5 +1,6 @@
 //! The router: OpenAI's `/v1/models`, `/v1/completions` (`completions.rs`),
-//! `/v1/chat/completions` (`chat.rs`), Anthropic's `/v1/messages` (`anthropic.rs`), and vLLM's `/health`, `/version`, `/tokenize`,
+//! `/v1/chat/completions` (`chat.rs`), Anthropic's `/v1/messages` (`anthropic.rs`),
+//! llama.cpp's `/infill` (`infill.rs`), and vLLM's `/health`, `/version`, `/tokenize`,
 //! `/detokenize`, `/metrics`; the API key check, and the errors for unknown routes and methods.
 //!
 //! A generating handler parses and checks the body (`params.rs`), tokenizes the prompt (off the
@@ -12,6 +13,7 @@ use super::anthropic;
 use super::chat::{chat_completions, chat_input};
 use super::completions::completions;
 use super::error::ApiError;
+use super::infill;
 use super::params::{check_model, check_text_len, parse_body};
 use super::response::blocking;
 use super::state::{AppState, St};
@@ -39,6 +41,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/embeddings", post(embeddings))
+        .route("/infill", post(infill::infill))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(axum::middleware::from_fn_with_state(
@@ -185,10 +188,7 @@ async fn tokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Respons
             let r = if special {
                 tok.encode(&text)
             } else {
-                tok.inner()
-                    .encode_fast(text.as_str(), false)
-                    .map(|e| e.get_ids().to_vec())
-                    .map_err(|e| anyhow::anyhow!("tokenizing failed: {e}"))
+                tok.encode_plain(&text)
             };
             r.map_err(|e| ApiError::invalid(format!("{e:#}"), Some("prompt")))
         })

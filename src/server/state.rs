@@ -39,6 +39,8 @@ pub struct AppState {
     /// proportion to its text).
     pub(super) tokenizer_slots: tokio::sync::Semaphore,
     pub(super) tool_call_parser: Option<tools::ToolCallParser>,
+    /// The model's fill-in-the-middle tokens (`suffix`, `/infill`), if it has them.
+    pub(super) fim: Option<crate::tokenizer::Fim>,
     /// Ignored request fields already logged (each is logged once).
     pub(super) warned_fields: std::sync::Mutex<std::collections::HashSet<String>>,
 }

@@ -72,9 +72,21 @@ pub struct CompletionStream {
     /// Where the next token's text starts, per choice (the log-probs' text offsets).
     offsets: Vec<TextOffsets>,
     logprobs: bool,
+    token_ids: TokenIdFields,
+    /// Per choice, the prompt's ids until its first chunk carries them (`return_token_ids`).
+    prompt_ids: Vec<Option<Vec<u32>>>,
 }
 
 impl CompletionStream {
+    /// vLLM's token-id options; `prompt_ids` per choice.
+    pub fn with_token_ids(mut self, token_ids: TokenIdFields, prompt_ids: Vec<Vec<u32>>) -> Self {
+        self.token_ids = token_ids;
+        if token_ids.ids() {
+            self.prompt_ids = prompt_ids.into_iter().map(Some).collect();
+        }
+        self
+    }
+
     pub fn new(
         id: String,
         created: u64,
@@ -95,6 +107,8 @@ impl CompletionStream {
             echo,
             offsets,
             logprobs,
+            token_ids: TokenIdFields::default(),
+            prompt_ids: Vec::new(),
         }
     }
 
@@ -117,6 +131,7 @@ impl ChunkFormat for CompletionStream {
             .enumerate()
             .filter(|(_, t)| !t.is_empty())
             .map(|(index, text)| {
+                let prompt_token_ids = self.prompt_ids.get_mut(index).and_then(Option::take);
                 self.chunk(
                     CompletionChoice {
                         index,
@@ -125,6 +140,8 @@ impl ChunkFormat for CompletionStream {
                         finish_reason: None,
                         stop_reason: None,
                         prompt_logprobs: None,
+                        prompt_token_ids,
+                        token_ids: self.token_ids.ids().then(Vec::new),
                     },
                     usage_null,
                 )
@@ -134,7 +151,8 @@ impl ChunkFormat for CompletionStream {
 
     fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Vec<String> {
         let has_lp = self.logprobs && !out.new_logprobs.is_empty();
-        if out.new_text.is_empty() && !has_lp && out.finish_reason.is_none() {
+        let ids = self.token_ids.ids();
+        if out.new_text.is_empty() && !has_lp && !ids && out.finish_reason.is_none() {
             return Vec::new();
         }
         let logprobs = match self.offsets.get_mut(index) {
@@ -142,9 +160,11 @@ impl ChunkFormat for CompletionStream {
                 &self.tokenizer,
                 &out.new_logprobs,
                 offsets,
+                self.token_ids.names(),
             )),
             _ => None,
         };
+        let prompt_token_ids = self.prompt_ids.get_mut(index).and_then(Option::take);
         vec![self.chunk(
             CompletionChoice {
                 index,
@@ -153,6 +173,8 @@ impl ChunkFormat for CompletionStream {
                 finish_reason: out.finish_reason.map(|f| f.as_str()),
                 stop_reason: stop_reason_json(out.stop_reason.as_ref()),
                 prompt_logprobs: None,
+                prompt_token_ids,
+                token_ids: ids.then(|| out.new_token_ids.clone()),
             },
             usage_null,
         )]
@@ -184,9 +206,25 @@ pub struct ChatStream {
     held: Vec<String>,
     /// vLLM's chat `echo`: the last message's text, sent first.
     echo: String,
+    token_ids: TokenIdFields,
+    /// The prompt's ids, for the first chunk (`return_token_ids`).
+    prompt_ids: Option<Vec<u32>>,
+    /// Per choice, the ids of the text held for tool calls.
+    held_ids: Vec<Vec<u32>>,
 }
 
 impl ChatStream {
+    /// vLLM's token-id options and the prompt's ids (given with `return_token_ids`).
+    pub fn with_token_ids(
+        mut self,
+        token_ids: TokenIdFields,
+        prompt_ids: Option<Vec<u32>>,
+    ) -> Self {
+        self.token_ids = token_ids;
+        self.prompt_ids = prompt_ids;
+        self
+    }
+
     /// Sends `text` (the echoed last message) at the start of each choice's content.
     pub fn with_echo(mut self, text: String) -> Self {
         self.echo = text;
@@ -212,23 +250,34 @@ impl ChatStream {
             tools,
             held: vec![String::new(); choices],
             echo: String::new(),
+            token_ids: TokenIdFields::default(),
+            prompt_ids: None,
+            held_ids: vec![Vec::new(); choices],
         }
     }
 
+    /// One choice's chunk; it carries the token ids not sent yet (`return_token_ids`).
     fn one(
-        &self,
+        &mut self,
         index: usize,
         delta: ChatDelta,
         logprobs: Option<ChatLogprobs>,
         finish: Option<&'static str>,
         usage_null: bool,
     ) -> String {
+        let ids = self.token_ids.ids().then(|| {
+            self.held_ids
+                .get_mut(index)
+                .map(std::mem::take)
+                .unwrap_or_default()
+        });
         self.chunk(
             vec![ChatChunkChoice {
                 index,
                 delta,
                 logprobs,
                 finish_reason: finish,
+                token_ids: ids,
             }],
             usage_field(usage_null),
         )
@@ -325,6 +374,15 @@ impl ChatStream {
     }
 
     fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: UsageField) -> String {
+        self.chunk_with_prompt(choices, usage, None)
+    }
+
+    fn chunk_with_prompt(
+        &self,
+        choices: Vec<ChatChunkChoice>,
+        usage: UsageField,
+        prompt_token_ids: Option<Vec<u32>>,
+    ) -> String {
         json(&ChatChunk {
             id: self.id.clone(),
             object: "chat.completion.chunk",
@@ -332,15 +390,18 @@ impl ChatStream {
             model: self.model.clone(),
             choices,
             usage,
+            prompt_token_ids,
         })
     }
 }
 
 impl ChunkFormat for ChatStream {
     fn start(&mut self, usage_null: bool) -> Vec<String> {
+        let ids = self.token_ids.ids();
         (0..self.choices)
             .map(|index| {
-                self.chunk(
+                let prompt_token_ids = self.prompt_ids.take();
+                self.chunk_with_prompt(
                     vec![ChatChunkChoice {
                         index,
                         delta: ChatDelta {
@@ -350,19 +411,26 @@ impl ChunkFormat for ChatStream {
                         },
                         logprobs: None,
                         finish_reason: None,
+                        token_ids: ids.then(Vec::new),
                     }],
                     usage_field(usage_null),
+                    prompt_token_ids,
                 )
             })
             .collect()
     }
 
     fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Vec<String> {
+        let ids = self.token_ids.ids();
+        if let Some(held) = self.held_ids.get_mut(index).filter(|_| ids) {
+            held.extend_from_slice(&out.new_token_ids);
+        }
         if let Some(mode) = self.tools.clone() {
             return self.tool_output(&mode, index, out, usage_null);
         }
         let has_lp = self.logprobs && !out.new_logprobs.is_empty();
-        if out.new_text.is_empty() && !has_lp && out.finish_reason.is_none() {
+        let has_ids = ids && !out.new_token_ids.is_empty();
+        if out.new_text.is_empty() && !has_lp && !has_ids && out.finish_reason.is_none() {
             return Vec::new();
         }
         let content = (!out.new_text.is_empty() || has_lp).then(|| out.new_text.clone());
@@ -370,7 +438,8 @@ impl ChunkFormat for ChatStream {
             content,
             ..Default::default()
         };
-        let logprobs = has_lp.then(|| chat_logprobs(&self.tokenizer, &out.new_logprobs));
+        let logprobs = has_lp
+            .then(|| chat_logprobs(&self.tokenizer, &out.new_logprobs, self.token_ids.names()));
         let finish = out.finish_reason.map(|f| f.as_str());
         vec![self.one(index, delta, logprobs, finish, usage_null)]
     }

@@ -197,6 +197,12 @@ pub struct CompletionChoice {
     /// vLLM's `prompt_logprobs`, when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Value>,
+    /// vLLM's `return_token_ids`: the prompt's ids (in a stream, in the choice's first chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    /// vLLM's `return_token_ids`: the generated ids (in a stream, the chunk's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 impl CompletionLogprobs {
@@ -317,6 +323,9 @@ pub struct ChatChoice {
     pub finish_reason: Option<&'static str>,
     /// vLLM's `stop_reason`: the stop string or stop token id that ended the choice.
     pub stop_reason: Option<Value>,
+    /// vLLM's `return_token_ids`: the generated ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -330,6 +339,9 @@ pub struct ChatResponse {
     /// vLLM's `prompt_logprobs`, when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Value>,
+    /// vLLM's `return_token_ids`: the rendered prompt's ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -348,6 +360,9 @@ pub struct ChatChunkChoice {
     pub delta: ChatDelta,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's `return_token_ids`: the ids this chunk's delta came from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -359,4 +374,26 @@ pub struct ChatChunk {
     pub choices: Vec<ChatChunkChoice>,
     #[serde(skip_serializing_if = "UsageField::is_absent")]
     pub usage: UsageField,
+    /// vLLM's `return_token_ids`: the prompt's ids, in the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+}
+
+/// vLLM's token-id options, read from the body of both OpenAI routes.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct TokenIdFields {
+    /// The prompt's and the output's token ids in the response.
+    pub return_token_ids: Option<bool>,
+    /// Log-prob tokens named `token_id:N` instead of by their text.
+    pub return_tokens_as_token_ids: Option<bool>,
+}
+
+impl TokenIdFields {
+    pub fn ids(&self) -> bool {
+        self.return_token_ids.unwrap_or(false)
+    }
+
+    pub fn names(&self) -> bool {
+        self.return_tokens_as_token_ids.unwrap_or(false)
+    }
 }

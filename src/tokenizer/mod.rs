@@ -1,7 +1,10 @@
 //! The tokenizer of a model: a HF `tokenizers::Tokenizer` plus what `tokenizer_config.json` adds
 //! (chat template, BOS/EOS tokens, whether to prepend BOS).
 
+mod fim;
 pub mod spm;
+
+pub use fim::Fim;
 
 use std::fmt;
 use std::path::Path;
@@ -49,6 +52,8 @@ pub struct Tokenizer {
     chat_env: OnceLock<Result<Environment<'static>, String>>,
     /// The most bytes one token stands for, computed on first use.
     max_token_bytes: OnceLock<usize>,
+    /// `inner` with special tokens read as text, built on first use (`encode_literal`).
+    literal: OnceLock<tokenizers::Tokenizer>,
 }
 
 /// Name of the chat template in its environment.
@@ -220,17 +225,14 @@ impl Tokenizer {
             eos_id,
             chat_env: OnceLock::new(),
             max_token_bytes: OnceLock::new(),
+            literal: OnceLock::new(),
         }
     }
 
     /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) are recognised;
     /// BOS is prepended iff `add_bos_token` and the text does not already start with it.
     pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode_fast(text, false)
-            .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
-        let mut ids = enc.get_ids().to_vec();
+        let mut ids = self.encode_plain(text)?;
         if self.add_bos_token
             && let Some(bos) = self.bos_id
             && ids.first() != Some(&bos)
@@ -238,6 +240,33 @@ impl Tokenizer {
             ids.insert(0, bos);
         }
         Ok(ids)
+    }
+
+    /// Token ids of `text` alone: no BOS (a piece of a prompt assembled from several).
+    pub fn encode_plain(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` taken literally: no BOS, and a special token's text written in it
+    /// (`<|im_end|>`, `<|fim_prefix|>`) is tokenized as the characters it is, as llama.cpp
+    /// tokenizes user text with `parse_special = false`. Added tokens that are not special keep
+    /// their ids (llama.cpp's user-defined tokens).
+    pub fn encode_literal(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        // NOTE: the flag belongs to the whole tokenizer, so the literal one is a second copy
+        // (made once) rather than a flag flipped under concurrent requests.
+        let literal = self.literal.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let enc = literal
+            .encode_fast(text, false)
+            .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
+        Ok(enc.get_ids().to_vec())
     }
 
     /// The text of `ids` (unknown ids are left out).
