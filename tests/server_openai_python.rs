@@ -1,6 +1,7 @@
 //! The official `openai` and `anthropic` Python packages against `pagoda serve` (the real
-//! binary) on SmolLM2 (tests/python/test_openai_client.py, test_anthropic_client.py) and on
-//! Qwen2.5-Coder for tool calling (test_openai_tools.py, test_anthropic_tools.py), run with
+//! binary) on SmolLM2 (tests/python/test_openai_client.py, test_anthropic_client.py,
+//! test_openai_responses.py) and on Qwen2.5-Coder for tool calling (test_openai_tools.py,
+//! test_anthropic_tools.py, test_openai_responses_tools.py), run with
 //! pytest from a virtual environment under `$PAGODA_CACHE` (created, and the clients and
 //! `pytest` installed into it, on first use). Then SIGTERM must stop the server cleanly.
 
@@ -162,7 +163,11 @@ fn openai_python_client() {
         &model_path(SMOL_GGUF),
         MODEL,
         &[],
-        &["test_openai_client.py", "test_anthropic_client.py"],
+        &[
+            "test_openai_client.py",
+            "test_anthropic_client.py",
+            "test_openai_responses.py",
+        ],
     );
     // One log line per request.
     assert!(
@@ -181,6 +186,10 @@ fn openai_python_client_tools() {
         &model_path(QWEN_GGUF),
         "Qwen2.5-Coder-0.5B-Instruct",
         &["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-        &["test_openai_tools.py", "test_anthropic_tools.py"],
+        &[
+            "test_openai_tools.py",
+            "test_anthropic_tools.py",
+            "test_openai_responses_tools.py",
+        ],
     );
 }

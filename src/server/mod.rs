@@ -20,8 +20,10 @@ mod infill;
 mod metrics;
 mod params;
 mod response;
+mod responses;
 mod routes;
 mod state;
+mod store;
 mod streaming;
 pub mod tools;
 mod types;
@@ -232,6 +234,7 @@ async fn run(
             .saturating_mul(engine.tokenizer().max_token_bytes()),
         tool_call_parser: args.tool_call_parser,
         warned_fields: Default::default(),
+        responses: Default::default(),
         fim: crate::tokenizer::Fim::of(engine.tokenizer()),
         tokenizer_slots: tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(2, |n| n.get()),

@@ -1,5 +1,6 @@
 //! The router: OpenAI's `/v1/models`, `/v1/completions` (`completions.rs`),
-//! `/v1/chat/completions` (`chat.rs`), Anthropic's `/v1/messages` (`anthropic.rs`),
+//! `/v1/chat/completions` (`chat.rs`), Anthropic's `/v1/messages` (`anthropic.rs`), OpenAI's
+//! `/v1/responses` (`responses.rs`),
 //! llama.cpp's `/infill` (`infill.rs`), and vLLM's `/health`, `/version`, `/tokenize`,
 //! `/detokenize`, `/metrics`; the API key check, and the errors for unknown routes and methods.
 //!
@@ -16,6 +17,7 @@ use super::error::ApiError;
 use super::infill;
 use super::params::{check_model, check_text_len, parse_body};
 use super::response::blocking;
+use super::responses;
 use super::state::{AppState, St};
 use super::types::*;
 use axum::body::Bytes;
@@ -41,6 +43,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/embeddings", post(embeddings))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
         .route("/infill", post(infill::infill))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))

@@ -41,6 +41,8 @@ pub struct AppState {
     pub(super) tool_call_parser: Option<tools::ToolCallParser>,
     /// The model's fill-in-the-middle tokens (`suffix`, `/infill`), if it has them.
     pub(super) fim: Option<crate::tokenizer::Fim>,
+    /// Finished Responses-API responses, for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub(super) responses: std::sync::Mutex<super::store::ResponseStore>,
     /// Ignored request fields already logged (each is logged once).
     pub(super) warned_fields: std::sync::Mutex<std::collections::HashSet<String>>,
 }
