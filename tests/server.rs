@@ -1300,6 +1300,17 @@ fn structured_output_fields() {
             json!({"grammar": "start: \"yes\" | \"no\""}),
             vec!["yes", "no"],
         ),
+        // GBNF, as vLLM's and llama.cpp's users write it
+        (
+            "guided_grammar",
+            json!("root ::= answer\nanswer ::= \"yes\" | \"no\" # either"),
+            vec!["yes", "no"],
+        ),
+        (
+            "grammar",
+            json!("root ::= [yn] \"es\"?"),
+            vec!["yes", "y", "n", "nes"],
+        ),
     ] {
         let mut body =
             json!({"prompt": "Is Paris in France? Answer:", "max_tokens": 5, "temperature": 0});
@@ -1320,6 +1331,8 @@ fn structured_output_fields() {
     for (field, value) in [
         ("guided_regex", json!("(unclosed")),
         ("guided_grammar", json!("start: nowhere")),
+        ("guided_grammar", json!("root ::= nowhere")),
+        ("grammar", json!("root ::= \"unclosed")),
         ("guided_json", json!({"type": "no-such-type"})),
         ("guided_json", json!("{not json")),
         ("guided_choice", json!([])),

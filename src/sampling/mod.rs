@@ -3,6 +3,7 @@
 //! streamed text (incremental detokenization, stop strings).
 
 pub mod detokenizer;
+pub mod gbnf;
 pub mod params;
 pub mod rows;
 pub mod sampler;

@@ -3,6 +3,7 @@
 //! vocabulary into a matcher that, at every step, gives the set of tokens that keep the output
 //! on the grammar (the mask the sampler applies) and then consumes the token chosen.
 
+use super::gbnf;
 use crate::tokenizer::Tokenizer;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{self, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
@@ -22,7 +23,8 @@ pub enum StructuredOutput {
     Regex(String),
     /// Exactly one of these strings.
     Choice(Vec<String>),
-    /// A Lark grammar, in llguidance's dialect (which vLLM's `guided_grammar` also takes).
+    /// A Lark grammar, in llguidance's dialect, or a GBNF one (llama.cpp's, told apart by its
+    /// `::=`; see `gbnf.rs`).
     Grammar(String),
 }
 
@@ -37,6 +39,9 @@ impl StructuredOutput {
             StructuredOutput::Grammar(g) if g.trim().is_empty() => {
                 Err("the grammar is empty".into())
             }
+            StructuredOutput::Grammar(g) if gbnf::is_gbnf(g) => gbnf::to_lark(g)
+                .map(drop)
+                .map_err(|e| format!("GBNF grammar: {e}")),
             StructuredOutput::Choice(c) if c.is_empty() || c.iter().any(String::is_empty) => {
                 Err("choice must be a non-empty list of non-empty strings".into())
             }
@@ -44,8 +49,8 @@ impl StructuredOutput {
         }
     }
 
-    fn grammar(&self) -> TopLevelGrammar {
-        match self {
+    fn grammar(&self) -> Result<TopLevelGrammar, String> {
+        Ok(match self {
             StructuredOutput::Json(schema) => {
                 TopLevelGrammar::from_json_schema(with_layout(schema.clone()))
             }
@@ -62,8 +67,11 @@ impl StructuredOutput {
                     .collect();
                 TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
             }
+            StructuredOutput::Grammar(g) if gbnf::is_gbnf(g) => TopLevelGrammar::from_lark(
+                gbnf::to_lark(g).map_err(|e| format!("GBNF grammar: {e}"))?,
+            ),
             StructuredOutput::Grammar(g) => TopLevelGrammar::from_lark(g.clone()),
-        }
+        })
     }
 }
 
@@ -153,7 +161,7 @@ impl StructuredCompiler {
         c.validate()?;
         let parser = self
             .factory
-            .create_parser(c.grammar())
+            .create_parser(c.grammar()?)
             .map_err(|e| format!("{e:#}"))?;
         let m = Matcher::new(Ok(parser));
         match m.get_error() {
@@ -167,4 +175,53 @@ impl StructuredCompiler {
 /// matcher that has stopped allows only EOS. Fails when the grammar has failed.
 pub fn allowed_tokens(m: &mut Matcher) -> Result<toktrie::SimpleVob, String> {
     m.compute_mask_or_eos().map_err(|e| format!("{e:#}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compiler() -> StructuredCompiler {
+        let tok = Tokenizer::from_parts(
+            crate::tokenizer::tests::tiny_tokenizer(),
+            None,
+            None,
+            Some("<|im_end|>".into()),
+            false,
+        );
+        let n = tok.vocab_size();
+        StructuredCompiler::new(Arc::new(tok), n, &[2]).unwrap()
+    }
+
+    /// Feeds `text` through a matcher of `c`; whether it is accepted whole.
+    fn accepts(c: &StructuredCompiler, g: &StructuredOutput, text: &str) -> bool {
+        let mut m = c.compile(g).unwrap();
+        let ids = c.factory.tok_env().tokenize(text);
+        m.consume_tokens(&ids).is_ok() && m.is_accepting().unwrap_or(false)
+    }
+
+    #[test]
+    fn gbnf_grammars_compile_and_constrain() {
+        let c = compiler();
+        let g = StructuredOutput::Grammar(
+            r#"root ::= "[" num ("," num){0,2} "]"
+num ::= [1-9] [0-9]* | "0"
+"#
+            .into(),
+        );
+        assert!(accepts(&c, &g, "[1,20,0]"));
+        assert!(!accepts(&c, &g, "[01]"));
+        assert!(!accepts(&c, &g, "[1,2,3,4]"));
+        let other = StructuredOutput::Grammar(
+            "root ::= Word (\" \" Word)?\nWord ::= [^ \\n]+ | \"é\"".into(),
+        );
+        assert!(accepts(&c, &other, "hello é"));
+        assert!(!accepts(&c, &other, "a  b"));
+        // Lark stays Lark; a broken GBNF grammar says what is wrong before compiling.
+        let lark = StructuredOutput::Grammar("start: \"a\" | \"b\"".into());
+        assert!(accepts(&c, &lark, "b"));
+        let bad = StructuredOutput::Grammar("root ::= missing".into());
+        let e = c.compile(&bad).err().unwrap();
+        assert!(e.contains("GBNF") && e.contains("missing"), "{e}");
+    }
 }

@@ -7,8 +7,8 @@
 
 use super::error::ApiError;
 use super::params::{
-    check_accepting, check_model, from_json, ignored_fields, read_json, refuse_unsupported,
-    sampling_params, with_ignored,
+    check_accepting, check_model, from_json, ignored_fields, name_structured_field, read_json,
+    refuse_unsupported, sampling_params, structured_output, with_ignored,
 };
 use super::response::{blocking, collect, submit};
 use super::state::{AppState, St};
@@ -90,12 +90,14 @@ const KNOWN: &[&str] = &[
     "ignore_eos",
     "cache_prompt",
     "return_tokens",
+    "grammar",
+    "json_schema",
 ];
 
 /// llama.cpp's fields that would change the answer and are not implemented: refused by name.
 /// The editor plugins' hints (`samplers`, `t_max_predict_ms`, `n_indent`, `response_fields`)
 /// are accepted, and named in the ignored-fields header.
-const UNSUPPORTED: &[&str] = &["grammar", "json_schema", "logit_bias"];
+const UNSUPPORTED: &[&str] = &["logit_bias"];
 
 /// llama.cpp's samplers not implemented here, with the value that switches each off (which
 /// clients send, and which passes).
@@ -178,7 +180,13 @@ async fn infill_inner(
         ignore_eos: req.ignore_eos,
         ..Default::default()
     };
-    let params = sampling_params(&fields, max_tokens, None, &st.sampling_defaults)?;
+    let mut params = sampling_params(&fields, max_tokens, None, &st.sampling_defaults)?;
+    // NOTE: only llama.cpp's own fields constrain /infill.
+    let constraint =
+        json!({"grammar": body.get("grammar"), "json_schema": body.get("json_schema")});
+    let structured = structured_output(&constraint)?;
+    let field = structured.as_ref().map(|(_, f)| *f);
+    params.structured = structured.map(|(c, _)| c);
     let total = [&req.input_prefix, &req.input_suffix, &req.prompt]
         .iter()
         .map(|s| s.len())
@@ -224,7 +232,8 @@ async fn infill_inner(
         "input_prefix",
         max_tokens.is_some(),
     )
-    .await?;
+    .await
+    .map_err(|e| name_structured_field(e, field))?;
     let tokens = req.return_tokens.unwrap_or(false);
     if req.stream.unwrap_or(false) {
         let fmt = InfillStream {

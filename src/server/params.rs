@@ -173,6 +173,8 @@ pub(super) const KNOWN_OPENAI: &[&str] = &[
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "grammar",
+    "json_schema",
     "structured_outputs",
     "guided_decoding_backend",
     "guided_whitespace_pattern",
@@ -294,8 +296,8 @@ pub(super) fn refuse_unsupported(body: &Value, fields: &[&str]) -> Result<(), Ap
 }
 
 /// The request's structured-output constraint, and the field that gave it (errors name it):
-/// OpenAI's `response_format`, vLLM's `structured_outputs` or its older `guided_*` fields. At
-/// most one may be given.
+/// OpenAI's `response_format`, vLLM's `structured_outputs` or its older `guided_*` fields,
+/// llama.cpp's `grammar` (GBNF) and `json_schema`. At most one may be given.
 pub(super) fn structured_output(
     body: &Value,
 ) -> Result<Option<(StructuredOutput, &'static str)>, ApiError> {
@@ -361,6 +363,9 @@ pub(super) fn structured_output(
         ("guided_regex", "regex"),
         ("guided_choice", "choice"),
         ("guided_grammar", "grammar"),
+        // llama.cpp's fields
+        ("grammar", "grammar"),
+        ("json_schema", "json"),
     ] {
         if let Some(v) = given(field) {
             found.push((of_kind(field, kind, v)?, field));
