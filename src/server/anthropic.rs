@@ -11,9 +11,9 @@ use super::params::{
     check_accepting, check_model, check_text_len, from_json, ignored_fields, read_json,
     refuse_unsupported, sampling_params, with_ignored,
 };
-use super::response::{Collected, collect, submit};
+use super::response::{Collected, collect_one, submit};
 use super::state::{AppState, St};
-use super::streaming::{self, ChunkFormat, sse};
+use super::streaming::{self, ChunkFormat, named_sse};
 use super::tools::{self, ParsedCall, Tool, ToolMode};
 use super::types::{SamplingFields, StopField, Usage};
 use super::worker::SubRequest;
@@ -505,11 +505,7 @@ async fn messages_inner(
             &ignored,
         ));
     }
-    let c = collect(&mut rx, 1)
-        .await?
-        .pop()
-        .ok_or_else(|| ApiError::internal("the engine returned no output"))?;
-    guard.disarm();
+    let c = collect_one(&mut rx, &mut guard).await?;
     let response = Json(message_json(&id, &model, mode.as_ref(), &c)).into_response();
     Ok(with_ignored(response, &ignored))
 }
@@ -708,17 +704,8 @@ impl ChunkFormat for MessageStream {
         String::new()
     }
 
-    /// `event: TYPE` names each event (Anthropic's clients dispatch on it).
     fn frame(&self, chunk: &str) -> Bytes {
-        #[derive(Deserialize)]
-        struct Kind<'a> {
-            #[serde(rename = "type", borrow)]
-            kind: &'a str,
-        }
-        match serde_json::from_str::<Kind>(chunk) {
-            Ok(k) => Bytes::from(format!("event: {}\ndata: {chunk}\n\n", k.kind)),
-            Err(_) => sse(chunk),
-        }
+        named_sse(chunk)
     }
 
     fn done(&self) -> Option<Bytes> {

@@ -10,7 +10,7 @@ use super::params::{
     check_accepting, check_model, from_json, ignored_fields, name_structured_field, read_json,
     refuse_unsupported, sampling_params, structured_output, with_ignored,
 };
-use super::response::{blocking, collect, submit};
+use super::response::{blocking, collect_one, submit};
 use super::state::{AppState, St};
 use super::streaming::{self, ChunkFormat};
 use super::types::{SamplingFields, StopField, Usage};
@@ -246,11 +246,7 @@ async fn infill_inner(
             &ignored,
         ));
     }
-    let c = collect(&mut rx, 1)
-        .await?
-        .pop()
-        .ok_or_else(|| ApiError::internal("no result"))?;
-    guard.disarm();
+    let c = collect_one(&mut rx, &mut guard).await?;
     let mut answer = last_chunk(
         &model,
         truncated,

@@ -231,6 +231,19 @@ pub(super) async fn collect(
     Ok(out)
 }
 
+/// The one result of a single request; the guard stands down once it is complete.
+pub(super) async fn collect_one(
+    rx: &mut tmpsc::UnboundedReceiver<Event>,
+    guard: &mut AbortGuard,
+) -> Result<Collected, ApiError> {
+    let c = collect(rx, 1)
+        .await?
+        .pop()
+        .ok_or_else(|| ApiError::internal("the engine returned no output"))?;
+    guard.disarm();
+    Ok(c)
+}
+
 /// A token as log-probs name it: its text when its bytes are whole UTF-8 characters, else
 /// vLLM's lossless `bytes:\xNN…` form, so that the fragments of a character split over
 /// tokens are told apart (and never share a `top_logprobs` key).

@@ -13,9 +13,9 @@ use super::params::{
     check_accepting, check_model, check_text_len, from_json, ignored_fields, read_json,
     refuse_unsupported, sampling_params, with_ignored,
 };
-use super::response::{collect, submit, unix_now};
+use super::response::{collect_one, submit, unix_now};
 use super::state::{AppState, St};
-use super::streaming::{self, ChunkFormat, sse};
+use super::streaming::{self, ChunkFormat, named_sse};
 use super::tools::{self, ToolMode};
 use super::types::{SamplingFields, Usage};
 use super::worker::SubRequest;
@@ -678,11 +678,7 @@ async fn create_inner(
             &ignored,
         ));
     }
-    let c = collect(&mut rx, 1)
-        .await?
-        .pop()
-        .ok_or_else(|| ApiError::internal("the engine returned no output"))?;
-    guard.disarm();
+    let c = collect_one(&mut rx, &mut guard).await?;
     let body = meta.finish(&st, mode.as_ref(), &c.text, c.finish, c.output_tokens);
     Ok(with_ignored(Json(body).into_response(), &ignored))
 }
@@ -884,17 +880,8 @@ impl ChunkFormat for ResponseStream {
         String::new()
     }
 
-    /// `event: TYPE` names each event, as OpenAI's stream does.
     fn frame(&self, chunk: &str) -> Bytes {
-        #[derive(Deserialize)]
-        struct Kind<'a> {
-            #[serde(rename = "type", borrow)]
-            kind: &'a str,
-        }
-        match serde_json::from_str::<Kind>(chunk) {
-            Ok(k) => Bytes::from(format!("event: {}\ndata: {chunk}\n\n", k.kind)),
-            Err(_) => sse(chunk),
-        }
+        named_sse(chunk)
     }
 
     fn done(&self) -> Option<Bytes> {

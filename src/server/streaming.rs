@@ -467,6 +467,20 @@ pub(super) fn sse(data: &str) -> Bytes {
     Bytes::from(format!("data: {data}\n\n"))
 }
 
+/// A JSON chunk as an event named by its `type` (`event: TYPE`), as Anthropic's and the
+/// Responses API's clients dispatch on it.
+pub(super) fn named_sse(chunk: &str) -> Bytes {
+    #[derive(serde::Deserialize)]
+    struct Kind<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: &'a str,
+    }
+    match serde_json::from_str::<Kind>(chunk) {
+        Ok(k) => Bytes::from(format!("event: {}\ndata: {chunk}\n\n", k.kind)),
+        Err(_) => sse(chunk),
+    }
+}
+
 impl<F: ChunkFormat> StreamState<F> {
     fn on_event(&mut self, ev: Event) {
         match ev.kind {
