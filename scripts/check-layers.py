@@ -14,7 +14,7 @@ import sys
 
 # Bottom first. A module may import only modules on a lower floor (or its own).
 FLOORS = [
-    ["untrusted", "tensor", "fetch"],
+    ["untrusted", "tensor", "fetch", "hub"],
     ["kv"],
     ["sched"],
     ["tokenizer"],

@@ -17,6 +17,7 @@ pub mod backend;
 pub mod bench;
 pub mod engine;
 pub mod fetch;
+pub mod hub;
 pub mod kv;
 pub mod models;
 pub mod parallel;

@@ -109,9 +109,17 @@ enum BenchCommand {
 
 #[derive(Args, Clone)]
 struct ModelArgs {
-    /// A GGUF file or an HF-layout directory. Default: SmolLM2-135M-Instruct (fetched once).
+    /// A GGUF file, an HF-layout directory, or a hub name: ORG/NAME (an HF-layout repository)
+    /// or ORG/NAME:QUANT (a GGUF repository's file for that quant), from the Hugging Face cache
+    /// or downloaded into it. Default: SmolLM2-135M-Instruct (fetched once).
     #[arg(long, short)]
     model: Option<PathBuf>,
+    /// The hub revision (branch, tag or commit) of a model given by name.
+    #[arg(long)]
+    revision: Option<String>,
+    /// The GGUF file to take from a hub repository given by name (instead of the :QUANT rule).
+    #[arg(long)]
+    gguf_file: Option<String>,
     /// cpu, wgpu, cuda, hip or auto. `bench` takes a list (cpu,wgpu,cuda): one run each.
     #[arg(long, default_value = "cpu", value_delimiter = ',')]
     backend: Vec<BackendKind>,
@@ -201,7 +209,7 @@ impl ModelArgs {
             tracing::warn!("several backends given: only `bench` runs each; using the first");
         }
         Ok(EngineArgs {
-            model: self.model.clone(),
+            model: self.model_path()?,
             backend: self.backend.first().copied().unwrap_or(BackendKind::Cpu),
             dtype: self.dtype,
             kv_cache_dtype: self.kv_cache_dtype,
@@ -230,6 +238,32 @@ impl ModelArgs {
                     .map_err(|_| anyhow::anyhow!("--rendezvous-timeout must be seconds >= 0"))?,
             },
         })
+    }
+
+    /// `--model` as a local path: a hub name is looked up in the Hugging Face cache, or
+    /// downloaded.
+    fn model_path(&self) -> Result<Option<PathBuf>> {
+        let name = self
+            .model
+            .as_ref()
+            .and_then(|p| p.to_str())
+            .filter(|s| pagoda::hub::is_hub_name(s));
+        match name {
+            Some(spec) => {
+                let env = pagoda::hub::HubEnv::from_env();
+                pagoda::hub::resolve(
+                    &env,
+                    spec,
+                    self.revision.as_deref(),
+                    self.gguf_file.as_deref(),
+                )
+                .map(Some)
+            }
+            None if self.revision.is_some() || self.gguf_file.is_some() => anyhow::bail!(
+                "--revision and --gguf-file apply to a model given by its hub name (ORG/NAME), not to a local path"
+            ),
+            None => Ok(self.model.clone()),
+        }
     }
 
     /// One `EngineArgs` per backend in `--backend`, for `bench`.
