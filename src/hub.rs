@@ -4,8 +4,8 @@
 //! llama.cpp's `-hf` picks it; `--gguf-file` names it outright). Files come from the Hugging
 //! Face cache when they are there (the layout Python's `huggingface_hub` writes, so downloads
 //! are shared with it), else are downloaded into it through the `hf-hub` crate, with progress
-//! bars. `HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT`, `HF_TOKEN` and `HF_HUB_OFFLINE` mean what
-//! they mean to `huggingface_hub`.
+//! bars. `HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT`, `HF_TOKEN` (`HF_TOKEN_PATH`) and
+//! `HF_HUB_OFFLINE` mean what they mean to `huggingface_hub`.
 
 use anyhow::{Context, Result, bail};
 use hf_hub::api::sync::ApiBuilder;
@@ -29,15 +29,21 @@ impl HubEnv {
     /// From the environment, as `huggingface_hub` reads it.
     pub fn from_env() -> HubEnv {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        let cache = var("HF_HUB_CACHE")
-            .map(PathBuf::from)
-            .or_else(|| var("HF_HOME").map(|h| Path::new(&h).join("hub")))
-            .unwrap_or_else(|| {
-                dirs::home_dir()
-                    .unwrap_or_else(std::env::temp_dir)
-                    .join(".cache/huggingface/hub")
-            });
-        let token = var("HF_TOKEN").or_else(|| Cache::new(cache.clone()).token());
+        // NOTE: the token file `huggingface-cli login` writes is under HF_HOME, wherever the
+        // cache is.
+        let home = var("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
+            dirs::home_dir()
+                .unwrap_or_else(std::env::temp_dir)
+                .join(".cache/huggingface")
+        });
+        let cache = var("HF_HUB_CACHE").map_or_else(|| home.join("hub"), PathBuf::from);
+        let token = var("HF_TOKEN").or_else(|| {
+            let path = var("HF_TOKEN_PATH").map_or_else(|| home.join("token"), PathBuf::from);
+            std::fs::read_to_string(path)
+                .ok()
+                .map(|t| t.trim().to_string())
+                .filter(|t| !t.is_empty())
+        });
         let offline = var("HF_HUB_OFFLINE").is_some_and(|v| {
             matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on")
         });

@@ -358,4 +358,22 @@ fn infill_lays_out_the_project_as_llama_cpp() {
         (&json!("word"), &json!("\n")),
         "{v}"
     );
+    // Bad values name llama.cpp's fields.
+    for (field, value) in [
+        ("n_predict", json!(-5)),
+        ("n_predict", json!(context)),
+        ("mirostat", json!(2)),
+        ("grammar", json!("root ::= nowhere")),
+    ] {
+        let mut b = body.clone();
+        b[field] = value;
+        let r = post_json(server(), "/infill", None, &b);
+        assert_eq!(r.status, 400, "{field}: {}", r.text());
+        assert_eq!(r.json()["error"]["param"], field, "{}", r.text());
+    }
+    // A GBNF grammar constrains the middle.
+    let mut b = body.clone();
+    b["grammar"] = json!("root ::= \" n < 2:\" [\\n]");
+    let v = post_json(server(), "/infill", None, &b).json();
+    assert_eq!(v["content"], " n < 2:\n", "{v}");
 }

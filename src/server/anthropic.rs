@@ -446,12 +446,7 @@ async fn messages_inner(
         ..Default::default()
     };
     let mut params = sampling_params(&fields, Some(max_tokens), None, &st.sampling_defaults)
-        .map_err(|mut e| {
-            if e.param.as_deref() == Some("stop") {
-                e.param = Some("stop_sequences".into());
-            }
-            e
-        })?;
+        .map_err(|e| e.renamed("stop", "stop_sequences"))?;
     params.structured = mode
         .as_ref()
         .and_then(|m| tools::constraint(m, &conv.tools, parallel));

@@ -321,12 +321,7 @@ pub(super) async fn chat_inner(
     let logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0));
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
     let mut params = sampling_params(&sampling, max_tokens, logprobs, &st.sampling_defaults)
-        .map_err(|mut e| {
-            if e.param.as_deref() == Some("logprobs") {
-                e.param = Some("top_logprobs".into());
-            }
-            e
-        })?;
+        .map_err(|e| e.renamed("logprobs", "top_logprobs"))?;
     params.structured = structured.map(|(c, _)| c);
     params.prompt_logprobs = sampling.prompt_logprobs;
     params

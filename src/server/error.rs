@@ -121,6 +121,15 @@ impl ApiError {
         }
     }
 
+    /// The same error naming `to` where it named `from`: a field that a translating route
+    /// (Anthropic's, the Responses API, /infill) calls by another name.
+    pub fn renamed(mut self, from: &str, to: &str) -> Self {
+        if self.param.as_deref() == Some(from) {
+            self.param = Some(to.to_string());
+        }
+        self
+    }
+
     /// The JSON body alone (also sent as an SSE event when a stream fails midway).
     pub fn body_json(&self) -> String {
         let body = ErrorBody {

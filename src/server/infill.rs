@@ -158,7 +158,16 @@ async fn infill_inner(
     refuse_switched_on(&body)?;
     let max_tokens = match req.n_predict {
         None | Some(-1) => None,
-        Some(n) if n >= 0 => Some(n as usize),
+        Some(n) if n >= 0 && (n as usize) < st.max_model_len => Some(n as usize),
+        Some(n) if n >= 0 => {
+            return Err(ApiError::invalid(
+                format!(
+                    "n_predict {n} leaves no room for the prompt in the model's context of {} tokens",
+                    st.max_model_len
+                ),
+                Some("n_predict"),
+            ));
+        }
         Some(n) => {
             return Err(ApiError::invalid(
                 format!("n_predict must be -1 (to the end of the context) or at least 0, got {n}"),
@@ -180,7 +189,8 @@ async fn infill_inner(
         ignore_eos: req.ignore_eos,
         ..Default::default()
     };
-    let mut params = sampling_params(&fields, max_tokens, None, &st.sampling_defaults)?;
+    let mut params = sampling_params(&fields, max_tokens, None, &st.sampling_defaults)
+        .map_err(|e| e.renamed("max_tokens", "n_predict"))?;
     // NOTE: only llama.cpp's own fields constrain /infill.
     let constraint =
         json!({"grammar": body.get("grammar"), "json_schema": body.get("json_schema")});
@@ -233,7 +243,7 @@ async fn infill_inner(
         max_tokens.is_some(),
     )
     .await
-    .map_err(|e| name_structured_field(e, field))?;
+    .map_err(|e| name_structured_field(e, field).renamed("max_tokens", "n_predict"))?;
     let tokens = req.return_tokens.unwrap_or(false);
     if req.stream.unwrap_or(false) {
         let fmt = InfillStream {

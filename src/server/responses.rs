@@ -578,12 +578,7 @@ async fn create_inner(
         ..Default::default()
     };
     let mut params = sampling_params(&fields, req.max_output_tokens, None, &st.sampling_defaults)
-        .map_err(|mut e| {
-        if e.param.as_deref() == Some("max_tokens") {
-            e.param = Some("max_output_tokens".into());
-        }
-        e
-    })?;
+        .map_err(|e| e.renamed("max_tokens", "max_output_tokens"))?;
     params.structured = mode
         .as_ref()
         .and_then(|m| tools::constraint(m, &tool_list, parallel));
@@ -658,12 +653,7 @@ async fn create_inner(
         req.max_output_tokens.is_some(),
     )
     .await
-    .map_err(|mut e| {
-        if e.param.as_deref() == Some("max_tokens") {
-            e.param = Some("max_output_tokens".into());
-        }
-        e
-    })?;
+    .map_err(|e| e.renamed("max_tokens", "max_output_tokens"))?;
     if req.stream.unwrap_or(false) {
         let fmt = ResponseStream {
             st: st.clone(),
