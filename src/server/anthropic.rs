@@ -15,7 +15,7 @@ use super::response::{Collected, collect_one, submit};
 use super::state::{AppState, St};
 use super::streaming::{self, ChunkFormat, named_sse};
 use super::tools::{self, ParsedCall, Tool, ToolMode};
-use super::types::{SamplingFields, StopField, Usage};
+use super::types::{SamplingFields, StopField};
 use super::worker::SubRequest;
 use crate::engine::{Prompt, StepOutput, StopReason};
 use crate::sampling::StructuredOutput;
@@ -691,12 +691,6 @@ impl ChunkFormat for MessageStream {
             chunks.push(json!({"type": "message_stop"}).to_string());
         }
         chunks
-    }
-
-    fn usage(&mut self, _usage: Usage) -> String {
-        // NOTE: Anthropic's usage rides on message_start and message_delta; this stream never
-        // asks for a usage chunk.
-        String::new()
     }
 
     fn frame(&self, chunk: &str) -> Bytes {

@@ -13,7 +13,7 @@ use super::params::{
 use super::response::{blocking, collect_one, submit};
 use super::state::{AppState, St};
 use super::streaming::{self, ChunkFormat};
-use super::types::{SamplingFields, StopField, Usage};
+use super::types::{SamplingFields, StopField};
 use super::worker::SubRequest;
 use crate::engine::{Prompt, StepOutput, StopReason};
 use crate::sched::FinishReason;
@@ -348,10 +348,6 @@ impl ChunkFormat for InfillStream {
             chunks.push(last.to_string());
         }
         chunks
-    }
-
-    fn usage(&mut self, _usage: Usage) -> String {
-        String::new()
     }
 
     fn done(&self) -> Option<Bytes> {

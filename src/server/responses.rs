@@ -865,11 +865,6 @@ impl ChunkFormat for ResponseStream {
         chunks
     }
 
-    fn usage(&mut self, _usage: Usage) -> String {
-        // NOTE: the usage rides on the last event's response; no usage chunk is asked for.
-        String::new()
-    }
-
     fn frame(&self, chunk: &str) -> Bytes {
         named_sse(chunk)
     }

@@ -41,7 +41,7 @@ impl ResponseStore {
                     m.content.len()
                         + m.tool_calls
                             .as_ref()
-                            .map_or(0, |c| Value::from(c.clone()).to_string().len())
+                            .map_or(0, |c| serde_json::to_string(c).map_or(0, |j| j.len()))
                 })
                 .sum::<usize>();
         if let Some(old) = self.map.remove(&id) {

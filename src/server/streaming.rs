@@ -27,8 +27,12 @@ pub trait ChunkFormat: Send + 'static {
     fn start(&mut self, usage_null: bool) -> Vec<String>;
     /// The chunks for one output of sub-request `index` (none when it carries nothing).
     fn output(&mut self, index: usize, out: &StepOutput, usage_null: bool) -> Vec<String>;
-    /// The last chunk, with the usage of all sub-requests and no choices.
-    fn usage(&mut self, usage: Usage) -> String;
+    /// The last chunk, with the usage of all sub-requests and no choices (OpenAI's
+    /// `include_usage`); none where the usage rides on other events (Anthropic's, the
+    /// Responses API's, llama.cpp's).
+    fn usage(&mut self, _usage: Usage) -> Option<String> {
+        None
+    }
     /// One chunk as a Server-Sent Event: OpenAI's name no event.
     fn frame(&self, chunk: &str) -> Bytes {
         sse(chunk)
@@ -180,15 +184,15 @@ impl ChunkFormat for CompletionStream {
         )]
     }
 
-    fn usage(&mut self, usage: Usage) -> String {
-        json(&CompletionResponse {
+    fn usage(&mut self, usage: Usage) -> Option<String> {
+        Some(json(&CompletionResponse {
             id: self.id.clone(),
             object: "text_completion",
             created: self.created,
             model: self.model.clone(),
             choices: Vec::new(),
             usage: UsageField::Some(usage),
-        })
+        }))
     }
 }
 
@@ -444,8 +448,8 @@ impl ChunkFormat for ChatStream {
         vec![self.one(index, delta, logprobs, finish, usage_null)]
     }
 
-    fn usage(&mut self, usage: Usage) -> String {
-        self.chunk(Vec::new(), UsageField::Some(usage))
+    fn usage(&mut self, usage: Usage) -> Option<String> {
+        Some(self.chunk(Vec::new(), UsageField::Some(usage)))
     }
 }
 
@@ -522,8 +526,9 @@ impl<F: ChunkFormat> StreamState<F> {
                     let prompt = if i % self.samples == 0 { x.0 } else { 0 };
                     (p + prompt, c + x.1)
                 });
-            let u = self.fmt.usage(Usage::new(p, c));
-            self.pending.push_back(self.fmt.frame(&u));
+            if let Some(u) = self.fmt.usage(Usage::new(p, c)) {
+                self.pending.push_back(self.fmt.frame(&u));
+            }
         }
         self.pending.extend(self.fmt.done());
         self.guard.disarm();
