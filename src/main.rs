@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use pagoda::engine::KvBudget;
-use pagoda::models::KvCacheDtype;
+use pagoda::models::{KvCacheDtype, PoolingType, Task};
 use pagoda::sampling::{SamplingDefaults, StructuredOutput};
 use pagoda::sched::{PreemptionMode, SchedulingPolicy};
 use pagoda::{BackendKind, ChatMessage, EngineArgs, LLM, SamplingParams, WeightDtype};
@@ -42,6 +42,24 @@ enum Command {
         model: ModelArgs,
         #[command(flatten)]
         sampling: SamplingArgs,
+    },
+    /// Embed texts with a model served for embeddings (as --task embed): one JSON object per
+    /// text, with its embedding; or, with --query, each text's relevance score to it (a
+    /// reranker's, with --task score; else the cosine of the embeddings).
+    Embed {
+        /// Texts (each one a request).
+        texts: Vec<String>,
+        /// Read texts from a file, one per line.
+        #[arg(long)]
+        file: Option<PathBuf>,
+        /// Cut the embeddings to this many dimensions (Matryoshka models).
+        #[arg(long)]
+        dimensions: Option<usize>,
+        /// Score each text against this query instead.
+        #[arg(long)]
+        query: Option<String>,
+        #[command(flatten)]
+        model: ModelArgs,
     },
     /// Chat interactively; tokens stream as they come.
     Chat {
@@ -193,6 +211,24 @@ struct ModelArgs {
     /// Seconds node 0 waits for the other nodes to connect and load (and they for node 0).
     #[arg(long, default_value_t = 600.0)]
     rendezvous_timeout: f64,
+    /// What the model is served for: generate, embed (/v1/embeddings) or score (/v1/score and
+    /// /v1/rerank: a cross-encoder, or a decoder reranker with --classifier-from-token).
+    #[arg(long, value_parser = Task::parse)]
+    task: Option<Task>,
+    /// vLLM's --runner: generate, or pooling (embeddings unless --convert says otherwise).
+    #[arg(long)]
+    runner: Option<String>,
+    /// vLLM's --convert: embed, or classify (as --task score).
+    #[arg(long, value_parser = Task::parse)]
+    convert: Option<Task>,
+    /// Pool embeddings as mean, cls or last (default: the model's sentence-transformers
+    /// config, else last with L2 normalization).
+    #[arg(long, value_parser = PoolingType::parse)]
+    pooling_type: Option<PoolingType>,
+    /// Score with the logits of these tokens (`no,yes`: the sigmoid of their difference, as
+    /// Qwen3-Reranker), instead of a classifier in the checkpoint.
+    #[arg(long, value_delimiter = ',')]
+    classifier_from_token: Option<Vec<String>>,
 }
 
 impl ModelArgs {
@@ -208,7 +244,16 @@ impl ModelArgs {
         if self.backend.len() > 1 {
             tracing::warn!("several backends given: only `bench` runs each; using the first");
         }
+        let task = match (self.task, self.convert, self.runner.as_deref()) {
+            (Some(t), _, _) | (None, Some(t), _) => t,
+            (None, None, None | Some("generate")) => Task::Generate,
+            (None, None, Some("pooling")) => Task::Embed,
+            (None, None, Some(r)) => anyhow::bail!("unknown --runner '{r}' (generate, pooling)"),
+        };
         Ok(EngineArgs {
+            task,
+            pooling_type: self.pooling_type,
+            classifier_from_token: self.classifier_from_token.clone(),
             model: self.model_path()?,
             backend: self.backend.first().copied().unwrap_or(BackendKind::Cpu),
             dtype: self.dtype,
@@ -549,6 +594,7 @@ fn model_args(cmd: &Command) -> Option<&ModelArgs> {
         Command::Generate { model, .. }
         | Command::Chat { model, .. }
         | Command::Serve { model, .. }
+        | Command::Embed { model, .. }
         | Command::Info { model } => Some(model),
         Command::Bench { command } => match command {
             BenchCommand::Throughput { model, .. } | BenchCommand::Latency { model, .. } => {
@@ -664,6 +710,13 @@ fn run(cli: Cli) -> Result<()> {
             model,
             sampling,
         } => chat(system, model, sampling)?,
+        Command::Embed {
+            texts,
+            file,
+            dimensions,
+            query,
+            model,
+        } => embed(texts, file, dimensions, query, model)?,
         Command::CheckBackend { backend, seed } => {
             let (name, rows) = pagoda::backend::check::check_backend_kind(backend, seed)?;
             print!("{}", pagoda::backend::check::format_table(&name, &rows));
@@ -794,4 +847,55 @@ fn chat(system: Option<String>, model: ModelArgs, sampling: SamplingArgs) -> Res
         eprintln!("[{n} tokens, {:.1} tokens/s]", n as f64 / secs);
         messages.push(ChatMessage::new("assistant", reply));
     }
+}
+
+/// `pagoda embed`: one JSON line per text, with its embedding or its score.
+fn embed(
+    mut texts: Vec<String>,
+    file: Option<PathBuf>,
+    dimensions: Option<usize>,
+    query: Option<String>,
+    model: ModelArgs,
+) -> Result<()> {
+    if let Some(f) = file {
+        let text =
+            std::fs::read_to_string(&f).with_context(|| format!("cannot read {}", f.display()))?;
+        texts.extend(
+            text.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(String::from),
+        );
+    }
+    if texts.is_empty() {
+        anyhow::bail!("no text given: pass texts as arguments or --file FILE");
+    }
+    let mut args = model.engine_args()?;
+    if args.task == Task::Generate {
+        args.task = Task::Embed;
+    }
+    let mut llm = LLM::new(args)?;
+    if let Some(q) = query {
+        if dimensions.is_some() {
+            anyhow::bail!("--dimensions goes with embeddings, not with --query");
+        }
+        let docs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        for (i, s) in llm.score(&q, &docs)?.into_iter().enumerate() {
+            println!(
+                "{}",
+                serde_json::json!({"index": i, "text": texts[i], "score": s})
+            );
+        }
+        return Ok(());
+    }
+    let params = pagoda::engine::PoolingParams {
+        dimensions,
+        truncate_prompt_tokens: None,
+    };
+    for (i, o) in llm.embed(&texts, &params)?.into_iter().enumerate() {
+        println!(
+            "{}",
+            serde_json::json!({"index": i, "prompt_tokens": o.prompt_token_ids.len(), "embedding": o.data})
+        );
+    }
+    Ok(())
 }

@@ -52,6 +52,7 @@ fn runner_with(
         max_useful_blocks: 64,
         parallel,
         nodes,
+        head: Default::default(),
     };
     create_runner(model, &args, &mut |_, _| {})
 }
@@ -262,6 +263,7 @@ fn splits_that_cannot_work_are_clear_errors_before_loading() {
                 max_useful_blocks: 64,
                 parallel: split(3, 1),
                 nodes: NodeConfig::default(),
+                head: Default::default(),
             },
             &mut |_, _| {}
         )
@@ -285,6 +287,7 @@ fn splits_that_cannot_work_are_clear_errors_before_loading() {
                 max_useful_blocks: 64,
                 parallel: split(3, 3),
                 nodes: NodeConfig::default(),
+                head: Default::default(),
             },
             &mut |_, _| {}
         )
@@ -376,6 +379,7 @@ fn workers_on_emulated_gpus_through_an_nccl_api_library_reproduce_the_goldens() 
             max_useful_blocks: 64,
             parallel: split(2, 1),
             nodes: NodeConfig::default(),
+            head: Default::default(),
         };
         let mut loaded = 0;
         let e = create_runner(&model, &args, &mut |_, _| loaded += 1)

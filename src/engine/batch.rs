@@ -34,11 +34,18 @@ impl Engine {
         // `prompt_logprobs`: (request, position whose next token they score, row).
         let mut sample_rows = Vec::new();
         let mut prompt_rows: Vec<(RequestId, usize, usize)> = Vec::new();
+        let mut pool_rows = Vec::new();
         for s in &sched.scheduled {
             let Some(req) = self.scheduler.request(s.id) else {
                 return Err((anyhow::anyhow!("scheduled request is unknown"), sched));
             };
             let range = s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens;
+            let pool = self.pools.get(&s.id);
+            for pos in pool.map_or(Vec::new(), |p| p.wanted(range.clone(), req.prompt_len)) {
+                let row = input.token_ids.len() + (pos - range.start);
+                input.logits_rows.push(row as u32);
+                pool_rows.push((s.id, pos, input.logits_rows.len() - 1));
+            }
             // NOTE: positions whose scores were taken before (a preempted request recomputes
             // its prompt) are not taken again.
             if let Some(st) = self.states.get(&s.id)
@@ -71,7 +78,7 @@ impl Engine {
                 NULL_BLOCK,
                 max_blocks - s.block_table.len(),
             ));
-            if s.sample {
+            if s.sample && pool.is_none() {
                 input.logits_rows.push(input.token_ids.len() as u32 - 1);
                 sampling.push(s.id);
                 sample_rows.push(input.logits_rows.len() - 1);
@@ -125,6 +132,7 @@ impl Engine {
                 sampling,
                 sample_rows,
                 prompt_rows,
+                pool_rows,
                 reduce,
             },
         ))

@@ -1,6 +1,8 @@
 //! Offline inference: a batch of prompts in, their complete outputs out (vLLM's `LLM`).
 
-use super::{Engine, EngineArgs, Prompt};
+use super::pool::cosine;
+use super::{Engine, EngineArgs, PoolingParams, Prompt};
+use crate::models::Task;
 use crate::sampling::{SamplingParams, TokenLogprobs};
 use crate::sched::{FinishReason, RequestId};
 use crate::tokenizer::ChatMessage;
@@ -31,6 +33,15 @@ pub struct RequestOutput {
     /// With `prompt_logprobs`: the score of each prompt token after the first.
     pub prompt_logprobs: Option<Vec<super::PromptLogprob>>,
     pub finished: bool,
+}
+
+/// The result of an embedding or score request.
+#[derive(Debug, Clone)]
+pub struct PoolingOutput {
+    pub request_id: RequestId,
+    pub prompt_token_ids: Vec<u32>,
+    /// The embedding, or the one score.
+    pub data: Vec<f32>,
 }
 
 pub struct LLM {
@@ -157,5 +168,98 @@ impl LLM {
         let prompt = self.engine.apply_chat_template(messages)?;
         let mut out = self.generate(&[prompt], params)?;
         out.pop().ok_or_else(|| anyhow::anyhow!("no output"))
+    }
+
+    /// The embedding of every prompt (`--task embed`), batched as generation is, in the order
+    /// of the prompts. A prompt that is refused fails the whole call before anything runs.
+    pub fn embed<P: Into<Prompt> + Clone>(
+        &mut self,
+        prompts: &[P],
+        params: &PoolingParams,
+    ) -> Result<Vec<PoolingOutput>> {
+        let requests = prompts.iter().cloned().map(Into::into).collect();
+        self.pool_each(requests, params)
+    }
+
+    /// How relevant each document is to `query`: a cross-encoder's or a decoder reranker's
+    /// score of the pair (`--task score`), or the cosine of their embeddings (`--task embed`).
+    pub fn score(&mut self, query: &str, documents: &[&str]) -> Result<Vec<f32>> {
+        let task = self.engine.pooler().map(|p| p.task);
+        let params = PoolingParams::default();
+        match task {
+            Some(Task::Score) => {
+                let tok = self.engine.tokenizer().clone();
+                let pairs = documents
+                    .iter()
+                    .map(|d| tok.encode_pair(query, d).map(Prompt::Tokens))
+                    .collect::<Result<Vec<_>>>()?;
+                let out = self.pool_each(pairs, &params)?;
+                Ok(out.into_iter().map(|o| o.data[0]).collect())
+            }
+            Some(Task::Embed) => {
+                let mut texts = vec![Prompt::Text(query.to_string())];
+                texts.extend(documents.iter().map(|d| Prompt::Text(d.to_string())));
+                let out = self.pool_each(texts, &params)?;
+                let q = &out[0].data;
+                Ok(out[1..].iter().map(|d| cosine(q, &d.data)).collect())
+            }
+            _ => anyhow::bail!("scores need a model served with --task score or --task embed"),
+        }
+    }
+
+    fn pool_each(
+        &mut self,
+        prompts: Vec<Prompt>,
+        params: &PoolingParams,
+    ) -> Result<Vec<PoolingOutput>> {
+        let mut order = Vec::with_capacity(prompts.len());
+        let mut results: HashMap<RequestId, PoolingOutput> = HashMap::new();
+        let abort = |engine: &mut Engine, order: &[RequestId]| {
+            for id in order {
+                engine.abort(*id);
+            }
+        };
+        for prompt in prompts {
+            let id = match self.engine.add_pooling_request(prompt, params.clone()) {
+                Ok(id) => id,
+                Err(e) => {
+                    abort(&mut self.engine, &order);
+                    return Err(anyhow::Error::new(e).context("request refused"));
+                }
+            };
+            order.push(id);
+            let prompt_token_ids = self
+                .engine
+                .scheduler
+                .request(id)
+                .map(|r| r.prompt().to_vec())
+                .unwrap_or_default();
+            results.insert(
+                id,
+                PoolingOutput {
+                    request_id: id,
+                    prompt_token_ids,
+                    data: Vec::new(),
+                },
+            );
+        }
+        while self.engine.has_unfinished() {
+            let step = match self.engine.step() {
+                Ok(s) => s,
+                Err(e) => {
+                    abort(&mut self.engine, &order);
+                    return Err(e);
+                }
+            };
+            for o in step {
+                if let (Some(r), Some(data)) = (results.get_mut(&o.request_id), o.pooled) {
+                    r.data = data;
+                }
+            }
+        }
+        Ok(order
+            .into_iter()
+            .filter_map(|id| results.remove(&id))
+            .collect())
     }
 }

@@ -7,18 +7,20 @@ pub mod launch;
 mod llm;
 mod nodes;
 mod output;
+mod pool;
 mod request;
 pub mod runner;
 mod worker;
 mod workers;
 
-pub use llm::{CompletionOutput, LLM, RequestOutput};
+pub use llm::{CompletionOutput, LLM, PoolingOutput, RequestOutput};
+pub use pool::{PoolingParams, cosine};
 pub use request::{Prompt, PromptLogprob, RequestError, StepOutput, StopReason, sample_seed};
 pub use runner::{KvBudget, ModelRunner, StepResult};
 
 use crate::backend::BackendKind;
 use crate::kv::{KvCacheManager, KvUsage, PrefixCacheStats};
-use crate::models::{KvCacheDtype, ModelConfig, load_model};
+use crate::models::{KvCacheDtype, ModelConfig, Pooler, PoolingType, Task, load_model};
 use crate::parallel::{NodeConfig, ParallelConfig};
 use crate::sampling::{
     IncrementalDetokenizer, InvalidParam, SamplingDefaults, SamplingParams, StopChecker,
@@ -83,6 +85,12 @@ pub struct EngineArgs {
     /// The workers spread over several nodes (`--nnodes`, ...): node 0 runs the engine, the
     /// others [`run_worker_node`].
     pub nodes: NodeConfig,
+    /// What the model is served for (`--task`): generation, embeddings or scores.
+    pub task: Task,
+    /// Overrides the model's pooling (`--pooling-type`).
+    pub pooling_type: Option<PoolingType>,
+    /// The tokens whose logits a score is made of (`--classifier-from-token no,yes`).
+    pub classifier_from_token: Option<Vec<String>>,
 }
 
 impl Default for EngineArgs {
@@ -106,6 +114,9 @@ impl Default for EngineArgs {
             swap_space: 4 << 30,
             parallel: ParallelConfig::default(),
             nodes: NodeConfig::default(),
+            task: Task::Generate,
+            pooling_type: None,
+            classifier_from_token: None,
         }
     }
 }
@@ -149,10 +160,23 @@ pub struct Engine {
     stats: EngineStats,
     /// Compiles structured-output constraints; built at the first request that has one.
     structured: Option<StructuredCompiler>,
+    /// How results are pooled, where the model is served for embeddings or scores.
+    pooler: Option<Pooler>,
+    /// The pooling requests' rows so far.
+    pools: HashMap<RequestId, pool::PoolState>,
+    /// The length of the rows a step brings back: the vocabulary, or the pooler's width.
+    row_len: usize,
 }
 
-/// The model loaded (its file mapped, not yet its weights) and the runner's settings, checked.
-fn prepare(args: &EngineArgs) -> Result<(crate::models::LoadedModel, runner::RunnerArgs)> {
+/// The model loaded (its file mapped, not yet its weights), the runner's settings, checked,
+/// and the pooling of a model served for embeddings or scores.
+fn prepare(
+    args: &EngineArgs,
+) -> Result<(
+    crate::models::LoadedModel,
+    runner::RunnerArgs,
+    Option<Pooler>,
+)> {
     let path = match &args.model {
         Some(p) => p.clone(),
         None => crate::fetch::default_model()?,
@@ -185,6 +209,18 @@ fn prepare(args: &EngineArgs) -> Result<(crate::models::LoadedModel, runner::Run
                 args.max_num_seqs, args.block_size
             )
         })?;
+    let pooler = crate::models::pooling::pooler(
+        &model,
+        args.task,
+        args.pooling_type,
+        args.classifier_from_token.as_deref(),
+    )?;
+    if pooler.is_some() && !(args.parallel.is_single() && args.nodes.is_single()) {
+        anyhow::bail!(
+            "--task {} runs on one device: tensor and pipeline parallelism are for generation",
+            args.task.name()
+        );
+    }
     let runner_args = runner::RunnerArgs {
         backend: args.backend,
         dtype: args.dtype,
@@ -195,21 +231,22 @@ fn prepare(args: &EngineArgs) -> Result<(crate::models::LoadedModel, runner::Run
         max_useful_blocks,
         parallel: args.parallel,
         nodes: args.nodes.clone(),
+        head: pooler.as_ref().map(|p| p.head.clone()).unwrap_or_default(),
     };
-    Ok((model, runner_args))
+    Ok((model, runner_args, pooler))
 }
 
 /// A node other than 0 of a run over several nodes (`--nnodes`, `--node-rank` 1 or more):
 /// loads its workers' shards and runs their steps for the engine on node 0, returning when
 /// node 0 closes the connections.
 pub fn run_worker_node(args: EngineArgs) -> Result<()> {
-    let (model, runner_args) = prepare(&args)?;
+    let (model, runner_args, _) = prepare(&args)?;
     launch::serve_node(&model, &runner_args)
 }
 
 impl Engine {
     pub fn new(args: EngineArgs) -> Result<Self> {
-        let (model, runner_args) = prepare(&args)?;
+        let (model, runner_args, pooler) = prepare(&args)?;
         let cfg = model.config.clone();
         let max_model_len = runner_args.max_model_len;
         let bar = args.progress.then(|| {
@@ -287,6 +324,7 @@ impl Engine {
                 "max model len lowered from {max_model_len} to {eff_len}: the KV pool holds no more"
             );
         }
+        let row_len = pooler.as_ref().map_or(cfg.vocab_size, |p| p.width);
         Ok(Engine {
             pending: Default::default(),
             depth,
@@ -304,6 +342,9 @@ impl Engine {
             seed_rng: ChaCha8Rng::seed_from_u64(args.seed),
             structured: None,
             stats: EngineStats::default(),
+            row_len,
+            pooler,
+            pools: HashMap::new(),
         })
     }
 
@@ -419,6 +460,17 @@ impl Engine {
         params: SamplingParams,
     ) -> Result<RequestId, RequestError> {
         params.validate()?;
+        if let Some(p) = &self.pooler {
+            return Err(RequestError::InvalidPrompt(format!(
+                "this model is served for {} (--task {}): it does not generate",
+                if p.task == Task::Embed {
+                    "embeddings"
+                } else {
+                    "scores"
+                },
+                p.task.name()
+            )));
+        }
         for (param, v) in [("n", params.n), ("best_of", params.best_of())] {
             if v > self.max_n {
                 return Err(RequestError::InvalidParam(InvalidParam {
@@ -549,6 +601,7 @@ impl Engine {
             ok |= self.scheduler.finish_request(s, FinishReason::Abort);
             self.scheduler.remove_finished(s);
             self.states.remove(&s);
+            self.pools.remove(&s);
         }
         ok
     }

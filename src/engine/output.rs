@@ -26,9 +26,10 @@ impl Engine {
             sampling,
             sample_rows,
             prompt_rows,
+            pool_rows,
             reduce,
         } = step;
-        let vocab = self.config.vocab_size;
+        let vocab = self.row_len;
         let StepResult {
             mut choices,
             logits,
@@ -74,6 +75,13 @@ impl Engine {
                 }
             };
             st.prompt_logprobs.push(scored);
+        }
+        for &(id, pos, row) in &pool_rows {
+            ensure!(choices[row].is_none(), "the runner reduced a pooling row");
+            let row = host_row[row];
+            if let Some(p) = self.pools.get_mut(&id) {
+                p.take(pos, &logits[row * vocab..(row + 1) * vocab]);
+            }
         }
         let mut sampled = HashMap::new();
         let mut logprobs = HashMap::new();
@@ -144,6 +152,7 @@ impl Engine {
 
         let events = self.scheduler.update_from_output(&sched, &sampled);
         let mut outputs = Vec::with_capacity(events.len());
+        self.finish_pools(&sched, &mut outputs)?;
         for ev in events {
             self.stats.generated_tokens += 1;
             let n_out = self
@@ -220,6 +229,7 @@ impl Engine {
                 finish_reason: finish,
                 num_prompt_tokens: req.prompt_len,
                 num_output_tokens: req.output().len(),
+                pooled: None,
             };
             let (group, cum_logprob) = (st.group, st.cum_logprob);
             if finish.is_some() {
@@ -230,6 +240,45 @@ impl Engine {
         }
         self.stats.steps += 1;
         Ok(outputs)
+    }
+
+    /// Ends the pooling requests of `sched` whose prompts are now computed, with their results.
+    fn finish_pools(
+        &mut self,
+        sched: &crate::sched::SchedulerOutput,
+        outputs: &mut Vec<StepOutput>,
+    ) -> Result<()> {
+        for s in &sched.scheduled {
+            let Some(req) = self.scheduler.request(s.id) else {
+                continue;
+            };
+            if !self.pools.contains_key(&s.id) || req.num_computed_tokens < req.prompt_len {
+                continue;
+            }
+            let len = req.prompt_len;
+            let (pool, pooler) = (self.pools.remove(&s.id), self.pooler.as_ref());
+            let (Some(pool), Some(pooler)) = (pool, pooler) else {
+                continue;
+            };
+            let pooled = pool.finish(pooler, len);
+            self.scheduler.finish_request(s.id, FinishReason::Stop);
+            self.scheduler.remove_finished(s.id);
+            let out = StepOutput {
+                request_id: s.id,
+                index: 0,
+                new_token_ids: Vec::new(),
+                new_text: String::new(),
+                new_logprobs: Vec::new(),
+                prompt_logprobs: None,
+                finish_reason: Some(FinishReason::Stop),
+                stop_reason: None,
+                num_prompt_tokens: len,
+                num_output_tokens: 0,
+                pooled: Some(pooled),
+            };
+            self.emit(s.id, out, 0.0, outputs)?;
+        }
+        Ok(())
     }
 
     /// Passes a sample's output on, or keeps it while its request ranks `best_of` samples; ends

@@ -123,6 +123,9 @@ pub struct StepOutput {
     pub stop_reason: Option<StopReason>,
     pub num_prompt_tokens: usize,
     pub num_output_tokens: usize,
+    /// An embedding or score request's result (`--task embed`, `--task score`), in its one
+    /// output.
+    pub pooled: Option<Vec<f32>>,
 }
 
 /// A stop the request asked for, which ended a completion.
@@ -202,6 +205,8 @@ pub(super) struct PendingStep {
     /// The prompt rows asked for by `prompt_logprobs`: (request, position whose next token
     /// they score, row).
     pub(super) prompt_rows: Vec<(RequestId, usize, usize)>,
+    /// The rows a pooling request reads: (request, position, row).
+    pub(super) pool_rows: Vec<(RequestId, usize, usize)>,
     /// How each logits row is reduced: its token chosen where the logits are (greedy rows,
     /// and random ones where the backend samples), or `None`: its logits come to the host.
     pub(super) reduce: Vec<Option<RowSampling>>,

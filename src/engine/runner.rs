@@ -4,7 +4,7 @@
 
 use crate::backend::{Backend, BackendKind, BatchInput, DeviceBatch};
 use crate::models::kv_cache::{self, KvCache, KvCacheDtype, LayerKvSpec};
-use crate::models::{CausalLm, LoadedModel, registry};
+use crate::models::{CausalLm, LoadedModel, OutputHead, registry};
 use crate::parallel::{NodeConfig, ParallelConfig};
 use crate::sampling::{Choice, RowSampling};
 use crate::tensor::WeightStats;
@@ -211,7 +211,11 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let batch = DeviceBatch::upload(&self.backend, input)?;
         let (model, backend, kv) = (&self.model, &self.backend, &mut self.kv);
         let mut logits = backend.run_step(|| model.forward(backend, &batch, kv))?;
-        reduce_logits(backend, &mut logits, model.config().vocab_size, sampling)
+        // NOTE: an embedding model's or a classifier's rows are as long as its head's.
+        let width = model
+            .logits_shard()
+            .map_or(model.config().vocab_size, |(_, w)| w);
+        reduce_logits(backend, &mut logits, width, sampling)
     }
     fn samples_on_device(&self) -> bool {
         self.backend.samples_on_device()
@@ -332,6 +336,8 @@ pub struct RunnerArgs {
     pub parallel: ParallelConfig,
     /// The nodes the workers are spread over.
     pub nodes: NodeConfig,
+    /// What the model's last stage returns (logits, or rows for embeddings and scores).
+    pub head: OutputHead,
 }
 
 /// The KV budget on a device with its own memory, measured after the weights are loaded, as
@@ -542,6 +548,7 @@ pub(super) fn build<B: Backend>(
         model.weights.as_ref(),
         args.dtype,
         positions,
+        &args.head,
         progress,
     )
     .with_context(|| format!("loading {}", model.path.display()))?;

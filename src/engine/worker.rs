@@ -150,6 +150,7 @@ pub(super) fn load_shards<B: Backend, E: Send>(
                 args.dtype,
                 positions,
                 place,
+                &args.head,
                 progress,
             )?;
             Ok((backend, lm))

@@ -273,7 +273,11 @@ impl<B: Backend> Falcon<B> {
             progress(l - place.layers.start + 2, total);
         }
         let head = match place.last_stage() {
-            true => Some((ln(&mut up, "transformer.ln_f")?, Head::Tied)),
+            true => {
+                let table = "transformer.word_embeddings.weight";
+                let head = Head::task(&mut up, c, &ld.head, table)?.unwrap_or(Head::Tied);
+                Some((ln(&mut up, "transformer.ln_f")?, head))
+            }
             false => None,
         };
         progress(total, total);

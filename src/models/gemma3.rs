@@ -263,7 +263,10 @@ impl<B: Backend> Gemma3<B> {
         }
         let head = if place.last_stage() {
             let final_norm = Norm::Rms(norm(&mut up, "model.norm.weight", hid)?);
-            Some((final_norm, Head::load(&mut up, &sh, c, embed.is_some())?))
+            Some((
+                final_norm,
+                Head::load(&mut up, &sh, c, embed.is_some(), &ld.head)?,
+            ))
         } else {
             None
         };

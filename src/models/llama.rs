@@ -173,7 +173,10 @@ impl<B: Backend> Llama<B> {
         }
         let head = if place.last_stage() {
             let norm = Norm::Rms(up.weight("model.norm.weight", &[hid], DType::F32)?);
-            Some((norm, Head::load(&mut up, &sh, c, embed.is_some())?))
+            Some((
+                norm,
+                Head::load(&mut up, &sh, c, embed.is_some(), &ld.head)?,
+            ))
         } else {
             None
         };

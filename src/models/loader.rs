@@ -88,6 +88,8 @@ pub struct SafetensorsWeights {
     files: Vec<(PathBuf, Mmap)>,
     /// tensor name -> index into `files`
     index: HashMap<String, usize>,
+    /// The names the families ask for -> the names a bare base model's file holds.
+    alias: HashMap<String, String>,
     /// Elements of all tensors.
     num_elements: u64,
     /// Bytes of all tensors as stored.
@@ -123,6 +125,7 @@ impl SafetensorsWeights {
         };
         let mut files = Vec::new();
         let mut index = HashMap::new();
+        let mut alias = HashMap::new();
         let (mut num_elements, mut stored_bytes) = (0u64, 0u64);
         for (i, p) in paths.into_iter().enumerate() {
             // NOTE: shard names come from the index file: shown escaped.
@@ -150,9 +153,19 @@ impl SafetensorsWeights {
             }
             files.push((p, mmap));
         }
+        // NOTE: a base model saved without its LM head (sentence-transformers saves
+        // `Qwen3Model`, not `Qwen3ForCausalLM`) names its tensors without `model.`.
+        if !index.contains_key("model.embed_tokens.weight")
+            && index.contains_key("embed_tokens.weight")
+        {
+            for k in index.keys() {
+                alias.insert(format!("model.{k}"), k.clone());
+            }
+        }
         Ok(SafetensorsWeights {
             files,
             index,
+            alias,
             num_elements,
             stored_bytes,
         })
@@ -213,6 +226,7 @@ impl SafetensorsWeights {
         name: &str,
         f: impl FnOnce(&safetensors::tensor::TensorView<'_>) -> Result<T>,
     ) -> Result<Option<T>> {
+        let name = self.alias.get(name).map_or(name, String::as_str);
         let Some(&i) = self.index.get(name) else {
             return Ok(None);
         };

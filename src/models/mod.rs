@@ -12,6 +12,7 @@ pub mod loader;
 pub mod mmap;
 pub mod open;
 pub mod phi3;
+pub mod pooling;
 pub mod registry;
 pub mod rope;
 pub mod shard;
@@ -22,6 +23,7 @@ pub use config::ModelConfig;
 pub use kv_cache::{KvCache, KvCacheDtype, LayerKvSpec};
 pub use loader::WeightSource;
 pub use open::{LoadedModel, load_model};
+pub use pooling::{OutputHead, Pooler, PoolingType, Task};
 
 use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
 use crate::quant::QuantTensor;
@@ -508,10 +510,28 @@ pub fn attend<B: Backend>(
     backend.paged_attention(qkv, &kv.k[l], &kv.v[l], batch, ql, layout, opts, out)
 }
 
+/// The rows `batch.logits_rows` of the residual stream `x` `[T, hidden]` through the final
+/// norm: `[R, hidden]`, what the head reads (and an embedding model's output).
+pub fn final_rows<B: Backend>(
+    backend: &B,
+    cfg: &ModelConfig,
+    x: &B::Buf,
+    batch: &DeviceBatch<B>,
+    norm: &Norm<B>,
+) -> Result<B::Buf> {
+    let (r, hid) = (batch.host.logits_rows.len(), cfg.hidden_size);
+    let mut xs = backend.alloc_scratch_f32(r * hid)?; // [R, hidden]
+    backend.gather_rows(x, &batch.logits_rows, hid, &mut xs)?;
+    let mut xn = backend.alloc_scratch_f32(r * hid)?;
+    norm.apply(backend, &xs, r, hid, cfg.rms_norm_eps as f32, &mut xn)?;
+    Ok(xn)
+}
+
 /// The logits `[R, vocab]` of the rows in `batch.logits_rows`: only those rows of the residual
-/// stream `x` `[T, hidden]` go through the final norm and the head `[vocab, hidden]`
-/// (soft-capped where the config says). `vocab`: the head's rows (a shard's, under tensor
-/// parallelism).
+/// stream `x` `[T, hidden]` go through the final norm ([`final_rows`]) and the head
+/// `[vocab, hidden]`, soft-capped where `softcap` says. `vocab`: the head's rows (a shard's,
+/// under tensor parallelism; the labels of a classifier).
+#[allow(clippy::too_many_arguments)]
 pub fn final_logits<B: Backend>(
     backend: &B,
     cfg: &ModelConfig,
@@ -520,15 +540,13 @@ pub fn final_logits<B: Backend>(
     norm: &Norm<B>,
     head: &B::Buf,
     vocab: usize,
+    softcap: Option<f64>,
 ) -> Result<B::Buf> {
     let (r, hid) = (batch.host.logits_rows.len(), cfg.hidden_size);
-    let mut xs = backend.alloc_scratch_f32(r * hid)?; // [R, hidden]
-    backend.gather_rows(x, &batch.logits_rows, hid, &mut xs)?;
-    let mut xn = backend.alloc_scratch_f32(r * hid)?;
-    norm.apply(backend, &xs, r, hid, cfg.rms_norm_eps as f32, &mut xn)?;
+    let xn = final_rows(backend, cfg, x, batch, norm)?;
     let mut logits = backend.alloc_scratch_f32(r * vocab)?; // [R, vocab]
     backend.matmul(&xn, head, None, r, hid, vocab, &mut logits)?;
-    if let Some(cap) = cfg.final_logit_softcap {
+    if let Some(cap) = softcap {
         backend.softcap(&mut logits, cap as f32, r * vocab)?;
     }
     Ok(logits)

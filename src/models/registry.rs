@@ -14,6 +14,7 @@ use super::gguf::{GgufFile, GgufTensorName};
 use super::gpt2::Gpt2;
 use super::llama::Llama;
 use super::loader::WeightSource;
+use super::pooling::OutputHead;
 use super::stack::Load;
 use crate::backend::Backend;
 use crate::parallel::Placement;
@@ -188,10 +189,20 @@ pub fn load<B: Backend>(
     src: &dyn WeightSource,
     dtype: WeightDtype,
     max_positions: usize,
+    head: &OutputHead,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn CausalLm<B>>> {
     let place = Placement::single(cfg.num_layers);
-    load_shard(backend, cfg, src, dtype, max_positions, place, progress)
+    load_shard(
+        backend,
+        cfg,
+        src,
+        dtype,
+        max_positions,
+        place,
+        head,
+        progress,
+    )
 }
 
 /// Uploads one worker's shard of a model (tensor and pipeline parallelism): the layers of its
@@ -203,6 +214,7 @@ pub fn load_shard<B: Backend>(
     dtype: WeightDtype,
     max_positions: usize,
     place: Placement<B>,
+    head: &OutputHead,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Box<dyn CausalLm<B>>> {
     let ld = Load {
@@ -212,6 +224,7 @@ pub fn load_shard<B: Backend>(
         dtype,
         max_positions,
         place,
+        head: head.clone(),
     };
     Ok(match cfg.arch {
         Arch::Gemma3 => Box::new(Gemma3::load(ld, progress)?),

@@ -5,7 +5,8 @@
 
 use super::config::ModelConfig;
 use super::kv_cache::{self, LayerKvSpec};
-use super::{Norm, Part, Uploader, Weight, final_logits, stack_linear};
+use super::pooling::OutputHead;
+use super::{Norm, Part, Uploader, Weight, final_logits, final_rows, stack_linear};
 use crate::backend::{Backend, DeviceBatch, QkvLayout};
 use crate::parallel::{HeadShard, Placement, split_aligned};
 use crate::tensor::{DType, HostTensor};
@@ -222,8 +223,9 @@ pub fn stage_input<B: Backend>(
     Ok(x)
 }
 
-/// Where a stage ends: the logits `[R, rows]` of `batch.logits_rows` on the last stage (`head`:
-/// its final norm and LM head; `embed`: the embedding table, where the head is tied); on a
+/// Where a stage ends: on the last stage (`head`: its final norm and head; `embed`: the
+/// embedding table, where the head is tied) the logits `[R, rows]` of `batch.logits_rows`, or
+/// what a model served for embeddings or scores returns in their place (see [`Head`]); on a
 /// stage before it, the residual stream `x`, sent on to the next stage and returned.
 #[allow(clippy::too_many_arguments)]
 pub fn stage_output<B: Backend>(
@@ -240,39 +242,67 @@ pub fn stage_output<B: Backend>(
         place.pp.send(backend, &x, n, place.pp.rank() + 1)?;
         return Ok(x);
     };
-    let (table, rows) = head.table(embed)?;
-    final_logits(backend, cfg, &x, batch, norm, table, rows)
+    match head {
+        Head::Hidden => final_rows(backend, cfg, &x, batch, norm),
+        Head::Classifier(w, labels) => {
+            final_logits(backend, cfg, &x, batch, norm, w, *labels, None)
+        }
+        _ => {
+            let (table, rows) = head.table(embed)?;
+            let cap = cfg.final_logit_softcap;
+            final_logits(backend, cfg, &x, batch, norm, table, rows, cap)
+        }
+    }
 }
 
 /// [`super::CausalLm::logits_shard`] of a model laid out as [`stage_output`] reads it.
 pub fn logits_shard<B: Backend>(
     shard: &Shard,
+    cfg: &ModelConfig,
     head: Option<&(Norm<B>, Head<B>)>,
     embed: Option<&(B::Buf, usize)>,
 ) -> Option<(Range<usize>, usize)> {
-    let (_, cols) = head?.1.table(embed).ok()?;
+    let cols = match &head?.1 {
+        // NOTE: not split over the vocabulary: every rank holds all of it.
+        Head::Hidden => return Some((0..cfg.hidden_size, cfg.hidden_size)),
+        Head::Classifier(_, labels) => return Some((0..*labels, *labels)),
+        h => h.table(embed).ok()?.1,
+    };
     Some((shard.vocab.clone(), cols))
 }
 
-/// The LM head of the last stage: its own table (this rank's rows, with their count), or the
-/// embedding's (tied).
+/// The head of the last stage: an LM head, its own table (this rank's rows, with their count)
+/// or the embedding's (tied); or, for a model served for embeddings or scores, none (the
+/// final norm's rows) or a classifier `[labels, hidden]`.
 pub enum Head<B: Backend> {
     Own(B::Buf, usize),
     Tied,
+    Hidden,
+    Classifier(B::Buf, usize),
 }
 
 impl<B: Backend> Head<B> {
     /// The last stage's head: `lm_head` unless the model is tied or the checkpoint omits it
     /// (NOTE: some do although their config says untied), else the embedding table, loaded
-    /// here where this stage has none of its own (`embed`: whether it has).
+    /// here where this stage has none of its own (`embed`: whether it has). A model served for
+    /// embeddings or scores gets [`Head::task`]'s.
     pub fn load(
         up: &mut Uploader<B>,
         shard: &Shard,
         cfg: &ModelConfig,
         embed: bool,
+        out: &OutputHead,
     ) -> Result<Head<B>> {
         let (hid, vocab) = (cfg.hidden_size, cfg.vocab_size);
         let own = !cfg.tie_word_embeddings && up.has("lm_head.weight")?;
+        let table = if own {
+            "lm_head.weight"
+        } else {
+            "model.embed_tokens.weight"
+        };
+        if let Some(h) = Head::task(up, cfg, out, table)? {
+            return Ok(h);
+        }
         Ok(match own {
             true => {
                 let w =
@@ -287,12 +317,48 @@ impl<B: Backend> Head<B> {
         })
     }
 
-    /// The table and its rows.
+    /// The head of a model served for embeddings or scores (`None` for generation): `table`
+    /// names the LM head's weights, whose rows a classifier from tokens takes.
+    pub fn task(
+        up: &mut Uploader<B>,
+        cfg: &ModelConfig,
+        out: &OutputHead,
+        table: &str,
+    ) -> Result<Option<Head<B>>> {
+        let (hid, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        Ok(Some(match out {
+            OutputHead::Logits => return Ok(None),
+            OutputHead::Hidden => Head::Hidden,
+            OutputHead::Classifier => {
+                let w = up.fetch_linear("score.weight", &[1, hid])?;
+                Head::Classifier(up.upload_linear(w)?, 1)
+            }
+            OutputHead::TokenClassifier(ids) => {
+                if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                    bail!("classifier token {bad} is outside the vocabulary of {vocab}");
+                }
+                let rows = ids.iter().map(|&t| t as usize..t as usize + 1).collect();
+                let (w, _) = up
+                    .fetch_linear_part(table, &[vocab, hid], &Part::rows(rows))?
+                    .into_dense()?;
+                let row = |i: usize| &w.data[i * hid..(i + 1) * hid];
+                let data: Vec<f32> = match ids.len() {
+                    1 => row(0).to_vec(),
+                    _ => row(1).iter().zip(row(0)).map(|(y, n)| y - n).collect(),
+                };
+                let w = HostTensor::new(vec![1, hid], data);
+                Head::Classifier(up.upload(&w, DType::F32)?, 1)
+            }
+        }))
+    }
+
+    /// The table and its rows (an LM head).
     pub fn table<'a>(&'a self, embed: Option<&'a (B::Buf, usize)>) -> Result<(&'a B::Buf, usize)> {
         match (self, embed) {
             (Head::Own(w, rows), _) => Ok((w, *rows)),
             (Head::Tied, Some((t, rows))) => Ok((t, *rows)),
             (Head::Tied, None) => bail!("a tied LM head without an embedding table"),
+            (Head::Hidden | Head::Classifier(..), _) => bail!("the model has no LM head"),
         }
     }
 }

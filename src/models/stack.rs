@@ -5,6 +5,7 @@
 use super::config::ModelConfig;
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
+use super::pooling::OutputHead;
 use super::shard::{self, Head, Shard, stage_input, stage_output};
 use super::{CausalLm, Norm, Uploader, check_positions};
 use crate::backend::{Backend, DeviceBatch, QkvLayout};
@@ -24,6 +25,8 @@ pub struct Load<'a, B: Backend> {
     pub max_positions: usize,
     /// This worker's layers, heads and vocabulary ([`Placement::single`]: all of them).
     pub place: Placement<B>,
+    /// What the last stage returns: logits, or an embedding model's or a classifier's rows.
+    pub head: OutputHead,
 }
 
 impl<'a, B: Backend> Load<'a, B> {
@@ -127,6 +130,6 @@ impl<B: Backend, F: Family<B>> CausalLm<B> for F {
 
     fn logits_shard(&self) -> Option<(Range<usize>, usize)> {
         let s = self.stack();
-        shard::logits_shard(&s.shard, s.head.as_ref(), s.embed.as_ref())
+        shard::logits_shard(&s.shard, &s.cfg, s.head.as_ref(), s.embed.as_ref())
     }
 }

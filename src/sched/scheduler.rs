@@ -162,10 +162,17 @@ impl Scheduler {
         if req.tokens.is_empty() {
             return Err("the prompt is empty".into());
         }
-        if req.num_tokens() >= self.config.max_model_len {
+        // NOTE: a request that generates nothing (`max_tokens` 0: an embedding's prefill)
+        // may fill the context; any other needs room for one token.
+        let room = usize::from(req.max_tokens > 0);
+        if req.num_tokens() + room > self.config.max_model_len {
+            let why = if room > 0 {
+                " (with room for at least one generated token)"
+            } else {
+                ""
+            };
             return Err(format!(
-                "the prompt has {} tokens but the maximum context length is {} (with room for at \
-                 least one generated token)",
+                "the prompt has {} tokens but the maximum context length is {}{why}",
                 req.num_tokens(),
                 self.config.max_model_len
             ));

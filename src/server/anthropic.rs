@@ -8,8 +8,8 @@
 use super::chat::{ChatRender, encode_chat};
 use super::error::ApiError;
 use super::params::{
-    check_accepting, check_model, check_text_len, from_json, ignored_fields, read_json,
-    refuse_unsupported, sampling_params, with_ignored,
+    check_accepting, check_generates, check_model, check_text_len, from_json, ignored_fields,
+    read_json, refuse_unsupported, sampling_params, with_ignored,
 };
 use super::response::{Collected, collect_one, submit};
 use super::state::{AppState, St};
@@ -421,6 +421,7 @@ async fn messages_inner(
     let req: MessagesRequest = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
     check_accepting(&st)?;
+    check_generates(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
     let ignored = ignored_fields(&st, &body, &[KNOWN]);
     if let Some(t) = body.get("thinking")
@@ -478,6 +479,7 @@ async fn messages_inner(
         vec![SubRequest {
             prompt: Prompt::Tokens(ids),
             params,
+            pooling: None,
         }],
         &id,
         arrival,

@@ -3,10 +3,10 @@
 
 use super::error::ApiError;
 use super::params::{
-    KNOWN_CHAT, KNOWN_OPENAI, UNSUPPORTED, UNSUPPORTED_CHAT, check_accepting, check_modalities,
-    check_model, check_stream_best_of, check_stream_options, check_stream_prompt_logprobs,
-    check_text_len, from_json, ignored_fields, name_structured_field, read_json,
-    refuse_unsupported, sampling_params, structured_output, with_ignored,
+    KNOWN_CHAT, KNOWN_OPENAI, UNSUPPORTED, UNSUPPORTED_CHAT, check_accepting, check_generates,
+    check_modalities, check_model, check_stream_best_of, check_stream_options,
+    check_stream_prompt_logprobs, check_text_len, from_json, ignored_fields, name_structured_field,
+    read_json, refuse_unsupported, sampling_params, structured_output, with_ignored,
 };
 use super::response::{
     blocking, call_id, chat_logprobs, collect, finish_str, prompt_logprobs_json, stop_reason_json,
@@ -288,6 +288,7 @@ pub(super) async fn chat_inner(
     let token_ids: TokenIdFields = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
     check_accepting(&st)?;
+    check_generates(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
     refuse_unsupported(&body, UNSUPPORTED_CHAT)?;
     check_modalities(&body)?;
@@ -364,6 +365,7 @@ pub(super) async fn chat_inner(
         vec![SubRequest {
             prompt: Prompt::Tokens(ids),
             params,
+            pooling: None,
         }],
         &id,
         arrival,

@@ -3,9 +3,9 @@
 
 use super::error::ApiError;
 use super::params::{
-    KNOWN_COMPLETIONS, KNOWN_OPENAI, PromptIn, UNSUPPORTED, check_accepting, check_model,
-    check_stream_best_of, check_stream_options, check_stream_prompt_logprobs, check_text_len,
-    from_json, ignored_fields, name_structured_field, parse_prompts, read_json,
+    KNOWN_COMPLETIONS, KNOWN_OPENAI, PromptIn, UNSUPPORTED, check_accepting, check_generates,
+    check_model, check_stream_best_of, check_stream_options, check_stream_prompt_logprobs,
+    check_text_len, from_json, ignored_fields, name_structured_field, parse_prompts, read_json,
     refuse_completion_tools, refuse_unsupported, sampling_params, structured_output, with_ignored,
 };
 use super::response::{
@@ -43,6 +43,7 @@ pub(super) async fn completions_inner(
     let token_ids: TokenIdFields = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
     check_accepting(&st)?;
+    check_generates(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
     refuse_completion_tools(&body)?;
     let ignored = ignored_fields(&st, &body, &[KNOWN_OPENAI, KNOWN_COMPLETIONS]);
@@ -164,6 +165,7 @@ pub(super) async fn completions_inner(
         .map(|(ids, _)| SubRequest {
             prompt: Prompt::Tokens(ids.clone()),
             params: params.clone(),
+            pooling: None,
         })
         .collect();
     let id = st.new_id("cmpl");

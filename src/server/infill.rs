@@ -7,8 +7,9 @@
 
 use super::error::ApiError;
 use super::params::{
-    check_accepting, check_model, from_json, ignored_fields, name_structured_field, read_json,
-    refuse_unsupported, sampling_params, structured_output, with_ignored,
+    check_accepting, check_generates, check_model, from_json, ignored_fields,
+    name_structured_field, read_json, refuse_unsupported, sampling_params, structured_output,
+    with_ignored,
 };
 use super::response::{blocking, collect_one, submit};
 use super::state::{AppState, St};
@@ -146,6 +147,7 @@ async fn infill_inner(
     let req: InfillRequest = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
     check_accepting(&st)?;
+    check_generates(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
     let known_off: Vec<&str> = SWITCHED_OFF.iter().map(|(n, _)| *n).collect();
     let ignored = ignored_fields(&st, &body, &[KNOWN, UNSUPPORTED, &known_off]);
@@ -236,6 +238,7 @@ async fn infill_inner(
         vec![SubRequest {
             prompt: Prompt::Tokens(ids),
             params,
+            pooling: None,
         }],
         &id,
         arrival,

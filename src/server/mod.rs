@@ -19,6 +19,7 @@ mod http;
 mod infill;
 mod metrics;
 mod params;
+mod pooling;
 mod response;
 mod responses;
 mod routes;
@@ -236,6 +237,7 @@ async fn run(
         warned_fields: Default::default(),
         responses: Default::default(),
         fim: crate::tokenizer::Fim::of(engine.tokenizer()),
+        pooler: engine.pooler().cloned(),
         tokenizer_slots: tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(2, |n| n.get()),
         ),

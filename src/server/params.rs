@@ -76,6 +76,30 @@ pub(super) fn check_accepting(st: &AppState) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Generating routes on a model served for embeddings or scores are refused, naming why.
+pub(super) fn check_generates(st: &AppState) -> Result<(), ApiError> {
+    match &st.pooler {
+        None => Ok(()),
+        Some(p) => Err(ApiError::invalid(
+            format!(
+                "this model is served for {} (--task {}): it does not generate; its routes are {}",
+                if p.task == crate::models::Task::Embed {
+                    "embeddings"
+                } else {
+                    "scores"
+                },
+                p.task.name(),
+                if p.task == crate::models::Task::Embed {
+                    "/v1/embeddings, /v1/score and /v1/rerank"
+                } else {
+                    "/v1/score and /v1/rerank"
+                }
+            ),
+            Some("model"),
+        )),
+    }
+}
+
 /// The engine's sampling parameters from the request's fields.
 pub(super) fn sampling_params(
     f: &SamplingFields,

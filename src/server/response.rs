@@ -194,6 +194,8 @@ pub(super) struct Collected {
     pub(super) stop_reason: Option<StopReason>,
     pub(super) prompt_tokens: usize,
     pub(super) output_tokens: usize,
+    /// An embedding or score request's result.
+    pub(super) pooled: Option<Vec<f32>>,
 }
 
 pub(super) async fn collect(
@@ -219,6 +221,9 @@ pub(super) async fn collect(
                 }
                 c.prompt_tokens = o.num_prompt_tokens;
                 c.output_tokens = o.num_output_tokens;
+                if o.pooled.is_some() {
+                    c.pooled = o.pooled;
+                }
                 if o.finish_reason.is_some() && c.finish.is_none() {
                     left -= 1;
                     c.stop_reason = o.stop_reason;

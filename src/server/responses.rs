@@ -10,8 +10,8 @@
 use super::chat::{ChatRender, encode_chat};
 use super::error::ApiError;
 use super::params::{
-    check_accepting, check_model, check_text_len, from_json, ignored_fields, read_json,
-    refuse_unsupported, sampling_params, with_ignored,
+    check_accepting, check_generates, check_model, check_text_len, from_json, ignored_fields,
+    read_json, refuse_unsupported, sampling_params, with_ignored,
 };
 use super::response::{collect_one, submit, unix_now};
 use super::state::{AppState, St};
@@ -544,6 +544,7 @@ async fn create_inner(
     let req: ResponsesRequest = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
     check_accepting(&st)?;
+    check_generates(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
     let ignored = ignored_fields(&st, &body, &[KNOWN, UNSUPPORTED]);
     if req.truncation.as_deref().is_some_and(|t| t != "disabled") {
@@ -646,6 +647,7 @@ async fn create_inner(
         vec![SubRequest {
             prompt: Prompt::Tokens(ids),
             params,
+            pooling: None,
         }],
         &meta.id,
         arrival,

@@ -1,7 +1,7 @@
 //! The router: OpenAI's `/v1/models`, `/v1/completions` (`completions.rs`),
 //! `/v1/chat/completions` (`chat.rs`), Anthropic's `/v1/messages` (`anthropic.rs`), OpenAI's
-//! `/v1/responses` (`responses.rs`),
-//! llama.cpp's `/infill` (`infill.rs`), and vLLM's `/health`, `/version`, `/tokenize`,
+//! `/v1/responses` (`responses.rs`), `/v1/embeddings`, `/v1/score` and `/v1/rerank`
+//! (`pooling.rs`), llama.cpp's `/infill` (`infill.rs`), and vLLM's `/health`, `/version`, `/tokenize`,
 //! `/detokenize`, `/metrics`; the API key check, and the errors for unknown routes and methods.
 //!
 //! A generating handler parses and checks the body (`params.rs`), tokenizes the prompt (off the
@@ -16,6 +16,7 @@ use super::completions::completions;
 use super::error::ApiError;
 use super::infill;
 use super::params::{check_model, check_text_len, parse_body};
+use super::pooling;
 use super::response::blocking;
 use super::responses;
 use super::state::{AppState, St};
@@ -42,7 +43,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
-        .route("/v1/embeddings", post(embeddings))
+        .route("/v1/embeddings", post(pooling::embeddings))
+        .route("/v1/score", post(pooling::score))
+        .route("/score", post(pooling::score))
+        .route("/v1/rerank", post(pooling::rerank))
+        .route("/rerank", post(pooling::rerank))
+        .route("/v2/rerank", post(pooling::rerank))
         .route("/v1/responses", post(responses::create))
         .route(
             "/v1/responses/{id}",
@@ -110,14 +116,6 @@ async fn fallback(State(st): St, req: Request) -> ApiError {
 
 async fn method_not_allowed(uri: Uri, method: axum::http::Method) -> ApiError {
     ApiError::method_not_allowed(&method, uri.path())
-}
-
-/// The model generates text; it has no embedding head.
-async fn embeddings() -> ApiError {
-    ApiError::invalid(
-        "embeddings are not supported by this model: it is served for generation only",
-        Some("model"),
-    )
 }
 
 async fn health(State(st): St) -> StatusCode {

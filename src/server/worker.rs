@@ -9,7 +9,7 @@
 //! ```
 
 use super::metrics::{EngineGauges, Metrics};
-use crate::engine::{Engine, Prompt, RequestError, StepOutput};
+use crate::engine::{Engine, PoolingParams, Prompt, RequestError, StepOutput};
 use crate::sampling::SamplingParams;
 use crate::sched::{FinishReason, RequestId};
 use std::collections::HashMap;
@@ -24,6 +24,8 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 pub struct SubRequest {
     pub prompt: Prompt,
     pub params: SamplingParams,
+    /// An embedding or score request (`params` is then unused).
+    pub pooling: Option<PoolingParams>,
 }
 
 pub enum Command {
@@ -195,10 +197,15 @@ impl Worker {
                 Prompt::Tokens(t) => t.len(),
                 Prompt::Text(_) => 0,
             };
-            let samples = sub.params.n;
+            let samples = if sub.pooling.is_some() {
+                1
+            } else {
+                sub.params.n
+            };
             let engine = &mut self.engine;
-            let res = catch_unwind(AssertUnwindSafe(|| {
-                engine.add_request(sub.prompt, sub.params)
+            let res = catch_unwind(AssertUnwindSafe(|| match sub.pooling {
+                Some(p) => engine.add_pooling_request(sub.prompt, p),
+                None => engine.add_request(sub.prompt, sub.params),
             }))
             .unwrap_or_else(|_| {
                 Err(RequestError::Internal(anyhow::anyhow!(

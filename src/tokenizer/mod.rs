@@ -242,6 +242,36 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Token ids of `text` with the tokenizer's own special tokens, as transformers'
+    /// `tokenizer(text)` gives them (its post-processor's BOS, EOS, CLS or SEP) where it has
+    /// a post-processor, else as [`Self::encode`]: what an embedding model was trained on.
+    pub fn encode_special(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        if self.inner.get_post_processor().is_none() {
+            return self.encode(text);
+        }
+        let enc = self
+            .inner
+            .encode_fast(text, true)
+            .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of a pair of texts, as transformers' `tokenizer(a, b)` lays them out for a
+    /// cross-encoder (the post-processor's pair template), else `a` as [`Self::encode`]
+    /// followed by `b`.
+    pub fn encode_pair(&self, a: &str, b: &str) -> anyhow::Result<Vec<u32>> {
+        if self.inner.get_post_processor().is_none() {
+            let mut ids = self.encode(a)?;
+            ids.extend(self.encode_plain(b)?);
+            return Ok(ids);
+        }
+        let enc = self
+            .inner
+            .encode_fast((a, b), true)
+            .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// Token ids of `text` alone: no BOS (a piece of a prompt assembled from several).
     pub fn encode_plain(&self, text: &str) -> anyhow::Result<Vec<u32>> {
         let enc = self
