@@ -3,7 +3,8 @@
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use pagoda::engine::KvBudget;
-use pagoda::models::{KvCacheDtype, PoolingType, Task};
+use pagoda::models::KvCacheDtype;
+use pagoda::models::pooling::{PoolingType, Task};
 use pagoda::sampling::{SamplingDefaults, StructuredOutput};
 use pagoda::sched::{PreemptionMode, SchedulingPolicy};
 use pagoda::{BackendKind, ChatMessage, EngineArgs, LLM, SamplingParams, WeightDtype};

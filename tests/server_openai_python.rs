@@ -1,7 +1,8 @@
 //! The official `openai` and `anthropic` Python packages against `pagoda serve` (the real
 //! binary) on SmolLM2 (tests/python/test_openai_client.py, test_anthropic_client.py,
 //! test_openai_responses.py) and on Qwen2.5-Coder for tool calling (test_openai_tools.py,
-//! test_anthropic_tools.py, test_openai_responses_tools.py), run with
+//! test_anthropic_tools.py, test_openai_responses_tools.py) and on a tiny embedding model
+//! (test_openai_embeddings.py), run with
 //! pytest from a virtual environment under `$PAGODA_CACHE` (created, and the clients and
 //! `pytest` installed into it, on first use). Then SIGTERM must stop the server cleanly.
 
@@ -176,6 +177,18 @@ fn openai_python_client() {
             .filter(|l| l.contains("request cmpl-") && l.contains("time to first token"))
             .count()
             >= 5
+    );
+}
+
+/// `client.embeddings` on a tiny embedding model (`--task embed`).
+#[test]
+fn openai_python_client_embeddings() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny/pooling/embed-last");
+    serve_and_pytest(
+        &model,
+        "embed-last",
+        &["--task", "embed", "--dtype", "f32"],
+        &["test_openai_embeddings.py"],
     );
 }
 

@@ -2,7 +2,7 @@
 
 use super::pool::cosine;
 use super::{Engine, EngineArgs, PoolingParams, Prompt};
-use crate::models::Task;
+use crate::models::pooling::Task;
 use crate::sampling::{SamplingParams, TokenLogprobs};
 use crate::sched::{FinishReason, RequestId};
 use crate::tokenizer::ChatMessage;

@@ -20,7 +20,8 @@ pub use runner::{KvBudget, ModelRunner, StepResult};
 
 use crate::backend::BackendKind;
 use crate::kv::{KvCacheManager, KvUsage, PrefixCacheStats};
-use crate::models::{KvCacheDtype, ModelConfig, Pooler, PoolingType, Task, load_model};
+use crate::models::pooling::{Pooler, PoolingType, Task};
+use crate::models::{KvCacheDtype, ModelConfig, load_model};
 use crate::parallel::{NodeConfig, ParallelConfig};
 use crate::sampling::{
     IncrementalDetokenizer, InvalidParam, SamplingDefaults, SamplingParams, StopChecker,
@@ -209,8 +210,14 @@ fn prepare(
                 args.max_num_seqs, args.block_size
             )
         })?;
+    let files = crate::models::pooling::ModelFiles {
+        path: &model.path,
+        config: &model.config,
+        tokenizer: &model.tokenizer,
+        weights: model.weights.as_ref(),
+    };
     let pooler = crate::models::pooling::pooler(
-        &model,
+        &files,
         args.task,
         args.pooling_type,
         args.classifier_from_token.as_deref(),
@@ -588,6 +595,121 @@ impl Engine {
             },
         );
         Ok(group)
+    }
+
+    /// How this engine pools (`None`: it generates).
+    pub fn pooler(&self) -> Option<&Pooler> {
+        self.pooler.as_ref()
+    }
+
+    /// Validates and queues an embedding or score request: `prompt` whole (text is tokenized
+    /// with the tokenizer's special tokens, as sentence-transformers does). Its one output
+    /// carries the result in `pooled`.
+    pub fn add_pooling_request(
+        &mut self,
+        prompt: Prompt,
+        params: PoolingParams,
+    ) -> Result<RequestId, RequestError> {
+        let Some(pooler) = &self.pooler else {
+            return Err(RequestError::InvalidPrompt(
+                "this model is served for generation: embeddings and scores need --task embed or \
+                 --task score"
+                    .into(),
+            ));
+        };
+        let invalid =
+            |param, message: String| RequestError::InvalidParam(InvalidParam { param, message });
+        if let Some(d) = params.dimensions {
+            let width = pooler.width;
+            match &pooler.matryoshka {
+                _ if pooler.task != Task::Embed => {
+                    return Err(invalid("dimensions", "dimensions is for embeddings".into()));
+                }
+                None => {
+                    return Err(invalid(
+                        "dimensions",
+                        "this model does not support Matryoshka embeddings (its config.json has \
+                         neither is_matryoshka nor matryoshka_dimensions): dimensions cannot be set"
+                            .into(),
+                    ));
+                }
+                Some(_) if d == 0 || d > width => {
+                    return Err(invalid(
+                        "dimensions",
+                        format!("dimensions must be between 1 and {width}, got {d}"),
+                    ));
+                }
+                Some(dims) if !dims.is_empty() && !dims.contains(&d) => {
+                    return Err(invalid(
+                        "dimensions",
+                        format!("dimensions must be one of {dims:?}, got {d}"),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        let mut ids = match prompt {
+            Prompt::Text(t) => self
+                .tokenizer
+                .encode_special(&t)
+                .map_err(RequestError::Internal)?,
+            Prompt::Tokens(t) => t,
+        };
+        let max_len = self.max_model_len();
+        if let Some(k) = params.truncate_prompt_tokens {
+            if k == 0 || k > max_len {
+                return Err(invalid(
+                    "truncate_prompt_tokens",
+                    format!("truncate_prompt_tokens must be between 1 and {max_len}, got {k}"),
+                ));
+            }
+            // NOTE: as vLLM: the last tokens are kept.
+            ids.drain(..ids.len().saturating_sub(k));
+        }
+        if ids.is_empty() {
+            return Err(RequestError::InvalidPrompt("the input is empty".into()));
+        }
+        let vocab = self.config.vocab_size as u32;
+        if let Some(&bad) = ids.iter().find(|&&t| t >= vocab) {
+            return Err(RequestError::InvalidPrompt(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        if ids.len() > max_len {
+            return Err(RequestError::PromptTooLong(format!(
+                "the input has {} tokens, but the maximum context length is {max_len} tokens \
+                 (truncate_prompt_tokens cuts it to its last tokens)",
+                ids.len()
+            )));
+        }
+        let id = self.next_id;
+        let len = ids.len();
+        // NOTE: no prefix caching: mean pooling needs every row computed, and the request
+        // keeps no K/V past its prefill.
+        let req = Request::new(id, ids, 0, Vec::new());
+        self.scheduler
+            .add_request(req)
+            .map_err(RequestError::PromptTooLong)?;
+        self.next_id += 1;
+        self.stats.prompt_tokens += len as u64;
+        self.pools.insert(
+            id,
+            pool::PoolState {
+                pooling: pooler.pooling,
+                dimensions: params.dimensions,
+                acc: Vec::new(),
+                next: 0,
+            },
+        );
+        self.groups.insert(
+            id,
+            Group {
+                seqs: vec![id],
+                unfinished: 1,
+                ranked: None,
+            },
+        );
+        Ok(id)
     }
 
     /// Aborts a request, all its samples: their blocks return to the pool at once. False if

@@ -4,7 +4,8 @@
 
 use crate::backend::{Backend, BackendKind, BatchInput, DeviceBatch};
 use crate::models::kv_cache::{self, KvCache, KvCacheDtype, LayerKvSpec};
-use crate::models::{CausalLm, LoadedModel, OutputHead, registry};
+use crate::models::pooling::OutputHead;
+use crate::models::{CausalLm, LoadedModel, registry};
 use crate::parallel::{NodeConfig, ParallelConfig};
 use crate::sampling::{Choice, RowSampling};
 use crate::tensor::WeightStats;

@@ -23,7 +23,6 @@ pub use config::ModelConfig;
 pub use kv_cache::{KvCache, KvCacheDtype, LayerKvSpec};
 pub use loader::WeightSource;
 pub use open::{LoadedModel, load_model};
-pub use pooling::{OutputHead, Pooler, PoolingType, Task};
 
 use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
 use crate::quant::QuantTensor;

@@ -5,7 +5,9 @@
 //! `*ForSequenceClassification` checkpoint's `score.weight`, or the LM head's rows of chosen
 //! tokens (`classifier_from_token`: Qwen3-Reranker's "no" and "yes"), for scores.
 
-use super::LoadedModel;
+use super::config::ModelConfig;
+use super::loader::WeightSource;
+use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use std::path::Path;
@@ -103,15 +105,24 @@ pub struct Pooler {
     pub width: usize,
 }
 
+/// The model a [`Pooler`] is read for: its path (a GGUF file or an HF directory), config,
+/// tokenizer and weights.
+pub struct ModelFiles<'a> {
+    pub path: &'a Path,
+    pub config: &'a ModelConfig,
+    pub tokenizer: &'a Tokenizer,
+    pub weights: &'a dyn WeightSource,
+}
+
 /// How `model` is served for `task` (`None` for generation): `pooling` overrides the model's
 /// pooling, `from_tokens` its `classifier_from_token`.
 pub fn pooler(
-    model: &LoadedModel,
+    model: &ModelFiles,
     task: Task,
     pooling: Option<PoolingType>,
     from_tokens: Option<&[String]>,
 ) -> Result<Option<Pooler>> {
-    let dir = model.path.is_dir().then_some(model.path.as_path());
+    let dir = model.path.is_dir().then_some(model.path);
     let config = match dir {
         Some(d) => read_json(&d.join("config.json"))?,
         None => Value::Null,
@@ -209,7 +220,7 @@ pub fn pooler(
 }
 
 /// The id of the token `name`: a piece of the vocabulary, or a text that is one token.
-fn token_id(model: &LoadedModel, name: &str) -> Result<u32> {
+fn token_id(model: &ModelFiles, name: &str) -> Result<u32> {
     if let Some(id) = model.tokenizer.token_to_id(name) {
         return Ok(id);
     }
@@ -332,6 +343,42 @@ mod tests {
         let two = json!({"pooling_mode_mean_tokens": true, "pooling_mode_cls_token": true});
         assert!(format!("{:#}", pooling_mode(&two).unwrap_err()).contains("several"));
         assert!(pooling_mode(&json!({})).is_err());
+    }
+
+    #[test]
+    fn sentence_transformers_modules_are_read_and_the_unknown_refused() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(sentence_transformers(d.path()).unwrap(), (None, true));
+        let write = |p: &str, v: Value| {
+            let path = d.path().join(p);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, v.to_string()).unwrap();
+        };
+        let module = |ty: &str, path: &str| json!({"type": format!("sentence_transformers.models.{ty}"), "path": path});
+        write(
+            "1_Pooling/config.json",
+            json!({"pooling_mode_cls_token": true}),
+        );
+        write(
+            "modules.json",
+            json!([module("Transformer", ""), module("Pooling", "1_Pooling")]),
+        );
+        assert_eq!(
+            sentence_transformers(d.path()).unwrap(),
+            (Some(PoolingType::Cls), false)
+        );
+        write(
+            "modules.json",
+            json!([
+                module("Transformer", ""),
+                module("Pooling", "1_Pooling"),
+                module("Dense", "2_Dense")
+            ]),
+        );
+        let e = format!("{:#}", sentence_transformers(d.path()).unwrap_err());
+        assert!(e.contains("Dense") && e.contains("not supported"), "{e}");
+        write("modules.json", json!([module("Pooling", "../elsewhere")]));
+        assert!(sentence_transformers(d.path()).is_err());
     }
 
     #[test]

@@ -157,7 +157,8 @@ impl Scheduler {
         &self.kv
     }
 
-    /// Queues a request. Its prompt must be non-empty and shorter than `max_model_len`.
+    /// Queues a request. Its prompt must be non-empty and shorter than `max_model_len` (at most
+    /// as long, where it generates nothing).
     pub fn add_request(&mut self, req: Request) -> Result<(), String> {
         if req.tokens.is_empty() {
             return Err("the prompt is empty".into());
@@ -496,6 +497,34 @@ mod tests {
             ..SchedulerConfig::default()
         };
         Scheduler::new(cfg, KvCacheManager::new(blocks, bs, true))
+    }
+
+    /// A request that generates nothing (an embedding's prefill) may fill the context; one that
+    /// generates needs room for a token. Its prompt is computed in chunks under the budget and
+    /// it stays until the caller ends it (no token comes for it).
+    #[test]
+    fn prefill_only_requests_fill_the_context() {
+        let mut s = sched(64, 4, 8, 4);
+        s.config.max_model_len = 20;
+        assert!(
+            s.add_request(Request::new(1, vec![1; 20], 1, vec![]))
+                .is_err()
+        );
+        assert!(
+            s.add_request(Request::new(2, vec![1; 21], 0, vec![]))
+                .is_err()
+        );
+        s.add_request(Request::new(3, vec![1; 20], 0, vec![]))
+            .unwrap();
+        let mut chunks = Vec::new();
+        while s.request(3).unwrap().num_computed_tokens < 20 {
+            let out = s.schedule();
+            chunks.push(out.scheduled[0].num_new_tokens);
+            assert!(s.update_from_output(&out, &HashMap::new()).is_empty());
+        }
+        assert_eq!(chunks, vec![8, 8, 4]);
+        assert!(s.finish_request(3, FinishReason::Stop));
+        assert!(!s.has_unfinished());
     }
 
     /// A fake model: the next token is a function of the request id and position only, so the

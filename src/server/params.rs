@@ -83,13 +83,13 @@ pub(super) fn check_generates(st: &AppState) -> Result<(), ApiError> {
         Some(p) => Err(ApiError::invalid(
             format!(
                 "this model is served for {} (--task {}): it does not generate; its routes are {}",
-                if p.task == crate::models::Task::Embed {
+                if p.task == crate::models::pooling::Task::Embed {
                     "embeddings"
                 } else {
                     "scores"
                 },
                 p.task.name(),
-                if p.task == crate::models::Task::Embed {
+                if p.task == crate::models::pooling::Task::Embed {
                     "/v1/embeddings, /v1/score and /v1/rerank"
                 } else {
                     "/v1/score and /v1/rerank"

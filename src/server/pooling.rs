@@ -15,7 +15,7 @@ use super::response::{blocking, collect, submit, unix_now};
 use super::state::{AppState, St};
 use super::worker::SubRequest;
 use crate::engine::{PoolingParams, Prompt, cosine};
-use crate::models::Task;
+use crate::models::pooling::Task;
 use crate::sampling::SamplingParams;
 use axum::Json;
 use axum::body::Bytes;

@@ -44,7 +44,7 @@ pub struct AppState {
     /// Finished Responses-API responses, for `previous_response_id` and `GET /v1/responses/{id}`.
     pub(super) responses: std::sync::Mutex<super::store::ResponseStore>,
     /// How results are pooled, where the model is served for embeddings or scores.
-    pub(super) pooler: Option<crate::models::Pooler>,
+    pub(super) pooler: Option<crate::models::pooling::Pooler>,
     /// Ignored request fields already logged (each is logged once).
     pub(super) warned_fields: std::sync::Mutex<std::collections::HashSet<String>>,
 }
