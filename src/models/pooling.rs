@@ -140,7 +140,7 @@ pub fn pooler(
             }
             let (found, normalize) = match dir {
                 Some(d) => sentence_transformers(d)?,
-                None => (None, true),
+                None => (gguf_pooling(model.path)?, true),
             };
             let pooling = match (pooling, found) {
                 (Some(p), _) | (None, Some(p)) => p,
@@ -232,6 +232,27 @@ fn token_id(model: &ModelFiles, name: &str) -> Result<u32> {
             ids.len()
         ),
     }
+}
+
+/// A GGUF's `{arch}.pooling_type` (llama.cpp's: 0 none, 1 mean, 2 CLS, 3 last, 4 rank).
+fn gguf_pooling(path: &Path) -> Result<Option<PoolingType>> {
+    let g = super::gguf::GgufFile::open(path)?;
+    let key = format!("{}.pooling_type", g.architecture()?);
+    llama_cpp_pooling(g.meta_usize(&key)?)
+}
+
+fn llama_cpp_pooling(code: Option<usize>) -> Result<Option<PoolingType>> {
+    Ok(match code {
+        None | Some(0) => None,
+        Some(1) => Some(PoolingType::Mean),
+        Some(2) => Some(PoolingType::Cls),
+        Some(3) => Some(PoolingType::Last),
+        Some(4) => bail!(
+            "the GGUF's pooling type is rank (a reranker's classifier head, which is not \
+             supported); a decoder reranker scores with --task score --classifier-from-token"
+        ),
+        Some(n) => bail!("the GGUF's pooling type {n} is unknown"),
+    })
 }
 
 fn read_json(path: &Path) -> Result<Value> {
@@ -379,6 +400,16 @@ mod tests {
         assert!(e.contains("Dense") && e.contains("not supported"), "{e}");
         write("modules.json", json!([module("Pooling", "../elsewhere")]));
         assert!(sentence_transformers(d.path()).is_err());
+    }
+
+    #[test]
+    fn llama_cpp_pooling_codes() {
+        assert_eq!(llama_cpp_pooling(None).unwrap(), None);
+        assert_eq!(llama_cpp_pooling(Some(1)).unwrap(), Some(PoolingType::Mean));
+        assert_eq!(llama_cpp_pooling(Some(2)).unwrap(), Some(PoolingType::Cls));
+        assert_eq!(llama_cpp_pooling(Some(3)).unwrap(), Some(PoolingType::Last));
+        assert!(llama_cpp_pooling(Some(4)).is_err());
+        assert!(llama_cpp_pooling(Some(9)).is_err());
     }
 
     #[test]
