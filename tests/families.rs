@@ -393,6 +393,7 @@ fn first_logits_error<B: pagoda::backend::Backend>(be: &B, m: &str, kv_dtype: DT
         model.weights.as_ref(),
         DType::F32.into(),
         256,
+        &Default::default(),
         &mut |_, _| {},
     )
     .unwrap();

@@ -259,6 +259,7 @@ fn load_and_upload(path: &Path) -> Result<(), String> {
         m.weights.as_ref(),
         WeightDtype::Auto,
         positions,
+        &Default::default(),
         &mut |_, _| {},
     )
     .map(|_| ())

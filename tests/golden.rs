@@ -68,6 +68,7 @@ fn check_logits(path: std::path::PathBuf, model_id: &str) {
         model.weights.as_ref(),
         DType::F32.into(),
         1024,
+        &Default::default(),
         &mut |_, _| {},
     )
     .unwrap();

@@ -295,7 +295,7 @@ async fn score_pairs(
             tokens,
         ));
     }
-    if !truncate.is_some() {
+    if truncate.is_none() {
         for (q, d) in &pairs {
             check_text_len(st, q.len() + d.len(), param)?;
         }
