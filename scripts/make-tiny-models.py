@@ -3,7 +3,7 @@
 
 Writes tests/data/tiny/<name>/ (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json) for mistral, qwen3, gemma3, phi3, phi3-longrope, gpt2,
-falcon, falcon-new, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
+falcon, falcon-new, falcon-untied, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
 
 usage: make-tiny-models.py [--out tests/data/tiny] [--only NAME ...]
 
@@ -162,6 +162,13 @@ def specs(ids):
             max_position_embeddings=256, rope_theta=10000.0, layer_norm_epsilon=1e-5,
             tie_word_embeddings=True, **common), 800,
             {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"ln_f.": 1.0})}),
+        # Falcon-40B's layout with its own output head
+        "falcon-untied": ("falcon", dict(
+            hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_kv_heads=2,
+            new_decoder_architecture=True, parallel_attn=True, bias=False, alibi=False, ffn_hidden_size=128,
+            max_position_embeddings=256, rope_theta=10000.0, layer_norm_epsilon=1e-5,
+            tie_word_embeddings=False, **common), 900,
+            {"init": dict(emb_std=0.6, head_std=1.2, w_std=0.4, norm_offset={"ln_f.": 1.0})}),
     }
 
 

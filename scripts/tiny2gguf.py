@@ -11,7 +11,8 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
 - phi3: longrope factors as `rope_factors_short/long.weight` tensors, the original context and
   the attention factor as keys;
 - gpt2: Conv1D weights transposed to [out, in];
-- falcon (new decoder architecture): the grouped QKV rows reordered to [q | k | v].
+- falcon (new decoder architecture, tied or with its own head): the grouped QKV rows reordered
+  to [q | k | v].
 
 usage: tiny2gguf.py TINY_DIR OUT_DIR     (writes OUT_DIR/<model>.gguf for each model it knows)
 """
@@ -32,7 +33,9 @@ ARCH = {  # tiny model -> (GGUF architecture name, MODEL_ARCH)
     "gpt2": ("gpt2", MODEL_ARCH.GPT2),
     "falcon": ("falcon", MODEL_ARCH.FALCON),
     "falcon-new": ("falcon", MODEL_ARCH.FALCON),
+    "falcon-untied": ("falcon", MODEL_ARCH.FALCON),
 }
+NEW_FALCON = ("falcon-new", "falcon-untied")  # the new decoder architecture
 
 
 def permute(w, n_head):
@@ -72,7 +75,7 @@ def convert(name, d, out):
     head_dim = c.get("head_dim") or hid // n_head
     if name == "falcon":
         n_kv = 1 if c["multi_query"] and not c["new_decoder_architecture"] else n_head
-    elif name == "falcon-new":
+    elif name in NEW_FALCON:
         n_kv = c["num_kv_heads"]
     else:
         n_kv = c.get("num_key_value_heads", n_head)
@@ -84,7 +87,7 @@ def convert(name, d, out):
     w.add_feed_forward_length(c.get("intermediate_size") or c.get("n_inner") or c.get("ffn_hidden_size"))
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
-    if name in ("gpt2", "falcon", "falcon-new"):
+    if name in ("gpt2", "falcon") + NEW_FALCON:
         w.add_layer_norm_eps(c["layer_norm_epsilon"])
     else:
         w.add_layer_norm_rms_eps(c["rms_norm_eps"])
@@ -136,7 +139,7 @@ def convert(name, d, out):
             a = permute(a, n_kv)
         if name == "gemma3" and hf.endswith("norm.weight"):
             a = a + 1.0
-        if name == "falcon-new" and "query_key_value" in hf:
+        if name in NEW_FALCON and "query_key_value" in hf:
             rep = n_head // n_kv
             g = a.reshape(n_kv, rep + 2, head_dim, *a.shape[1:])
             a = np.concatenate([g[:, :rep].reshape(-1, *a.shape[1:]),

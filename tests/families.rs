@@ -194,7 +194,7 @@ fn gguf_copies_give_the_same_tokens() {
 /// The family a tiny model's GGUF copy is read as (Mistral files are `llama` ones).
 fn gguf_family(m: &str) -> &str {
     match m {
-        "falcon-new" => "falcon",
+        "falcon-new" | "falcon-untied" => "falcon",
         "mistral" => "llama",
         "phi3-longrope" => "phi3",
         other => other,

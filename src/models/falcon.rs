@@ -103,6 +103,7 @@ pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
             ("transformer.word_embeddings.weight", "token_embd.weight"),
             ("transformer.ln_f.weight", "output_norm.weight"),
             ("transformer.ln_f.bias", "output_norm.bias"),
+            ("lm_head.weight", "output.weight"),
         ],
         "transformer.h.",
         &[
@@ -188,9 +189,6 @@ impl<B: Backend> Falcon<B> {
     pub fn load(ld: Load<'_, B>, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
         let (c, backend, max_positions) = (ld.cfg, ld.backend, ld.max_positions);
         let (h, hkv, d, hid, f) = c.layer_sizes();
-        if !c.tie_word_embeddings {
-            bail!("Falcon with an untied lm_head is not supported");
-        }
         let bias = flag(c, "bias");
         let (sh, mut up, total) = ld.start()?;
         let place = ld.place;
@@ -274,8 +272,8 @@ impl<B: Backend> Falcon<B> {
         }
         let head = match place.last_stage() {
             true => {
-                let table = "transformer.word_embeddings.weight";
-                let head = Head::task(&mut up, c, &ld.head, table)?.unwrap_or(Head::Tied);
+                let table = (embed.is_some(), "transformer.word_embeddings.weight");
+                let head = Head::load(&mut up, &sh, c, table, &ld.head)?;
                 Some((ln(&mut up, "transformer.ln_f")?, head))
             }
             false => None,

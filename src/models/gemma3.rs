@@ -265,7 +265,13 @@ impl<B: Backend> Gemma3<B> {
             let final_norm = Norm::Rms(norm(&mut up, "model.norm.weight", hid)?);
             Some((
                 final_norm,
-                Head::load(&mut up, &sh, c, embed.is_some(), &ld.head)?,
+                Head::load(
+                    &mut up,
+                    &sh,
+                    c,
+                    (embed.is_some(), "model.embed_tokens.weight"),
+                    &ld.head,
+                )?,
             ))
         } else {
             None

@@ -202,8 +202,8 @@ impl<B: Backend> Gpt2<B> {
         }
         let head = match place.last_stage() {
             true => {
-                let table = "transformer.wte.weight";
-                let head = Head::task(&mut up, c, &ld.head, table)?.unwrap_or(Head::Tied);
+                let table = (wte.is_some(), "transformer.wte.weight");
+                let head = Head::load(&mut up, &sh, c, table, &ld.head)?;
                 Some((ln(&mut up, "transformer.ln_f")?, head))
             }
             false => None,

@@ -175,7 +175,13 @@ impl<B: Backend> Llama<B> {
             let norm = Norm::Rms(up.weight("model.norm.weight", &[hid], DType::F32)?);
             Some((
                 norm,
-                Head::load(&mut up, &sh, c, embed.is_some(), &ld.head)?,
+                Head::load(
+                    &mut up,
+                    &sh,
+                    c,
+                    (embed.is_some(), "model.embed_tokens.weight"),
+                    &ld.head,
+                )?,
             ))
         } else {
             None

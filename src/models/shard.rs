@@ -283,23 +283,19 @@ pub enum Head<B: Backend> {
 
 impl<B: Backend> Head<B> {
     /// The last stage's head: `lm_head` unless the model is tied or the checkpoint omits it
-    /// (NOTE: some do although their config says untied), else the embedding table, loaded
-    /// here where this stage has none of its own (`embed`: whether it has). A model served for
-    /// embeddings or scores gets [`Head::task`]'s.
+    /// (NOTE: some do although their config says untied), else the embedding table
+    /// `embed_name`, loaded here where this stage has none of its own (`embed`: whether it
+    /// has). A model served for embeddings or scores gets [`Head::task`]'s.
     pub fn load(
         up: &mut Uploader<B>,
         shard: &Shard,
         cfg: &ModelConfig,
-        embed: bool,
+        (embed, embed_name): (bool, &str),
         out: &OutputHead,
     ) -> Result<Head<B>> {
         let (hid, vocab) = (cfg.hidden_size, cfg.vocab_size);
         let own = !cfg.tie_word_embeddings && up.has("lm_head.weight")?;
-        let table = if own {
-            "lm_head.weight"
-        } else {
-            "model.embed_tokens.weight"
-        };
+        let table = if own { "lm_head.weight" } else { embed_name };
         if let Some(h) = Head::task(up, cfg, out, table)? {
             return Ok(h);
         }
@@ -311,7 +307,7 @@ impl<B: Backend> Head<B> {
             }
             false if embed => Head::Tied,
             false => {
-                let (t, rows) = shard.vocab_table(up, "model.embed_tokens.weight", hid, vocab)?;
+                let (t, rows) = shard.vocab_table(up, embed_name, hid, vocab)?;
                 Head::Own(t, rows)
             }
         })
@@ -319,7 +315,7 @@ impl<B: Backend> Head<B> {
 
     /// The head of a model served for embeddings or scores (`None` for generation): `table`
     /// names the LM head's weights, whose rows a classifier from tokens takes.
-    pub fn task(
+    fn task(
         up: &mut Uploader<B>,
         cfg: &ModelConfig,
         out: &OutputHead,
@@ -334,6 +330,14 @@ impl<B: Backend> Head<B> {
                 Head::Classifier(up.upload_linear(w)?, 1)
             }
             OutputHead::TokenClassifier(ids) => {
+                // NOTE: the difference of two rows is the difference of two logits only
+                // where nothing bends the logits after the head.
+                if cfg.final_logit_softcap.is_some() {
+                    bail!(
+                        "a classifier from tokens needs plain logits; this model soft-caps them \
+                         (final_logit_softcapping)"
+                    );
+                }
                 if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
                     bail!("classifier token {bad} is outside the vocabulary of {vocab}");
                 }

@@ -18,6 +18,7 @@ pub const TINY_FAMILIES: &[&str] = &[
     "gpt2",
     "falcon",
     "falcon-new",
+    "falcon-untied",
 ];
 
 /// A model under `$PAGODA_CACHE/models`; fails (never skips) when it is missing.
