@@ -1,8 +1,9 @@
 //! Embeddings and scores (`--task embed`, `--task score`) on tiny random-weight models against
 //! the references sentence-transformers and transformers computed for them
 //! (`scripts/make-tiny-pooling.py`, `tests/data/tiny/pooling/references.json`): every pooling
-//! mode, Normalize, Matryoshka cuts, a cross-encoder and a decoder reranker, on the CPU and the
-//! emulated GPU, in one batch, in chunks, and through the HTTP routes.
+//! mode, Normalize, Matryoshka cuts, a cross-encoder and a decoder reranker, on the CPU, the
+//! emulated GPU and (built with `--features wgpu`) wgpu, in one batch, in chunks, and through the
+//! HTTP routes.
 
 use pagoda::engine::{PoolingParams, Prompt};
 use pagoda::models::pooling::Task;
@@ -102,6 +103,22 @@ fn embeddings_agree_with_sentence_transformers_in_each_pooling_mode() {
 fn embeddings_agree_on_the_emulated_gpu() {
     for name in ["embed-mean", "embed-last"] {
         check_embeddings(name, BackendKind::Emu, None);
+    }
+}
+
+/// wgpu (Mesa's llvmpipe in CI): the same rows, pooled the same way.
+#[cfg(feature = "wgpu")]
+#[test]
+fn embeddings_and_scores_agree_on_wgpu() {
+    check_embeddings("embed-mean", BackendKind::Wgpu, None);
+    let r = refs();
+    let docs = strings(&r["documents"]);
+    let docs: Vec<&str> = docs.iter().map(String::as_str).collect();
+    let mut llm = LLM::new(args("rerank-tokens", Task::Score, BackendKind::Wgpu)).unwrap();
+    let got = llm.score(r["query"].as_str().unwrap(), &docs).unwrap();
+    let want = floats(&r["models"]["rerank-tokens"]["scores"]);
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() < 1e-5, "{got:?} vs {want:?}");
     }
 }
 
