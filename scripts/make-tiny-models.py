@@ -3,7 +3,7 @@
 
 Writes tests/data/tiny/<name>/ (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json) for mistral, qwen3, gemma3, phi3, phi3-longrope, gpt2,
-falcon, falcon-new, falcon-untied, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
+falcon, falcon-new, falcon-untied, granite, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
 
 usage: make-tiny-models.py [--out tests/data/tiny] [--only NAME ...]
 
@@ -162,6 +162,13 @@ def specs(ids):
             max_position_embeddings=256, rope_theta=10000.0, layer_norm_epsilon=1e-5,
             tie_word_embeddings=True, **common), 800,
             {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"ln_f.": 1.0})}),
+        # Llama with Granite's four multipliers (each unlike 1 and the default scale)
+        "granite": ("granite", dict(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+            embedding_multiplier=4.0, residual_multiplier=0.8, attention_multiplier=0.15,
+            logits_scaling=2.0, tie_word_embeddings=False, **common), 1000,
+            {"init": dict(emb_std=0.15, head_std=2.4)}),
         # Falcon-40B's layout with its own output head
         "falcon-untied": ("falcon", dict(
             hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_kv_heads=2,

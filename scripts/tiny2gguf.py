@@ -6,6 +6,7 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
 
 - llama (Mistral): Q and K rows permuted for llama.cpp's interleaved RoPE, the window stored as
   `llama.attention.sliding_window`;
+- granite: Q and K permuted as Llama's, the four multipliers as `granite.*` keys;
 - gemma3: RMSNorm weights stored as 1 + w; the layer pattern, local RoPE base, attention scale
   and final soft-cap under the gguf package's keys (llama.cpp fixes some of them per model size);
 - phi3: longrope factors as `rope_factors_short/long.weight` tensors, the original context and
@@ -34,6 +35,7 @@ ARCH = {  # tiny model -> (GGUF architecture name, MODEL_ARCH)
     "falcon": ("falcon", MODEL_ARCH.FALCON),
     "falcon-new": ("falcon", MODEL_ARCH.FALCON),
     "falcon-untied": ("falcon", MODEL_ARCH.FALCON),
+    "granite": ("granite", MODEL_ARCH.GRANITE),
 }
 NEW_FALCON = ("falcon-new", "falcon-untied")  # the new decoder architecture
 
@@ -108,6 +110,13 @@ def convert(name, d, out):
         w.add_rope_freq_base(rope["rope_theta"])
     if name == "mistral" and c.get("sliding_window"):
         w.add_sliding_window(c["sliding_window"])
+    if name == "granite":
+        # llama.cpp's GraniteModel: the multipliers as keys (the logits are divided by its
+        # logit_scale)
+        w.add_embedding_scale(c["embedding_multiplier"])
+        w.add_residual_scale(c["residual_multiplier"])
+        w.add_attention_scale(c["attention_multiplier"])
+        w.add_logit_scale(c["logits_scaling"])
     if name == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -133,9 +142,9 @@ def convert(name, d, out):
         if name == "gpt2" and hf.endswith((".attn.c_attn.weight", ".attn.c_proj.weight",
                                            ".mlp.c_fc.weight", ".mlp.c_proj.weight")):
             a = a.T
-        if name == "mistral" and hf.endswith("self_attn.q_proj.weight"):
+        if name in ("mistral", "granite") and hf.endswith("self_attn.q_proj.weight"):
             a = permute(a, n_head)
-        if name == "mistral" and hf.endswith("self_attn.k_proj.weight"):
+        if name in ("mistral", "granite") and hf.endswith("self_attn.k_proj.weight"):
             a = permute(a, n_kv)
         if name == "gemma3" and hf.endswith("norm.weight"):
             a = a + 1.0

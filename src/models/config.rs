@@ -68,6 +68,9 @@ pub enum Arch {
     Gpt2,
     /// Falcon: attention and MLP in parallel off LayerNorm, multi-query or grouped KV.
     Falcon,
+    /// Granite: Llama with multipliers on the embeddings, the residual branches, the attention
+    /// scores and the logits.
+    Granite,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -103,6 +106,8 @@ pub struct ModelConfig {
     /// Attention scores and final logits soft-capped as `cap · tanh(x / cap)` (Gemma).
     pub attn_logit_softcap: Option<f64>,
     pub final_logit_softcap: Option<f64>,
+    /// The LM head's logits are multiplied by this (Granite's `1 / logits_scaling`).
+    pub logit_scale: Option<f64>,
     /// Settings only one family has, recorded by its config hook and read by its model (so a
     /// new family needs no new field here).
     pub extra: Value,
@@ -315,6 +320,11 @@ impl ModelConfig {
                 );
             }
         }
+        if let Some(s) = c.logit_scale
+            && !(s > 0.0 && s.is_finite())
+        {
+            bail!("the logits' scale must be positive, got {s}");
+        }
         for cap in [c.attn_logit_softcap, c.final_logit_softcap]
             .into_iter()
             .flatten()
@@ -404,6 +414,7 @@ impl ModelConfig {
             attn_scale: None,
             attn_logit_softcap: None,
             final_logit_softcap: None,
+            logit_scale: None,
             extra: Value::Null,
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,

@@ -1,6 +1,7 @@
 //! The Llama family and the families that share its graph: Llama 2/3 and SmolLM2, Mistral
-//! (sliding-window attention), Qwen2 (biases on the Q, K and V projections) and Qwen3 (per-head
-//! RMSNorm of Q and K before RoPE). Written once over the [`Backend`] trait.
+//! (sliding-window attention), Qwen2 (biases on the Q, K and V projections), Qwen3 (per-head
+//! RMSNorm of Q and K before RoPE) and Granite (multipliers on the embeddings, the residual
+//! branches, the attention scores and the logits). Written once over the [`Backend`] trait.
 //!
 //! Shapes: T = tokens in the step (all sequences flattened), R = rows whose logits are wanted,
 //! H = query heads, Hkv = kv heads, D = head_dim, F = intermediate size.
@@ -33,6 +34,9 @@ pub struct Llama<B: Backend> {
     stack: Stack<B>,
     /// This stage's layers.
     layers: Vec<Layer<B>>,
+    /// Granite's multipliers of the embeddings and of each residual branch.
+    embedding_multiplier: Option<f32>,
+    residual_multiplier: Option<f32>,
     rope_cos: B::Buf, // [max_positions, D / 2]
     rope_sin: B::Buf, // [max_positions, D / 2]
 }
@@ -80,6 +84,55 @@ pub fn hf_config_qwen3(v: &Value, c: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// `model_type: granite`: Llama with `embedding_multiplier`, `residual_multiplier` (kept in
+/// `extra` for the model), `attention_multiplier` (the attention scale) and `logits_scaling`
+/// (the logits are divided by it).
+pub fn hf_config_granite(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    let f = Fields::top(v);
+    // NOTE: Granite's biases would sit on o_proj and the MLP too, which this graph has not.
+    for k in ["attention_bias", "mlp_bias"] {
+        if f.bool(k)? == Some(true) {
+            bail!("granite with {k}: true is not supported");
+        }
+    }
+    granite_multipliers(
+        c,
+        f.f64("embedding_multiplier")?,
+        f.f64("residual_multiplier")?,
+        f.f64("attention_multiplier")?,
+        f.f64("logits_scaling")?,
+    )
+}
+
+/// Granite's multipliers into the config; each must be a positive number.
+fn granite_multipliers(
+    c: &mut ModelConfig,
+    embedding: Option<f64>,
+    residual: Option<f64>,
+    attention: Option<f64>,
+    logits_divisor: Option<f64>,
+) -> Result<()> {
+    for (name, m) in [
+        ("embedding_multiplier", embedding),
+        ("residual_multiplier", residual),
+        ("attention_multiplier", attention),
+        ("logits_scaling", logits_divisor),
+    ] {
+        if let Some(m) = m
+            && !(m > 0.0 && m.is_finite())
+        {
+            bail!("{name} must be a positive number, got {m}");
+        }
+    }
+    c.extra = serde_json::json!({
+        "embedding_multiplier": embedding,
+        "residual_multiplier": residual,
+    });
+    c.attn_scale = attention.or(c.attn_scale);
+    c.logit_scale = logits_divisor.map(|d| 1.0 / d);
+    Ok(())
+}
+
 /// The GGUF keys of these families beyond the common ones: an optional sliding window (Mistral
 /// files are `llama` with `{arch}.attention.sliding_window`), Q/K norms where the file has them.
 pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> {
@@ -92,6 +145,16 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
         }
     }
     c.attention_bias |= g.tensor_info("blk.0.attn_q.bias").is_some();
+    if arch == "granite" {
+        let key = |k: &str| g.meta_f64(&format!("{arch}.{k}"));
+        granite_multipliers(
+            c,
+            key("embedding_scale")?,
+            key("residual_scale")?,
+            key("attention.scale")?,
+            key("logit_scale")?,
+        )?;
+    }
     c.qk_norm |= arch == "qwen3";
     if c.qk_norm && g.tensor_info("blk.0.attn_q_norm.weight").is_none() {
         bail!("a {arch} model needs Q/K norms, but the file has no blk.0.attn_q_norm.weight");
@@ -188,9 +251,12 @@ impl<B: Backend> Llama<B> {
         };
         progress(total, total);
         let (cos, sin) = super::rope::tables(c, c.rope_theta, max_positions);
+        let multiplier = |k: &str| c.extra[k].as_f64().map(|m| m as f32);
         Ok(Llama {
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
+            embedding_multiplier: multiplier("embedding_multiplier"),
+            residual_multiplier: multiplier("residual_multiplier"),
             rope_cos: backend.upload_f32(&cos)?,
             rope_sin: backend.upload_f32(&sin)?,
         })
@@ -208,6 +274,13 @@ impl<B: Backend> Family<B> for Llama<B> {
         let (hid, f, ql, eps) = s.sizes();
 
         let mut x = s.input(backend, batch)?; // [T, hidden] residual stream
+        if let Some(m) = self.embedding_multiplier.filter(|_| s.place.first_stage()) {
+            backend.scale(&mut x, m, t * hid)?;
+        }
+        let residual = |o: &mut B::Buf| match self.residual_multiplier {
+            Some(m) => backend.scale(o, m, t * hid),
+            None => Ok(()),
+        };
         let mut h = backend.alloc_scratch_f32(t * hid)?; // [T, hidden]
         let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
         let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
@@ -240,6 +313,7 @@ impl<B: Backend> Family<B> for Llama<B> {
             )?;
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
+            residual(&mut o)?;
             backend.add_rms_norm(&mut x, &o, &w.mlp_norm, t, hid, eps, &mut h)?;
             backend.matmul_gated_act(
                 &h,
@@ -253,6 +327,7 @@ impl<B: Backend> Family<B> for Llama<B> {
             )?;
             backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
+            residual(&mut o)?;
             match self.layers.get(j + 1) {
                 Some(next) => {
                     backend.add_rms_norm(&mut x, &o, &next.attn_norm, t, hid, eps, &mut h)?

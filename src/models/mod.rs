@@ -528,8 +528,8 @@ pub fn final_rows<B: Backend>(
 
 /// The logits `[R, vocab]` of the rows in `batch.logits_rows`: only those rows of the residual
 /// stream `x` `[T, hidden]` go through the final norm ([`final_rows`]) and the head
-/// `[vocab, hidden]`, soft-capped where `softcap` says. `vocab`: the head's rows (a shard's,
-/// under tensor parallelism; the labels of a classifier).
+/// `[vocab, hidden]`; an LM head's (`lm`) are scaled and soft-capped where the config says.
+/// `vocab`: the head's rows (a shard's, under tensor parallelism; the labels of a classifier).
 #[allow(clippy::too_many_arguments)]
 pub fn final_logits<B: Backend>(
     backend: &B,
@@ -539,13 +539,16 @@ pub fn final_logits<B: Backend>(
     norm: &Norm<B>,
     head: &B::Buf,
     vocab: usize,
-    softcap: Option<f64>,
+    lm: bool,
 ) -> Result<B::Buf> {
     let (r, hid) = (batch.host.logits_rows.len(), cfg.hidden_size);
     let xn = final_rows(backend, cfg, x, batch, norm)?;
     let mut logits = backend.alloc_scratch_f32(r * vocab)?; // [R, vocab]
     backend.matmul(&xn, head, None, r, hid, vocab, &mut logits)?;
-    if let Some(cap) = softcap {
+    if let Some(s) = cfg.logit_scale.filter(|_| lm) {
+        backend.scale(&mut logits, s as f32, r * vocab)?;
+    }
+    if let Some(cap) = cfg.final_logit_softcap.filter(|_| lm) {
         backend.softcap(&mut logits, cap as f32, r * vocab)?;
     }
     Ok(logits)

@@ -85,6 +85,16 @@ pub static FAMILIES: &[Family] = &[
         gguf_tensor_name: super::gguf::llama_tensor_name,
     },
     Family {
+        arch: Arch::Granite,
+        name: "granite",
+        hf_model_types: &["granite"],
+        gguf_architectures: &["granite"],
+        hf_prepare: no_renames,
+        hf_config: super::llama::hf_config_granite,
+        gguf_config: super::llama::gguf_config,
+        gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+    Family {
         arch: Arch::Phi3,
         name: "phi3",
         hf_model_types: &["phi3"],
@@ -230,7 +240,7 @@ pub fn load_shard<B: Backend>(
         Arch::Gemma3 => Box::new(Gemma3::load(ld, progress)?),
         Arch::Gpt2 => Box::new(Gpt2::load(ld, progress)?),
         Arch::Falcon => Box::new(Falcon::load(ld, progress)?),
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Granite => {
             Box::new(Llama::load(ld, progress)?)
         }
     })

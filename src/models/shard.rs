@@ -245,12 +245,11 @@ pub fn stage_output<B: Backend>(
     match head {
         Head::Hidden => final_rows(backend, cfg, &x, batch, norm),
         Head::Classifier(w, labels) => {
-            final_logits(backend, cfg, &x, batch, norm, w, *labels, None)
+            final_logits(backend, cfg, &x, batch, norm, w, *labels, false)
         }
         _ => {
             let (table, rows) = head.table(embed)?;
-            let cap = cfg.final_logit_softcap;
-            final_logits(backend, cfg, &x, batch, norm, table, rows, cap)
+            final_logits(backend, cfg, &x, batch, norm, table, rows, true)
         }
     }
 }
@@ -332,10 +331,10 @@ impl<B: Backend> Head<B> {
             OutputHead::TokenClassifier(ids) => {
                 // NOTE: the difference of two rows is the difference of two logits only
                 // where nothing bends the logits after the head.
-                if cfg.final_logit_softcap.is_some() {
+                if cfg.final_logit_softcap.is_some() || cfg.logit_scale.is_some() {
                     bail!(
-                        "a classifier from tokens needs plain logits; this model soft-caps them \
-                         (final_logit_softcapping)"
+                        "a classifier from tokens needs plain logits; this model scales or \
+                         soft-caps them"
                     );
                 }
                 if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {

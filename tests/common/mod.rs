@@ -19,6 +19,7 @@ pub const TINY_FAMILIES: &[&str] = &[
     "falcon",
     "falcon-new",
     "falcon-untied",
+    "granite",
 ];
 
 /// A model under `$PAGODA_CACHE/models`; fails (never skips) when it is missing.

@@ -162,6 +162,7 @@ impl GgufFile {
             attn_scale: None,
             attn_logit_softcap: None,
             final_logit_softcap: None,
+            logit_scale: None,
             extra: serde_json::Value::Null,
             bos_token_id,
             eos_token_ids,

@@ -443,10 +443,11 @@ impl GgufFile {
         let Some(which @ (GgufFix::UnpermuteQ | GgufFix::UnpermuteK)) = fix else {
             return Ok(None);
         };
-        if self.arch_str().ok() != Some("llama") {
-            return Ok(None);
-        }
-        let a = "llama";
+        // NOTE: llama.cpp's converter permutes Llama's and Granite's Q and K, no other's.
+        let a = match self.arch_str() {
+            Ok(a @ ("llama" | "granite")) => a,
+            _ => return Ok(None),
+        };
         let heads_key = match which {
             GgufFix::UnpermuteQ => format!("{a}.attention.head_count"),
             _ => format!("{a}.attention.head_count_kv"),
@@ -1006,6 +1007,7 @@ mod tests {
             attn_scale: None,
             attn_logit_softcap: None,
             final_logit_softcap: None,
+            logit_scale: None,
             extra: serde_json::Value::Null,
             bos_token_id: Some(0),
             eos_token_ids: vec![6, 7],
