@@ -1,7 +1,7 @@
 //! Offline inference: a batch of prompts in, their complete outputs out (vLLM's `LLM`).
 
 use super::pool::cosine;
-use super::{Engine, EngineArgs, PoolingParams, Prompt};
+use super::{Engine, EngineArgs, PoolingParams, Prompt, StepOutput};
 use crate::models::pooling::Task;
 use crate::sampling::{SamplingParams, TokenLogprobs};
 use crate::sched::{FinishReason, RequestId};
@@ -89,22 +89,8 @@ impl LLM {
                 Prompt::Text(t) => Some(t.clone()),
                 Prompt::Tokens(_) => None,
             };
-            let id = match self.engine.add_request(prompt, params) {
-                Ok(id) => id,
-                Err(e) => {
-                    for id in &order {
-                        self.engine.abort(*id);
-                    }
-                    return Err(anyhow::Error::new(e).context("request refused"));
-                }
-            };
-            order.push(id);
-            let prompt_token_ids = self
-                .engine
-                .scheduler
-                .request(id)
-                .map(|r| r.prompt().to_vec())
-                .unwrap_or_default();
+            let added = self.engine.add_request(prompt, params);
+            let (id, prompt_token_ids) = self.added(added, &mut order)?;
             results.insert(
                 id,
                 RequestOutput {
@@ -122,37 +108,26 @@ impl LLM {
                 },
             );
         }
-        while self.engine.has_unfinished() {
-            let step = match self.engine.step() {
-                Ok(s) => s,
-                Err(e) => {
-                    for id in &order {
-                        self.engine.abort(*id);
-                    }
-                    return Err(e);
-                }
-            };
-            for o in step {
-                if let Some(r) = results.get_mut(&o.request_id)
-                    && o.index == 0
-                    && let Some(p) = o.prompt_logprobs.clone()
-                {
-                    r.prompt_logprobs = Some(p);
-                }
-                if let Some(r) = results.get_mut(&o.request_id)
-                    && let Some(c) = r.outputs.get_mut(o.index)
-                {
-                    c.text.push_str(&o.new_text);
-                    c.token_ids.extend(&o.new_token_ids);
-                    c.logprobs.extend(o.new_logprobs);
-                    if let Some(f) = o.finish_reason {
-                        c.finish_reason = Some(f);
-                        c.stop_reason = o.stop_reason;
-                        r.finished = r.outputs.iter().all(|c| c.finish_reason.is_some());
-                    }
+        self.run(&order, |o| {
+            if let Some(r) = results.get_mut(&o.request_id)
+                && o.index == 0
+                && let Some(p) = o.prompt_logprobs.clone()
+            {
+                r.prompt_logprobs = Some(p);
+            }
+            if let Some(r) = results.get_mut(&o.request_id)
+                && let Some(c) = r.outputs.get_mut(o.index)
+            {
+                c.text.push_str(&o.new_text);
+                c.token_ids.extend(&o.new_token_ids);
+                c.logprobs.extend(o.new_logprobs);
+                if let Some(f) = o.finish_reason {
+                    c.finish_reason = Some(f);
+                    c.stop_reason = o.stop_reason;
+                    r.finished = r.outputs.iter().all(|c| c.finish_reason.is_some());
                 }
             }
-        }
+        })?;
         Ok(order
             .into_iter()
             .filter_map(|id| results.remove(&id))
@@ -214,26 +189,9 @@ impl LLM {
     ) -> Result<Vec<PoolingOutput>> {
         let mut order = Vec::with_capacity(prompts.len());
         let mut results: HashMap<RequestId, PoolingOutput> = HashMap::new();
-        let abort = |engine: &mut Engine, order: &[RequestId]| {
-            for id in order {
-                engine.abort(*id);
-            }
-        };
         for prompt in prompts {
-            let id = match self.engine.add_pooling_request(prompt, params.clone()) {
-                Ok(id) => id,
-                Err(e) => {
-                    abort(&mut self.engine, &order);
-                    return Err(anyhow::Error::new(e).context("request refused"));
-                }
-            };
-            order.push(id);
-            let prompt_token_ids = self
-                .engine
-                .scheduler
-                .request(id)
-                .map(|r| r.prompt().to_vec())
-                .unwrap_or_default();
+            let added = self.engine.add_pooling_request(prompt, params.clone());
+            let (id, prompt_token_ids) = self.added(added, &mut order)?;
             results.insert(
                 id,
                 PoolingOutput {
@@ -243,23 +201,58 @@ impl LLM {
                 },
             );
         }
-        while self.engine.has_unfinished() {
-            let step = match self.engine.step() {
-                Ok(s) => s,
-                Err(e) => {
-                    abort(&mut self.engine, &order);
-                    return Err(e);
-                }
-            };
-            for o in step {
-                if let (Some(r), Some(data)) = (results.get_mut(&o.request_id), o.pooled) {
-                    r.data = data;
-                }
+        self.run(&order, |o| {
+            if let (Some(r), Some(data)) = (results.get_mut(&o.request_id), o.pooled) {
+                r.data = data;
             }
-        }
+        })?;
         Ok(order
             .into_iter()
             .filter_map(|id| results.remove(&id))
             .collect())
+    }
+
+    fn abort_all(&mut self, order: &[RequestId]) {
+        for &id in order {
+            self.engine.abort(id);
+        }
+    }
+
+    /// The id and prompt of a request just added (`order` gets it), or, when it was refused,
+    /// the error, with the requests of `order` aborted.
+    fn added(
+        &mut self,
+        added: Result<RequestId, super::RequestError>,
+        order: &mut Vec<RequestId>,
+    ) -> Result<(RequestId, Vec<u32>)> {
+        let id = match added {
+            Ok(id) => id,
+            Err(e) => {
+                self.abort_all(order);
+                return Err(anyhow::Error::new(e).context("request refused"));
+            }
+        };
+        order.push(id);
+        let prompt = self
+            .engine
+            .scheduler
+            .request(id)
+            .map(|r| r.prompt().to_vec());
+        Ok((id, prompt.unwrap_or_default()))
+    }
+
+    /// Steps until every request has ended, each output to `on_output`; on an error the
+    /// requests of `order` are aborted.
+    fn run(&mut self, order: &[RequestId], mut on_output: impl FnMut(StepOutput)) -> Result<()> {
+        while self.engine.has_unfinished() {
+            match self.engine.step() {
+                Ok(step) => step.into_iter().for_each(&mut on_output),
+                Err(e) => {
+                    self.abort_all(order);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
     }
 }

@@ -253,15 +253,27 @@ async fn embeddings_inner(
             json!({"object": "embedding", "index": index, "embedding": embedding})
         })
         .collect();
+    Ok(list(&st, "embd", &model, data, tokens, &ignored))
+}
+
+/// The `{"object": "list", "data": ...}` answer of the embeddings and score routes.
+fn list(
+    st: &AppState,
+    kind: &str,
+    model: &str,
+    data: Vec<Value>,
+    tokens: usize,
+    ignored: &[String],
+) -> Response {
     let out = json!({
-        "id": st.new_id("embd"),
+        "id": st.new_id(kind),
         "object": "list",
         "created": unix_now(),
         "model": model,
         "data": data,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     });
-    Ok(with_ignored(Json(out).into_response(), &ignored))
+    with_ignored(Json(out).into_response(), ignored)
 }
 
 /// The score of each (query, document) pair, and the prompt tokens they took.
@@ -362,15 +374,7 @@ async fn score_inner(
         .enumerate()
         .map(|(index, s)| json!({"index": index, "object": "score", "score": s}))
         .collect();
-    let out = json!({
-        "id": st.new_id("score"),
-        "object": "list",
-        "created": unix_now(),
-        "model": model,
-        "data": data,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    });
-    Ok(with_ignored(Json(out).into_response(), &ignored))
+    Ok(list(&st, "score", &model, data, tokens, &ignored))
 }
 
 async fn rerank_inner(
