@@ -3,7 +3,7 @@
 
 Writes tests/data/tiny/<name>/ (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json) for mistral, qwen3, gemma3, phi3, phi3-longrope, gpt2,
-falcon, falcon-new, falcon-untied, granite, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
+falcon, falcon-new, falcon-untied, granite, gpt-neox, stablelm, starcoder2, cohere, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
 
 usage: make-tiny-models.py [--out tests/data/tiny] [--only NAME ...]
 
@@ -169,6 +169,38 @@ def specs(ids):
             embedding_multiplier=4.0, residual_multiplier=0.8, attention_multiplier=0.15,
             logits_scaling=2.0, tie_word_embeddings=False, **common), 1000,
             {"init": dict(emb_std=0.15, head_std=2.4)}),
+        # Pythia's layout: fused per-head QKV, parallel residual with two norms, half the head
+        # rotated
+        "gpt-neox": ("gpt_neox", dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.5},
+            layer_norm_eps=1e-5, hidden_act="gelu", use_parallel_residual=True, attention_bias=True,
+            tie_word_embeddings=False, **common), 1100,
+            {"init": dict(emb_std=0.6, head_std=1.2, w_std=0.4, norm_offset={"final_layer_norm.": 1.0})}),
+        # StableLM 2's layout: a quarter of the head rotated, Q/K/V biases, sequential residual
+        "stablelm": ("stablelm", dict(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            layer_norm_eps=1e-5, use_qkv_bias=True, qk_layernorm=False, use_parallel_residual=False,
+            tie_word_embeddings=False, **common), 1200,
+            {"init": dict(emb_std=0.6, head_std=1.2, norm_offset={"model.norm.": 1.0})}),
+        # StarCoder2: biases everywhere, LayerNorm, a GELU MLP, a sliding window
+        "starcoder2": ("starcoder2", dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, sliding_window=12, max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, norm_epsilon=1e-5,
+            use_bias=True, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, **common), 1300,
+            {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"model.norm.": 1.0})}),
+        # Command-R: one LayerNorm without bias feeding attention and MLP in parallel,
+        # interleaved RoPE, scaled logits
+        "cohere": ("cohere", dict(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, layer_norm_eps=1e-5,
+            logit_scale=0.25, use_qk_norm=False, tie_word_embeddings=True, **common), 1400,
+            {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"model.norm.": 1.0})}),
         # Falcon-40B's layout with its own output head
         "falcon-untied": ("falcon", dict(
             hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_kv_heads=2,
@@ -296,7 +328,7 @@ def summary(cfg, name, seed):
     else:
         hd = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
         s = dict(layers=d["num_hidden_layers"], hidden=d["hidden_size"], heads=d["num_attention_heads"],
-                 kv_heads=d["num_key_value_heads"], head_dim=hd, intermediate=d["intermediate_size"],
+                 kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"], head_dim=hd, intermediate=d["intermediate_size"],
                  window=d.get("sliding_window"), rope_parameters=d.get("rope_parameters"))
         if mt == "gemma3_text":
             s.update(layer_types=d["layer_types"], query_pre_attn_scalar=d["query_pre_attn_scalar"],

@@ -13,7 +13,13 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
   the attention factor as keys;
 - gpt2: Conv1D weights transposed to [out, in];
 - falcon (new decoder architecture, tied or with its own head): the grouped QKV rows reordered
-  to [q | k | v].
+  to [q | k | v];
+- gpt-neox: the per-head fused QKV rows (weight and bias) reordered to [q | k | v]; the rotated
+  dimensions and the parallel residual as keys (stablelm too);
+- cohere (command-r): `logit_scale` as a key;
+- starcoder2: llama.cpp's converter writes no window; the window is written here as
+  `starcoder2.attention.sliding_window` (the key llama.cpp reads for every family), so that the
+  tiny model's long prompt means the same thing.
 
 usage: tiny2gguf.py TINY_DIR OUT_DIR     (writes OUT_DIR/<model>.gguf for each model it knows)
 """
@@ -36,7 +42,12 @@ ARCH = {  # tiny model -> (GGUF architecture name, MODEL_ARCH)
     "falcon-new": ("falcon", MODEL_ARCH.FALCON),
     "falcon-untied": ("falcon", MODEL_ARCH.FALCON),
     "granite": ("granite", MODEL_ARCH.GRANITE),
+    "gpt-neox": ("gptneox", MODEL_ARCH.GPTNEOX),
+    "stablelm": ("stablelm", MODEL_ARCH.STABLELM),
+    "starcoder2": ("starcoder2", MODEL_ARCH.STARCODER2),
+    "cohere": ("command-r", MODEL_ARCH.COMMAND_R),
 }
+LAYER_NORM = ("gpt2", "falcon", "gpt-neox", "stablelm", "starcoder2", "cohere")
 NEW_FALCON = ("falcon-new", "falcon-untied")  # the new decoder architecture
 
 
@@ -89,8 +100,8 @@ def convert(name, d, out):
     w.add_feed_forward_length(c.get("intermediate_size") or c.get("n_inner") or c.get("ffn_hidden_size"))
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
-    if name in ("gpt2", "falcon") + NEW_FALCON:
-        w.add_layer_norm_eps(c["layer_norm_epsilon"])
+    if name in LAYER_NORM + NEW_FALCON:
+        w.add_layer_norm_eps(c.get("layer_norm_epsilon") or c.get("layer_norm_eps") or c["norm_epsilon"])
     else:
         w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     if name == "gemma3":
@@ -108,7 +119,12 @@ def convert(name, d, out):
             w.add_final_logit_softcapping(c["final_logit_softcapping"])
     elif "rope_theta" in rope:
         w.add_rope_freq_base(rope["rope_theta"])
-    if name == "mistral" and c.get("sliding_window"):
+    if name in ("gpt-neox", "stablelm"):
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * head_dim))
+        w.add_parallel_residual(c["use_parallel_residual"])
+    if name == "cohere":
+        w.add_logit_scale(c["logit_scale"])
+    if name in ("mistral", "starcoder2") and c.get("sliding_window"):
         w.add_sliding_window(c["sliding_window"])
     if name == "granite":
         # llama.cpp's GraniteModel: the multipliers as keys (the logits are divided by its
@@ -154,11 +170,14 @@ def convert(name, d, out):
             a = np.concatenate([g[:, :rep].reshape(-1, *a.shape[1:]),
                                 g[:, rep].reshape(-1, *a.shape[1:]),
                                 g[:, rep + 1].reshape(-1, *a.shape[1:])])
+        if name == "gpt-neox" and "query_key_value" in hf:
+            g = a.reshape(n_head, 3, head_dim, *a.shape[1:])
+            a = np.concatenate([g[:, i].reshape(-1, *a.shape[1:]) for i in range(3)])
         new = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise SystemExit(f"{name}: no GGUF name for {hf}")
         w.add_tensor(new, np.ascontiguousarray(a))
-    if not tied and "lm_head.weight" not in weights:
+    if not tied and "lm_head.weight" not in weights and "embed_out.weight" not in weights:
         raise SystemExit(f"{name}: untied without lm_head")
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -197,6 +197,7 @@ fn gguf_family(m: &str) -> &str {
         "falcon-new" | "falcon-untied" => "falcon",
         "mistral" => "llama",
         "phi3-longrope" => "phi3",
+        "gpt-neox" => "gpt_neox",
         other => other,
     }
 }

@@ -71,6 +71,15 @@ pub enum Arch {
     /// Granite: Llama with multipliers on the embeddings, the residual branches, the attention
     /// scores and the logits.
     Granite,
+    /// GPT-NeoX (Pythia): fused per-head QKV, partial rotary, parallel residual with two norms.
+    GptNeoX,
+    /// StableLM: LayerNorm, partial rotary, a gated MLP, parallel or sequential residual.
+    StableLm,
+    /// StarCoder2: LayerNorm, biases everywhere, a GELU MLP, a sliding window.
+    Starcoder2,
+    /// Cohere (Command-R): one LayerNorm without bias feeding attention and MLP in parallel,
+    /// interleaved RoPE, scaled logits.
+    Cohere,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -99,6 +108,11 @@ pub struct ModelConfig {
     /// The RoPE base of the sliding-window layers, where it differs (Gemma 3).
     pub rope_theta_local: Option<f64>,
     pub longrope: Option<LongRope>,
+    /// RoPE rotates the first `rotary_dim` dimensions of each head only (GPT-NeoX, StableLM);
+    /// `None`: all of them.
+    pub rotary_dim: Option<usize>,
+    /// RoPE pairs dimensions (2i, 2i + 1) (GPT-J, Cohere) rather than (i, i + rotary_dim / 2).
+    pub rope_interleaved: bool,
     /// The MLP's activation.
     pub hidden_act: Activation,
     /// Attention scale; `None`: `1 / sqrt(head_dim)`.
@@ -320,6 +334,23 @@ impl ModelConfig {
                 );
             }
         }
+        if let Some(r) = c.rotary_dim
+            && (r == 0 || r % 2 == 1 || r > c.head_dim)
+        {
+            bail!(
+                "the rotary dimensions ({r}) must be even, positive and at most head_dim ({})",
+                c.head_dim
+            );
+        }
+        if (c.rotary_dim.is_some() || c.rope_interleaved) && !c.arch.rotary_options() {
+            bail!(
+                "partial or interleaved rotary embeddings are not supported for {}",
+                c.arch.name()
+            );
+        }
+        if c.rotary_dim.is_some() && c.longrope.is_some() {
+            bail!("partial rotary embeddings with longrope scaling are not supported");
+        }
         if let Some(s) = c.logit_scale
             && !(s > 0.0 && s.is_finite())
         {
@@ -404,6 +435,8 @@ impl ModelConfig {
             sliding_layers: Vec::new(),
             rope_theta_local: None,
             longrope: None,
+            rotary_dim: None,
+            rope_interleaved: false,
             hidden_act: match f.str("hidden_act")? {
                 Some(a) => Activation::from_hf(a)?,
                 None => match f.str("hidden_activation")? {

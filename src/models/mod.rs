@@ -10,6 +10,7 @@ pub mod kv_cache;
 pub mod llama;
 pub mod loader;
 pub mod mmap;
+pub mod neox;
 pub mod open;
 pub mod phi3;
 pub mod pooling;
@@ -121,6 +122,21 @@ impl Weight {
                     .map(|r| q.slice_rows(r.clone()))
                     .collect::<Result<_>>()?,
             )?)),
+        }
+    }
+
+    /// The rows in `order` (each row index once, a bias's values likewise): a reordering that
+    /// keeps a block format in its format (its blocks run along the rows).
+    pub fn permute_rows(self, order: &[usize]) -> Result<Weight> {
+        match self {
+            Weight::Dense { t, stored } => {
+                let ranges: Vec<Range<usize>> = order.iter().map(|&r| r..r + 1).collect();
+                Ok(Weight::Dense {
+                    t: t.select_rows(&ranges)?,
+                    stored,
+                })
+            }
+            Weight::Quant(q) => Ok(Weight::Quant(q.select_rows(order)?)),
         }
     }
 

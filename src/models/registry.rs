@@ -14,6 +14,7 @@ use super::gguf::{GgufFile, GgufTensorName};
 use super::gpt2::Gpt2;
 use super::llama::Llama;
 use super::loader::WeightSource;
+use super::neox::NeoX;
 use super::pooling::OutputHead;
 use super::stack::Load;
 use crate::backend::Backend;
@@ -134,6 +135,46 @@ pub static FAMILIES: &[Family] = &[
         gguf_config: super::falcon::gguf_config,
         gguf_tensor_name: super::falcon::gguf_tensor_name,
     },
+    Family {
+        arch: Arch::GptNeoX,
+        name: "gpt_neox",
+        hf_model_types: &["gpt_neox"],
+        gguf_architectures: &["gptneox"],
+        hf_prepare: super::neox::hf_prepare,
+        hf_config: super::neox::hf_config_gpt_neox,
+        gguf_config: super::neox::gguf_config,
+        gguf_tensor_name: super::neox::gguf_tensor_name,
+    },
+    Family {
+        arch: Arch::StableLm,
+        name: "stablelm",
+        hf_model_types: &["stablelm"],
+        gguf_architectures: &["stablelm"],
+        hf_prepare: super::neox::hf_prepare,
+        hf_config: super::neox::hf_config_stablelm,
+        gguf_config: super::neox::gguf_config,
+        gguf_tensor_name: super::neox::gguf_tensor_name,
+    },
+    Family {
+        arch: Arch::Starcoder2,
+        name: "starcoder2",
+        hf_model_types: &["starcoder2"],
+        gguf_architectures: &["starcoder2"],
+        hf_prepare: super::neox::hf_prepare,
+        hf_config: super::neox::hf_config_starcoder2,
+        gguf_config: super::neox::gguf_config,
+        gguf_tensor_name: super::neox::gguf_tensor_name,
+    },
+    Family {
+        arch: Arch::Cohere,
+        name: "cohere",
+        hf_model_types: &["cohere"],
+        gguf_architectures: &["command-r"],
+        hf_prepare: super::neox::hf_prepare,
+        hf_config: super::neox::hf_config_cohere,
+        gguf_config: super::neox::gguf_config,
+        gguf_tensor_name: super::neox::gguf_tensor_name,
+    },
 ];
 
 fn no_renames(_: &mut Value) -> Result<()> {
@@ -150,6 +191,15 @@ impl Arch {
 
     pub fn name(self) -> &'static str {
         self.family().name
+    }
+
+    /// Whether the family's loader reorders Q and K for partial or interleaved RoPE
+    /// ([`super::rope::head_order`]); the others refuse such a config.
+    pub fn rotary_options(self) -> bool {
+        matches!(
+            self,
+            Arch::GptNeoX | Arch::StableLm | Arch::Starcoder2 | Arch::Cohere
+        )
     }
 }
 
@@ -240,6 +290,9 @@ pub fn load_shard<B: Backend>(
         Arch::Gemma3 => Box::new(Gemma3::load(ld, progress)?),
         Arch::Gpt2 => Box::new(Gpt2::load(ld, progress)?),
         Arch::Falcon => Box::new(Falcon::load(ld, progress)?),
+        Arch::GptNeoX | Arch::StableLm | Arch::Starcoder2 | Arch::Cohere => {
+            Box::new(NeoX::load(ld, progress)?)
+        }
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Granite => {
             Box::new(Llama::load(ld, progress)?)
         }

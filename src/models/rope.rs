@@ -1,11 +1,27 @@
 //! Rotate-half RoPE tables (`[max_positions, head_dim / 2]` cos and sin, computed in f64), with
-//! the scalings the families use: Llama 3's frequency bands and Phi-3's `longrope`.
+//! the scalings the families use: Llama 3's frequency bands and Phi-3's `longrope`; and the
+//! order of Q and K rows that makes partial and interleaved RoPE this same rotation.
+//!
+//! NOTE: the one RoPE op pairs dimensions (i, i + D/2) of a head. Partial RoPE (GPT-NeoX,
+//! StableLM: the first `r` dimensions, paired (i, i + r/2)) and interleaved RoPE (GPT-J,
+//! Cohere: pairs (2i, 2i + 1)) are that op after a fixed reordering of each Q and K head's
+//! rows, done once on the weights ([`head_order`]), with cos 1 and sin 0 for the pairs of
+//! dimensions that are not rotated. Q and K get the same order, so their dot products, and
+//! the attention, are unchanged; V is not reordered.
 
+use super::Weight;
 use super::config::ModelConfig;
+use anyhow::Result;
 
-/// Inverse frequencies for base `theta`, with Llama 3's scaling when configured.
+/// The rotated dimensions of a head.
+fn rotary_dim(cfg: &ModelConfig) -> usize {
+    cfg.rotary_dim.unwrap_or(cfg.head_dim)
+}
+
+/// Inverse frequencies of the rotated pairs for base `theta`, with Llama 3's scaling when
+/// configured.
 fn inv_freq(cfg: &ModelConfig, theta: f64) -> Vec<f64> {
-    let d = cfg.head_dim;
+    let d = rotary_dim(cfg);
     (0..d / 2)
         .map(|i| {
             let f = 1.0 / theta.powf(2.0 * i as f64 / d as f64);
@@ -62,6 +78,121 @@ pub fn tables(cfg: &ModelConfig, theta: f64, max_positions: usize) -> (Vec<f32>,
             cos.push((a.cos() * mag) as f32);
             sin.push((a.sin() * mag) as f32);
         }
+        // the pairs past the rotated dimensions stay as they are
+        for _ in freqs.len()..half {
+            cos.push(1.0);
+            sin.push(0.0);
+        }
     }
     (cos, sin)
+}
+
+/// For each row `j` of a Q or K head as the RoPE op reads it, the row of the checkpoint's head
+/// it is taken from; `None` where the two agree (full rotate-half RoPE).
+///
+/// ```text
+///   ours:   [ rotated x_i (i < r/2) | passed | rotated partners | passed ]   (halves of D/2)
+///   NeoX:   x_i pairs with x_{i + r/2}, dimensions r.. are passed
+///   GPT-J:  x_{2i} pairs with x_{2i + 1}, dimensions r.. are passed
+/// ```
+pub fn head_order(cfg: &ModelConfig) -> Option<Vec<usize>> {
+    let (d, r) = (cfg.head_dim, rotary_dim(cfg));
+    if r == d && !cfg.rope_interleaved {
+        return None;
+    }
+    let (half, rh) = (d / 2, r / 2);
+    let pass = d - r; // passed dimensions, split between the two halves
+    let first_pass = half - rh;
+    Some(
+        (0..d)
+            .map(|j| match (j < half, j % half < rh) {
+                (true, true) if cfg.rope_interleaved => 2 * j,
+                (true, true) => j,
+                (false, true) if cfg.rope_interleaved => 2 * (j - half) + 1,
+                (false, true) => rh + (j - half),
+                (true, false) => r + (j - rh),
+                (false, false) => {
+                    debug_assert!(pass >= first_pass);
+                    r + first_pass + (j - half - rh)
+                }
+            })
+            .collect(),
+    )
+}
+
+/// `w` (rows `[heads · D, ..]`: a Q or K projection, its bias or its per-head norm) with each
+/// head's rows in [`head_order`].
+pub fn reorder_heads(w: Weight, heads: usize, cfg: &ModelConfig) -> Result<Weight> {
+    let Some(order) = head_order(cfg) else {
+        return Ok(w);
+    };
+    let d = cfg.head_dim;
+    let rows: Vec<usize> = (0..heads)
+        .flat_map(|h| order.iter().map(move |&j| h * d + j))
+        .collect();
+    w.permute_rows(&rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(d: usize, r: usize, interleaved: bool) -> ModelConfig {
+        let mut c = crate::models::registry::hf_config(&serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 64 / d, "vocab_size": 16,
+        }))
+        .unwrap();
+        c.rotary_dim = (r != d).then_some(r);
+        c.rope_interleaved = interleaved;
+        c
+    }
+
+    /// The reference rotations, written as transformers writes them, against the reordered
+    /// rows through rotate-half tables.
+    #[test]
+    fn reordered_rotate_half_is_partial_and_interleaved_rope() {
+        for (d, r, inter) in [
+            (16, 4, false),
+            (16, 8, false),
+            (16, 16, true),
+            (16, 8, true),
+        ] {
+            let c = cfg(d, r, inter);
+            let order = head_order(&c).unwrap();
+            let mut seen = order.clone();
+            seen.sort();
+            assert_eq!(seen, (0..d).collect::<Vec<_>>(), "a permutation");
+            let (cos, sin) = tables(&c, 10000.0, 8);
+            let x: Vec<f64> = (0..d).map(|i| ((i * 7 + 3) % 11) as f64 - 5.0).collect();
+            for p in 0..8 {
+                // reference: rotate dims < r, pairs by the family's convention
+                let mut want = x.clone();
+                for i in 0..r / 2 {
+                    let a = p as f64 / 10000f64.powf(2.0 * i as f64 / r as f64);
+                    let (i0, i1) = if inter {
+                        (2 * i, 2 * i + 1)
+                    } else {
+                        (i, i + r / 2)
+                    };
+                    want[i0] = x[i0] * a.cos() - x[i1] * a.sin();
+                    want[i1] = x[i1] * a.cos() + x[i0] * a.sin();
+                }
+                // ours: reorder, rotate half with the tables
+                let y: Vec<f64> = order.iter().map(|&s| x[s]).collect();
+                let mut got = vec![0.0; d];
+                for i in 0..d / 2 {
+                    let (c, s) = (cos[p * d / 2 + i] as f64, sin[p * d / 2 + i] as f64);
+                    got[order[i]] = y[i] * c - y[i + d / 2] * s;
+                    got[order[i + d / 2]] = y[i + d / 2] * c + y[i] * s;
+                }
+                for i in 0..d {
+                    assert!(
+                        (got[i] - want[i]).abs() < 1e-5,
+                        "d {d} r {r} {inter} p {p} i {i}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -289,19 +289,30 @@ impl<B: Backend> Head<B> {
         up: &mut Uploader<B>,
         shard: &Shard,
         cfg: &ModelConfig,
+        embed: (bool, &str),
+        out: &OutputHead,
+    ) -> Result<Head<B>> {
+        Head::load_named(up, shard, cfg, "lm_head.weight", embed, out)
+    }
+
+    /// [`Head::load`] for a family whose LM head is named otherwise (GPT-NeoX's `embed_out`).
+    pub fn load_named(
+        up: &mut Uploader<B>,
+        shard: &Shard,
+        cfg: &ModelConfig,
+        head_name: &str,
         (embed, embed_name): (bool, &str),
         out: &OutputHead,
     ) -> Result<Head<B>> {
         let (hid, vocab) = (cfg.hidden_size, cfg.vocab_size);
-        let own = !cfg.tie_word_embeddings && up.has("lm_head.weight")?;
-        let table = if own { "lm_head.weight" } else { embed_name };
+        let own = !cfg.tie_word_embeddings && up.has(head_name)?;
+        let table = if own { head_name } else { embed_name };
         if let Some(h) = Head::task(up, cfg, out, table)? {
             return Ok(h);
         }
         Ok(match own {
             true => {
-                let w =
-                    up.fetch_linear_part("lm_head.weight", &[vocab, hid], &shard.vocab_part())?;
+                let w = up.fetch_linear_part(head_name, &[vocab, hid], &shard.vocab_part())?;
                 Head::Own(up.upload_linear(w)?, shard.vocab.len())
             }
             false if embed => Head::Tied,

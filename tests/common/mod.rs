@@ -20,6 +20,10 @@ pub const TINY_FAMILIES: &[&str] = &[
     "falcon-new",
     "falcon-untied",
     "granite",
+    "gpt-neox",
+    "stablelm",
+    "starcoder2",
+    "cohere",
 ];
 
 /// A model under `$PAGODA_CACHE/models`; fails (never skips) when it is missing.

@@ -109,13 +109,8 @@ impl GgufFile {
         {
             bail!("value head size {vd} differs from key head size {head_dim}: not supported");
         }
-        if let Some(rd) = opt_usize(&format!("{a}.rope.dimension_count"))?
-            && rd != head_dim
-        {
-            bail!(
-                "partial rotary embeddings (rope.dimension_count {rd}, head_dim {head_dim}) are not supported"
-            );
-        }
+        let rotary_dim =
+            opt_usize(&format!("{a}.rope.dimension_count"))?.filter(|&r| r != head_dim);
         let rope_theta = opt_f64(&format!("{a}.rope.freq_base"))?.unwrap_or(10000.0);
         let vocab_size = match self.metadata.get("tokenizer.ggml.tokens") {
             Some(v) => v
@@ -158,6 +153,8 @@ impl GgufFile {
             sliding_layers: Vec::new(),
             rope_theta_local: None,
             longrope: None,
+            rotary_dim,
+            rope_interleaved: false,
             hidden_act: crate::backend::Activation::Silu,
             attn_scale: None,
             attn_logit_softcap: None,

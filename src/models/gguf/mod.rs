@@ -1003,6 +1003,8 @@ mod tests {
             sliding_layers: Vec::new(),
             rope_theta_local: None,
             longrope: None,
+            rotary_dim: None,
+            rope_interleaved: false,
             hidden_act: crate::backend::Activation::Silu,
             attn_scale: None,
             attn_logit_softcap: None,
