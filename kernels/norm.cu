@@ -54,18 +54,22 @@ extern "C" __global__ void layer_norm_f32(const float* x, const float* w, const 
     for (u32 i = threadIdx.x; i < dim; i += blockDim.x) o[i] = (xr[i] - mean) * inv * w[i] + b[i];
 }
 
-// Per-head RMSNorm of the q and k heads of fused QKV rows ([q: H x D | k: Hkv x D | v: Hkv x D]),
-// in place (Qwen3, Gemma 3). grid = (rows, H + Hkv); q heads are scaled by qw, k heads by kw.
-extern "C" __global__ void qk_norm_f32(float* qkv, const float* qw, const float* kw, u32 num_heads, u32 head_dim,
-                                       u32 row_len, float eps) {
+// RMSNorm of the q and k parts of fused QKV rows ([q: H x D | k: Hkv x D | v: Hkv x D]), in place,
+// in spans: q_spans spans of q_span values (each head: Qwen3, Gemma 3; all of q: OLMo 2) scaled by
+// qw, then spans of k_span values of k scaled by kw. grid = (rows, q spans + k spans).
+extern "C" __global__ void qk_norm_f32(float* qkv, const float* qw, const float* kw, u32 q_spans, u32 q_span,
+                                       u32 k_span, u32 row_len, float eps) {
     __shared__ float scratch[32];
-    const u32 h = blockIdx.y;
-    float* x = qkv + (u64)blockIdx.x * row_len + (u64)h * head_dim;
-    const float* w = h < num_heads ? qw : kw;
+    const u32 s = blockIdx.y;
+    const bool is_q = s < q_spans;
+    const u32 n = is_q ? q_span : k_span;
+    const u64 start = is_q ? (u64)s * q_span : (u64)q_spans * q_span + (u64)(s - q_spans) * k_span;
+    float* x = qkv + (u64)blockIdx.x * row_len + start;
+    const float* w = is_q ? qw : kw;
     float ss = 0.0f;
-    for (u32 i = threadIdx.x; i < head_dim; i += blockDim.x) ss += x[i] * x[i];
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
     ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
     // NOTE: each thread rewrites only the elements it read itself.
-    for (u32 i = threadIdx.x; i < head_dim; i += blockDim.x) x[i] = x[i] * inv * w[i];
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) x[i] = x[i] * inv * w[i];
 }

@@ -3,7 +3,8 @@
 
 Writes tests/data/tiny/<name>/ (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json) for mistral, qwen3, gemma3, phi3, phi3-longrope, gpt2,
-falcon, falcon-new, falcon-untied, granite, gpt-neox, stablelm, starcoder2, cohere, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
+falcon, falcon-new, falcon-untied, granite, gpt-neox, stablelm, starcoder2, cohere,
+gpt-bigcode, gptj, olmo2, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
 
 usage: make-tiny-models.py [--out tests/data/tiny] [--only NAME ...]
 
@@ -201,6 +202,26 @@ def specs(ids):
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, layer_norm_eps=1e-5,
             logit_scale=0.25, use_qk_norm=False, tie_word_embeddings=True, **common), 1400,
             {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"model.norm.": 1.0})}),
+        # StarCoder's layout: GPT-2 with one KV head and Linear weights
+        "gpt-bigcode": ("gpt_bigcode", dict(
+            n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=256, multi_query=True,
+            activation_function="gelu_pytorch_tanh", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, **common), 1500,
+            {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"ln_f.": 1.0})}),
+        # GPT-J: attention and MLP in parallel off one LayerNorm, interleaved RoPE over part of
+        # each head, an output head with a bias
+        "gptj": ("gptj", dict(
+            n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=256, rotary_dim=8,
+            activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, tie_word_embeddings=False, **common), 1600,
+            {"init": dict(emb_std=0.6, head_std=1.2, w_std=0.4, norm_offset={"ln_f.": 1.0})}),
+        # OLMo 2: norms after attention and MLP (none before), RMSNorm of all of Q and of K
+        "olmo2": ("olmo2", dict(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6,
+            attention_bias=False, tie_word_embeddings=False, **common), 1700,
+            {"init": dict(emb_std=0.6, head_std=1.2, norm_offset={"model.norm.": 1.0})}),
         # Falcon-40B's layout with its own output head
         "falcon-untied": ("falcon", dict(
             hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_kv_heads=2,
@@ -311,10 +332,11 @@ def not_trivial(gen):
 def summary(cfg, name, seed):
     d = cfg.to_dict()
     mt = d["model_type"]
-    if mt == "gpt2":
+    if mt in ("gpt2", "gpt_bigcode", "gptj"):
         s = dict(layers=d["n_layer"], hidden=d["n_embd"], heads=d["n_head"], kv_heads=d["n_head"],
                  head_dim=d["n_embd"] // d["n_head"], intermediate=d["n_inner"], window=None,
-                 positions="learned (wpe), n_positions=%d" % d["n_positions"], act=d["activation_function"])
+                 kv_heads_multi_query=1 if d.get("multi_query") else None, rotary_dim=d.get("rotary_dim"),
+                 positions=("rotary" if mt == "gptj" else "learned (wpe)") + ", n_positions=%d" % d["n_positions"], act=d["activation_function"])
     elif mt == "falcon":
         kv = d["num_kv_heads"] if (d["new_decoder_architecture"] or not d["multi_query"]) else 1
         s = dict(layers=d["num_hidden_layers"], hidden=d["hidden_size"], heads=d["num_attention_heads"],

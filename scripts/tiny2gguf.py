@@ -17,6 +17,8 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
 - gpt-neox: the per-head fused QKV rows (weight and bias) reordered to [q | k | v]; the rotated
   dimensions and the parallel residual as keys (stablelm too);
 - cohere (command-r): `logit_scale` as a key;
+- gpt-bigcode (starcoder): one KV head with multi_query; gptj: the rotated dimensions as a key
+  (llama.cpp's converter has no GPT-J class; the names and keys are the gguf package's);
 - starcoder2: llama.cpp's converter writes no window; the window is written here as
   `starcoder2.attention.sliding_window` (the key llama.cpp reads for every family), so that the
   tiny model's long prompt means the same thing.
@@ -46,8 +48,11 @@ ARCH = {  # tiny model -> (GGUF architecture name, MODEL_ARCH)
     "stablelm": ("stablelm", MODEL_ARCH.STABLELM),
     "starcoder2": ("starcoder2", MODEL_ARCH.STARCODER2),
     "cohere": ("command-r", MODEL_ARCH.COMMAND_R),
+    "gpt-bigcode": ("starcoder", MODEL_ARCH.STARCODER),
+    "gptj": ("gptj", MODEL_ARCH.GPTJ),
+    "olmo2": ("olmo2", MODEL_ARCH.OLMO2),
 }
-LAYER_NORM = ("gpt2", "falcon", "gpt-neox", "stablelm", "starcoder2", "cohere")
+LAYER_NORM = ("gpt2", "falcon", "gpt-neox", "stablelm", "starcoder2", "cohere", "gpt-bigcode", "gptj")
 NEW_FALCON = ("falcon-new", "falcon-untied")  # the new decoder architecture
 
 
@@ -90,6 +95,8 @@ def convert(name, d, out):
         n_kv = 1 if c["multi_query"] and not c["new_decoder_architecture"] else n_head
     elif name in NEW_FALCON:
         n_kv = c["num_kv_heads"]
+    elif name == "gpt-bigcode":
+        n_kv = 1 if c["multi_query"] else n_head
     else:
         n_kv = c.get("num_key_value_heads", n_head)
     rope = c.get("rope_parameters") or {}
@@ -122,6 +129,8 @@ def convert(name, d, out):
     if name in ("gpt-neox", "stablelm"):
         w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * head_dim))
         w.add_parallel_residual(c["use_parallel_residual"])
+    if name == "gptj":
+        w.add_rope_dimension_count(c["rotary_dim"])
     if name == "cohere":
         w.add_logit_scale(c["logit_scale"])
     if name in ("mistral", "starcoder2") and c.get("sliding_window"):

@@ -1,11 +1,13 @@
-// Per-head RMSNorm of the q and k heads of fused QKV rows ([q: H x D | k: Hkv x D | v: Hkv x D]),
-// in place: one workgroup per (row, head), q heads scaled by qw, k heads by kw; v untouched.
+// RMSNorm of the q and k parts of fused QKV rows ([q: H x D | k: Hkv x D | v: Hkv x D]), in place,
+// in spans (each head: Qwen3, Gemma 3; all of q and all of k: OLMo 2): one workgroup per
+// (row, span), q spans scaled by qw, k spans by kw; v untouched.
 struct Params {
     rows: u32,
-    heads: u32,     // H + Hkv: the heads that are normalised
-    num_heads: u32, // H: heads below this are q heads
-    head_dim: u32,
-    stride: u32,    // elements per QKV row
+    spans: u32,   // q spans + k spans: the spans that are normalised
+    q_spans: u32, // spans below this are q spans
+    q_span: u32,  // values in a q span
+    k_span: u32,  // values in a k span
+    stride: u32,  // elements per QKV row
     eps: f32,
 }
 
@@ -20,14 +22,20 @@ var<workgroup> part: array<f32, 64>;
 fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>) {
     let g = wid.y * nwg.x + wid.x;
-    if (g >= p.rows * p.heads) {
+    if (g >= p.rows * p.spans) {
         return;
     }
-    let t = g / p.heads;
-    let h = g % p.heads;
-    let base = t * p.stride + h * p.head_dim;
+    let t = g / p.spans;
+    let h = g % p.spans;
+    let is_q = h < p.q_spans;
+    var n = p.k_span;
+    var base = t * p.stride + p.q_spans * p.q_span + (h - p.q_spans) * p.k_span;
+    if (is_q) {
+        n = p.q_span;
+        base = t * p.stride + h * p.q_span;
+    }
     var ss = 0.0;
-    for (var i = lid.x; i < p.head_dim; i += 64u) {
+    for (var i = lid.x; i < n; i += 64u) {
         let v = qkv[base + i];
         ss = fma(v, v, ss);
     }
@@ -38,10 +46,10 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     for (var j = 0u; j < 64u; j++) {
         total += part[j];
     }
-    let inv = 1.0 / sqrt(total / f32(p.head_dim) + p.eps);
-    for (var i = lid.x; i < p.head_dim; i += 64u) {
+    let inv = 1.0 / sqrt(total / f32(n) + p.eps);
+    for (var i = lid.x; i < n; i += 64u) {
         var w = kw[i];
-        if (h < p.num_heads) {
+        if (is_q) {
             w = qw[i];
         }
         qkv[base + i] = qkv[base + i] * inv * w;

@@ -198,6 +198,7 @@ fn gguf_family(m: &str) -> &str {
         "mistral" => "llama",
         "phi3-longrope" => "phi3",
         "gpt-neox" => "gpt_neox",
+        "gpt-bigcode" => "gpt_bigcode",
         other => other,
     }
 }

@@ -91,10 +91,17 @@ pub fn layer_norm(x: usize, w: usize, b: usize, rows: usize, dim: usize, out: us
 }
 
 /// `qk_norm`: `rows` rows of `qkv`, weights of one head's length.
-pub fn qk_norm(qkv: usize, q_w: usize, k_w: usize, rows: usize, layout: QkvLayout) -> Result<()> {
-    let d = layout.head_dim;
+pub fn qk_norm(
+    qkv: usize,
+    q_w: usize,
+    k_w: usize,
+    rows: usize,
+    layout: QkvLayout,
+    span: super::QkNormSpan,
+) -> Result<()> {
+    let (_, qs, _, ks) = span.spans(layout);
     ensure!(
-        qkv >= rows * layout.row_len() && q_w == d && k_w == d,
+        qkv >= rows * layout.row_len() && q_w == qs && k_w == ks,
         "qk_norm: bad sizes"
     );
     Ok(())

@@ -111,6 +111,26 @@ impl QkvLayout {
     }
 }
 
+/// What [`Backend::qk_norm`] normalises as one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNormSpan {
+    /// Each head (Qwen3, Gemma 3).
+    Head,
+    /// All of q, and all of k (OLMo 2).
+    All,
+}
+
+impl QkNormSpan {
+    /// The spans of a row: (q spans, values in a q span, k spans, values in a k span).
+    pub fn spans(self, l: QkvLayout) -> (usize, usize, usize, usize) {
+        let d = l.head_dim;
+        match self {
+            QkNormSpan::Head => (l.num_heads, d, l.num_kv_heads, d),
+            QkNormSpan::All => (1, l.num_heads * d, 1, l.num_kv_heads * d),
+        }
+    }
+}
+
 /// What a model asks of attention besides Q, K and V; a new option is a field here.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionOptions {
@@ -516,9 +536,10 @@ pub trait Backend: Send + Sync + 'static {
     /// `x += y` over the first `n` elements.
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize) -> Result<()>;
 
-    /// Per-head RMSNorm of the q and k heads of the fused QKV rows, in place (Qwen3, Gemma 3):
-    /// every `head_dim`-long q head is normalised and multiplied by `q_w`, every k head by
-    /// `k_w` (both `[head_dim]`); v is left as it is.
+    /// RMSNorm of the q and k parts of the fused QKV rows, in place, in spans ([`QkNormSpan`]):
+    /// each q head (Qwen3, Gemma 3) or all of q (OLMo 2) is normalised and multiplied by `q_w`
+    /// (`[head_dim]` or `[H head_dim]`), k likewise by `k_w`; v is left as it is.
+    #[allow(clippy::too_many_arguments)]
     fn qk_norm(
         &self,
         qkv: &mut Self::Buf,
@@ -526,6 +547,7 @@ pub trait Backend: Send + Sync + 'static {
         k_w: &Self::Buf,
         rows: usize,
         layout: QkvLayout,
+        span: QkNormSpan,
         eps: f32,
     ) -> Result<()>;
 

@@ -169,6 +169,7 @@ macro_rules! stub_backend_impl {
                 k_w: &Self::Buf,
                 rows: usize,
                 layout: crate::backend::QkvLayout,
+                span: crate::backend::QkNormSpan,
                 eps: f32,
             ) -> Result<()> {
                 match self.0 {}

@@ -71,6 +71,13 @@ pub enum Arch {
     /// Granite: Llama with multipliers on the embeddings, the residual branches, the attention
     /// scores and the logits.
     Granite,
+    /// GPT-BigCode (StarCoder): GPT-2 with multi-query attention and `Linear` weights.
+    GptBigCode,
+    /// GPT-J: attention and MLP in parallel off one LayerNorm, interleaved partial RoPE, an
+    /// output head with a bias.
+    GptJ,
+    /// OLMo 2: norms after attention and MLP, RMSNorm of all of Q and of K.
+    Olmo2,
     /// GPT-NeoX (Pythia): fused per-head QKV, partial rotary, parallel residual with two norms.
     GptNeoX,
     /// StableLM: LayerNorm, partial rotary, a gated MLP, parallel or sequential residual.

@@ -14,7 +14,7 @@ use super::shard::Head;
 use super::shard::Lin::File;
 use super::stack::{Family, Load, Stack};
 use super::{Norm, Uploader, attend};
-use crate::backend::{Backend, DeviceBatch};
+use crate::backend::{Backend, DeviceBatch, QkNormSpan};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
@@ -325,7 +325,7 @@ impl<B: Backend> Family<B> for Gemma3<B> {
                 None => &self.rope_global,
             };
             backend.matmul(&h, &w.wqkv, None, t, hid, ql.row_len(), &mut qkv)?;
-            backend.qk_norm(&mut qkv, &w.q_norm, &w.k_norm, t, ql, eps)?;
+            backend.qk_norm(&mut qkv, &w.q_norm, &w.k_norm, t, ql, QkNormSpan::Head, eps)?;
             attend(
                 backend,
                 kv,

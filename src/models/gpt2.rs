@@ -1,6 +1,8 @@
 //! GPT-2 (`gpt2`): learned position embeddings, LayerNorm with bias before attention and MLP,
 //! a plain MLP with GELU (tanh), biases on every projection, no RoPE; `Conv1D` weights are
-//! stored `[in, out]` and transposed once at load.
+//! stored `[in, out]` and transposed once at load. GPT-BigCode (`gpt_bigcode`, StarCoder and
+//! SantaCoder) is the same graph with multi-query attention (one KV head) and `Linear` weights
+//! (`[out, in]`), tied or not.
 //!
 //! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = heads, D = head_dim,
 //! F = inner size (4 × hidden by default).
@@ -58,6 +60,30 @@ pub fn hf_config(_v: &Value, _c: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// GPT-BigCode: GPT-2's names, one KV head with `multi_query` (its default).
+pub fn hf_prepare_bigcode(v: &mut Value) -> Result<()> {
+    let multi_query = Fields::top(v).bool("multi_query")?.unwrap_or(true);
+    hf_prepare(v)?;
+    if multi_query {
+        v["num_key_value_heads"] = 1.into();
+    }
+    Ok(())
+}
+
+/// GPT-BigCode: `Linear` weights; without multi-query, its fused QKV rows are per head.
+pub fn hf_config_bigcode(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    let multi_query = Fields::top(v).bool("multi_query")?.unwrap_or(true);
+    c.extra = serde_json::json!({ "linear": true, "qkv_per_head": !multi_query });
+    Ok(())
+}
+
+/// llama.cpp's `starcoder` files: GPT-2's keys, `Linear` weights, `[q | k | v]` rows.
+pub fn gguf_config_bigcode(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> {
+    gguf_config(g, arch, c)?;
+    c.extra = serde_json::json!({ "linear": true, "qkv_per_head": false });
+    Ok(())
+}
+
 /// llama.cpp's `gpt2` files: LayerNorm epsilon, GELU (tanh); `Conv1D` weights stored
 /// `[out, in]` (transposed back to HF's `[in, out]` on load).
 pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> {
@@ -76,7 +102,18 @@ pub fn layer_norm_eps(g: &GgufFile, arch: &str) -> Result<f64> {
 }
 
 pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
-    let t = Some(GgufFix::Transpose);
+    names(hf, Some(GgufFix::Transpose))
+}
+
+/// GPT-BigCode's: GPT-2's names, weights as they are, its own head where untied.
+pub fn gguf_tensor_name_bigcode(hf: &str) -> Option<GgufTensorName> {
+    match hf {
+        "lm_head.weight" => Some(("output.weight".into(), None)),
+        _ => names(hf, None),
+    }
+}
+
+fn names(hf: &str, t: Option<GgufFix>) -> Option<GgufTensorName> {
     map_name(
         hf,
         &[
@@ -111,8 +148,8 @@ pub fn transpose(t: HostTensor) -> HostTensor {
 
 struct Layer<B: Backend> {
     ln_1: Norm<B>,          // LayerNorm [hidden]
-    w_qkv: B::Buf,          // [3 H D, hidden] (this rank's heads)
-    b_qkv: B::Buf,          // [3 H D]
+    w_qkv: B::Buf,          // [(H + 2 Hkv) D, hidden] (this rank's heads)
+    b_qkv: B::Buf,          // [(H + 2 Hkv) D]
     w_o: B::Buf,            // [hidden, H D]
     b_o: Option<B::Buf>,    // [hidden]; on tensor rank 0 only (added once to the sum)
     ln_2: Norm<B>,          // LayerNorm [hidden]
@@ -134,7 +171,9 @@ impl<B: Backend> Gpt2<B> {
         let (c, _backend, max_positions) = (ld.cfg, ld.backend, ld.max_positions);
         let (hid, f) = (c.hidden_size, c.intermediate_size);
         let q = c.num_heads * c.head_dim;
-        if q != hid || c.num_kv_heads != c.num_heads {
+        let linear = c.extra["linear"].as_bool().unwrap_or(false);
+        let rows = q + 2 * c.num_kv_heads * c.head_dim;
+        if q != hid || (c.num_kv_heads != c.num_heads && !(linear && c.num_kv_heads == 1)) {
             bail!("GPT-2 needs n_head × head_dim = n_embd and no grouped KV");
         }
         if max_positions > c.max_position_embeddings {
@@ -143,13 +182,13 @@ impl<B: Backend> Gpt2<B> {
                 c.max_position_embeddings
             );
         }
-        if !c.tie_word_embeddings {
+        if !c.tie_word_embeddings && !linear {
             bail!("GPT-2 with an untied lm_head is not supported");
         }
         let (sh, mut up, total) = ld.start()?;
         let place = ld.place;
-        // NOTE: wte is the head too: the first and the last stage have it.
-        let wte = match place.first_stage() || place.last_stage() {
+        // NOTE: where tied, wte is the head too: the first and the last stage have it.
+        let wte = match place.first_stage() || (c.tie_word_embeddings && place.last_stage()) {
             true => Some(sh.vocab_table(&mut up, "transformer.wte.weight", hid, c.vocab_size)?),
             false => None,
         };
@@ -164,9 +203,18 @@ impl<B: Backend> Gpt2<B> {
                 up.weight(&format!("{name}.bias"), &[hid], DType::F32)?,
             ))
         };
-        // a Conv1D weight `[in, out]`, as `[out, in]`
+        // a Conv1D weight `[in, out]`, as `[out, in]` (a Linear one is that already)
         let conv = |up: &Uploader<B>, name: &str, i: usize, o: usize| -> Result<Weight> {
-            up.fetch_linear(name, &[i, o])?.map_dense(transpose)
+            match linear {
+                true => up.fetch_linear(name, &[o, i]),
+                false => up.fetch_linear(name, &[i, o])?.map_dense(transpose),
+            }
+        };
+        let per_head = c.extra["qkv_per_head"].as_bool().unwrap_or(false);
+        let order = super::qkv_rows(c.num_heads, c.head_dim, per_head, None);
+        let qkv = |w: Weight| match per_head {
+            true => w.permute_rows(&order),
+            false => Ok(w),
         };
         let bias = |up: &Uploader<B>, name: &str, n: usize| -> Result<Weight> {
             Ok(Weight::dense(up.fetch(name, &[n])?, DType::F32))
@@ -177,10 +225,11 @@ impl<B: Backend> Gpt2<B> {
         for l in place.layers.clone() {
             let n = |s: &str| format!("transformer.h.{l}.{s}");
             // NOTE: the Conv1D weights are stored transposed: read whole, then cut.
-            let b_qkv = sh.qkv_fused(&up, Have(bias(&up, &n("attn.c_attn.bias"), 3 * q)?))?;
+            let b_qkv = qkv(bias(&up, &n("attn.c_attn.bias"), rows)?)?;
+            let b_qkv = sh.qkv_fused(&up, Have(b_qkv))?;
             let b_fc = sh.ffn_rows(&up, Have(bias(&up, &n("mlp.c_fc.bias"), f)?))?;
-            let w_qkv =
-                sh.qkv_fused(&up, Have(conv(&up, &n("attn.c_attn.weight"), hid, 3 * q)?))?;
+            let w_qkv = qkv(conv(&up, &n("attn.c_attn.weight"), hid, rows)?)?;
+            let w_qkv = sh.qkv_fused(&up, Have(w_qkv))?;
             let w_o = sh.o_proj(&up, Have(conv(&up, &n("attn.c_proj.weight"), q, hid)?))?;
             let w_fc = sh.ffn_rows(&up, Have(conv(&up, &n("mlp.c_fc.weight"), hid, f)?))?;
             let w_proj = sh.down(&up, Have(conv(&up, &n("mlp.c_proj.weight"), f, hid)?))?;
@@ -227,7 +276,7 @@ impl<B: Backend> Family<B> for Gpt2<B> {
         let (c, tp, t) = (&s.cfg, &s.place.tp, batch.host.num_tokens());
         let (hid, f, ql, eps) = s.sizes();
         let mut h = backend.alloc_scratch_f32(t * hid)?; // [T, hidden]
-        let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, 3 H D] of this rank
+        let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
         let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
         let mut u = backend.alloc_scratch_f32(t * f)?; // [T, F]
         let mut o = backend.alloc_scratch_f32(t * hid)?; // [T, hidden]

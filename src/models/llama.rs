@@ -13,7 +13,7 @@ use super::shard::Lin::File;
 use super::shard::{Head, Lin};
 use super::stack::{Family, Load, Stack};
 use super::{Norm, attend};
-use crate::backend::{Backend, DeviceBatch};
+use crate::backend::{Backend, DeviceBatch, QkNormSpan};
 use crate::tensor::DType;
 use anyhow::{Result, bail};
 use serde_json::Value;
@@ -298,7 +298,7 @@ impl<B: Backend> Family<B> for Llama<B> {
             let l = s.place.layers.start + j;
             backend.matmul(&h, &w.wqkv, w.bqkv.as_ref(), t, hid, ql.row_len(), &mut qkv)?;
             if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-                backend.qk_norm(&mut qkv, qn, kn, t, ql, eps)?;
+                backend.qk_norm(&mut qkv, qn, kn, t, ql, QkNormSpan::Head, eps)?;
             }
             attend(
                 backend,

@@ -11,6 +11,7 @@ pub mod llama;
 pub mod loader;
 pub mod mmap;
 pub mod neox;
+pub mod olmo2;
 pub mod open;
 pub mod phi3;
 pub mod pooling;
@@ -445,6 +446,22 @@ impl<'a, B: Backend> Uploader<'a, B> {
     }
 }
 
+/// The rows of a fused QKV projection of `h` heads of `d` rows each (Q, K and V alike) in our
+/// order `[q | k | v]`: for each of ours, the checkpoint's row. `per_head`: the checkpoint
+/// holds q, k, v of head 0, then of head 1, ... (GPT-NeoX, GPT-BigCode without multi-query);
+/// else `[q | k | v]` already. `qk_order`: each Q and K head's rows reordered so (RoPE's
+/// order, `rope::head_order`).
+pub fn qkv_rows(h: usize, d: usize, per_head: bool, qk_order: Option<&[usize]>) -> Vec<usize> {
+    (0..3 * h)
+        .flat_map(|dst| {
+            let (part, head) = (dst / h, dst % h);
+            let src = if per_head { head * 3 + part } else { dst };
+            let order = qk_order.filter(|_| part < 2);
+            (0..d).map(move |j| src * d + order.map_or(j, |o| o[j]))
+        })
+        .collect()
+}
+
 /// Concatenates tensors along their first dimension (fused projections).
 pub fn stack(parts: Vec<HostTensor>) -> HostTensor {
     let mut shape = parts[0].shape.clone();
@@ -545,7 +562,8 @@ pub fn final_rows<B: Backend>(
 /// The logits `[R, vocab]` of the rows in `batch.logits_rows`: only those rows of the residual
 /// stream `x` `[T, hidden]` go through the final norm ([`final_rows`]) and the head
 /// `[vocab, hidden]`; an LM head's (`lm`) are scaled and soft-capped where the config says.
-/// `vocab`: the head's rows (a shard's, under tensor parallelism; the labels of a classifier).
+/// `vocab`: the head's rows (a shard's, under tensor parallelism; the labels of a classifier);
+/// `head`: its weights `[vocab, hidden]` and bias `[vocab]` where it has one.
 #[allow(clippy::too_many_arguments)]
 pub fn final_logits<B: Backend>(
     backend: &B,
@@ -553,14 +571,14 @@ pub fn final_logits<B: Backend>(
     x: &B::Buf,
     batch: &DeviceBatch<B>,
     norm: &Norm<B>,
-    head: &B::Buf,
+    (head, bias): (&B::Buf, Option<&B::Buf>),
     vocab: usize,
     lm: bool,
 ) -> Result<B::Buf> {
     let (r, hid) = (batch.host.logits_rows.len(), cfg.hidden_size);
     let xn = final_rows(backend, cfg, x, batch, norm)?;
     let mut logits = backend.alloc_scratch_f32(r * vocab)?; // [R, vocab]
-    backend.matmul(&xn, head, None, r, hid, vocab, &mut logits)?;
+    backend.matmul(&xn, head, bias, r, hid, vocab, &mut logits)?;
     if let Some(s) = cfg.logit_scale.filter(|_| lm) {
         backend.scale(&mut logits, s as f32, r * vocab)?;
     }

@@ -67,31 +67,33 @@ fn hf_rotary(v: &Value, c: &mut ModelConfig, default: f64) -> Result<()> {
     Ok(())
 }
 
-/// The layer's shape, kept in `extra`.
-#[allow(clippy::too_many_arguments)]
-fn shape(
-    c: &mut ModelConfig,
-    gpt_neox_names: bool,
-    gated: bool,
+/// The layer's shape, kept in `extra` for the model: the checkpoint's names ([`Names`]), the
+/// residual form, which biases there are.
+#[derive(Default)]
+struct Shape {
+    names: &'static str,
     parallel: bool,
     two_norms: bool,
     qkv_bias: bool,
     o_bias: bool,
     mlp_bias: bool,
     norm_bias: bool,
-) {
-    c.extra = json!({
-        "gpt_neox_names": gpt_neox_names,
-        "gated": gated,
-        "parallel": parallel,
-        "two_norms": two_norms,
-        "qkv_bias": qkv_bias,
-        "o_bias": o_bias,
-        "mlp_bias": mlp_bias,
-        "norm_bias": norm_bias,
-        // GPT-NeoX's fused QKV: per head q, k, v in HF files; [q | k | v] in GGUF ones
-        "qkv_per_head": gpt_neox_names,
-    });
+}
+
+impl Shape {
+    fn set(self, c: &mut ModelConfig) {
+        c.extra = json!({
+            "names": self.names,
+            "parallel": self.parallel,
+            "two_norms": self.two_norms,
+            "qkv_bias": self.qkv_bias,
+            "o_bias": self.o_bias,
+            "mlp_bias": self.mlp_bias,
+            "norm_bias": self.norm_bias,
+            // GPT-NeoX's fused QKV: per head q, k, v in HF files; [q | k | v] in GGUF ones
+            "qkv_per_head": self.names == "gpt_neox",
+        });
+    }
 }
 
 /// `model_type: gpt_neox`.
@@ -101,9 +103,17 @@ pub fn hf_config_gpt_neox(v: &Value, c: &mut ModelConfig) -> Result<()> {
     if c.num_kv_heads != c.num_heads {
         bail!("gpt_neox has one KV head per query head");
     }
-    let parallel = f.bool("use_parallel_residual")?.unwrap_or(true);
     let bias = f.bool("attention_bias")?.unwrap_or(true);
-    shape(c, true, false, parallel, true, bias, bias, true, true);
+    Shape {
+        names: "gpt_neox",
+        parallel: f.bool("use_parallel_residual")?.unwrap_or(true),
+        two_norms: true,
+        qkv_bias: bias,
+        o_bias: bias,
+        mlp_bias: true,
+        norm_bias: true,
+    }
+    .set(c);
     Ok(())
 }
 
@@ -115,10 +125,15 @@ pub fn hf_config_stablelm(v: &Value, c: &mut ModelConfig) -> Result<()> {
     }
     hf_rotary(v, c, 0.25)?;
     let parallel = f.bool("use_parallel_residual")?.unwrap_or(false);
-    let qkv_bias = f.bool("use_qkv_bias")?.unwrap_or(false);
-    shape(
-        c, false, true, parallel, !parallel, qkv_bias, false, false, true,
-    );
+    Shape {
+        names: "model",
+        parallel,
+        two_norms: !parallel,
+        qkv_bias: f.bool("use_qkv_bias")?.unwrap_or(false),
+        norm_bias: true,
+        ..Shape::default()
+    }
+    .set(c);
     Ok(())
 }
 
@@ -126,7 +141,16 @@ pub fn hf_config_stablelm(v: &Value, c: &mut ModelConfig) -> Result<()> {
 pub fn hf_config_starcoder2(v: &Value, c: &mut ModelConfig) -> Result<()> {
     let bias = Fields::top(v).bool("use_bias")?.unwrap_or(true);
     c.sliding_window = super::llama::hf_sliding_window(v)?;
-    shape(c, false, false, false, true, bias, bias, bias, true);
+    Shape {
+        names: "starcoder2",
+        parallel: false,
+        two_norms: true,
+        qkv_bias: bias,
+        o_bias: bias,
+        mlp_bias: bias,
+        norm_bias: true,
+    }
+    .set(c);
     Ok(())
 }
 
@@ -139,7 +163,40 @@ pub fn hf_config_cohere(v: &Value, c: &mut ModelConfig) -> Result<()> {
     c.rope_interleaved = true;
     c.logit_scale = Some(f.f64("logit_scale")?.unwrap_or(0.0625));
     let bias = f.bool("attention_bias")?.unwrap_or(false);
-    shape(c, false, true, true, false, bias, bias, false, false);
+    Shape {
+        names: "model",
+        parallel: true,
+        qkv_bias: bias,
+        o_bias: bias,
+        ..Shape::default()
+    }
+    .set(c);
+    Ok(())
+}
+
+/// GPT-J's config names the common fields as GPT-2's does; its head is untied by default.
+pub fn hf_prepare_gptj(v: &mut Value) -> Result<()> {
+    if v["tie_word_embeddings"].is_null() {
+        v["tie_word_embeddings"] = false.into();
+    }
+    super::gpt2::hf_prepare(v)
+}
+
+/// `model_type: gptj`: interleaved RoPE over the first `rotary_dim` dimensions of each head
+/// (all of them where it is null).
+pub fn hf_config_gptj(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    c.rope_interleaved = true;
+    c.rotary_dim = Fields::top(v)
+        .usize("rotary_dim")?
+        .filter(|&r| r != c.head_dim);
+    Shape {
+        names: "gptj",
+        parallel: true,
+        mlp_bias: true,
+        norm_bias: true,
+        ..Shape::default()
+    }
+    .set(c);
     Ok(())
 }
 
@@ -152,30 +209,38 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
         Some(v) => v
             .as_bool()
             .with_context(|| format!("metadata '{arch}.use_parallel_residual' is not a bool"))?,
-        None => matches!(arch, "gptneox" | "command-r"),
+        None => matches!(arch, "gptneox" | "command-r" | "gptj"),
     };
-    let q_bias = has("attn_q.bias") || has("attn_qkv.bias");
-    let (o_bias, mlp_bias) = (has("attn_output.bias"), has("ffn_up.bias"));
-    let (norm_bias, two_norms) = (has("attn_norm.bias"), has("ffn_norm.weight"));
-    let gated = has("ffn_gate.weight");
-    let neox = arch == "gptneox";
+    let two_norms = has("ffn_norm.weight");
     if !parallel && !two_norms {
         bail!(
             "a sequential {arch} layer needs its MLP norm, but the file has no blk.0.ffn_norm.weight"
         );
     }
-    shape(
-        c, neox, gated, parallel, two_norms, q_bias, o_bias, mlp_bias, norm_bias,
-    );
+    Shape {
+        names: match arch {
+            "gptneox" => "gpt_neox",
+            "starcoder2" => "starcoder2",
+            "gptj" => "gptj",
+            _ => "model",
+        },
+        parallel,
+        two_norms,
+        qkv_bias: has("attn_q.bias") || has("attn_qkv.bias"),
+        o_bias: has("attn_output.bias"),
+        mlp_bias: has("ffn_up.bias"),
+        norm_bias: has("attn_norm.bias"),
+    }
+    .set(c);
     c.extra["qkv_per_head"] = false.into();
     c.hidden_act = match arch {
         // NOTE: Pythia's "gelu" is the exact one (llama.cpp computes the tanh approximation)
         "gptneox" => Activation::Gelu,
-        "starcoder2" => Activation::GeluTanh,
+        "starcoder2" | "gptj" => Activation::GeluTanh,
         _ => Activation::Silu,
     };
+    c.rope_interleaved = matches!(arch, "command-r" | "gptj");
     if arch == "command-r" {
-        c.rope_interleaved = true;
         c.logit_scale = Some(g.meta_f64("command-r.logit_scale")?.unwrap_or(0.0625));
     }
     if let Some(w) = g.meta_usize(&format!("{arch}.attention.sliding_window"))?
@@ -186,84 +251,125 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
     Ok(())
 }
 
+/// The GGUF name of an HF tensor name, by the table of the names it is written in.
 pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
-    let blocks = [
-        ("input_layernorm", "attn_norm", None),
-        ("post_attention_layernorm", "ffn_norm", None),
-        ("self_attn.q_proj", "attn_q", None),
-        ("self_attn.k_proj", "attn_k", None),
-        ("self_attn.v_proj", "attn_v", None),
-        ("self_attn.o_proj", "attn_output", None),
-        ("attention.query_key_value", "attn_qkv", None),
-        ("attention.dense", "attn_output", None),
-        ("mlp.gate_proj", "ffn_gate", None),
-        ("mlp.up_proj", "ffn_up", None),
-        ("mlp.down_proj", "ffn_down", None),
-        ("mlp.c_fc", "ffn_up", None),
-        ("mlp.c_proj", "ffn_down", None),
-        ("mlp.dense_h_to_4h", "ffn_up", None),
-        ("mlp.dense_4h_to_h", "ffn_down", None),
-    ];
-    let globals = [
-        ("model.embed_tokens.weight", "token_embd.weight"),
-        ("model.norm.weight", "output_norm.weight"),
-        ("model.norm.bias", "output_norm.bias"),
-        ("lm_head.weight", "output.weight"),
-        ("gpt_neox.embed_in.weight", "token_embd.weight"),
-        ("gpt_neox.final_layer_norm.weight", "output_norm.weight"),
-        ("gpt_neox.final_layer_norm.bias", "output_norm.bias"),
-        ("embed_out.weight", "output.weight"),
-    ];
-    let prefix = match hf.starts_with("gpt_neox.") {
-        true => "gpt_neox.layers.",
-        false => "model.layers.",
-    };
-    map_name(hf, &globals, prefix, &blocks)
+    ALL.iter().find_map(|n| {
+        let head_bias = n.head.replace(".weight", ".bias");
+        let globals = [
+            (n.embed, "token_embd.weight"),
+            (&format!("{}.weight", n.norm), "output_norm.weight"),
+            (&format!("{}.bias", n.norm), "output_norm.bias"),
+            (n.head, "output.weight"),
+            (&head_bias, "output.bias"),
+        ];
+        let mut blocks = vec![
+            (n.ln1, "attn_norm", None),
+            ("post_attention_layernorm", "ffn_norm", None),
+            (n.o, "attn_output", None),
+            (n.up, "ffn_up", None),
+            (n.down, "ffn_down", None),
+        ];
+        match n.qkv {
+            Qkv::Fused(f) => blocks.push((f, "attn_qkv", None)),
+            Qkv::Split(q, k, v) => blocks.extend([
+                (q, "attn_q", None),
+                (k, "attn_k", None),
+                (v, "attn_v", None),
+            ]),
+        }
+        if let Some(g) = n.gate {
+            blocks.push((g, "ffn_gate", None));
+        }
+        map_name(hf, &globals, n.layers, &blocks)
+    })
 }
 
 fn flag(c: &ModelConfig, k: &str) -> bool {
     c.extra[k].as_bool().unwrap_or(false)
 }
 
-/// The checkpoint's tensor names.
+enum Qkv {
+    Fused(&'static str),
+    Split(&'static str, &'static str, &'static str),
+}
+
+/// The checkpoint's tensor names: whole ones (`embed`, `head`), prefixes of a `.weight` and a
+/// `.bias` (`norm`), and a layer's modules under `{layers}{N}.`.
 struct Names {
+    key: &'static str,
     embed: &'static str,
     layers: &'static str,
     norm: &'static str,
     head: &'static str,
+    ln1: &'static str,
+    qkv: Qkv,
+    o: &'static str,
+    gate: Option<&'static str>,
+    up: &'static str,
+    down: &'static str,
 }
 
-const GPT_NEOX: Names = Names {
-    embed: "gpt_neox.embed_in.weight",
-    layers: "gpt_neox.layers.",
-    norm: "gpt_neox.final_layer_norm",
-    head: "embed_out.weight",
-};
-
 const MODEL: Names = Names {
+    key: "model",
     embed: "model.embed_tokens.weight",
     layers: "model.layers.",
     norm: "model.norm",
     head: "lm_head.weight",
+    ln1: "input_layernorm",
+    qkv: Qkv::Split("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    o: "self_attn.o_proj",
+    gate: Some("mlp.gate_proj"),
+    up: "mlp.up_proj",
+    down: "mlp.down_proj",
 };
 
-/// GPT-NeoX's fused QKV `[(3 H) D, ..]` (weight or bias) as ours: per head q, k, v rows to
-/// `[q | k | v]` (`per_head`; GGUF files have it already), Q and K heads in RoPE's order.
+const ALL: [Names; 4] = [
+    MODEL,
+    Names {
+        key: "starcoder2",
+        gate: None,
+        up: "mlp.c_fc",
+        down: "mlp.c_proj",
+        ..MODEL
+    },
+    Names {
+        key: "gpt_neox",
+        embed: "gpt_neox.embed_in.weight",
+        layers: "gpt_neox.layers.",
+        norm: "gpt_neox.final_layer_norm",
+        head: "embed_out.weight",
+        ln1: "input_layernorm",
+        qkv: Qkv::Fused("attention.query_key_value"),
+        o: "attention.dense",
+        gate: None,
+        up: "mlp.dense_h_to_4h",
+        down: "mlp.dense_4h_to_h",
+    },
+    Names {
+        key: "gptj",
+        embed: "transformer.wte.weight",
+        layers: "transformer.h.",
+        norm: "transformer.ln_f",
+        head: "lm_head.weight",
+        ln1: "ln_1",
+        qkv: Qkv::Split("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+        o: "attn.out_proj",
+        gate: None,
+        up: "mlp.fc_in",
+        down: "mlp.fc_out",
+    },
+];
+
+/// GPT-NeoX's fused QKV `[(3 H) D, ..]` (weight or bias) as ours: `[q | k | v]` (the HF
+/// file's rows are per head q, k, v: `per_head`), Q and K heads in RoPE's order.
 fn fused_qkv(w: Weight, c: &ModelConfig, per_head: bool) -> Result<Weight> {
-    let (h, d) = (c.num_heads, c.head_dim);
-    let order = super::rope::head_order(c).unwrap_or_else(|| (0..d).collect());
-    let rows: Vec<usize> = (0..3 * h)
-        .flat_map(|dst| {
-            let (part, head) = (dst / h, dst % h);
-            let src = match per_head {
-                true => head * 3 + part,
-                false => dst,
-            };
-            let order = &order;
-            (0..d).map(move |j| src * d + if part < 2 { order[j] } else { j })
-        })
-        .collect();
-    w.permute_rows(&rows)
+    let order = super::rope::head_order(c);
+    w.permute_rows(&super::qkv_rows(
+        c.num_heads,
+        c.head_dim,
+        per_head,
+        order.as_deref(),
+    ))
 }
 
 struct Layer<B: Backend> {
@@ -281,6 +387,7 @@ struct Layer<B: Backend> {
 
 pub struct NeoX<B: Backend> {
     stack: Stack<B>,
+    gated: bool,
     layers: Vec<Layer<B>>,
     rope_cos: B::Buf, // [max_positions, D / 2]
     rope_sin: B::Buf,
@@ -291,12 +398,12 @@ impl<B: Backend> NeoX<B> {
     pub fn load(ld: Load<'_, B>, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
         let (c, backend, max_positions) = (ld.cfg, ld.backend, ld.max_positions);
         let (h, hkv, d, hid, f) = c.layer_sizes();
-        let names = if flag(c, "gpt_neox_names") {
-            &GPT_NEOX
-        } else {
-            &MODEL
-        };
-        let gated = flag(c, "gated");
+        let key = c.extra["names"].as_str().unwrap_or_default();
+        let names = ALL
+            .iter()
+            .find(|n| n.key == key)
+            .context("no tensor names")?;
+        let gated = names.gate.is_some();
         let (sh, mut up, total) = ld.start()?;
         let place = ld.place;
         let embed = match place.first_stage() || (c.tie_word_embeddings && place.last_stage()) {
@@ -321,91 +428,90 @@ impl<B: Backend> NeoX<B> {
                 false => Ok(None),
             }
         };
-        let bias = |up: &mut Uploader<B>, w: Weight| -> Result<Option<B::Buf>> {
-            Ok(Some(up.upload_bias(w)?))
-        };
         let mut layers = Vec::with_capacity(place.layers.len());
         for l in place.layers.clone() {
             let n = |s: &str| format!("{}{l}.{s}", names.layers);
-            let (w_qkv, b_qkv, w_o, o_name, up_name, down_name);
-            if flag(c, "gpt_neox_names") {
-                let per_head = flag(c, "qkv_per_head");
-                let rows = (h + 2 * hkv) * d;
-                let w = up.fetch_linear(&n("attention.query_key_value.weight"), &[rows, hid])?;
-                w_qkv = sh.qkv_fused(&up, Have(fused_qkv(w, c, per_head)?))?;
-                b_qkv = match flag(c, "qkv_bias") {
-                    true => {
-                        let b = up.fetch(&n("attention.query_key_value.bias"), &[rows])?;
-                        let b = fused_qkv(Weight::dense(b, DType::F32), c, per_head)?;
-                        let b = sh.qkv_fused(&up, Have(b))?;
-                        bias(&mut up, b)?
-                    }
-                    false => None,
-                };
-                o_name = n("attention.dense");
-                (up_name, down_name) = (n("mlp.dense_h_to_4h"), n("mlp.dense_4h_to_h"));
-            } else {
-                let q = up.fetch_linear(&n("self_attn.q_proj.weight"), &[h * d, hid])?;
-                let k = up.fetch_linear(&n("self_attn.k_proj.weight"), &[hkv * d, hid])?;
-                w_qkv = sh.qkv(
+            let bias = |up: &Uploader<B>, m: &str, rows: usize| -> Result<Weight> {
+                Ok(Weight::dense(
+                    up.fetch(&n(&format!("{m}.bias")), &[rows])?,
+                    DType::F32,
+                ))
+            };
+            let has_qkv_bias = flag(c, "qkv_bias");
+            let (w_qkv, b_qkv) = match names.qkv {
+                Qkv::Fused(m) => {
+                    let per_head = flag(c, "qkv_per_head");
+                    let rows = (h + 2 * hkv) * d;
+                    let w = up.fetch_linear(&n(&format!("{m}.weight")), &[rows, hid])?;
+                    let w = sh.qkv_fused(&up, Have(fused_qkv(w, c, per_head)?))?;
+                    let b = match has_qkv_bias {
+                        true => {
+                            let b = fused_qkv(bias(&up, m, rows)?, c, per_head)?;
+                            Some(sh.qkv_fused(&up, Have(b))?)
+                        }
+                        false => None,
+                    };
+                    (w, b)
+                }
+                Qkv::Split(qm, km, vm) => {
+                    let q = up.fetch_linear(&n(&format!("{qm}.weight")), &[h * d, hid])?;
+                    let k = up.fetch_linear(&n(&format!("{km}.weight")), &[hkv * d, hid])?;
+                    let w = sh.qkv(
+                        &up,
+                        Have(reorder_heads(q, h, c)?),
+                        Have(reorder_heads(k, hkv, c)?),
+                        File(&n(&format!("{vm}.weight")), [hkv * d, hid]),
+                    )?;
+                    let b = match has_qkv_bias {
+                        true => {
+                            let q = reorder_heads(bias(&up, qm, h * d)?, h, c)?;
+                            let k = reorder_heads(bias(&up, km, hkv * d)?, hkv, c)?;
+                            let v = bias(&up, vm, hkv * d)?;
+                            Some(sh.qkv(&up, Have(q), Have(k), Have(v))?)
+                        }
+                        false => None,
+                    };
+                    (w, b)
+                }
+            };
+            let b_qkv = b_qkv.map(|b| up.upload_bias(b)).transpose()?;
+            let w_o = sh.o_proj(&up, File(&n(&format!("{}.weight", names.o)), [hid, h * d]))?;
+            let up_w = n(&format!("{}.weight", names.up));
+            let w_up = match names.gate {
+                Some(g) => sh.gate_up(
                     &up,
-                    Have(reorder_heads(q, h, c)?),
-                    Have(reorder_heads(k, hkv, c)?),
-                    File(&n("self_attn.v_proj.weight"), [hkv * d, hid]),
-                )?;
-                b_qkv = match flag(c, "qkv_bias") {
-                    true => {
-                        let b = |s: &str, heads: usize| -> Result<Weight> {
-                            let t = up.fetch(&n(&format!("self_attn.{s}.bias")), &[heads * d])?;
-                            reorder_heads(Weight::dense(t, DType::F32), heads, c)
-                        };
-                        let v = up.fetch(&n("self_attn.v_proj.bias"), &[hkv * d])?;
-                        let v = Weight::dense(v, DType::F32);
-                        let b =
-                            sh.qkv(&up, Have(b("q_proj", h)?), Have(b("k_proj", hkv)?), Have(v))?;
-                        bias(&mut up, b)?
-                    }
-                    false => None,
-                };
-                o_name = n("self_attn.o_proj");
-                (up_name, down_name) = match gated {
-                    true => (n("mlp.up_proj"), n("mlp.down_proj")),
-                    false => (n("mlp.c_fc"), n("mlp.c_proj")),
-                };
-            }
-            w_o = sh.o_proj(&up, File(&format!("{o_name}.weight"), [hid, h * d]))?;
-            let w_up = match gated {
-                true => sh.gate_up(
-                    &up,
-                    File(&n("mlp.gate_proj.weight"), [f, hid]),
-                    File(&format!("{up_name}.weight"), [f, hid]),
+                    File(&n(&format!("{g}.weight")), [f, hid]),
+                    File(&up_w, [f, hid]),
                 )?,
-                false => sh.ffn_rows(&up, File(&format!("{up_name}.weight"), [f, hid]))?,
+                None => sh.ffn_rows(&up, File(&up_w, [f, hid]))?,
             };
             let b_up = match flag(c, "mlp_bias") {
                 true => {
-                    let b = up.fetch(&format!("{up_name}.bias"), &[f])?;
-                    let b = sh.ffn_rows(&up, Have(Weight::dense(b, DType::F32)))?;
-                    bias(&mut up, b)?
+                    let b = sh.ffn_rows(&up, Have(bias(&up, names.up, f)?))?;
+                    Some(up.upload_bias(b)?)
                 }
                 false => None,
             };
-            let w_down = sh.down(&up, File(&format!("{down_name}.weight"), [hid, f]))?;
+            let w_down = sh.down(&up, File(&n(&format!("{}.weight", names.down)), [hid, f]))?;
             let ln2 = match flag(c, "two_norms") {
                 true => Some(ln(&mut up, &n("post_attention_layernorm"))?),
                 false => None,
             };
+            let (o_bias, down_bias) = (
+                n(&format!("{}.bias", names.o)),
+                n(&format!("{}.bias", names.down)),
+            );
             layers.push(Layer {
-                ln1: ln(&mut up, &n("input_layernorm"))?,
+                ln1: ln(&mut up, &n(names.ln1))?,
                 ln2,
                 w_qkv: up.upload_linear(w_qkv)?,
                 b_qkv,
                 w_o: up.upload_linear(w_o)?,
-                b_o: row_bias(&mut up, &format!("{o_name}.bias"), flag(c, "o_bias"))?,
+                b_o: row_bias(&mut up, &o_bias, flag(c, "o_bias"))?,
                 w_up: up.upload_linear(w_up)?,
                 b_up,
                 w_down: up.upload_linear(w_down)?,
-                b_down: row_bias(&mut up, &format!("{down_name}.bias"), flag(c, "mlp_bias"))?,
+                b_down: row_bias(&mut up, &down_bias, flag(c, "mlp_bias"))?,
             });
             progress(l - place.layers.start + 2, total);
         }
@@ -420,6 +526,7 @@ impl<B: Backend> NeoX<B> {
         progress(total, total);
         let (cos, sin) = super::rope::tables(c, c.rope_theta, max_positions);
         Ok(NeoX {
+            gated,
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
             rope_cos: backend.upload_f32(&cos)?,
@@ -437,7 +544,8 @@ impl<B: Backend> Family<B> for NeoX<B> {
         let s = &self.stack;
         let (c, tp, t) = (&s.cfg, &s.place.tp, batch.host.num_tokens());
         let (hid, f, ql, eps) = s.sizes();
-        let (parallel, gated) = (flag(c, "parallel"), flag(c, "gated"));
+        let parallel = flag(c, "parallel");
+        let gated = self.gated;
         let mut x = s.input(backend, batch)?; // [T, hidden] residual stream
         let mut ha = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] ln1(x)
         let mut hm = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] ln2(x)

@@ -15,6 +15,7 @@ use super::gpt2::Gpt2;
 use super::llama::Llama;
 use super::loader::WeightSource;
 use super::neox::NeoX;
+use super::olmo2::Olmo2;
 use super::pooling::OutputHead;
 use super::stack::Load;
 use crate::backend::Backend;
@@ -136,6 +137,36 @@ pub static FAMILIES: &[Family] = &[
         gguf_tensor_name: super::falcon::gguf_tensor_name,
     },
     Family {
+        arch: Arch::GptBigCode,
+        name: "gpt_bigcode",
+        hf_model_types: &["gpt_bigcode"],
+        gguf_architectures: &["starcoder"],
+        hf_prepare: super::gpt2::hf_prepare_bigcode,
+        hf_config: super::gpt2::hf_config_bigcode,
+        gguf_config: super::gpt2::gguf_config_bigcode,
+        gguf_tensor_name: super::gpt2::gguf_tensor_name_bigcode,
+    },
+    Family {
+        arch: Arch::GptJ,
+        name: "gptj",
+        hf_model_types: &["gptj"],
+        gguf_architectures: &["gptj"],
+        hf_prepare: super::neox::hf_prepare_gptj,
+        hf_config: super::neox::hf_config_gptj,
+        gguf_config: super::neox::gguf_config,
+        gguf_tensor_name: super::neox::gguf_tensor_name,
+    },
+    Family {
+        arch: Arch::Olmo2,
+        name: "olmo2",
+        hf_model_types: &["olmo2"],
+        gguf_architectures: &["olmo2"],
+        hf_prepare: no_renames,
+        hf_config: super::olmo2::hf_config,
+        gguf_config: super::olmo2::gguf_config,
+        gguf_tensor_name: super::olmo2::gguf_tensor_name,
+    },
+    Family {
         arch: Arch::GptNeoX,
         name: "gpt_neox",
         hf_model_types: &["gpt_neox"],
@@ -198,7 +229,7 @@ impl Arch {
     pub fn rotary_options(self) -> bool {
         matches!(
             self,
-            Arch::GptNeoX | Arch::StableLm | Arch::Starcoder2 | Arch::Cohere
+            Arch::GptNeoX | Arch::GptJ | Arch::StableLm | Arch::Starcoder2 | Arch::Cohere
         )
     }
 }
@@ -288,9 +319,10 @@ pub fn load_shard<B: Backend>(
     };
     Ok(match cfg.arch {
         Arch::Gemma3 => Box::new(Gemma3::load(ld, progress)?),
-        Arch::Gpt2 => Box::new(Gpt2::load(ld, progress)?),
+        Arch::Olmo2 => Box::new(Olmo2::load(ld, progress)?),
+        Arch::Gpt2 | Arch::GptBigCode => Box::new(Gpt2::load(ld, progress)?),
         Arch::Falcon => Box::new(Falcon::load(ld, progress)?),
-        Arch::GptNeoX | Arch::StableLm | Arch::Starcoder2 | Arch::Cohere => {
+        Arch::GptNeoX | Arch::GptJ | Arch::StableLm | Arch::Starcoder2 | Arch::Cohere => {
             Box::new(NeoX::load(ld, progress)?)
         }
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Granite => {

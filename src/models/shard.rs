@@ -245,11 +245,15 @@ pub fn stage_output<B: Backend>(
     match head {
         Head::Hidden => final_rows(backend, cfg, &x, batch, norm),
         Head::Classifier(w, labels) => {
-            final_logits(backend, cfg, &x, batch, norm, w, *labels, false)
+            final_logits(backend, cfg, &x, batch, norm, (w, None), *labels, false)
         }
         _ => {
             let (table, rows) = head.table(embed)?;
-            final_logits(backend, cfg, &x, batch, norm, table, rows, true)
+            let bias = match head {
+                Head::Own(_, _, b) => b.as_ref(),
+                _ => None,
+            };
+            final_logits(backend, cfg, &x, batch, norm, (table, bias), rows, true)
         }
     }
 }
@@ -274,7 +278,8 @@ pub fn logits_shard<B: Backend>(
 /// or the embedding's (tied); or, for a model served for embeddings or scores, none (the
 /// final norm's rows) or a classifier `[labels, hidden]`.
 pub enum Head<B: Backend> {
-    Own(B::Buf, usize),
+    /// Its own table, with its row count and its bias where it has one (GPT-J's).
+    Own(B::Buf, usize, Option<B::Buf>),
     Tied,
     Hidden,
     Classifier(B::Buf, usize),
@@ -313,12 +318,20 @@ impl<B: Backend> Head<B> {
         Ok(match own {
             true => {
                 let w = up.fetch_linear_part(head_name, &[vocab, hid], &shard.vocab_part())?;
-                Head::Own(up.upload_linear(w)?, shard.vocab.len())
+                let bias_name = head_name.replace(".weight", ".bias");
+                let bias = match up.fetch_opt(&bias_name, &[vocab])? {
+                    Some(b) => {
+                        let b = shard.vocab_part().apply(Weight::dense(b, DType::F32))?;
+                        Some(up.upload_bias(b)?)
+                    }
+                    None => None,
+                };
+                Head::Own(up.upload_linear(w)?, shard.vocab.len(), bias)
             }
             false if embed => Head::Tied,
             false => {
                 let (t, rows) = shard.vocab_table(up, embed_name, hid, vocab)?;
-                Head::Own(t, rows)
+                Head::Own(t, rows, None)
             }
         })
     }
@@ -342,10 +355,11 @@ impl<B: Backend> Head<B> {
             OutputHead::TokenClassifier(ids) => {
                 // NOTE: the difference of two rows is the difference of two logits only
                 // where nothing bends the logits after the head.
-                if cfg.final_logit_softcap.is_some() || cfg.logit_scale.is_some() {
+                let biased = up.has(&table.replace(".weight", ".bias"))?;
+                if cfg.final_logit_softcap.is_some() || cfg.logit_scale.is_some() || biased {
                     bail!(
-                        "a classifier from tokens needs plain logits; this model scales or \
-                         soft-caps them"
+                        "a classifier from tokens needs plain logits; this model scales, \
+                         soft-caps or biases them"
                     );
                 }
                 if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
@@ -369,7 +383,7 @@ impl<B: Backend> Head<B> {
     /// The table and its rows (an LM head).
     pub fn table<'a>(&'a self, embed: Option<&'a (B::Buf, usize)>) -> Result<(&'a B::Buf, usize)> {
         match (self, embed) {
-            (Head::Own(w, rows), _) => Ok((w, *rows)),
+            (Head::Own(w, rows, _), _) => Ok((w, *rows)),
             (Head::Tied, Some((t, rows))) => Ok((t, *rows)),
             (Head::Tied, None) => bail!("a tied LM head without an embedding table"),
             (Head::Hidden | Head::Classifier(..), _) => bail!("the model has no LM head"),

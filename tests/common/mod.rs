@@ -24,6 +24,9 @@ pub const TINY_FAMILIES: &[&str] = &[
     "stablelm",
     "starcoder2",
     "cohere",
+    "gpt-bigcode",
+    "gptj",
+    "olmo2",
 ];
 
 /// A model under `$PAGODA_CACHE/models`; fails (never skips) when it is missing.

@@ -2,7 +2,7 @@
 //! the rows' K and V written into the cache at their slots, for every KV type).
 
 use super::util::{rand_vec, rms_f64, rounded};
-use crate::backend::{Backend, KvLayout, QkvLayout};
+use crate::backend::{Backend, KvLayout, QkNormSpan, QkvLayout};
 use crate::tensor::DType;
 use anyhow::Result;
 use rand_chacha::ChaCha8Rng;
@@ -65,6 +65,7 @@ impl Rope {
 pub(super) struct QkNorm {
     pub(super) rows: usize,
     pub(super) layout: QkvLayout,
+    pub(super) span: QkNormSpan,
     pub(super) x: Vec<f32>,
     pub(super) qw: Vec<f32>,
     pub(super) kw: Vec<f32>,
@@ -75,13 +76,14 @@ impl QkNorm {
         let QkNorm {
             rows,
             layout,
+            span,
             x,
             qw,
             kw,
         } = self;
         let mut xb = be.upload_f32(x)?;
         let (qb, kb) = (be.upload_f32(qw)?, be.upload_f32(kw)?);
-        be.qk_norm(&mut xb, &qb, &kb, *rows, *layout, 1e-6)?;
+        be.qk_norm(&mut xb, &qb, &kb, *rows, *layout, *span, 1e-6)?;
         be.download_f32(&xb)
     }
 
@@ -91,18 +93,26 @@ impl QkNorm {
         let QkNorm {
             rows,
             layout,
+            span,
             x,
             qw,
             kw,
         } = self;
         let (d, rl) = (layout.head_dim, layout.row_len());
+        let (h, hkv) = (layout.num_heads, layout.num_kv_heads);
+        // (first value, length, weight) of each normalised part of a row
+        let parts: Vec<(usize, usize, &Vec<f32>)> = match span {
+            QkNormSpan::Head => (0..h + hkv)
+                .map(|i| (i * d, d, if i < h { qw } else { kw }))
+                .collect(),
+            QkNormSpan::All => vec![(0, h * d, qw), (h * d, hkv * d, kw)],
+        };
         let mut v = f(x);
         for t in 0..*rows {
-            for h in 0..layout.num_heads + layout.num_kv_heads {
-                let base = t * rl + h * d;
-                let w = if h < layout.num_heads { qw } else { kw };
-                let normed = rms_f64(&v[base..base + d], w, 1e-6);
-                v[base..base + d].copy_from_slice(&normed);
+            for &(start, n, w) in &parts {
+                let base = t * rl + start;
+                let normed = rms_f64(&v[base..base + n], w, 1e-6);
+                v[base..base + n].copy_from_slice(&normed);
             }
         }
         v
@@ -256,17 +266,21 @@ pub(super) fn cases<C: From<Rope> + From<QkNorm> + From<RopeWriteKv>>(
             num_kv_heads: hkv,
             head_dim: d,
         };
-        out.push((
-            "qk_norm".into(),
-            format!("{rows} rows h={h} hkv={hkv} d={d}"),
-            1e-5,
-            C::from(QkNorm {
-                rows,
-                layout,
-                x: rand_vec(r, rows * layout.row_len()),
-                qw: rand_vec(r, d),
-                kw: rand_vec(r, d),
-            }),
-        ));
+        for span in [QkNormSpan::Head, QkNormSpan::All] {
+            let (_, qs, _, ks) = span.spans(layout);
+            out.push((
+                "qk_norm".into(),
+                format!("{rows} rows h={h} hkv={hkv} d={d} {span:?}"),
+                1e-5,
+                C::from(QkNorm {
+                    rows,
+                    layout,
+                    span,
+                    x: rand_vec(r, rows * layout.row_len()),
+                    qw: rand_vec(r, qs),
+                    kw: rand_vec(r, ks),
+                }),
+            ));
+        }
     }
 }

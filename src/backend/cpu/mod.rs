@@ -11,7 +11,9 @@ mod simd;
 use attention::{AttnArgs, AttnTask, Scratch};
 use matmul::{Elem, Packed, Weights};
 
-use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout, args};
+use super::{
+    Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkNormSpan, QkvLayout, args,
+};
 use crate::quant::QuantTensor;
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
@@ -424,19 +426,22 @@ impl Backend for CpuBackend {
         k_w: &CpuBuf,
         rows: usize,
         layout: QkvLayout,
+        span: QkNormSpan,
         eps: f32,
     ) -> Result<()> {
         let (qw, kw) = (q_w.f32()?, k_w.f32()?);
         let qkv = qkv.f32_mut()?;
-        let (d, stride) = (layout.head_dim, layout.row_len());
-        let heads = layout.num_heads + layout.num_kv_heads;
-        args::qk_norm(qkv.len(), qw.len(), kw.len(), rows, layout)?;
+        let stride = layout.row_len();
+        let (nq, qs, nk, ks) = span.spans(layout);
+        args::qk_norm(qkv.len(), qw.len(), kw.len(), rows, layout, span)?;
+        let norm = |x: &mut [f32], w: &[f32]| {
+            let inv = 1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt();
+            x.iter_mut().zip(w).for_each(|(x, w)| *x = *x * inv * w);
+        };
         qkv[..rows * stride].par_chunks_mut(stride).for_each(|row| {
-            for (h, x) in row[..heads * d].chunks_mut(d).enumerate() {
-                let w = if h < layout.num_heads { qw } else { kw };
-                let inv = 1.0 / (dot(x, x) / d as f32 + eps).sqrt();
-                x.iter_mut().zip(w).for_each(|(x, w)| *x = *x * inv * w);
-            }
+            let (q, rest) = row.split_at_mut(nq * qs);
+            q.chunks_mut(qs).for_each(|x| norm(x, qw));
+            rest[..nk * ks].chunks_mut(ks).for_each(|x| norm(x, kw));
         });
         Ok(())
     }

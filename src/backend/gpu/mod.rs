@@ -22,7 +22,8 @@ pub use memory::GpuBuf;
 pub use runtime::{CclLibrary, Elem, GpuRuntime};
 
 use super::{
-    Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout, args,
+    Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkNormSpan,
+    QkvLayout, args,
 };
 use crate::sampling::{Choice, RowSampling};
 use crate::tensor::{DType, HostTensor, e4m3_to_f32, f32_to_e4m3};
@@ -667,9 +668,10 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         k_w: &GpuBuf<R>,
         rows: usize,
         layout: QkvLayout,
+        span: QkNormSpan,
         eps: f32,
     ) -> Result<()> {
-        self.qk_norm_op(qkv, q_w, k_w, rows, layout, eps)
+        self.qk_norm_op(qkv, q_w, k_w, rows, (layout, span), eps)
     }
 
     #[allow(clippy::too_many_arguments)]

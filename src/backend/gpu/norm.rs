@@ -2,7 +2,7 @@
 //! per-head Q/K norm): one block per row; the kernels are in kernels/norm.cu.
 
 use super::{Arg, Elem, GpuBackend, GpuBuf, GpuRuntime, u32_arg};
-use crate::backend::{QkvLayout, args};
+use crate::backend::{QkNormSpan, QkvLayout, args};
 use anyhow::{Result, ensure};
 
 impl<R: GpuRuntime> GpuBackend<R> {
@@ -46,34 +46,31 @@ impl<R: GpuRuntime> GpuBackend<R> {
         q_w: &GpuBuf<R>,
         k_w: &GpuBuf<R>,
         rows: usize,
-        layout: QkvLayout,
+        (layout, span): (QkvLayout, QkNormSpan),
         eps: f32,
     ) -> Result<()> {
         self.rt.bind()?;
         qkv.expect(Elem::F32, "qk_norm qkv")?;
         q_w.expect(Elem::F32, "q norm weight")?;
         k_w.expect(Elem::F32, "k norm weight")?;
-        let d = layout.head_dim;
-        args::qk_norm(qkv.len, q_w.len, k_w.len, rows, layout)?;
-        if rows == 0 {
+        args::qk_norm(qkv.len, q_w.len, k_w.len, rows, layout, span)?;
+        let (nq, qs, nk, ks) = span.spans(layout);
+        if rows == 0 || nq + nk == 0 {
             return Ok(());
         }
         ensure!(rows <= i32::MAX as usize, "qk_norm: too many rows");
         self.launch(
             "qk_norm_f32",
-            [
-                rows as u32,
-                u32_arg(layout.num_heads + layout.num_kv_heads, "heads")?.bits() as u32,
-                1,
-            ],
-            [self.norm_threads(d), 1, 1],
+            [rows as u32, u32_arg(nq + nk, "spans")?.bits() as u32, 1],
+            [self.norm_threads(qs.max(ks)), 1, 1],
             0,
             &[
                 Arg::P(qkv.ptr()),
                 Arg::P(q_w.ptr()),
                 Arg::P(k_w.ptr()),
-                u32_arg(layout.num_heads, "heads")?,
-                u32_arg(d, "head_dim")?,
+                u32_arg(nq, "q spans")?,
+                u32_arg(qs, "q span")?,
+                u32_arg(ks, "k span")?,
                 u32_arg(layout.row_len(), "row length")?,
                 Arg::F(eps),
             ],

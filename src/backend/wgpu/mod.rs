@@ -19,7 +19,9 @@ mod kernels;
 
 pub use device::is_software;
 
-use super::{Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkvLayout, args};
+use super::{
+    Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkNormSpan, QkvLayout, args,
+};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
 use device::{AdapterPolicy, Bind, Gpu};
@@ -708,11 +710,13 @@ impl Backend for WgpuBackend {
         k_w: &WgpuBuf,
         rows_n: usize,
         layout: QkvLayout,
+        span: QkNormSpan,
         eps: f32,
     ) -> Result<()> {
-        let (d, stride) = (layout.head_dim, layout.row_len());
-        let heads = layout.num_heads + layout.num_kv_heads;
-        args::qk_norm(qkv.len, q_w.len, k_w.len, rows_n, layout)?;
+        let stride = layout.row_len();
+        let (nq, qs, nk, ks) = span.spans(layout);
+        let spans = nq + nk;
+        args::qk_norm(qkv.len, q_w.len, k_w.len, rows_n, layout, span)?;
         let (qb, qwb, kwb) = (
             qkv.f32("qkv")?,
             q_w.f32("q norm weight")?,
@@ -723,14 +727,15 @@ impl Backend for WgpuBackend {
                 &Kernel::QkNorm.key(),
                 &[
                     n as u32,
-                    heads as u32,
-                    layout.num_heads as u32,
-                    d as u32,
+                    spans as u32,
+                    nq as u32,
+                    qs as u32,
+                    ks as u32,
                     stride as u32,
                     eps.to_bits(),
                 ],
                 &[rows(qb, r0, n, stride), Bind::whole(qwb), Bind::whole(kwb)],
-                self.grid_groups(n * heads),
+                self.grid_groups(n * spans),
             )?;
         }
         Ok(())
