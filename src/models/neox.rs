@@ -608,3 +608,83 @@ impl<B: Backend> Family<B> for NeoX<B> {
         s.output(backend, x, batch)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::models::registry::hf_config;
+    use serde_json::json;
+
+    /// The configs on the hub predate transformers 5's `rope_parameters`: Pythia's
+    /// `rotary_pct` and `rotary_emb_base`, StableLM's top-level `partial_rotary_factor` and
+    /// `rope_theta`, GPT-J's `rotary_dim`; what is not supported is refused by name.
+    #[test]
+    fn hub_configs_read_as_their_families_mean_them() {
+        let neox = hf_config(&json!({
+            "model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 8,
+            "intermediate_size": 2048, "num_hidden_layers": 6, "vocab_size": 50304,
+            "rotary_pct": 0.25, "rotary_emb_base": 10000, "layer_norm_eps": 1e-5,
+            "use_parallel_residual": true, "hidden_act": "gelu",
+        }))
+        .unwrap();
+        assert_eq!((neox.rotary_dim, neox.rope_interleaved), (Some(16), false));
+        assert_eq!((neox.rope_theta, neox.rms_norm_eps), (10000.0, 1e-5));
+        assert_eq!(neox.extra["qkv_per_head"], true);
+        let stablelm = json!({
+            "model_type": "stablelm", "hidden_size": 2048, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "intermediate_size": 5632, "num_hidden_layers": 24,
+            "vocab_size": 100352, "partial_rotary_factor": 0.25, "rope_theta": 10000,
+            "layer_norm_eps": 1e-5, "use_qkv_bias": true,
+        });
+        let c = hf_config(&stablelm).unwrap();
+        assert_eq!(
+            (c.rotary_dim, c.extra["qkv_bias"].as_bool()),
+            (Some(16), Some(true))
+        );
+        let mut qk = stablelm.clone();
+        qk["qk_layernorm"] = true.into();
+        let e = hf_config(&qk).unwrap_err().to_string();
+        assert!(e.contains("qk_layernorm"), "{e}");
+        let gptj = hf_config(&json!({
+            "model_type": "gptj", "n_embd": 4096, "n_head": 16, "n_layer": 28,
+            "n_positions": 2048, "rotary_dim": 64, "vocab_size": 50400,
+            "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+        }))
+        .unwrap();
+        assert_eq!((gptj.rotary_dim, gptj.rope_interleaved), (Some(64), true));
+        assert!(!gptj.tie_word_embeddings, "GPT-J's head is its own");
+        let cohere = json!({
+            "model_type": "cohere", "hidden_size": 8192, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "intermediate_size": 22528, "num_hidden_layers": 40,
+            "vocab_size": 256000, "layer_norm_eps": 1e-5, "logit_scale": 0.0625,
+            "rope_theta": 8000000.0,
+        });
+        let c = hf_config(&cohere).unwrap();
+        assert_eq!(
+            (c.logit_scale, c.rope_interleaved, c.rotary_dim),
+            (Some(0.0625), true, None)
+        );
+        let mut plus = cohere.clone();
+        plus["use_qk_norm"] = true.into();
+        let e = hf_config(&plus).unwrap_err().to_string();
+        assert!(e.contains("use_qk_norm"), "{e}");
+        let mut odd = cohere;
+        odd["model_type"] = "stablelm".into();
+        odd["partial_rotary_factor"] = 0.3.into(); // 128 · 0.3 = 38.4: 38 dimensions
+        assert_eq!(hf_config(&odd).unwrap().rotary_dim, Some(38));
+        odd["partial_rotary_factor"] = 1.5.into();
+        assert!(hf_config(&odd).is_err());
+        // a Llama with partial rotary would need its loader to reorder Q and K: refused
+        let e = hf_config(&json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 16,
+        }))
+        .map(|mut c| {
+            c.rotary_dim = Some(8);
+            c.validate()
+        })
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("not supported for llama"), "{e}");
+    }
+}
