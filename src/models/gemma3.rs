@@ -277,10 +277,7 @@ impl<B: Backend> Gemma3<B> {
             None
         };
         progress(total, total);
-        let tables = |theta: f64| -> Result<(B::Buf, B::Buf)> {
-            let (cos, sin) = super::rope::tables(c, theta, max_positions);
-            Ok((backend.upload_f32(&cos)?, backend.upload_f32(&sin)?))
-        };
+        let tables = |theta: f64| super::rope::upload(backend, c, theta, max_positions);
         let rope_global = tables(c.rope_theta)?;
         let rope_local = tables(c.rope_theta_local.unwrap_or(c.rope_theta))?;
         Ok(Gemma3 {

@@ -250,15 +250,15 @@ impl<B: Backend> Llama<B> {
             None
         };
         progress(total, total);
-        let (cos, sin) = super::rope::tables(c, c.rope_theta, max_positions);
+        let (rope_cos, rope_sin) = super::rope::upload(backend, c, c.rope_theta, max_positions)?;
         let multiplier = |k: &str| c.extra[k].as_f64().map(|m| m as f32);
         Ok(Llama {
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
             embedding_multiplier: multiplier("embedding_multiplier"),
             residual_multiplier: multiplier("residual_multiplier"),
-            rope_cos: backend.upload_f32(&cos)?,
-            rope_sin: backend.upload_f32(&sin)?,
+            rope_cos,
+            rope_sin,
         })
     }
 }

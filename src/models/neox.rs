@@ -524,13 +524,13 @@ impl<B: Backend> NeoX<B> {
             false => None,
         };
         progress(total, total);
-        let (cos, sin) = super::rope::tables(c, c.rope_theta, max_positions);
+        let (rope_cos, rope_sin) = super::rope::upload(backend, c, c.rope_theta, max_positions)?;
         Ok(NeoX {
             gated,
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
-            rope_cos: backend.upload_f32(&cos)?,
-            rope_sin: backend.upload_f32(&sin)?,
+            rope_cos,
+            rope_sin,
         })
     }
 }

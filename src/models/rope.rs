@@ -11,6 +11,7 @@
 
 use super::Weight;
 use super::config::ModelConfig;
+use crate::backend::Backend;
 use anyhow::Result;
 
 /// The rotated dimensions of a head.
@@ -85,6 +86,17 @@ pub fn tables(cfg: &ModelConfig, theta: f64, max_positions: usize) -> (Vec<f32>,
         }
     }
     (cos, sin)
+}
+
+/// [`tables`] uploaded to `backend`: the cos and sin tables.
+pub fn upload<B: Backend>(
+    backend: &B,
+    cfg: &ModelConfig,
+    theta: f64,
+    max_positions: usize,
+) -> Result<(B::Buf, B::Buf)> {
+    let (cos, sin) = tables(cfg, theta, max_positions);
+    Ok((backend.upload_f32(&cos)?, backend.upload_f32(&sin)?))
 }
 
 /// For each row `j` of a Q or K head as the RoPE op reads it, the row of the checkpoint's head
