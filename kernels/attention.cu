@@ -30,6 +30,18 @@
 // different banks.
 #include "common.cuh"
 
+// ALiBi's slope of this rank's query head h (alibi_scale 0: no ALiBi): head g = h0 + h of the
+// model has 2^(l0 (g + 1)) below p (the largest power of two not above the heads), else
+// 2^(l0 / 2 (2 (g - p) + 1)), times alibi_scale (Alibi in src/backend/mod.rs). The bias
+// slope * (key - query position) is added to the scaled, soft-capped score.
+#define PG_ALIBI_PARAMS float alibi_scale, float alibi_l0, u32 alibi_p, u32 alibi_h0
+#define PG_ALIBI_ARGS alibi_scale, alibi_l0, alibi_p, alibi_h0
+__device__ __forceinline__ float alibi_slope(PG_ALIBI_PARAMS, u32 h) {
+    const u32 g = alibi_h0 + h;
+    const float e = g < alibi_p ? alibi_l0 * (float)(g + 1) : 0.5f * alibi_l0 * (float)(2 * (g - alibi_p) + 1);
+    return alibi_scale * exp2f(e);
+}
+
 #define PA_THREADS 128
 
 // X(DT, KV, D) for each head size of the models we run: the decode and tensor-core kernels'
@@ -96,7 +108,7 @@ __device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, c
                                                 float* __restrict__ part_ml, u32 max_blocks, u32 num_heads,
                                                 u32 num_kv_heads, u32 head_dim, u32 block_size, u32 row_len,
                                                 float scale, u32 window, float softcap, u32 q_tile, u32 k_tile,
-                                                u32 part_size, u32 num_splits) {
+                                                u32 part_size, u32 num_splits, PG_ALIBI_PARAMS) {
     // NOTE: K and V rows are read in 16-byte chunks (load_kv_tile), q rows in chunks of 4
     // floats: the host checks that head_dim is a multiple of 8.
     PG_DYNAMIC_SHARED(float, smem);
@@ -158,6 +170,8 @@ __device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, c
                 for (u32 i = 0; i < D; ++i) dot += q[i] * k[i];
                 sc = dot * scale;
                 if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                if (alibi_scale != 0.0f)
+                    sc += alibi_slope(PG_ALIBI_ARGS, g * rep + lr % rep) * ((float)key - (float)(row_keys - 1));
             }
             p_s[e] = sc;
         }
@@ -217,10 +231,10 @@ __device__ __forceinline__ void paged_attention(const float* __restrict__ qkv, c
         const float* qkv, const KV* k_cache, const KV* v_cache, const u32* query_start, const u32* seq_lens,    \
         const u32* block_tables, float* out, float* part_acc, float* part_ml, u32 max_blocks, u32 num_heads,   \
         u32 num_kv_heads, u32 head_dim, u32 block_size, u32 row_len, float scale, u32 window, float softcap,   \
-        u32 q_tile, u32 k_tile, u32 part_size, u32 num_splits) {                                                \
+        u32 q_tile, u32 k_tile, u32 part_size, u32 num_splits, PG_ALIBI_PARAMS) {                               \
         paged_attention<KV>(qkv, k_cache, v_cache, query_start, seq_lens, block_tables, out, part_acc, part_ml,  \
                             max_blocks, num_heads, num_kv_heads, head_dim, block_size, row_len, scale, window,    \
-                            softcap, q_tile, k_tile, part_size, num_splits);                                      \
+                            softcap, q_tile, k_tile, part_size, num_splits, PG_ALIBI_ARGS);                       \
     }
 PAGED_ATTENTION(f32, float)
 PAGED_ATTENTION(bf16, bf16_t)
@@ -272,7 +286,7 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
                                                     float* __restrict__ part_acc, float* __restrict__ part_ml,
                                                     u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_size,
                                                     u32 row_len, float scale, u32 window, float softcap, u32 q_tile,
-                                                    u32 part_size, u32 num_splits) {
+                                                    u32 part_size, u32 num_splits, PG_ALIBI_PARAMS) {
     constexpr u32 KT = MMA_KT(D), DP = D + 8, KP = KT + 8;
     constexpr u32 NT = KT / 8, ND = D / 8;  // accumulator tiles of S and of O
     constexpr u32 EPC = 16 / sizeof(C);     // cache elements per 16-byte chunk
@@ -304,10 +318,12 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
 
     // this lane's two rows: the warp's slice, rows qd and qd + 8; a row past the tile sees no key
     u32 row_keys[2];
+    float slope[2];  // ALiBi's, of the row's query head
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         const u32 lr = warp * 16 + qd + 8 * h;
         row_keys[h] = lr < nr ? base_keys + lr / rep : 0;
+        slope[h] = alibi_scale != 0.0f ? alibi_slope(PG_ALIBI_ARGS, g * rep + lr % rep) : 0.0f;
     }
     const bool active = warp * 16 < nr;  // the same for every lane of a warp
     float o[ND][4];
@@ -383,6 +399,7 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
                     const u32 h = i / 2, key = kt0 + n * 8 + 2 * qt + i % 2;
                     float v = sc[n][i] * scale;
                     if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
+                    v += slope[h] * ((float)key - (float)row_keys[h] + 1.0f);
                     const bool seen = key < kt0 + nk && key < row_keys[h] && (window == 0 || key + window >= row_keys[h]);
                     sc[n][i] = seen ? v : PG_NEG_INF;
                     mx[h] = fmaxf(mx[h], sc[n][i]);
@@ -468,10 +485,10 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
         const float* qkv, const KV* k_cache, const KV* v_cache, const u32* query_start, const u32* seq_lens,       \
         const u32* block_tables, float* out, float* part_acc, float* part_ml, u32 max_blocks, u32 num_heads,      \
         u32 num_kv_heads, u32 block_size, u32 row_len, float scale, u32 window, float softcap, u32 q_tile,        \
-        u32 part_size, u32 num_splits) {                                                                           \
+        u32 part_size, u32 num_splits, PG_ALIBI_PARAMS) {                                                          \
         paged_attention_mma<KV, D>(qkv, k_cache, v_cache, query_start, seq_lens, block_tables, out, part_acc,     \
                                    part_ml, max_blocks, num_heads, num_kv_heads, block_size, row_len, scale,      \
-                                   window, softcap, q_tile, part_size, num_splits);                               \
+                                   window, softcap, q_tile, part_size, num_splits, PG_ALIBI_ARGS);                \
     }
 PG_HEAD_DIMS(PAGED_ATTENTION_MMA, bf16, bf16_t)
 PG_HEAD_DIMS(PAGED_ATTENTION_MMA, f16, f16_t)
@@ -517,7 +534,7 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
                                                        float* __restrict__ part_acc, float* __restrict__ part_ml,
                                                        u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_shift,
                                                        u32 row_len, float scale, u32 window, float softcap,
-                                                       u32 part_size, u32 num_splits) {
+                                                       u32 part_size, u32 num_splits, PG_ALIBI_PARAMS) {
     constexpr int EPL = 16 / sizeof(KV);  // elements per 16-byte load
     constexpr int C = D / EPL;            // chunks per row
     constexpr int TPK = pg_pow2_at_least(C) < PG_WARP_SIZE ? pg_pow2_at_least(C) : PG_WARP_SIZE;
@@ -608,6 +625,8 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
                     if (j < rep) {  // NOTE: unrolled, so that dot[] stays in registers
                         float sc = dot[j];
                         if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                        if (alibi_scale != 0.0f)
+                            sc += alibi_slope(PG_ALIBI_ARGS, g * rep + j) * ((float)key - (float)(ctx - 1));
                         s_s[j * part_size + key - k_begin] = sc;
                     }
                 }
@@ -701,10 +720,10 @@ __device__ __forceinline__ void paged_attention_decode(const float* __restrict__
         const float* qkv, const KV* k_cache, const KV* v_cache, const u32* query_start, const u32* seq_lens,    \
         const u32* block_tables, float* out, float* part_acc, float* part_ml, u32 max_blocks, u32 num_heads,   \
         u32 num_kv_heads, u32 block_shift, u32 row_len, float scale, u32 window, float softcap, u32 part_size, \
-        u32 num_splits) {                                                                                        \
+        u32 num_splits, PG_ALIBI_PARAMS) {                                                                       \
         paged_attention_decode<KV, D>(qkv, k_cache, v_cache, query_start, seq_lens, block_tables, out, part_acc, \
                                       part_ml, max_blocks, num_heads, num_kv_heads, block_shift, row_len, scale,  \
-                                      window, softcap, part_size, num_splits);                                    \
+                                      window, softcap, part_size, num_splits, PG_ALIBI_ARGS);                     \
     }
 PG_HEAD_DIMS(PAGED_ATTENTION_DECODE, f32, float)
 PG_HEAD_DIMS(PAGED_ATTENTION_DECODE, bf16, bf16_t)

@@ -4,7 +4,7 @@
 Writes tests/data/tiny/<name>/ (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json) for mistral, qwen3, gemma3, phi3, phi3-longrope, gpt2,
 falcon, falcon-new, falcon-untied, granite, gpt-neox, stablelm, starcoder2, cohere,
-gpt-bigcode, gptj, olmo2, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
+gpt-bigcode, gptj, olmo2, bloom, mpt, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
 
 usage: make-tiny-models.py [--out tests/data/tiny] [--only NAME ...]
 
@@ -222,6 +222,20 @@ def specs(ids):
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6,
             attention_bias=False, tie_word_embeddings=False, **common), 1700,
             {"init": dict(emb_std=0.6, head_std=1.2, norm_offset={"model.norm.": 1.0})}),
+        # BLOOM: ALiBi over 6 heads (not a power of two), a LayerNorm on the embeddings, fused
+        # per-head QKV, biases everywhere
+        "bloom": ("bloom", dict(
+            hidden_size=48, n_layer=3, n_head=6, layer_norm_epsilon=1e-5,
+            apply_residual_connection_post_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0,
+            tie_word_embeddings=True, **common), 1800,
+            {"init": dict(emb_std=0.6, w_std=1.0, norm_offset={"ln_f.": 1.0})}),
+        # MPT: ALiBi, LayerNorm without bias, no biases, fused [q | k | v]
+        "mpt": ("mpt", dict(
+            d_model=64, n_heads=4, n_layers=3, max_seq_len=256, no_bias=True,
+            attn_config={"alibi": True, "alibi_bias_max": 8, "clip_qkv": None, "qk_ln": False,
+                         "softmax_scale": None},
+            layer_norm_epsilon=1e-5, tie_word_embeddings=True, **common), 1900,
+            {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"norm_f.": 1.0})}),
         # Falcon-40B's layout with its own output head
         "falcon-untied": ("falcon", dict(
             hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_kv_heads=2,
@@ -332,7 +346,10 @@ def not_trivial(gen):
 def summary(cfg, name, seed):
     d = cfg.to_dict()
     mt = d["model_type"]
-    if mt in ("gpt2", "gpt_bigcode", "gptj"):
+    if mt in ("bloom", "mpt"):
+        s = dict(layers=d.get("n_layer") or d["n_layers"], hidden=d.get("hidden_size") or d["d_model"],
+                 heads=d.get("n_head") or d["n_heads"], positions="ALiBi", window=None)
+    elif mt in ("gpt2", "gpt_bigcode", "gptj"):
         s = dict(layers=d["n_layer"], hidden=d["n_embd"], heads=d["n_head"], kv_heads=d["n_head"],
                  head_dim=d["n_embd"] // d["n_head"], intermediate=d["n_inner"], window=None,
                  kv_heads_multi_query=1 if d.get("multi_query") else None, rotary_dim=d.get("rotary_dim"),

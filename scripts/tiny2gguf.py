@@ -17,6 +17,9 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
 - gpt-neox: the per-head fused QKV rows (weight and bias) reordered to [q | k | v]; the rotated
   dimensions and the parallel residual as keys (stablelm too);
 - cohere (command-r): `logit_scale` as a key;
+- bloom: the per-head fused QKV reordered as gpt-neox's, the embeddings copied to `output.weight`
+  (as llama.cpp's converter does); a context length of 256 (its converter writes `seq_length`,
+  which the tiny config lacks); mpt: `max_alibi_bias` as a key;
 - gpt-bigcode (starcoder): one KV head with multi_query; gptj: the rotated dimensions as a key
   (llama.cpp's converter has no GPT-J class; the names and keys are the gguf package's);
 - starcoder2: llama.cpp's converter writes no window; the window is written here as
@@ -51,8 +54,11 @@ ARCH = {  # tiny model -> (GGUF architecture name, MODEL_ARCH)
     "gpt-bigcode": ("starcoder", MODEL_ARCH.STARCODER),
     "gptj": ("gptj", MODEL_ARCH.GPTJ),
     "olmo2": ("olmo2", MODEL_ARCH.OLMO2),
+    "bloom": ("bloom", MODEL_ARCH.BLOOM),
+    "mpt": ("mpt", MODEL_ARCH.MPT),
 }
-LAYER_NORM = ("gpt2", "falcon", "gpt-neox", "stablelm", "starcoder2", "cohere", "gpt-bigcode", "gptj")
+LAYER_NORM = ("gpt2", "falcon", "gpt-neox", "stablelm", "starcoder2", "cohere", "gpt-bigcode", "gptj",
+              "bloom", "mpt")
 NEW_FALCON = ("falcon-new", "falcon-untied")  # the new decoder architecture
 
 
@@ -87,9 +93,9 @@ def convert(name, d, out):
     arch_name, arch = ARCH[name]
     c = json.load(open(os.path.join(d, "config.json")))
     weights = load_file(os.path.join(d, "model.safetensors"))
-    n_layer = c.get("num_hidden_layers", c.get("n_layer"))
-    hid = c.get("hidden_size", c.get("n_embd"))
-    n_head = c.get("num_attention_heads", c.get("n_head"))
+    n_layer = c.get("num_hidden_layers") or c.get("n_layer") or c.get("n_layers")
+    hid = c.get("hidden_size") or c.get("n_embd") or c.get("d_model")
+    n_head = c.get("num_attention_heads") or c.get("n_head") or c.get("n_heads")
     head_dim = c.get("head_dim") or hid // n_head
     if name == "falcon":
         n_kv = 1 if c["multi_query"] and not c["new_decoder_architecture"] else n_head
@@ -101,10 +107,11 @@ def convert(name, d, out):
         n_kv = c.get("num_key_value_heads", n_head)
     rope = c.get("rope_parameters") or {}
     w = GGUFWriter(out, arch_name)
-    w.add_context_length(c.get("max_position_embeddings", c.get("n_positions")))
+    w.add_context_length(c.get("max_position_embeddings") or c.get("n_positions") or c.get("max_seq_len") or 256)
     w.add_embedding_length(hid)
     w.add_block_count(n_layer)
-    w.add_feed_forward_length(c.get("intermediate_size") or c.get("n_inner") or c.get("ffn_hidden_size"))
+    w.add_feed_forward_length(c.get("intermediate_size") or c.get("n_inner") or c.get("ffn_hidden_size")
+                              or hid * c.get("expansion_ratio", 4))
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
     if name in LAYER_NORM + NEW_FALCON:
@@ -129,6 +136,8 @@ def convert(name, d, out):
     if name in ("gpt-neox", "stablelm"):
         w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * head_dim))
         w.add_parallel_residual(c["use_parallel_residual"])
+    if name == "mpt":
+        w.add_max_alibi_bias(c["attn_config"]["alibi_bias_max"])
     if name == "gptj":
         w.add_rope_dimension_count(c["rotary_dim"])
     if name == "cohere":
@@ -179,13 +188,17 @@ def convert(name, d, out):
             a = np.concatenate([g[:, :rep].reshape(-1, *a.shape[1:]),
                                 g[:, rep].reshape(-1, *a.shape[1:]),
                                 g[:, rep + 1].reshape(-1, *a.shape[1:])])
-        if name == "gpt-neox" and "query_key_value" in hf:
+        if name in ("gpt-neox", "bloom") and "query_key_value" in hf:
             g = a.reshape(n_head, 3, head_dim, *a.shape[1:])
             a = np.concatenate([g[:, i].reshape(-1, *a.shape[1:]) for i in range(3)])
-        new = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        # llama.cpp's BloomModel maps the names without `transformer.`
+        key = hf.removeprefix("transformer.") if name == "bloom" else hf
+        new = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise SystemExit(f"{name}: no GGUF name for {hf}")
         w.add_tensor(new, np.ascontiguousarray(a))
+        if name == "bloom" and new == "token_embd.weight":
+            w.add_tensor("output.weight", np.ascontiguousarray(a))
     if not tied and "lm_head.weight" not in weights and "embed_out.weight" not in weights:
         raise SystemExit(f"{name}: untied without lm_head")
     w.write_header_to_file()

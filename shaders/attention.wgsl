@@ -27,6 +27,22 @@ struct Params {
     scale: f32,
     window: u32,       // sliding window: a row sees its last `window` keys only; 0: all
     softcap: f32,      // scores become softcap * tanh(score / softcap); 0: unchanged
+    // ALiBi (Alibi in src/backend/mod.rs): slope * (key - query position) added to a score,
+    // the slope of the model's head g = alibi_h0 + h being 2^(alibi_l0 (g + 1)) below alibi_p,
+    // else 2^(alibi_l0 / 2 (2 (g - alibi_p) + 1)), times alibi_scale (0: no ALiBi)
+    alibi_scale: f32,
+    alibi_l0: f32,
+    alibi_p: u32,
+    alibi_h0: u32,
+}
+
+fn alibi_slope(h: u32) -> f32 {
+    let g = p.alibi_h0 + h;
+    var e = 0.5 * p.alibi_l0 * f32(2u * (g - p.alibi_p) + 1u);
+    if (g < p.alibi_p) {
+        e = p.alibi_l0 * f32(g + 1u);
+    }
+    return p.alibi_scale * exp2(e);
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -135,6 +151,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                 if (p.softcap > 0.0) {
                     let e = exp(-2.0 * abs(score / p.softcap));
                     score = p.softcap * sign(score) * (1.0 - e) / (1.0 + e);
+                }
+                if (p.alibi_scale != 0.0) {
+                    score += alibi_slope(h0 + hh) * (f32(j) - f32(n_keys - 1u));
                 }
             }
             sc[hh * TILE + lid.x] = score;

@@ -371,15 +371,36 @@ fn first_logits_over_narrow_caches_on_the_emulated_gpu() {
     for &m in TINY_FAMILIES {
         // NOTE: measured 2026-12-03 at most 3.1e-2 (falcon) and 2.3e-3 (falcon, phi3-longrope);
         // the cache's rounding alone, on the CPU, gives 1.2e-2 and 2.6e-3 on those. fp8's three
-        // mantissa bits: 0.05 (gemma3) to 0.29 (mistral) on these random-weight models, whose
-        // logits are small; the op table checks the fp8 kernels to 1e-5 (decode) and 2e-3.
+        // mantissa bits: 0.05 (gemma3) to 0.29 (mistral), 0.60 (mpt, 2026-12-06) on these
+        // random-weight models, whose logits are small; the op table checks the fp8 kernels to
+        // 1e-5 (decode) and 2e-3.
+        // BLOOM's tiny model (larger weights) loses 7.0e-2 (bf16) and 6.9e-3 (f16) to the
+        // cache's rounding alone, on the CPU as on the emulated GPU (2026-12-06): where the
+        // CPU's error with the same cache is larger, the bound is 1.5 times it.
         for (dtype, tol) in [
-            (DType::BF16, 5e-2),
+            (DType::BF16, 5e-2f64),
             (DType::F16, 5e-3),
-            (DType::F8E4M3, 0.5),
+            (DType::F8E4M3, 0.75),
         ] {
+            if dtype == DType::F8E4M3 && m == "bloom" {
+                // head size 8: the GPU kernels read 16 fp8 values at a time, and say so
+                let e = std::panic::catch_unwind(|| first_logits_error(&be, m, dtype))
+                    .expect_err("bloom's head size 8 with an fp8 cache is refused");
+                let e = e.downcast_ref::<String>().cloned().unwrap_or_default();
+                assert!(e.contains("head size 8 with a fp8 KV cache"), "{e}");
+                continue;
+            }
             let err = first_logits_error(&be, m, dtype);
-            assert!(err < tol, "{m} {dtype:?}: {err:e}");
+            // (the CPU has no fp8 cache: fp8 keeps its bound)
+            let rounding = match dtype {
+                DType::F8E4M3 => 0.0,
+                _ => first_logits_error(&CpuBackend::new(), m, dtype),
+            };
+            let bound = tol.max(1.5 * rounding);
+            assert!(
+                err < bound,
+                "{m} {dtype:?}: {err:e} (the CPU's: {rounding:e})"
+            );
         }
     }
 }

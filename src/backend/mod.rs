@@ -142,6 +142,56 @@ pub struct AttentionOptions {
     pub sliding_window: Option<usize>,
     /// Scores become `cap · tanh(score / cap)` before the softmax (Gemma 2); `None`: unchanged.
     pub logit_softcap: Option<f32>,
+    /// A linear bias on the key's distance (BLOOM, MPT, Falcon-RW); `None`: none.
+    pub alibi: Option<Alibi>,
+}
+
+/// ALiBi: `slope(h) · (key − query)` (positions; never positive) added to each scaled score,
+/// after the soft-cap. Head `h` of `n` (the model's, wherever this rank's heads start) has
+/// slope `2^(−b·(h+1)/p)` for `h < p`, the largest power of two `p ≤ n`, and
+/// `2^(−b·(2(h−p)+1)/(2p))` past it (BLOOM's, MPT's, vLLM's and llama.cpp's slopes), times
+/// `scale`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Alibi {
+    /// The model's query heads.
+    pub num_heads: u32,
+    /// The global index of this rank's first head.
+    pub first_head: u32,
+    /// `b` above: 8 in every released model (MPT's `alibi_bias_max`).
+    pub max_bias: f32,
+    /// Multiplies every slope (1; Falcon adds the bias before the attention scale: the scale).
+    pub scale: f32,
+}
+
+impl Alibi {
+    /// The largest power of two not above the heads.
+    fn pow2(&self) -> u32 {
+        1 << (31 - self.num_heads.max(1).leading_zeros())
+    }
+
+    /// What the kernels take: `(scale, l0, p, first_head)`, with `l0 = −b / p`; `scale` 0 for
+    /// no ALiBi. The slope of this rank's head `h` is `scale · 2^e`, `e = l0·(g+1)` for the
+    /// global head `g = first_head + h < p`, else `e = l0/2 · (2(g−p)+1)` ([`Alibi::slope`]).
+    pub fn kernel_args(alibi: Option<Alibi>) -> (f32, f32, u32, u32) {
+        match alibi {
+            None => (0.0, 0.0, 0, 0),
+            Some(a) => {
+                let p = a.pow2();
+                (a.scale, -a.max_bias / p as f32, p, a.first_head)
+            }
+        }
+    }
+
+    /// The slope of this rank's head `h`, as the kernels compute it.
+    pub fn slope(&self, h: usize) -> f32 {
+        let (scale, l0, p, h0) = Alibi::kernel_args(Some(*self));
+        let g = h0 + h as u32;
+        let e = match g < p {
+            true => l0 * (g + 1) as f32,
+            false => 0.5 * l0 * (2 * (g - p) + 1) as f32,
+        };
+        scale * e.exp2()
+    }
 }
 
 impl AttentionOptions {
@@ -151,6 +201,7 @@ impl AttentionOptions {
             scale,
             sliding_window: None,
             logit_softcap: None,
+            alibi: None,
         }
     }
 

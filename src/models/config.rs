@@ -78,6 +78,10 @@ pub enum Arch {
     GptJ,
     /// OLMo 2: norms after attention and MLP, RMSNorm of all of Q and of K.
     Olmo2,
+    /// BLOOM: ALiBi, a LayerNorm on the embeddings, fused per-head QKV, biases.
+    Bloom,
+    /// MPT: ALiBi, LayerNorm without bias, no biases.
+    Mpt,
     /// GPT-NeoX (Pythia): fused per-head QKV, partial rotary, parallel residual with two norms.
     GptNeoX,
     /// StableLM: LayerNorm, partial rotary, a gated MLP, parallel or sequential residual.
@@ -169,6 +173,7 @@ impl ModelConfig {
             scale: self.attention_scale(),
             sliding_window: self.layer_window(l),
             logit_softcap: self.attn_logit_softcap.map(|x| x as f32),
+            alibi: None,
         }
     }
 

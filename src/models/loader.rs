@@ -154,12 +154,16 @@ impl SafetensorsWeights {
             files.push((p, mmap));
         }
         // NOTE: a base model saved without its LM head (sentence-transformers saves
-        // `Qwen3Model`, not `Qwen3ForCausalLM`) names its tensors without `model.`.
-        if !index.contains_key("model.embed_tokens.weight")
-            && index.contains_key("embed_tokens.weight")
-        {
-            for k in index.keys() {
-                alias.insert(format!("model.{k}"), k.clone());
+        // `Qwen3Model`, not `Qwen3ForCausalLM`; BLOOM's checkpoints are `BloomModel`s) names
+        // its tensors without `model.` (`transformer.`).
+        for (prefix, embed) in [
+            ("model.", "embed_tokens.weight"),
+            ("transformer.", "word_embeddings.weight"),
+        ] {
+            if !index.contains_key(&format!("{prefix}{embed}")) && index.contains_key(embed) {
+                for k in index.keys() {
+                    alias.insert(format!("{prefix}{k}"), k.clone());
+                }
             }
         }
         Ok(SafetensorsWeights {

@@ -1,5 +1,6 @@
-//! The LayerNorm families with rotary positions, written once over the [`Backend`] trait:
-//! GPT-NeoX (Pythia), StableLM, StarCoder2 and Cohere (Command-R). A layer is
+//! The LayerNorm families with rotary positions or ALiBi, written once over the [`Backend`]
+//! trait: GPT-NeoX (Pythia), GPT-J, StableLM, StarCoder2, Cohere (Command-R), BLOOM and MPT.
+//! A layer is
 //!
 //! ```text
 //!   sequential (StarCoder2, StableLM):  x += attn(ln1(x));  x += mlp(ln2(x))
@@ -10,7 +11,9 @@
 //!
 //! with a plain (up, activation, down) or gated (SwiGLU) MLP, biases where the family has them,
 //! and RoPE over all or part of each head, paired by halves or interleaved (the one RoPE op
-//! after reordering Q and K: `rope.rs`). Cohere's LayerNorm has no bias (a zero one here).
+//! after reordering Q and K: `rope.rs`), or ALiBi (BLOOM, MPT: no RoPE, a bias on each score
+//! by the key's distance). Cohere's and MPT's LayerNorms have no bias (a zero one here);
+//! BLOOM's embeddings go through a LayerNorm of their own.
 //!
 //! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = query heads,
 //! Hkv = kv heads, D = head_dim, F = intermediate size.
@@ -23,7 +26,7 @@ use super::shard::Head;
 use super::shard::Lin::{File, Have};
 use super::stack::{Family, Load, Stack};
 use super::{Norm, Uploader, Weight, attend};
-use crate::backend::{Activation, Backend, DeviceBatch};
+use crate::backend::{Activation, Alibi, AttentionOptions, Backend, DeviceBatch};
 use crate::tensor::DType;
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
@@ -91,7 +94,7 @@ impl Shape {
             "mlp_bias": self.mlp_bias,
             "norm_bias": self.norm_bias,
             // GPT-NeoX's fused QKV: per head q, k, v in HF files; [q | k | v] in GGUF ones
-            "qkv_per_head": self.names == "gpt_neox",
+            "qkv_per_head": matches!(self.names, "gpt_neox" | "bloom"),
         });
     }
 }
@@ -200,6 +203,94 @@ pub fn hf_config_gptj(v: &Value, c: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// BLOOM's and MPT's config names, copied to the common ones; their MLPs are 4 (BLOOM) or
+/// `expansion_ratio` (MPT) times the hidden size.
+pub fn hf_prepare_alibi(v: &mut Value) -> Result<()> {
+    for (from, to) in [
+        ("n_embed", "hidden_size"),
+        ("d_model", "hidden_size"),
+        ("n_head", "num_attention_heads"),
+        ("n_heads", "num_attention_heads"),
+        ("n_layer", "num_hidden_layers"),
+        ("n_layers", "num_hidden_layers"),
+        ("max_seq_len", "max_position_embeddings"),
+        ("layer_norm_epsilon", "rms_norm_eps"),
+    ] {
+        if !v[from].is_null() && v[to].is_null() {
+            v[to] = v[from].clone();
+        }
+    }
+    let f = Fields::top(v);
+    let hidden = f.req_usize("hidden_size")?;
+    let ratio = f.usize("expansion_ratio")?.unwrap_or(4);
+    v["intermediate_size"] = hidden
+        .checked_mul(ratio)
+        .context("'hidden_size' is too large")?
+        .into();
+    // NOTE: BLOOM's GELU is the tanh approximation, MPT's the exact one
+    let mpt = v["model_type"] == "mpt";
+    v["hidden_act"] = if mpt { "gelu" } else { "gelu_pytorch_tanh" }.into();
+    if v["tie_word_embeddings"].is_null() {
+        v["tie_word_embeddings"] = true.into();
+    }
+    Ok(())
+}
+
+/// `model_type: bloom`: ALiBi, the embeddings' LayerNorm, biases everywhere.
+pub fn hf_config_bloom(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    if Fields::top(v).bool("apply_residual_connection_post_layernorm")? == Some(true) {
+        bail!("bloom with apply_residual_connection_post_layernorm: true is not supported");
+    }
+    Shape {
+        names: "bloom",
+        parallel: false,
+        two_norms: true,
+        qkv_bias: true,
+        o_bias: true,
+        mlp_bias: true,
+        norm_bias: true,
+    }
+    .set(c);
+    c.extra["alibi_max_bias"] = 8.0.into();
+    Ok(())
+}
+
+/// `model_type: mpt`: ALiBi (`attn_config`), biases unless `no_bias`.
+pub fn hf_config_mpt(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    let f = Fields::top(v);
+    let a = f
+        .object("attn_config")?
+        .context("mpt's config has no attn_config")?;
+    if a.bool("alibi")? != Some(true) {
+        bail!("mpt without alibi (learned positions) is not supported");
+    }
+    if a.f64("clip_qkv")?.is_some() {
+        bail!("mpt with clip_qkv is not supported");
+    }
+    if a.bool("qk_ln")? == Some(true) {
+        bail!("mpt with qk_ln: true is not supported");
+    }
+    let bias = !f.bool("no_bias")?.unwrap_or(true);
+    Shape {
+        names: "mpt",
+        parallel: false,
+        two_norms: true,
+        qkv_bias: bias,
+        o_bias: bias,
+        mlp_bias: bias,
+        norm_bias: bias,
+    }
+    .set(c);
+    c.attn_scale = a.f64("softmax_scale")?.or(c.attn_scale);
+    // NOTE: MPT's own code multiplies the logits by `logit_scale` where it is set
+    c.logit_scale = match f.get("logit_scale").as_str() {
+        Some("inv_sqrt_d_model") => Some(1.0 / (c.hidden_size as f64).sqrt()),
+        _ => f.f64("logit_scale")?,
+    };
+    c.extra["alibi_max_bias"] = a.f64("alibi_bias_max")?.unwrap_or(8.0).into();
+    Ok(())
+}
+
 /// llama.cpp's files of these families: `gptneox`, `stablelm`, `starcoder2` and `command-r`.
 /// Which biases and norms exist is read off layer 0's tensors.
 pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> {
@@ -222,6 +313,8 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
             "gptneox" => "gpt_neox",
             "starcoder2" => "starcoder2",
             "gptj" => "gptj",
+            "bloom" => "bloom",
+            "mpt" => "mpt",
             _ => "model",
         },
         parallel,
@@ -236,10 +329,20 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
     c.hidden_act = match arch {
         // NOTE: Pythia's "gelu" is the exact one (llama.cpp computes the tanh approximation)
         "gptneox" => Activation::Gelu,
-        "starcoder2" | "gptj" => Activation::GeluTanh,
+        "starcoder2" | "gptj" | "bloom" => Activation::GeluTanh,
+        "mpt" => Activation::Gelu,
         _ => Activation::Silu,
     };
     c.rope_interleaved = matches!(arch, "command-r" | "gptj");
+    if matches!(arch, "bloom" | "mpt") {
+        let key = format!("{arch}.attention.max_alibi_bias");
+        c.extra["alibi_max_bias"] = g.meta_f64(&key)?.unwrap_or(8.0).into();
+        if g.meta_f64(&format!("{arch}.attention.clamp_kqv"))?
+            .is_some()
+        {
+            bail!("{arch} with clamp_kqv (clip_qkv) is not supported");
+        }
+    }
     if arch == "command-r" {
         c.logit_scale = Some(g.meta_f64("command-r.logit_scale")?.unwrap_or(0.0625));
     }
@@ -255,8 +358,11 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
 pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
     ALL.iter().find_map(|n| {
         let head_bias = n.head.replace(".weight", ".bias");
+        let en = n.embed_norm.unwrap_or("-");
         let globals = [
             (n.embed, "token_embd.weight"),
+            (&format!("{en}.weight"), "token_embd_norm.weight"),
+            (&format!("{en}.bias"), "token_embd_norm.bias"),
             (&format!("{}.weight", n.norm), "output_norm.weight"),
             (&format!("{}.bias", n.norm), "output_norm.bias"),
             (n.head, "output.weight"),
@@ -264,7 +370,7 @@ pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
         ];
         let mut blocks = vec![
             (n.ln1, "attn_norm", None),
-            ("post_attention_layernorm", "ffn_norm", None),
+            (n.ln2, "ffn_norm", None),
             (n.o, "attn_output", None),
             (n.up, "ffn_up", None),
             (n.down, "ffn_down", None),
@@ -301,7 +407,10 @@ struct Names {
     layers: &'static str,
     norm: &'static str,
     head: &'static str,
+    /// A LayerNorm on the embeddings (BLOOM).
+    embed_norm: Option<&'static str>,
     ln1: &'static str,
+    ln2: &'static str,
     qkv: Qkv,
     o: &'static str,
     gate: Option<&'static str>,
@@ -315,7 +424,9 @@ const MODEL: Names = Names {
     layers: "model.layers.",
     norm: "model.norm",
     head: "lm_head.weight",
+    embed_norm: None,
     ln1: "input_layernorm",
+    ln2: "post_attention_layernorm",
     qkv: Qkv::Split("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     o: "self_attn.o_proj",
     gate: Some("mlp.gate_proj"),
@@ -323,7 +434,7 @@ const MODEL: Names = Names {
     down: "mlp.down_proj",
 };
 
-const ALL: [Names; 4] = [
+const ALL: [Names; 6] = [
     MODEL,
     Names {
         key: "starcoder2",
@@ -338,7 +449,9 @@ const ALL: [Names; 4] = [
         layers: "gpt_neox.layers.",
         norm: "gpt_neox.final_layer_norm",
         head: "embed_out.weight",
+        embed_norm: None,
         ln1: "input_layernorm",
+        ln2: "post_attention_layernorm",
         qkv: Qkv::Fused("attention.query_key_value"),
         o: "attention.dense",
         gate: None,
@@ -351,12 +464,44 @@ const ALL: [Names; 4] = [
         layers: "transformer.h.",
         norm: "transformer.ln_f",
         head: "lm_head.weight",
+        embed_norm: None,
         ln1: "ln_1",
+        ln2: "ln_2",
         qkv: Qkv::Split("attn.q_proj", "attn.k_proj", "attn.v_proj"),
         o: "attn.out_proj",
         gate: None,
         up: "mlp.fc_in",
         down: "mlp.fc_out",
+    },
+    Names {
+        key: "bloom",
+        embed: "transformer.word_embeddings.weight",
+        layers: "transformer.h.",
+        norm: "transformer.ln_f",
+        head: "lm_head.weight",
+        embed_norm: Some("transformer.word_embeddings_layernorm"),
+        ln1: "input_layernorm",
+        ln2: "post_attention_layernorm",
+        qkv: Qkv::Fused("self_attention.query_key_value"),
+        o: "self_attention.dense",
+        gate: None,
+        up: "mlp.dense_h_to_4h",
+        down: "mlp.dense_4h_to_h",
+    },
+    Names {
+        key: "mpt",
+        embed: "transformer.wte.weight",
+        layers: "transformer.blocks.",
+        norm: "transformer.norm_f",
+        head: "lm_head.weight",
+        embed_norm: None,
+        ln1: "norm_1",
+        ln2: "norm_2",
+        qkv: Qkv::Fused("attn.Wqkv"),
+        o: "attn.out_proj",
+        gate: None,
+        up: "ffn.up_proj",
+        down: "ffn.down_proj",
     },
 ];
 
@@ -389,8 +534,10 @@ pub struct NeoX<B: Backend> {
     stack: Stack<B>,
     gated: bool,
     layers: Vec<Layer<B>>,
-    rope_cos: B::Buf, // [max_positions, D / 2]
-    rope_sin: B::Buf,
+    /// BLOOM's LayerNorm of the embeddings, on the first stage.
+    embed_norm: Option<Norm<B>>,
+    /// The cos and sin tables `[max_positions, D / 2]`; `None` with ALiBi.
+    rope: Option<(B::Buf, B::Buf)>,
 }
 
 impl<B: Backend> NeoX<B> {
@@ -494,7 +641,7 @@ impl<B: Backend> NeoX<B> {
             };
             let w_down = sh.down(&up, File(&n(&format!("{}.weight", names.down)), [hid, f]))?;
             let ln2 = match flag(c, "two_norms") {
-                true => Some(ln(&mut up, &n("post_attention_layernorm"))?),
+                true => Some(ln(&mut up, &n(names.ln2))?),
                 false => None,
             };
             let (o_bias, down_bias) = (
@@ -515,6 +662,10 @@ impl<B: Backend> NeoX<B> {
             });
             progress(l - place.layers.start + 2, total);
         }
+        let embed_norm = match (names.embed_norm, place.first_stage()) {
+            (Some(name), true) => Some(ln(&mut up, name)?),
+            _ => None,
+        };
         let head = match place.last_stage() {
             true => {
                 let table = (embed.is_some(), names.embed);
@@ -524,13 +675,21 @@ impl<B: Backend> NeoX<B> {
             false => None,
         };
         progress(total, total);
-        let (rope_cos, rope_sin) = super::rope::upload(backend, c, c.rope_theta, max_positions)?;
+        let rope = match c.extra["alibi_max_bias"].is_null() {
+            true => Some(super::rope::upload(
+                backend,
+                c,
+                c.rope_theta,
+                max_positions,
+            )?),
+            false => None,
+        };
         Ok(NeoX {
             gated,
+            embed_norm,
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
-            rope_cos,
-            rope_sin,
+            rope,
         })
     }
 }
@@ -548,6 +707,17 @@ impl<B: Backend> Family<B> for NeoX<B> {
         let gated = self.gated;
         let mut x = s.input(backend, batch)?; // [T, hidden] residual stream
         let mut ha = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] ln1(x)
+        if let Some(n) = &self.embed_norm {
+            n.apply(backend, &x, t, hid, eps, &mut ha)?;
+            std::mem::swap(&mut x, &mut ha);
+        }
+        // NOTE: ALiBi's slopes are those of the model's heads: this rank's start at its first
+        let alibi = c.extra["alibi_max_bias"].as_f64().map(|b| Alibi {
+            num_heads: c.num_heads as u32,
+            first_head: s.shard.heads.q.start as u32,
+            max_bias: b as f32,
+            scale: 1.0,
+        });
         let mut hm = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] ln2(x)
         let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
         let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
@@ -566,10 +736,13 @@ impl<B: Backend> Family<B> for NeoX<B> {
                 kv,
                 j,
                 &mut qkv,
-                Some((&self.rope_cos, &self.rope_sin)),
+                self.rope.as_ref().map(|(cos, sin)| (cos, sin)),
                 batch,
                 ql,
-                c.attention_options(l),
+                AttentionOptions {
+                    alibi,
+                    ..c.attention_options(l)
+                },
                 &mut attn,
             )?;
             backend.matmul(&attn, &w.w_o, w.b_o.as_ref(), t, ql.q_len(), hid, &mut oa)?;
@@ -616,7 +789,8 @@ mod tests {
 
     /// The configs on the hub predate transformers 5's `rope_parameters`: Pythia's
     /// `rotary_pct` and `rotary_emb_base`, StableLM's top-level `partial_rotary_factor` and
-    /// `rope_theta`, GPT-J's `rotary_dim`; what is not supported is refused by name.
+    /// `rope_theta`, GPT-J's `rotary_dim`, BLOOM's and MPT's own names; what is not supported
+    /// is refused by name.
     #[test]
     fn hub_configs_read_as_their_families_mean_them() {
         let neox = hf_config(&json!({
@@ -673,6 +847,37 @@ mod tests {
         assert_eq!(hf_config(&odd).unwrap().rotary_dim, Some(38));
         odd["partial_rotary_factor"] = 1.5.into();
         assert!(hf_config(&odd).is_err());
+        // BLOOM's and MPT's names; what MPT has and this graph has not is refused by name
+        let bloom = hf_config(&json!({
+            "model_type": "bloom", "n_embed": 1024, "n_head": 16, "n_layer": 24,
+            "vocab_size": 250880, "layer_norm_epsilon": 1e-5,
+        }))
+        .unwrap();
+        assert_eq!((bloom.intermediate_size, bloom.num_layers), (4096, 24));
+        assert_eq!(bloom.extra["alibi_max_bias"], 8.0);
+        assert!(bloom.tie_word_embeddings);
+        let mpt = json!({
+            "model_type": "mpt", "d_model": 4096, "n_heads": 32, "n_layers": 32,
+            "expansion_ratio": 4, "max_seq_len": 2048, "vocab_size": 50432, "no_bias": true,
+            "attn_config": {"alibi": true, "alibi_bias_max": 8, "clip_qkv": null},
+            "logit_scale": "inv_sqrt_d_model",
+        });
+        let c = hf_config(&mpt).unwrap();
+        assert_eq!(
+            (c.intermediate_size, c.max_position_embeddings),
+            (16384, 2048)
+        );
+        assert_eq!(c.logit_scale, Some(1.0 / 64.0));
+        for (key, value, says) in [
+            ("clip_qkv", json!(6.0), "clip_qkv"),
+            ("alibi", json!(false), "without alibi"),
+            ("qk_ln", json!(true), "qk_ln"),
+        ] {
+            let mut bad = mpt.clone();
+            bad["attn_config"][key] = value;
+            let e = hf_config(&bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
         // a Llama with partial rotary would need its loader to reorder Q and K: refused
         let e = hf_config(&json!({
             "model_type": "llama", "hidden_size": 64, "intermediate_size": 64,

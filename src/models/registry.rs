@@ -167,6 +167,26 @@ pub static FAMILIES: &[Family] = &[
         gguf_tensor_name: super::olmo2::gguf_tensor_name,
     },
     Family {
+        arch: Arch::Bloom,
+        name: "bloom",
+        hf_model_types: &["bloom"],
+        gguf_architectures: &["bloom"],
+        hf_prepare: super::neox::hf_prepare_alibi,
+        hf_config: super::neox::hf_config_bloom,
+        gguf_config: super::neox::gguf_config,
+        gguf_tensor_name: super::neox::gguf_tensor_name,
+    },
+    Family {
+        arch: Arch::Mpt,
+        name: "mpt",
+        hf_model_types: &["mpt"],
+        gguf_architectures: &["mpt"],
+        hf_prepare: super::neox::hf_prepare_alibi,
+        hf_config: super::neox::hf_config_mpt,
+        gguf_config: super::neox::gguf_config,
+        gguf_tensor_name: super::neox::gguf_tensor_name,
+    },
+    Family {
         arch: Arch::GptNeoX,
         name: "gpt_neox",
         hf_model_types: &["gpt_neox"],
@@ -322,9 +342,13 @@ pub fn load_shard<B: Backend>(
         Arch::Olmo2 => Box::new(Olmo2::load(ld, progress)?),
         Arch::Gpt2 | Arch::GptBigCode => Box::new(Gpt2::load(ld, progress)?),
         Arch::Falcon => Box::new(Falcon::load(ld, progress)?),
-        Arch::GptNeoX | Arch::GptJ | Arch::StableLm | Arch::Starcoder2 | Arch::Cohere => {
-            Box::new(NeoX::load(ld, progress)?)
-        }
+        Arch::GptNeoX
+        | Arch::GptJ
+        | Arch::StableLm
+        | Arch::Starcoder2
+        | Arch::Cohere
+        | Arch::Bloom
+        | Arch::Mpt => Box::new(NeoX::load(ld, progress)?),
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Granite => {
             Box::new(Llama::load(ld, progress)?)
         }

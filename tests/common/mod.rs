@@ -27,6 +27,8 @@ pub const TINY_FAMILIES: &[&str] = &[
     "gpt-bigcode",
     "gptj",
     "olmo2",
+    "bloom",
+    "mpt",
 ];
 
 /// A model under `$PAGODA_CACHE/models`; fails (never skips) when it is missing.

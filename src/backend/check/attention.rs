@@ -2,7 +2,9 @@
 //! batches, sliding windows, soft caps, every KV type, with the cache written by `write_kv`.
 
 use super::util::{rand_vec, rounded};
-use crate::backend::{AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout};
+use crate::backend::{
+    Alibi, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkvLayout,
+};
 use crate::tensor::DType;
 use anyhow::Result;
 use rand_chacha::ChaCha8Rng;
@@ -83,6 +85,25 @@ fn attention_tolerance(kv: DType, seqs: &[(usize, usize)]) -> f64 {
 /// Plain causal attention over each sequence's rows in position order (its cached prefix, then
 /// this step's rows), keys limited to the window and scores soft-capped as asked; then the K
 /// cache as `write_kv` must leave it.
+/// ALiBi's slope of this rank's head `hq`, as BLOOM's `build_alibi_tensor` writes it: the
+/// powers 1, 2, .. of `2^(−b/p)` for the first `p` heads (`p` the largest power of two not
+/// above the heads), then the odd powers 1, 3, .. of `2^(−b/(2p))`.
+fn alibi_slope(a: &Alibi, hq: usize) -> f64 {
+    let n = a.num_heads as usize;
+    let p = (0..)
+        .map(|i| 1usize << i)
+        .take_while(|&x| x <= n)
+        .last()
+        .unwrap();
+    let b = a.max_bias as f64;
+    let mut slopes: Vec<f64> = (1..=p)
+        .map(|i| (2f64).powf(-b / p as f64).powi(i as i32))
+        .collect();
+    let extra = (2f64).powf(-b / (2 * p) as f64);
+    slopes.extend((0..n - p).map(|i| extra.powi(2 * i as i32 + 1)));
+    slopes[a.first_head as usize + hq] * a.scale as f64
+}
+
 fn attention_reference(
     layout: &QkvLayout,
     kv: &KvLayout,
@@ -127,8 +148,12 @@ fn attention_reference(
                             .map(|(a, b)| *a as f64 * stored(*b))
                             .sum::<f64>()
                             * opts.scale as f64;
-                        match opts.logit_softcap {
+                        let sc = match opts.logit_softcap {
                             Some(cap) => cap as f64 * (sc / cap as f64).tanh(),
+                            None => sc,
+                        };
+                        match &opts.alibi {
+                            Some(a) => sc + alibi_slope(a, hq) * (j as f64 - p as f64),
                             None => sc,
                         }
                     })
@@ -474,6 +499,67 @@ pub(super) fn cases<C: From<Attention>>(
             DType::F8E4M3,
         ),
     ];
+    // ALiBi: heads that are not a power of two (slopes past it), a rank's heads of a split
+    // model (its first head 4 of 12), Falcon's scaled slopes, with a window, decode splits
+    // and prefill on tensor cores
+    let alibi = |num_heads, first_head, scale| Alibi {
+        num_heads,
+        first_head,
+        max_bias: 8.0,
+        scale,
+    };
+    let alibi_cases: &[(AttnCase, Option<usize>, DType, Alibi)] = &[
+        (
+            ("alibi, mixed", 16, 6, 6, 32, &[(0, 20), (30, 1), (7, 4)]),
+            None,
+            DType::F32,
+            alibi(6, 0, 1.0),
+        ),
+        (
+            (
+                "alibi rank 2 of 3, decode",
+                16,
+                4,
+                1,
+                64,
+                &[(900, 1), (3, 1)],
+            ),
+            None,
+            DType::F32,
+            alibi(12, 4, 0.125),
+        ),
+        (
+            ("alibi, window 9", 8, 8, 8, 16, &[(0, 30), (40, 1)]),
+            Some(9),
+            DType::F32,
+            alibi(8, 0, 1.0),
+        ),
+        (
+            ("alibi, prefill", 16, 12, 4, 64, &[(5, 70), (0, 33)]),
+            None,
+            DType::F16,
+            alibi(12, 0, 1.0),
+        ),
+    ];
+    for &(c, window, dtype, a) in alibi_cases {
+        let (name, bs, h, hkv, d, seqs) = c;
+        let layout = QkvLayout {
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_dim: d,
+        };
+        let opts = AttentionOptions {
+            sliding_window: window,
+            alibi: Some(a),
+            ..AttentionOptions::new(1.0 / (d as f32).sqrt())
+        };
+        out.push((
+            "write_kv+attention".into(),
+            format!("{} KV, {name}: bs={bs} h={h} hkv={hkv} d={d}", dtype.name()),
+            attention_tolerance(dtype, seqs),
+            C::from(attention_case(r, layout, bs, seqs, opts, dtype)),
+        ));
+    }
     let plain = attn.iter().map(|c| (c, None, None, DType::F32));
     let windowed = windowed.iter().map(|(c, w, s)| (c, *w, *s, DType::F32));
     let half = half.iter().map(|(c, w, t)| (c, *w, None, *t));
@@ -488,6 +574,7 @@ pub(super) fn cases<C: From<Attention>>(
             scale: 1.0 / (d as f32).sqrt(),
             sliding_window: window,
             logit_softcap: cap,
+            alibi: None,
         };
         let kv = match dtype {
             DType::F32 => String::new(),

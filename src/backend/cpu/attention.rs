@@ -147,14 +147,22 @@ impl<T: Elem> AttnTask<'_, T> {
                 }
             }
         }
-        for row in scores.chunks_mut(nk) {
+        for (r, row) in scores.chunks_mut(nk).enumerate() {
             let row = &mut row[..n_keys];
-            let max = match P {
+            let mut max = match P {
                 // SAFETY: the CPU has AVX2 (run_on).
                 #[cfg(target_arch = "x86_64")]
                 AVX2 | AVX512 if softcap <= 0.0 => unsafe { x86::scale_max_avx2(row, scale) },
                 _ => scale_max(row, scale, softcap),
             };
+            if let Some(a) = opts.alibi {
+                // key k0 + j of the row at position end - 1
+                let slope = a.slope(g * rep + r);
+                for (j, sc) in row.iter_mut().enumerate() {
+                    *sc = slope.mul_add((k0 + j) as f32 - (end - 1) as f32, *sc);
+                }
+                max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            }
             let sum = match P {
                 // SAFETY: the CPU has the path's features (run_on).
                 #[cfg(target_arch = "x86_64")]
@@ -701,6 +709,7 @@ mod tests {
                         scale: 0.3,
                         sliding_window: window,
                         logit_softcap: None,
+                        alibi: None,
                     },
                     qkv: &qkv,
                     scale: 0.3,

@@ -7,7 +7,7 @@ use super::plan::{
 };
 use super::{Arg, Elem, GpuBackend, GpuBuf, GpuRuntime, kernels, u32_arg};
 use crate::backend::args;
-use crate::backend::{AttentionOptions, DeviceBatch, KvLayout, QkvLayout};
+use crate::backend::{Alibi, AttentionOptions, DeviceBatch, KvLayout, QkvLayout};
 use anyhow::{Result, ensure};
 
 impl<R: GpuRuntime> GpuBackend<R> {
@@ -24,6 +24,8 @@ impl<R: GpuRuntime> GpuBackend<R> {
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
         let (window, softcap) = (opts.window_u32()?, opts.softcap_f32()?);
+        let (a_scale, a_l0, a_p, a_h0) = Alibi::kernel_args(opts.alibi);
+        let alibi = [Arg::F(a_scale), Arg::F(a_l0), Arg::U(a_p), Arg::U(a_h0)];
         self.rt.bind()?;
         let b = &batch.host;
         let (d, h, hkv, bs) = (
@@ -45,6 +47,13 @@ impl<R: GpuRuntime> GpuBackend<R> {
             "paged_attention: K and V caches of different types"
         );
         let kv_type = k_cache.elem.kernel_suffix()?;
+        // NOTE: a K or V row is read in 16-byte chunks: 16 fp8 values.
+        let per_chunk = 16 / k_cache.elem.size();
+        ensure!(
+            d % per_chunk == 0,
+            "paged_attention: head size {d} with a {kv_type} KV cache is not supported (a multiple \
+             of {per_chunk} is)"
+        );
         batch.shape.check_kv(kv.num_blocks, bs, b.max_blocks)?;
         let max_q = batch.shape.max_query_len;
         if t_rows == 0 || b.num_seqs() == 0 {
@@ -142,6 +151,7 @@ impl<R: GpuRuntime> GpuBackend<R> {
                     u32_arg(p.part_size, "partition")?,
                     u32_arg(p.num_splits, "splits")?,
                 ]);
+                args.extend(alibi);
                 self.launch(
                     &format!("paged_attention_decode_{kv_type}_d{d}"),
                     [
@@ -175,6 +185,7 @@ impl<R: GpuRuntime> GpuBackend<R> {
                     u32_arg(p.part_size, "partition")?,
                     u32_arg(p.num_splits, "splits")?,
                 ]);
+                args.extend(alibi);
                 self.launch(
                     &mma_kernel.unwrap_or_else(|| format!("paged_attention_{kv_type}")),
                     [

@@ -5,7 +5,7 @@
 use super::device::Bind;
 use super::kernels::Kernel;
 use super::{WgpuBackend, WgpuBuf, rows};
-use crate::backend::{AttentionOptions, DeviceBatch, KvLayout, QkvLayout, args};
+use crate::backend::{Alibi, AttentionOptions, DeviceBatch, KvLayout, QkvLayout, args};
 use anyhow::{Result, ensure};
 
 impl WgpuBackend {
@@ -21,6 +21,7 @@ impl WgpuBackend {
         out: &mut WgpuBuf,
     ) -> Result<()> {
         let (window, softcap) = (opts.window_u32()?, opts.softcap_f32()?);
+        let (a_scale, a_l0, a_p, a_h0) = Alibi::kernel_args(opts.alibi);
         let b = &batch.host;
         let (d, h, hkv, bs) = (
             layout.head_dim,
@@ -88,6 +89,10 @@ impl WgpuBackend {
                     opts.scale.to_bits(),
                     window,
                     softcap.to_bits(),
+                    a_scale.to_bits(),
+                    a_l0.to_bits(),
+                    a_p,
+                    a_h0,
                 ];
                 let st = match &state {
                     Some(s) => rows(s, 0, n, state_row),
