@@ -562,7 +562,7 @@ impl<B: Backend> NeoX<B> {
             let w = up.weight(&format!("{name}.weight"), &[hid], DType::F32)?;
             let b = match flag(c, "norm_bias") {
                 true => up.weight(&format!("{name}.bias"), &[hid], DType::F32)?,
-                // NOTE: Cohere's LayerNorm has no bias: a zero one
+                // NOTE: Cohere's and MPT's LayerNorms have no bias: a zero one
                 false => up.backend.upload_f32(&vec![0.0; hid])?,
             };
             Ok(Norm::Layer(w, b))

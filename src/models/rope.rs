@@ -113,7 +113,7 @@ pub fn head_order(cfg: &ModelConfig) -> Option<Vec<usize>> {
         return None;
     }
     let (half, rh) = (d / 2, r / 2);
-    let pass = d - r; // passed dimensions, split between the two halves
+    // the passed dimensions r.. fill the two halves' ends, first half first
     let first_pass = half - rh;
     Some(
         (0..d)
@@ -123,10 +123,7 @@ pub fn head_order(cfg: &ModelConfig) -> Option<Vec<usize>> {
                 (false, true) if cfg.rope_interleaved => 2 * (j - half) + 1,
                 (false, true) => rh + (j - half),
                 (true, false) => r + (j - rh),
-                (false, false) => {
-                    debug_assert!(pass >= first_pass);
-                    r + first_pass + (j - half - rh)
-                }
+                (false, false) => r + first_pass + (j - half - rh),
             })
             .collect(),
     )
