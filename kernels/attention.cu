@@ -318,12 +318,10 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
 
     // this lane's two rows: the warp's slice, rows qd and qd + 8; a row past the tile sees no key
     u32 row_keys[2];
-    float slope[2];  // ALiBi's, of the row's query head
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
         const u32 lr = warp * 16 + qd + 8 * h;
         row_keys[h] = lr < nr ? base_keys + lr / rep : 0;
-        slope[h] = alibi_scale != 0.0f ? alibi_slope(PG_ALIBI_ARGS, g * rep + lr % rep) : 0.0f;
     }
     const bool active = warp * 16 < nr;  // the same for every lane of a warp
     float o[ND][4];
@@ -399,7 +397,11 @@ __device__ __forceinline__ void paged_attention_mma(const float* __restrict__ qk
                     const u32 h = i / 2, key = kt0 + n * 8 + 2 * qt + i % 2;
                     float v = sc[n][i] * scale;
                     if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
-                    v += slope[h] * ((float)key - (float)row_keys[h] + 1.0f);
+                    // NOTE: the slope is recomputed here, not kept: at head size 256 two more
+                    // live registers spill
+                    if (alibi_scale != 0.0f)
+                        v += alibi_slope(PG_ALIBI_ARGS, g * rep + (warp * 16 + qd + 8 * h) % rep) *
+                             ((float)key - (float)row_keys[h] + 1.0f);
                     const bool seen = key < kt0 + nk && key < row_keys[h] && (window == 0 || key + window >= row_keys[h]);
                     sc[n][i] = seen ? v : PG_NEG_INF;
                     mx[h] = fmaxf(mx[h], sc[n][i]);
