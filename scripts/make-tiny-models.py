@@ -4,7 +4,7 @@
 Writes tests/data/tiny/<name>/ (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json) for mistral, qwen3, gemma3, phi3, phi3-longrope, gpt2,
 falcon, falcon-new, falcon-untied, granite, gpt-neox, stablelm, starcoder2, cohere,
-gpt-bigcode, gptj, olmo2, bloom, mpt, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
+gpt-bigcode, gptj, olmo2, bloom, mpt, falcon-rw, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
 
 usage: make-tiny-models.py [--out tests/data/tiny] [--only NAME ...]
 
@@ -179,12 +179,13 @@ def specs(ids):
             layer_norm_eps=1e-5, hidden_act="gelu", use_parallel_residual=True, attention_bias=True,
             tie_word_embeddings=False, **common), 1100,
             {"init": dict(emb_std=0.6, head_std=1.2, w_std=0.4, norm_offset={"final_layer_norm.": 1.0})}),
-        # StableLM 2's layout: a quarter of the head rotated, Q/K/V biases, sequential residual
+        # StableLM 2's layout: a quarter of the head rotated, Q/K/V biases, sequential residual,
+        # a LayerNorm of each Q and K head (12B's qk_layernorm)
         "stablelm": ("stablelm", dict(
             hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-            layer_norm_eps=1e-5, use_qkv_bias=True, qk_layernorm=False, use_parallel_residual=False,
+            layer_norm_eps=1e-5, use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=False,
             tie_word_embeddings=False, **common), 1200,
             {"init": dict(emb_std=0.6, head_std=1.2, norm_offset={"model.norm.": 1.0})}),
         # StarCoder2: biases everywhere, LayerNorm, a GELU MLP, a sliding window
@@ -195,12 +196,13 @@ def specs(ids):
             use_bias=True, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, **common), 1300,
             {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"model.norm.": 1.0})}),
         # Command-R: one LayerNorm without bias feeding attention and MLP in parallel,
-        # interleaved RoPE, scaled logits
+        # interleaved RoPE, scaled logits, a LayerNorm of each Q and K head (Command R+'s
+        # use_qk_norm)
         "cohere": ("cohere", dict(
             hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, layer_norm_eps=1e-5,
-            logit_scale=0.25, use_qk_norm=False, tie_word_embeddings=True, **common), 1400,
+            logit_scale=0.25, use_qk_norm=True, tie_word_embeddings=True, **common), 1400,
             {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"model.norm.": 1.0})}),
         # StarCoder's layout: GPT-2 with one KV head and Linear weights
         "gpt-bigcode": ("gpt_bigcode", dict(
@@ -243,6 +245,16 @@ def specs(ids):
             max_position_embeddings=256, rope_theta=10000.0, layer_norm_epsilon=1e-5,
             tie_word_embeddings=False, **common), 900,
             {"init": dict(emb_std=0.6, head_std=1.2, w_std=0.4, norm_offset={"ln_f.": 1.0})}),
+        # Falcon-RW: ALiBi added before the attention scale, per-head fused QKV (multi-head),
+        # sequential residual, biases. NOTE: transformers' eager path adds the bias twice (once
+        # in the mask it builds, once in the attention), its SDPA path once, as the original
+        # code did: the goldens come from SDPA. It rounds slope * position to bf16, which is
+        # exact for these 4 heads (slopes are powers of two) below position 256.
+        "falcon-rw": ("falcon", dict(
+            hidden_size=64, num_hidden_layers=3, num_attention_heads=4, new_decoder_architecture=False,
+            multi_query=False, parallel_attn=False, bias=True, alibi=True, ffn_hidden_size=128,
+            max_position_embeddings=256, layer_norm_epsilon=1e-5, tie_word_embeddings=True, **common), 2000,
+            {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"ln_f.": 1.0}), "attn": "sdpa"}),
     }
 
 
@@ -259,7 +271,7 @@ def randomize(model, model_type, seed, emb_std=0.6, head_std=None, norm_offset=N
             n = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if name.endswith("bias"):
                 p.copy_(BIAS_STD * n)
-            elif p.dim() == 1:  # norm weight
+            elif p.dim() == 1 or name.endswith(("q_norm.weight", "k_norm.weight")):  # norm weight
                 v = NORM_STD * n if model_type == "gemma3_text" else 1.0 + NORM_STD * n
                 for k, off in (norm_offset or {}).items():
                     if k in name:
@@ -273,8 +285,8 @@ def randomize(model, model_type, seed, emb_std=0.6, head_std=None, norm_offset=N
                 p.copy_(w_std * n)
 
 
-def load(path, **overrides):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+def load(path, attn="eager", **overrides):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
                                                 **overrides).eval()
 
 
@@ -391,14 +403,15 @@ def build(name, mt, kw, seed0, extra, tok, out_dir, tmp_root, cases_prompts):
     for seed in range(seed0, seed0 + 100):  # seed0 + 99 < next model's seed0
         torch.manual_seed(seed)
         cfg = AutoConfig.for_model(mt, vocab_size=tok.get_vocab_size(), initializer_range=W_STD, **kw)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+        attn = extra.get("attn", "eager")
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
         randomize(model, mt, seed, **extra.get("init", {}))
         d = os.path.join(tmp_root, name)
         shutil.rmtree(d, ignore_errors=True)
         model.save_pretrained(d, safe_serialization=True)
         if extra.get("generation_config"):
             GenerationConfig(**extra["generation_config"]).save_pretrained(d)
-        model = load(d)  # what is tested is what was written
+        model = load(d, attn)  # what is tested is what was written
         cases, ok, why = [], True, ""
         window = getattr(model.config, "sliding_window", None)
         wide = load(d, sliding_window=100000) if window else None

@@ -16,6 +16,8 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
   to [q | k | v];
 - gpt-neox: the per-head fused QKV rows (weight and bias) reordered to [q | k | v]; the rotated
   dimensions and the parallel residual as keys (stablelm too);
+- stablelm: the per-head Q/K LayerNorms (`q_layernorm.norms.N`) stacked into one `[H, D]` tensor
+  each, as llama.cpp's StableLMModel does;
 - cohere (command-r): `logit_scale` as a key;
 - bloom: the per-head fused QKV reordered as gpt-neox's, the embeddings copied to `output.weight`
   (as llama.cpp's converter does); a context length of 256 (its converter writes `seq_length`,
@@ -25,6 +27,8 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
 - starcoder2: llama.cpp's converter writes no window; the window is written here as
   `starcoder2.attention.sliding_window` (the key llama.cpp reads for every family), so that the
   tiny model's long prompt means the same thing.
+
+Falcon-RW (ALiBi) has no GGUF form: llama.cpp's converter and loader have no such Falcon.
 
 usage: tiny2gguf.py TINY_DIR OUT_DIR     (writes OUT_DIR/<model>.gguf for each model it knows)
 """
@@ -89,10 +93,27 @@ def tokenizer(w, d):
         w.add_chat_template(tc["chat_template"])
 
 
+def stack_norms(weights):
+    """StableLM's per-head norms, `...{q,k}_layernorm.norms.{i}.weight`, as one `[heads, D]`
+    tensor `...{q,k}_layernorm.weight` each (llama.cpp's StableLMModel._stack_qk_norm)."""
+    out, parts = {}, {}
+    for k, a in weights.items():
+        if ".norms." in k:
+            base, i = k.split(".norms.")
+            parts.setdefault(base, {})[int(i.removesuffix(".weight"))] = a
+        else:
+            out[k] = a
+    for base, p in parts.items():
+        out[base + ".weight"] = np.stack([p[i] for i in range(len(p))])
+    return out
+
+
 def convert(name, d, out):
     arch_name, arch = ARCH[name]
     c = json.load(open(os.path.join(d, "config.json")))
     weights = load_file(os.path.join(d, "model.safetensors"))
+    if name == "stablelm":
+        weights = stack_norms(weights)
     n_layer = c.get("num_hidden_layers") or c.get("n_layer") or c.get("n_layers")
     hid = c.get("hidden_size") or c.get("n_embd") or c.get("d_model")
     n_head = c.get("num_attention_heads") or c.get("n_head") or c.get("n_heads")

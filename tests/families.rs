@@ -142,7 +142,7 @@ fn greedy_tokens(backend: BackendKind) {
 /// metadata give the same tokens as the HF directories.
 #[test]
 fn gguf_copies_give_the_same_tokens() {
-    for &m in TINY_FAMILIES {
+    for m in common::gguf_families() {
         let path = common::model_path(&format!("tiny-gguf/{m}.gguf"));
         let model = load_model(&path).unwrap();
         let entries = entries(m);

@@ -819,8 +819,7 @@ fn mutate_gguf(seed: &Gguf, muts: &[GgufMut]) -> (Vec<u8>, Vec<String>) {
 fn gguf_seeds() -> &'static Vec<(String, Gguf)> {
     static SEEDS: OnceLock<Vec<(String, Gguf)>> = OnceLock::new();
     SEEDS.get_or_init(|| {
-        common::TINY_FAMILIES
-            .iter()
+        common::gguf_families()
             .map(|m| {
                 let p = common::model_path(&format!("tiny-gguf/{m}.gguf"));
                 let g = Gguf::parse(&std::fs::read(&p).unwrap());

@@ -90,7 +90,7 @@ pub fn layer_norm(x: usize, w: usize, b: usize, rows: usize, dim: usize, out: us
     Ok(())
 }
 
-/// `qk_norm`: `rows` rows of `qkv`, weights of one head's length.
+/// `qk_norm`: `rows` rows of `qkv`, weights as the span needs them.
 pub fn qk_norm(
     qkv: usize,
     q_w: usize,
@@ -99,9 +99,8 @@ pub fn qk_norm(
     layout: QkvLayout,
     span: super::QkNormSpan,
 ) -> Result<()> {
-    let (_, qs, _, ks) = span.spans(layout);
     ensure!(
-        qkv >= rows * layout.row_len() && q_w == qs && k_w == ks,
+        qkv >= rows * layout.row_len() && (q_w, k_w) == span.weight_lens(layout),
         "qk_norm: bad sizes"
     );
     Ok(())

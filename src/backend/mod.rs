@@ -111,13 +111,16 @@ impl QkvLayout {
     }
 }
 
-/// What [`Backend::qk_norm`] normalises as one.
+/// What [`Backend::qk_norm`] normalises as one, and how.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QkNormSpan {
-    /// Each head (Qwen3, Gemma 3).
+    /// RMSNorm of each head, one weight of `[head_dim]` for all (Qwen3, Gemma 3).
     Head,
-    /// All of q, and all of k (OLMo 2).
+    /// RMSNorm of all of q and of all of k, weights `[H head_dim]` and `[Hkv head_dim]` (OLMo 2).
     All,
+    /// LayerNorm without bias of each head, each with its own weight: `[H head_dim]` and
+    /// `[Hkv head_dim]`, a row per head (StableLM's `qk_layernorm`, Cohere's `use_qk_norm`).
+    HeadLayer,
 }
 
 impl QkNormSpan {
@@ -125,8 +128,27 @@ impl QkNormSpan {
     pub fn spans(self, l: QkvLayout) -> (usize, usize, usize, usize) {
         let d = l.head_dim;
         match self {
-            QkNormSpan::Head => (l.num_heads, d, l.num_kv_heads, d),
+            QkNormSpan::Head | QkNormSpan::HeadLayer => (l.num_heads, d, l.num_kv_heads, d),
             QkNormSpan::All => (1, l.num_heads * d, 1, l.num_kv_heads * d),
+        }
+    }
+
+    /// Whether each span has its own row of the weights (else all share one).
+    pub fn own_weights(self) -> bool {
+        !matches!(self, QkNormSpan::Head)
+    }
+
+    /// Whether the mean is subtracted first (LayerNorm), else RMSNorm.
+    pub fn centered(self) -> bool {
+        self == QkNormSpan::HeadLayer
+    }
+
+    /// The lengths of the q and k weights.
+    pub fn weight_lens(self, l: QkvLayout) -> (usize, usize) {
+        let (nq, qs, nk, ks) = self.spans(l);
+        match self.own_weights() {
+            true => (nq * qs, nk * ks),
+            false => (qs, ks),
         }
     }
 }
@@ -587,9 +609,10 @@ pub trait Backend: Send + Sync + 'static {
     /// `x += y` over the first `n` elements.
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize) -> Result<()>;
 
-    /// RMSNorm of the q and k parts of the fused QKV rows, in place, in spans ([`QkNormSpan`]):
-    /// each q head (Qwen3, Gemma 3) or all of q (OLMo 2) is normalised and multiplied by `q_w`
-    /// (`[head_dim]` or `[H head_dim]`), k likewise by `k_w`; v is left as it is.
+    /// RMSNorm or LayerNorm of the q and k parts of the fused QKV rows, in place, in spans
+    /// ([`QkNormSpan`]): each q head (Qwen3, Gemma 3, StableLM, Cohere) or all of q (OLMo 2) is
+    /// normalised and multiplied by `q_w` (one `[head_dim]`, or a row per span), k likewise by
+    /// `k_w`; v is left as it is.
     #[allow(clippy::too_many_arguments)]
     fn qk_norm(
         &self,

@@ -1,6 +1,8 @@
 //! Falcon (`falcon`): attention and MLP in parallel off the block's LayerNorm (two LayerNorms,
 //! `ln_attn` and `ln_mlp`, in the new decoder architecture), multi-query or grouped KV, RoPE,
-//! a plain GELU MLP, optional biases, tied embeddings. ALiBi variants are refused.
+//! a plain GELU MLP, optional biases, tied embeddings or an output head of its own; RoPE, or
+//! ALiBi (Falcon-RW, `alibi: true`: the bias added before the attention scale, so the slopes
+//! are scaled by it, as the original code and vLLM do).
 //!
 //! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = query heads,
 //! Hkv = kv heads, D = head_dim, F = ffn size.
@@ -12,18 +14,15 @@ use super::shard::Lin::{File, Have};
 use super::shard::{Head, Lin};
 use super::stack::{Family, Load, Stack};
 use super::{Norm, Uploader, attend};
-use crate::backend::{Backend, DeviceBatch};
+use crate::backend::{Alibi, AttentionOptions, Backend, DeviceBatch};
 use crate::tensor::{DType, HostTensor};
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use serde_json::{Value, json};
 
 /// Falcon's own config keys, copied to the common names; the KV heads follow transformers:
 /// `num_kv_heads` in the new architecture, 1 with `multi_query`, else one per query head.
 pub fn hf_prepare(v: &mut Value) -> Result<()> {
     let f = Fields::top(v);
-    if f.bool("alibi")? == Some(true) {
-        bail!("Falcon with alibi: true is not supported (only rotary positions)");
-    }
     let hidden = f.req_usize("hidden_size")?;
     let ffn = match f.usize("ffn_hidden_size")? {
         Some(n) => n,
@@ -69,6 +68,7 @@ pub fn hf_config(v: &Value, c: &mut ModelConfig) -> Result<()> {
         "parallel_attn": parallel || new_arch,
         "two_norms": two_norms,
         "bias": f.bool("bias")?.unwrap_or(false),
+        "alibi": f.bool("alibi")?.unwrap_or(false),
         "qkv_layout": if new_arch {
             "grouped"
         } else if f.bool("multi_query")?.unwrap_or(true) {
@@ -180,8 +180,8 @@ struct Layer<B: Backend> {
 pub struct Falcon<B: Backend> {
     stack: Stack<B>,
     layers: Vec<Layer<B>>,
-    rope_cos: B::Buf,
-    rope_sin: B::Buf,
+    /// The cos and sin tables `[max_positions, D / 2]`; `None` with ALiBi.
+    rope: Option<(B::Buf, B::Buf)>,
 }
 
 impl<B: Backend> Falcon<B> {
@@ -279,12 +279,19 @@ impl<B: Backend> Falcon<B> {
             false => None,
         };
         progress(total, total);
-        let (rope_cos, rope_sin) = super::rope::upload(backend, c, c.rope_theta, max_positions)?;
+        let rope = match flag(c, "alibi") {
+            true => None,
+            false => Some(super::rope::upload(
+                backend,
+                c,
+                c.rope_theta,
+                max_positions,
+            )?),
+        };
         Ok(Falcon {
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
-            rope_cos,
-            rope_sin,
+            rope,
         })
     }
 }
@@ -307,6 +314,13 @@ impl<B: Backend> Family<B> for Falcon<B> {
         let mut u = backend.alloc_scratch_f32(t * f)?; // [T, F]
         let mut oa = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] attention output
         let mut om = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] MLP output
+        // NOTE: Falcon-RW adds the bias to q·k before scaling by 1/sqrt(D): the slopes scaled
+        let alibi = flag(c, "alibi").then(|| Alibi {
+            num_heads: c.num_heads as u32,
+            first_head: s.shard.heads.q.start as u32,
+            max_bias: 8.0,
+            scale: c.attention_scale(),
+        });
 
         for (j, w) in self.layers.iter().enumerate() {
             let l = s.place.layers.start + j;
@@ -325,10 +339,13 @@ impl<B: Backend> Family<B> for Falcon<B> {
                 kv,
                 j,
                 &mut qkv,
-                Some((&self.rope_cos, &self.rope_sin)),
+                self.rope.as_ref().map(|(cos, sin)| (cos, sin)),
                 batch,
                 ql,
-                c.attention_options(l),
+                AttentionOptions {
+                    alibi,
+                    ..c.attention_options(l)
+                },
                 &mut attn,
             )?;
             backend.matmul(&attn, &w.w_o, w.b_o.as_ref(), t, ql.q_len(), hid, &mut oa)?;

@@ -13,7 +13,9 @@
 //! and RoPE over all or part of each head, paired by halves or interleaved (the one RoPE op
 //! after reordering Q and K: `rope.rs`), or ALiBi (BLOOM, MPT: no RoPE, a bias on each score
 //! by the key's distance). Cohere's and MPT's LayerNorms have no bias (a zero one here);
-//! BLOOM's embeddings go through a LayerNorm of their own.
+//! BLOOM's embeddings go through a LayerNorm of their own. StableLM (`qk_layernorm`) and Cohere
+//! (`use_qk_norm`) may normalise each Q and K head before RoPE: a LayerNorm without bias with
+//! weights of its own per head.
 //!
 //! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = query heads,
 //! Hkv = kv heads, D = head_dim, F = intermediate size.
@@ -26,8 +28,8 @@ use super::shard::Head;
 use super::shard::Lin::{File, Have};
 use super::stack::{Family, Load, Stack};
 use super::{Norm, Uploader, Weight, attend};
-use crate::backend::{Activation, Alibi, AttentionOptions, Backend, DeviceBatch};
-use crate::tensor::DType;
+use crate::backend::{Activation, Alibi, AttentionOptions, Backend, DeviceBatch, QkNormSpan};
+use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
@@ -81,6 +83,9 @@ struct Shape {
     o_bias: bool,
     mlp_bias: bool,
     norm_bias: bool,
+    /// A LayerNorm without bias of each Q and K head, each its own weights, before RoPE
+    /// (StableLM's `qk_layernorm`, Cohere's `use_qk_norm`).
+    qk_norm: bool,
 }
 
 impl Shape {
@@ -93,6 +98,7 @@ impl Shape {
             "o_bias": self.o_bias,
             "mlp_bias": self.mlp_bias,
             "norm_bias": self.norm_bias,
+            "qk_norm": self.qk_norm,
             // GPT-NeoX's fused QKV: per head q, k, v in HF files; [q | k | v] in GGUF ones
             "qkv_per_head": matches!(self.names, "gpt_neox" | "bloom"),
         });
@@ -115,6 +121,7 @@ pub fn hf_config_gpt_neox(v: &Value, c: &mut ModelConfig) -> Result<()> {
         o_bias: bias,
         mlp_bias: true,
         norm_bias: true,
+        qk_norm: false,
     }
     .set(c);
     Ok(())
@@ -123,17 +130,15 @@ pub fn hf_config_gpt_neox(v: &Value, c: &mut ModelConfig) -> Result<()> {
 /// `model_type: stablelm`.
 pub fn hf_config_stablelm(v: &Value, c: &mut ModelConfig) -> Result<()> {
     let f = Fields::top(v);
-    if f.bool("qk_layernorm")? == Some(true) {
-        bail!("stablelm with qk_layernorm: true (per-head Q/K LayerNorm) is not supported");
-    }
     hf_rotary(v, c, 0.25)?;
     let parallel = f.bool("use_parallel_residual")?.unwrap_or(false);
     Shape {
-        names: "model",
+        names: "stablelm",
         parallel,
         two_norms: !parallel,
         qkv_bias: f.bool("use_qkv_bias")?.unwrap_or(false),
         norm_bias: true,
+        qk_norm: f.bool("qk_layernorm")?.unwrap_or(false),
         ..Shape::default()
     }
     .set(c);
@@ -152,6 +157,7 @@ pub fn hf_config_starcoder2(v: &Value, c: &mut ModelConfig) -> Result<()> {
         o_bias: bias,
         mlp_bias: bias,
         norm_bias: true,
+        qk_norm: false,
     }
     .set(c);
     Ok(())
@@ -160,9 +166,6 @@ pub fn hf_config_starcoder2(v: &Value, c: &mut ModelConfig) -> Result<()> {
 /// `model_type: cohere`: interleaved RoPE, logits times `logit_scale`.
 pub fn hf_config_cohere(v: &Value, c: &mut ModelConfig) -> Result<()> {
     let f = Fields::top(v);
-    if f.bool("use_qk_norm")? == Some(true) {
-        bail!("cohere with use_qk_norm: true (Command R+) is not supported");
-    }
     c.rope_interleaved = true;
     c.logit_scale = Some(f.f64("logit_scale")?.unwrap_or(0.0625));
     let bias = f.bool("attention_bias")?.unwrap_or(false);
@@ -171,6 +174,7 @@ pub fn hf_config_cohere(v: &Value, c: &mut ModelConfig) -> Result<()> {
         parallel: true,
         qkv_bias: bias,
         o_bias: bias,
+        qk_norm: f.bool("use_qk_norm")?.unwrap_or(false),
         ..Shape::default()
     }
     .set(c);
@@ -249,6 +253,7 @@ pub fn hf_config_bloom(v: &Value, c: &mut ModelConfig) -> Result<()> {
         o_bias: true,
         mlp_bias: true,
         norm_bias: true,
+        qk_norm: false,
     }
     .set(c);
     c.extra["alibi_max_bias"] = 8.0.into();
@@ -279,6 +284,7 @@ pub fn hf_config_mpt(v: &Value, c: &mut ModelConfig) -> Result<()> {
         o_bias: bias,
         mlp_bias: bias,
         norm_bias: bias,
+        qk_norm: false,
     }
     .set(c);
     c.attn_scale = a.f64("softmax_scale")?.or(c.attn_scale);
@@ -315,6 +321,7 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
             "gptj" => "gptj",
             "bloom" => "bloom",
             "mpt" => "mpt",
+            "stablelm" => "stablelm",
             _ => "model",
         },
         parallel,
@@ -323,6 +330,7 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
         o_bias: has("attn_output.bias"),
         mlp_bias: has("ffn_up.bias"),
         norm_bias: has("attn_norm.bias"),
+        qk_norm: has("attn_q_norm.weight"),
     }
     .set(c);
     c.extra["qkv_per_head"] = false.into();
@@ -386,6 +394,7 @@ pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
         if let Some(g) = n.gate {
             blocks.push((g, "ffn_gate", None));
         }
+        blocks.extend([(n.q_norm, "attn_q_norm", None), (n.k_norm, "attn_k_norm", None)]);
         map_name(hf, &globals, n.layers, &blocks)
     })
 }
@@ -416,6 +425,9 @@ struct Names {
     gate: Option<&'static str>,
     up: &'static str,
     down: &'static str,
+    /// The per-head Q and K norms (read by [`per_head_norm`]).
+    q_norm: &'static str,
+    k_norm: &'static str,
 }
 
 const MODEL: Names = Names {
@@ -432,10 +444,18 @@ const MODEL: Names = Names {
     gate: Some("mlp.gate_proj"),
     up: "mlp.up_proj",
     down: "mlp.down_proj",
+    q_norm: "self_attn.q_norm",
+    k_norm: "self_attn.k_norm",
 };
 
-const ALL: [Names; 6] = [
+const ALL: [Names; 7] = [
     MODEL,
+    Names {
+        key: "stablelm",
+        q_norm: "self_attn.q_layernorm",
+        k_norm: "self_attn.k_layernorm",
+        ..MODEL
+    },
     Names {
         key: "starcoder2",
         gate: None,
@@ -457,6 +477,7 @@ const ALL: [Names; 6] = [
         gate: None,
         up: "mlp.dense_h_to_4h",
         down: "mlp.dense_4h_to_h",
+        ..MODEL
     },
     Names {
         key: "gptj",
@@ -472,6 +493,7 @@ const ALL: [Names; 6] = [
         gate: None,
         up: "mlp.fc_in",
         down: "mlp.fc_out",
+        ..MODEL
     },
     Names {
         key: "bloom",
@@ -487,6 +509,7 @@ const ALL: [Names; 6] = [
         gate: None,
         up: "mlp.dense_h_to_4h",
         down: "mlp.dense_4h_to_h",
+        ..MODEL
     },
     Names {
         key: "mpt",
@@ -502,6 +525,7 @@ const ALL: [Names; 6] = [
         gate: None,
         up: "ffn.up_proj",
         down: "ffn.down_proj",
+        ..MODEL
     },
 ];
 
@@ -517,11 +541,34 @@ fn fused_qkv(w: Weight, c: &ModelConfig, per_head: bool) -> Result<Weight> {
     ))
 }
 
+/// A per-head norm's weights `[heads D]`: one tensor `{m}.weight` (`[heads, D]`: Cohere's, and
+/// every GGUF file's, which llama.cpp's converter stacks), or one per head, `{m}.norms.{i}.weight`
+/// (StableLM's HF files); in RoPE's order of each head, as Q and K are.
+fn per_head_norm<B: Backend>(
+    up: &Uploader<B>,
+    m: &str,
+    heads: usize,
+    c: &ModelConfig,
+) -> Result<Weight> {
+    let d = c.head_dim;
+    let t = match up.fetch_opt(&format!("{m}.weight"), &[heads, d])? {
+        Some(t) => t,
+        None => super::stack(
+            (0..heads)
+                .map(|i| up.fetch(&format!("{m}.norms.{i}.weight"), &[d]))
+                .collect::<Result<_>>()?,
+        ),
+    };
+    let t = HostTensor::new(vec![heads * d], t.data);
+    reorder_heads(Weight::dense(t, DType::F32), heads, c)
+}
+
 struct Layer<B: Backend> {
     ln1: Norm<B>,
     ln2: Option<Norm<B>>, // the MLP's norm (two norms, or sequential)
     w_qkv: B::Buf,        // [(H + 2 Hkv) D, hidden] of this rank's heads
     b_qkv: Option<B::Buf>,
+    qk_norm: Option<(B::Buf, B::Buf)>, // [H D], [Hkv D]: each head's LayerNorm weights
     w_o: B::Buf,         // [hidden, H D]
     b_o: Option<B::Buf>, // on tensor rank 0 only (added once to the sum)
     w_up: B::Buf,        // [F, hidden], or [2 F, hidden] gate and up stacked (gated)
@@ -622,6 +669,15 @@ impl<B: Backend> NeoX<B> {
                 }
             };
             let b_qkv = b_qkv.map(|b| up.upload_bias(b)).transpose()?;
+            let qk_norm = match flag(c, "qk_norm") {
+                true => {
+                    let q = per_head_norm(&up, &n(names.q_norm), h, c)?;
+                    let k = per_head_norm(&up, &n(names.k_norm), hkv, c)?;
+                    let (q, k) = sh.qk_rows(q, k)?;
+                    Some((up.upload_bias(q)?, up.upload_bias(k)?))
+                }
+                false => None,
+            };
             let w_o = sh.o_proj(&up, File(&n(&format!("{}.weight", names.o)), [hid, h * d]))?;
             let up_w = n(&format!("{}.weight", names.up));
             let w_up = match names.gate {
@@ -653,6 +709,7 @@ impl<B: Backend> NeoX<B> {
                 ln2,
                 w_qkv: up.upload_linear(w_qkv)?,
                 b_qkv,
+                qk_norm,
                 w_o: up.upload_linear(w_o)?,
                 b_o: row_bias(&mut up, &o_bias, flag(c, "o_bias"))?,
                 w_up: up.upload_linear(w_up)?,
@@ -731,6 +788,9 @@ impl<B: Backend> Family<B> for NeoX<B> {
             w.ln1.apply(backend, &x, t, hid, eps, &mut ha)?;
             let n = ql.row_len();
             backend.matmul(&ha, &w.w_qkv, w.b_qkv.as_ref(), t, hid, n, &mut qkv)?;
+            if let Some((qn, kn)) = &w.qk_norm {
+                backend.qk_norm(&mut qkv, qn, kn, t, ql, QkNormSpan::HeadLayer, eps)?;
+            }
             attend(
                 backend,
                 kv,
@@ -816,8 +876,7 @@ mod tests {
         );
         let mut qk = stablelm.clone();
         qk["qk_layernorm"] = true.into();
-        let e = hf_config(&qk).unwrap_err().to_string();
-        assert!(e.contains("qk_layernorm"), "{e}");
+        assert_eq!(hf_config(&qk).unwrap().extra["qk_norm"], true);
         let gptj = hf_config(&json!({
             "model_type": "gptj", "n_embd": 4096, "n_head": 16, "n_layer": 28,
             "n_positions": 2048, "rotary_dim": 64, "vocab_size": 50400,
@@ -839,8 +898,7 @@ mod tests {
         );
         let mut plus = cohere.clone();
         plus["use_qk_norm"] = true.into();
-        let e = hf_config(&plus).unwrap_err().to_string();
-        assert!(e.contains("use_qk_norm"), "{e}");
+        assert_eq!(hf_config(&plus).unwrap().extra["qk_norm"], true);
         let mut odd = cohere;
         odd["model_type"] = "stablelm".into();
         odd["partial_rotary_factor"] = 0.3.into(); // 128 · 0.3 = 38.4: 38 dimensions

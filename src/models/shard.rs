@@ -124,6 +124,15 @@ impl Shard {
         take(up, w, Part::rows(rows))
     }
 
+    /// This rank's rows of vectors of a row per q head and per kv head (`[H D]`, `[Hkv D]`:
+    /// per-head norm weights).
+    pub fn qk_rows(&self, q: Weight, k: Weight) -> Result<(Weight, Weight)> {
+        Ok((
+            Part::row_range(self.q_rows()).apply(q)?,
+            Part::row_range(self.kv_rows()).apply(k)?,
+        ))
+    }
+
     /// This rank's columns of the attention output projection (`[hidden, H D]`).
     pub fn o_proj<B: Backend>(&self, up: &Uploader<B>, w: Lin) -> Result<Weight> {
         take(up, w, Part::cols(self.q_rows()))

@@ -29,7 +29,14 @@ pub const TINY_FAMILIES: &[&str] = &[
     "olmo2",
     "bloom",
     "mpt",
+    "falcon-rw",
 ];
+
+/// The tiny families with a GGUF copy (`tiny-gguf/`): all but those llama.cpp has no form of
+/// (Falcon with ALiBi).
+pub fn gguf_families() -> impl Iterator<Item = &'static str> {
+    TINY_FAMILIES.iter().copied().filter(|&m| m != "falcon-rw")
+}
 
 /// A model under `$PAGODA_CACHE/models`; fails (never skips) when it is missing.
 pub fn model_path(name: &str) -> PathBuf {

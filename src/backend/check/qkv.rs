@@ -1,5 +1,6 @@
-//! Ops on the fused QKV rows: `rope`, the per-head `qk_norm`, and `rope_write_kv` (RoPE and
-//! the rows' K and V written into the cache at their slots, for every KV type).
+//! Ops on the fused QKV rows: `rope`, `qk_norm` (RMSNorm or LayerNorm, per head or of all of q
+//! and k), and `rope_write_kv` (RoPE and the rows' K and V written into the cache at their
+//! slots, for every KV type).
 
 use super::util::{rand_vec, rms_f64, rounded};
 use crate::backend::{Backend, KvLayout, QkNormSpan, QkvLayout};
@@ -98,21 +99,29 @@ impl QkNorm {
             qw,
             kw,
         } = self;
-        let (d, rl) = (layout.head_dim, layout.row_len());
-        let (h, hkv) = (layout.num_heads, layout.num_kv_heads);
+        let rl = layout.row_len();
+        let (nq, qs, nk, ks) = span.spans(*layout);
+        let own = *span == QkNormSpan::HeadLayer;
         // (first value, length, weight) of each normalised part of a row
-        let parts: Vec<(usize, usize, &Vec<f32>)> = match span {
-            QkNormSpan::Head => (0..h + hkv)
-                .map(|i| (i * d, d, if i < h { qw } else { kw }))
-                .collect(),
-            QkNormSpan::All => vec![(0, h * d, qw), (h * d, hkv * d, kw)],
-        };
+        let mut parts: Vec<(usize, usize, &[f32])> = vec![];
+        for i in 0..nq + nk {
+            let (n, j, w) = match i < nq {
+                true => (qs, i, &qw[..]),
+                false => (ks, i - nq, &kw[..]),
+            };
+            let start = if i < nq { i * qs } else { nq * qs + j * ks };
+            parts.push((start, n, if own { &w[j * n..(j + 1) * n] } else { w }));
+        }
         let mut v = f(x);
         for t in 0..*rows {
             for &(start, n, w) in &parts {
-                let base = t * rl + start;
-                let normed = rms_f64(&v[base..base + n], w, 1e-6);
-                v[base..base + n].copy_from_slice(&normed);
+                let x = &mut v[t * rl + start..][..n];
+                if own {
+                    let mean = x.iter().sum::<f64>() / n as f64;
+                    x.iter_mut().for_each(|x| *x -= mean);
+                }
+                let normed = rms_f64(x, w, 1e-6);
+                x.copy_from_slice(&normed);
             }
         }
         v
@@ -266,8 +275,13 @@ pub(super) fn cases<C: From<Rope> + From<QkNorm> + From<RopeWriteKv>>(
             num_kv_heads: hkv,
             head_dim: d,
         };
-        for span in [QkNormSpan::Head, QkNormSpan::All] {
-            let (_, qs, _, ks) = span.spans(layout);
+        for span in [QkNormSpan::Head, QkNormSpan::All, QkNormSpan::HeadLayer] {
+            let (qn, kn) = span.weight_lens(layout);
+            let mut x = rand_vec(r, rows * layout.row_len());
+            // NOTE: a LayerNorm's inputs off zero mean, so that a missing or wrong mean shows
+            if span.centered() {
+                x.iter_mut().enumerate().for_each(|(i, x)| *x += (i % 7) as f32 * 0.5);
+            }
             out.push((
                 "qk_norm".into(),
                 format!("{rows} rows h={h} hkv={hkv} d={d} {span:?}"),
@@ -276,9 +290,9 @@ pub(super) fn cases<C: From<Rope> + From<QkNorm> + From<RopeWriteKv>>(
                     rows,
                     layout,
                     span,
-                    x: rand_vec(r, rows * layout.row_len()),
-                    qw: rand_vec(r, qs),
-                    kw: rand_vec(r, ks),
+                    x,
+                    qw: rand_vec(r, qn),
+                    kw: rand_vec(r, kn),
                 }),
             ));
         }

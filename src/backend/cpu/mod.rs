@@ -434,14 +434,30 @@ impl Backend for CpuBackend {
         let stride = layout.row_len();
         let (nq, qs, nk, ks) = span.spans(layout);
         args::qk_norm(qkv.len(), qw.len(), kw.len(), rows, layout, span)?;
+        let center = span.centered();
         let norm = |x: &mut [f32], w: &[f32]| {
+            // NOTE: a LayerNorm's variance is that of x - mean, as PyTorch computes it
+            if center {
+                let mean = x.iter().sum::<f32>() / x.len() as f32;
+                x.iter_mut().for_each(|x| *x -= mean);
+            }
             let inv = 1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt();
             x.iter_mut().zip(w).for_each(|(x, w)| *x = *x * inv * w);
         };
+        // the weights of span i: row i, or the one row
+        let (qw_step, kw_step) = match span.own_weights() {
+            true => (qs, ks),
+            false => (0, 0),
+        };
         qkv[..rows * stride].par_chunks_mut(stride).for_each(|row| {
             let (q, rest) = row.split_at_mut(nq * qs);
-            q.chunks_mut(qs).for_each(|x| norm(x, qw));
-            rest[..nk * ks].chunks_mut(ks).for_each(|x| norm(x, kw));
+            q.chunks_mut(qs)
+                .enumerate()
+                .for_each(|(i, x)| norm(x, &qw[i * qw_step..]));
+            rest[..nk * ks]
+                .chunks_mut(ks)
+                .enumerate()
+                .for_each(|(i, x)| norm(x, &kw[i * kw_step..]));
         });
         Ok(())
     }

@@ -73,6 +73,8 @@ impl<R: GpuRuntime> GpuBackend<R> {
                 u32_arg(ks, "k span")?,
                 u32_arg(layout.row_len(), "row length")?,
                 Arg::F(eps),
+                u32_arg(span.own_weights() as usize, "own weights")?,
+                u32_arg(span.centered() as usize, "center")?,
             ],
         )
     }

@@ -733,6 +733,8 @@ impl Backend for WgpuBackend {
                     ks as u32,
                     stride as u32,
                     eps.to_bits(),
+                    span.own_weights() as u32,
+                    span.centered() as u32,
                 ],
                 &[rows(qb, r0, n, stride), Bind::whole(qwb), Bind::whole(kwb)],
                 self.grid_groups(n * spans),
