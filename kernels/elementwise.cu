@@ -34,6 +34,12 @@ extern "C" __global__ void softcap_f32(float* x, u32 n, float cap) {
         x[i] = cap * tanhf(x[i] / cap);
 }
 
+// x[i] = min(max(x[i], -limit), limit) for i < n
+extern "C" __global__ void clamp_f32(float* x, u32 n, float limit) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        x[i] = fminf(fmaxf(x[i], -limit), limit);
+}
+
 // out[i, :] = x[rows[i], :]     (rows checked on the host)
 extern "C" __global__ void gather_rows_f32(const float* x, const u32* rows, float* out, u32 nrows, u32 dim) {
     const u64 n = (u64)nrows * dim;

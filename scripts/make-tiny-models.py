@@ -231,10 +231,11 @@ def specs(ids):
             apply_residual_connection_post_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0,
             tie_word_embeddings=True, **common), 1800,
             {"init": dict(emb_std=0.6, w_std=1.0, norm_offset={"ln_f.": 1.0})}),
-        # MPT: ALiBi, LayerNorm without bias, no biases, fused [q | k | v]
+        # MPT: ALiBi, LayerNorm without bias, no biases, fused [q | k | v], Q, K and V clamped
+        # to ±6 (a few percent of the values, at these weights)
         "mpt": ("mpt", dict(
             d_model=64, n_heads=4, n_layers=3, max_seq_len=256, no_bias=True,
-            attn_config={"alibi": True, "alibi_bias_max": 8, "clip_qkv": None, "qk_ln": False,
+            attn_config={"alibi": True, "alibi_bias_max": 8, "clip_qkv": 6.0, "qk_ln": False,
                          "softmax_scale": None},
             layer_norm_epsilon=1e-5, tie_word_embeddings=True, **common), 1900,
             {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"norm_f.": 1.0})}),

@@ -21,7 +21,7 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
 - cohere (command-r): `logit_scale` as a key;
 - bloom: the per-head fused QKV reordered as gpt-neox's, the embeddings copied to `output.weight`
   (as llama.cpp's converter does); a context length of 256 (its converter writes `seq_length`,
-  which the tiny config lacks); mpt: `max_alibi_bias` as a key;
+  which the tiny config lacks); mpt: `max_alibi_bias` and `clamp_kqv` as keys;
 - gpt-bigcode (starcoder): one KV head with multi_query; gptj: the rotated dimensions as a key
   (llama.cpp's converter has no GPT-J class; the names and keys are the gguf package's);
 - starcoder2: llama.cpp's converter writes no window; the window is written here as
@@ -159,6 +159,8 @@ def convert(name, d, out):
         w.add_parallel_residual(c["use_parallel_residual"])
     if name == "mpt":
         w.add_max_alibi_bias(c["attn_config"]["alibi_bias_max"])
+        if c["attn_config"].get("clip_qkv"):
+            w.add_clamp_kqv(c["attn_config"]["clip_qkv"])
     if name == "gptj":
         w.add_rope_dimension_count(c["rotary_dim"])
     if name == "cohere":

@@ -3,6 +3,7 @@
 //   mode 1 (plain):  out[i] = act(out[i])                            in place
 //   mode 2 (scale):  out[i] = out[i] * s                             in place
 //   mode 3 (cap):    out[i] = s * tanh(out[i] / s)                   in place
+//   mode 4 (clamp):  out[i] = clamp(out[i], -s, s)                   in place
 // act: 0 SiLU, 1 GELU (tanh approximation), 2 GELU (erf).
 struct Params {
     n: u32,     // output elements
@@ -55,7 +56,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         out[i] = activate(out[i]);
     } else if (p.mode == 2u) {
         out[i] = out[i] * p.s;
-    } else {
+    } else if (p.mode == 3u) {
         out[i] = p.s * tanh_safe(out[i] / p.s);
+    } else {
+        out[i] = clamp(out[i], -p.s, p.s);
     }
 }

@@ -149,6 +149,16 @@ pub fn in_place(op: &str, x: usize, n: usize) -> Result<()> {
     Ok(())
 }
 
+/// `clamp`: in place, with a positive limit.
+pub fn clamp(x: usize, n: usize, limit: f32) -> Result<()> {
+    in_place("clamp", x, n)?;
+    ensure!(
+        limit > 0.0 && limit.is_finite(),
+        "clamp: the limit must be positive and finite"
+    );
+    Ok(())
+}
+
 /// `softcap`: in place, with a positive cap.
 pub fn softcap(x: usize, n: usize, cap: f32) -> Result<()> {
     in_place("softcap", x, n)?;
@@ -295,6 +305,7 @@ mod tests {
         assert!(kv_blocks("read_kv_blocks", &[1], 4, 8).is_ok());
         assert!(kv_blocks("read_kv_blocks", &[2], 4, 8).is_err());
         assert!(softcap(4, 4, 0.0).is_err());
+        assert!(clamp(4, 4, f32::NAN).is_err() && clamp(4, 4, -1.0).is_err());
         assert!(in_place("scale", 3, 4).is_err());
         assert!(paged_attention(3 * l.row_len(), 3, l, (n, n), kv, 3 * 8).is_ok());
         assert!(paged_attention(3 * l.row_len() - 1, 3, l, (n, n), kv, 3 * 8).is_err());

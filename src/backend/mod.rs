@@ -677,6 +677,9 @@ pub trait Backend: Send + Sync + 'static {
     /// `x[i] = cap · tanh(x[i] / cap)` over the first `n` elements (Gemma's final logits).
     fn softcap(&self, x: &mut Self::Buf, cap: f32, n: usize) -> Result<()>;
 
+    /// `x[i] = min(max(x[i], −limit), limit)` over the first `n` elements (MPT's `clip_qkv`).
+    fn clamp(&self, x: &mut Self::Buf, limit: f32, n: usize) -> Result<()>;
+
     /// LayerNorm with bias: `out[r, :] = (x[r, :] - mean) / sqrt(var + eps) * w + b`, rows of
     /// length `dim` (GPT-2, Falcon).
     #[allow(clippy::too_many_arguments)]

@@ -129,6 +129,9 @@ macro_rules! stub_backend_impl {
             fn softcap(&self, x: &mut Self::Buf, cap: f32, n: usize) -> Result<()> {
                 match self.0 {}
             }
+            fn clamp(&self, x: &mut Self::Buf, limit: f32, n: usize) -> Result<()> {
+                match self.0 {}
+            }
             fn layer_norm(
                 &self,
                 x: &Self::Buf,

@@ -13,9 +13,9 @@
 //! and RoPE over all or part of each head, paired by halves or interleaved (the one RoPE op
 //! after reordering Q and K: `rope.rs`), or ALiBi (BLOOM, MPT: no RoPE, a bias on each score
 //! by the key's distance). Cohere's and MPT's LayerNorms have no bias (a zero one here);
-//! BLOOM's embeddings go through a LayerNorm of their own. StableLM (`qk_layernorm`) and Cohere
-//! (`use_qk_norm`) may normalise each Q and K head before RoPE: a LayerNorm without bias with
-//! weights of its own per head.
+//! BLOOM's embeddings go through a LayerNorm of their own; MPT may clamp Q, K and V
+//! (`clip_qkv`). StableLM (`qk_layernorm`) and Cohere (`use_qk_norm`) may normalise each Q and
+//! K head before RoPE: a LayerNorm without bias with weights of its own per head.
 //!
 //! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = query heads,
 //! Hkv = kv heads, D = head_dim, F = intermediate size.
@@ -269,9 +269,6 @@ pub fn hf_config_mpt(v: &Value, c: &mut ModelConfig) -> Result<()> {
     if a.bool("alibi")? != Some(true) {
         bail!("mpt without alibi (learned positions) is not supported");
     }
-    if a.f64("clip_qkv")?.is_some() {
-        bail!("mpt with clip_qkv is not supported");
-    }
     if a.bool("qk_ln")? == Some(true) {
         bail!("mpt with qk_ln: true is not supported");
     }
@@ -294,7 +291,16 @@ pub fn hf_config_mpt(v: &Value, c: &mut ModelConfig) -> Result<()> {
         _ => f.f64("logit_scale")?,
     };
     c.extra["alibi_max_bias"] = a.f64("alibi_bias_max")?.unwrap_or(8.0).into();
+    c.extra["clip_qkv"] = clip_qkv(a.f64("clip_qkv")?)?;
     Ok(())
+}
+
+/// MPT's limit on Q, K and V, where it has one: positive and finite.
+fn clip_qkv(v: Option<f64>) -> Result<Value> {
+    match v {
+        Some(c) if !(c > 0.0 && c.is_finite()) => bail!("clip_qkv must be positive, got {c}"),
+        v => Ok(v.into()),
+    }
 }
 
 /// llama.cpp's files of these families: `gptneox`, `stablelm`, `starcoder2` and `command-r`.
@@ -345,11 +351,7 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
     if matches!(arch, "bloom" | "mpt") {
         let key = format!("{arch}.attention.max_alibi_bias");
         c.extra["alibi_max_bias"] = g.meta_f64(&key)?.unwrap_or(8.0).into();
-        if g.meta_f64(&format!("{arch}.attention.clamp_kqv"))?
-            .is_some()
-        {
-            bail!("{arch} with clamp_kqv (clip_qkv) is not supported");
-        }
+        c.extra["clip_qkv"] = clip_qkv(g.meta_f64(&format!("{arch}.attention.clamp_kqv"))?)?;
     }
     if arch == "command-r" {
         c.logit_scale = Some(g.meta_f64("command-r.logit_scale")?.unwrap_or(0.0625));
@@ -788,6 +790,9 @@ impl<B: Backend> Family<B> for NeoX<B> {
             w.ln1.apply(backend, &x, t, hid, eps, &mut ha)?;
             let n = ql.row_len();
             backend.matmul(&ha, &w.w_qkv, w.b_qkv.as_ref(), t, hid, n, &mut qkv)?;
+            if let Some(clip) = c.extra["clip_qkv"].as_f64() {
+                backend.clamp(&mut qkv, clip as f32, t * n)?;
+            }
             if let Some((qn, kn)) = &w.qk_norm {
                 backend.qk_norm(&mut qkv, qn, kn, t, ql, QkNormSpan::HeadLayer, eps)?;
             }
@@ -926,8 +931,11 @@ mod tests {
             (16384, 2048)
         );
         assert_eq!(c.logit_scale, Some(1.0 / 64.0));
+        let mut clip = mpt.clone();
+        clip["attn_config"]["clip_qkv"] = json!(6.0);
+        assert_eq!(hf_config(&clip).unwrap().extra["clip_qkv"], 6.0);
         for (key, value, says) in [
-            ("clip_qkv", json!(6.0), "clip_qkv"),
+            ("clip_qkv", json!(-1.0), "clip_qkv must be positive"),
             ("alibi", json!(false), "without alibi"),
             ("qk_ln", json!(true), "qk_ln"),
         ] {

@@ -1,5 +1,5 @@
-//! Elementwise ops (`gated_act`, `act`, `scale`, `softcap`, `add_assign`) and the row gathers
-//! (`embedding`, `gather_rows`).
+//! Elementwise ops (`gated_act`, `act`, `scale`, `softcap`, `clamp`, `add_assign`) and the row
+//! gathers (`embedding`, `gather_rows`).
 
 use super::util::{rand_vec, rounded};
 use crate::backend::{Activation, Backend};
@@ -39,6 +39,9 @@ impl Elementwise {
         let mut cb = be.upload_f32(gu)?;
         be.softcap(&mut cb, 1.5, gu.len())?;
         v.extend(be.download_f32(&cb)?);
+        let mut lb = be.upload_f32(gu)?;
+        be.clamp(&mut lb, 2.5, gu.len())?;
+        v.extend(be.download_f32(&lb)?);
         let mut ab = be.upload_f32(a)?;
         be.add_assign(&mut ab, &be.upload_f32(b)?, rows * ffn)?;
         v.extend(be.download_f32(&ab)?);
@@ -66,6 +69,7 @@ impl Elementwise {
         }
         v.extend(b.iter().map(|&x| x as f64 * 25.298221));
         v.extend(gu.iter().map(|&x| 1.5 * (x as f64 / 1.5).tanh()));
+        v.extend(gu.iter().map(|&x| (x as f64).clamp(-2.5, 2.5)));
         v.extend(a.iter().zip(b).map(|(x, y)| *x as f64 + *y as f64));
         v
     }
@@ -128,7 +132,7 @@ pub(super) fn cases<C: From<Elementwise> + From<Embedding>>(
     out: &mut Vec<(String, String, f64, C)>,
 ) {
     out.push((
-        "gated_act+act+scale+softcap+add".into(),
+        "gated_act+act+scale+softcap+clamp+add".into(),
         "9x1000".into(),
         1e-5,
         C::from(Elementwise {

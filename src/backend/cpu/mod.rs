@@ -560,6 +560,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn clamp(&self, x: &mut CpuBuf, limit: f32, n: usize) -> Result<()> {
+        let x = x.f32_mut()?;
+        args::clamp(x.len(), n, limit)?;
+        x[..n].iter_mut().for_each(|v| *v = v.clamp(-limit, limit));
+        Ok(())
+    }
+
     fn layer_norm(
         &self,
         x: &CpuBuf,

@@ -70,6 +70,7 @@ pub fn kernel_names(stem: &str, tensor_cores: bool) -> Vec<String> {
             "act_f32",
             "scale_f32",
             "softcap_f32",
+            "clamp_f32",
             "gather_rows_f32",
             "add_bias_f32",
             "cast_f32_bf16",

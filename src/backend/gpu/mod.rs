@@ -788,6 +788,17 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         )
     }
 
+    fn clamp(&self, x: &mut GpuBuf<R>, limit: f32, n: usize) -> Result<()> {
+        self.rt.bind()?;
+        x.expect(Elem::F32, "clamp x")?;
+        args::clamp(x.len, n, limit)?;
+        self.elementwise(
+            "clamp_f32",
+            n,
+            &[Arg::P(x.ptr()), u32_arg(n, "n")?, Arg::F(limit)],
+        )
+    }
+
     fn softcap(&self, x: &mut GpuBuf<R>, cap: f32, n: usize) -> Result<()> {
         self.rt.bind()?;
         x.expect(Elem::F32, "softcap x")?;

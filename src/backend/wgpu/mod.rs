@@ -825,6 +825,11 @@ impl Backend for WgpuBackend {
         self.elementwise_in_place(x, n, 3, 0, cap)
     }
 
+    fn clamp(&self, x: &mut WgpuBuf, limit: f32, n: usize) -> Result<()> {
+        args::clamp(x.len, n, limit)?;
+        self.elementwise_in_place(x, n, 4, 0, limit)
+    }
+
     fn layer_norm(
         &self,
         x: &WgpuBuf,
