@@ -2,6 +2,11 @@
 //! branch's output is RMS-normalised before the residual add; nothing normalises a branch's
 //! input), and RMSNorm of all of Q and of all of K (not per head) before RoPE.
 //!
+//! Split by tensor parallelism, every rank computes all of Q, K and V (the QKV projection is
+//! not split), normalises them and keeps its heads' rows: the norms' mean squares span every
+//! head. (vLLM all-gathers Q and K instead; this costs each rank the projection's weights and
+//! flops, and no communication.)
+//!
 //! Shapes: T = tokens in the step, R = rows whose logits are wanted, H = query heads,
 //! Hkv = kv heads, D = head_dim, F = intermediate size.
 
@@ -12,7 +17,9 @@ use super::shard::Head;
 use super::shard::Lin::File;
 use super::stack::{Family, Load, Stack};
 use super::{Norm, attend};
-use crate::backend::{Backend, DeviceBatch, QkNormSpan};
+use super::stack_linear;
+use crate::backend::{Backend, DeviceBatch, QkNormSpan, QkvLayout};
+use crate::parallel::HeadShard;
 use crate::tensor::DType;
 use anyhow::{Result, bail};
 use serde_json::Value;
@@ -55,7 +62,7 @@ pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
 }
 
 struct Layer<B: Backend> {
-    wqkv: B::Buf,      // [(H + 2 Hkv) D, hidden]
+    wqkv: B::Buf,      // [(H + 2 Hkv) D, hidden] of all heads, also when split
     q_norm: B::Buf,    // [H D] f32
     k_norm: B::Buf,    // [Hkv D] f32
     wo: B::Buf,        // [hidden, H D]
@@ -76,12 +83,8 @@ impl<B: Backend> Olmo2<B> {
     /// Uploads the weights of one worker's shard ([`Load`]).
     pub fn load(ld: Load<'_, B>, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
         let (c, backend, max_positions) = (ld.cfg, ld.backend, ld.max_positions);
-        // NOTE: the Q and K norms take the mean square over all heads, which a rank holding
-        // some of them cannot compute alone.
-        if ld.place.tp_size() > 1 {
-            bail!("olmo2 cannot be split by tensor parallelism (its Q/K norms span all heads)");
-        }
         let (h, hkv, d, hid, f) = c.layer_sizes();
+        let split = ld.place.tp_size() > 1;
         let (sh, mut up, total) = ld.start()?;
         let place = ld.place;
         let embed = if place.first_stage() || (c.tie_word_embeddings && place.last_stage()) {
@@ -93,12 +96,19 @@ impl<B: Backend> Olmo2<B> {
         let mut layers = Vec::with_capacity(place.layers.len());
         for i in place.layers.clone() {
             let n = |s: &str| format!("model.layers.{i}.{s}");
-            let wqkv = sh.qkv(
-                &up,
-                File(&n("self_attn.q_proj.weight"), [h * d, hid]),
-                File(&n("self_attn.k_proj.weight"), [hkv * d, hid]),
-                File(&n("self_attn.v_proj.weight"), [hkv * d, hid]),
-            )?;
+            let (q, k, v) = (
+                (n("self_attn.q_proj.weight"), [h * d, hid]),
+                (n("self_attn.k_proj.weight"), [hkv * d, hid]),
+                (n("self_attn.v_proj.weight"), [hkv * d, hid]),
+            );
+            let wqkv = match split {
+                true => stack_linear(vec![
+                    up.fetch_linear(&q.0, &q.1)?,
+                    up.fetch_linear(&k.0, &k.1)?,
+                    up.fetch_linear(&v.0, &v.1)?,
+                ])?,
+                false => sh.qkv(&up, File(&q.0, q.1), File(&k.0, k.1), File(&v.0, v.1))?,
+            };
             let gate_up = sh.gate_up(
                 &up,
                 File(&n("mlp.gate_proj.weight"), [f, hid]),
@@ -153,10 +163,19 @@ impl<B: Backend> Family<B> for Olmo2<B> {
 
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let s = &self.stack;
-        let (c, t) = (&s.cfg, batch.host.num_tokens());
+        let (c, tp, t) = (&s.cfg, &s.place.tp, batch.host.num_tokens());
         let (hid, f, ql, eps) = s.sizes();
+        let all = c.qkv_layout(); // all heads; `ql`: this rank's
         let mut x = s.input(backend, batch)?; // [T, hidden] residual stream
-        let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D]
+        let mut qkv = backend.alloc_scratch_f32(t * all.row_len())?; // [T, (H + 2 Hkv) D]
+        // split: this rank's rows of D values of `qkv` ([T (H + 2 Hkv), D]), and where they go
+        let mut mine = match s.place.tp_size() > 1 {
+            true => Some((
+                backend.upload_u32(&own_heads(&s.shard.heads, all, t))?,
+                backend.alloc_scratch_f32(t * ql.row_len())?, // [T, (H + 2 Hkv) D] of this rank
+            )),
+            false => None,
+        };
         let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
         let mut gu = backend.alloc_scratch_f32(t * 2 * f)?; // [T, 2 F]
         let mut act = backend.alloc_scratch_f32(t * f)?; // [T, F]
@@ -165,14 +184,21 @@ impl<B: Backend> Family<B> for Olmo2<B> {
 
         for (j, w) in self.layers.iter().enumerate() {
             let l = s.place.layers.start + j;
-            backend.matmul(&x, &w.wqkv, None, t, hid, ql.row_len(), &mut qkv)?;
+            backend.matmul(&x, &w.wqkv, None, t, hid, all.row_len(), &mut qkv)?;
             let span = QkNormSpan::All;
-            backend.qk_norm(&mut qkv, &w.q_norm, &w.k_norm, t, ql, span, eps)?;
+            backend.qk_norm(&mut qkv, &w.q_norm, &w.k_norm, t, all, span, eps)?;
+            let local = match &mut mine {
+                Some((rows, local)) => {
+                    backend.gather_rows(&qkv, rows, c.head_dim, local)?;
+                    local
+                }
+                None => &mut qkv,
+            };
             attend(
                 backend,
                 kv,
                 j,
-                &mut qkv,
+                local,
                 Some((&self.rope_cos, &self.rope_sin)),
                 batch,
                 ql,
@@ -180,14 +206,48 @@ impl<B: Backend> Family<B> for Olmo2<B> {
                 &mut attn,
             )?;
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
+            tp.all_reduce_sum(backend, &mut o, t * hid)?;
             backend.rms_norm(&o, &w.attn_norm, t, hid, eps, &mut h)?;
             backend.add_assign(&mut x, &h, t * hid)?;
             let a = c.hidden_act;
             backend.matmul_gated_act(&x, &w.w_gate_up, t, hid, f, a, &mut gu, &mut act)?;
             backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
+            tp.all_reduce_sum(backend, &mut o, t * hid)?;
             backend.rms_norm(&o, &w.mlp_norm, t, hid, eps, &mut h)?;
             backend.add_assign(&mut x, &h, t * hid)?;
         }
         s.output(backend, x, batch)
+    }
+}
+
+/// The rows of `D` values of all heads' QKV rows (`[T (H + 2 Hkv), D]`) that are a rank's
+/// heads' rows, token by token: its q heads, its kv heads' k, then their v.
+fn own_heads(heads: &HeadShard, all: QkvLayout, t: usize) -> Vec<u32> {
+    let per_token = all.num_heads + 2 * all.num_kv_heads;
+    let (k0, v0) = (all.num_heads, all.num_heads + all.num_kv_heads);
+    let rows: Vec<usize> = (heads.q.clone())
+        .chain(heads.kv.clone().map(|h| k0 + h))
+        .chain(heads.kv.clone().map(|h| v0 + h))
+        .collect();
+    (0..t)
+        .flat_map(|i| rows.iter().map(move |r| (i * per_token + r) as u32))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rank 1 of 2 with 4 q heads and 2 kv heads keeps q heads 2, 3, k head 1 and v head 1 of
+    /// each token's 8 rows.
+    #[test]
+    fn a_rank_keeps_its_heads_rows() {
+        let all = QkvLayout {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+        };
+        let heads = HeadShard::new(4, 2, 2, 1).unwrap();
+        assert_eq!(own_heads(&heads, all, 2), [2, 3, 5, 7, 10, 11, 13, 15]);
     }
 }
