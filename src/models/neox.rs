@@ -396,7 +396,10 @@ pub fn gguf_tensor_name(hf: &str) -> Option<GgufTensorName> {
         if let Some(g) = n.gate {
             blocks.push((g, "ffn_gate", None));
         }
-        blocks.extend([(n.q_norm, "attn_q_norm", None), (n.k_norm, "attn_k_norm", None)]);
+        blocks.extend([
+            (n.q_norm, "attn_q_norm", None),
+            (n.k_norm, "attn_k_norm", None),
+        ]);
         map_name(hf, &globals, n.layers, &blocks)
     })
 }
@@ -571,9 +574,9 @@ struct Layer<B: Backend> {
     w_qkv: B::Buf,        // [(H + 2 Hkv) D, hidden] of this rank's heads
     b_qkv: Option<B::Buf>,
     qk_norm: Option<(B::Buf, B::Buf)>, // [H D], [Hkv D]: each head's LayerNorm weights
-    w_o: B::Buf,         // [hidden, H D]
-    b_o: Option<B::Buf>, // on tensor rank 0 only (added once to the sum)
-    w_up: B::Buf,        // [F, hidden], or [2 F, hidden] gate and up stacked (gated)
+    w_o: B::Buf,                       // [hidden, H D]
+    b_o: Option<B::Buf>,               // on tensor rank 0 only (added once to the sum)
+    w_up: B::Buf,                      // [F, hidden], or [2 F, hidden] gate and up stacked (gated)
     b_up: Option<B::Buf>,
     w_down: B::Buf,         // [hidden, F]
     b_down: Option<B::Buf>, // on tensor rank 0 only

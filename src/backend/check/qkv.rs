@@ -280,7 +280,9 @@ pub(super) fn cases<C: From<Rope> + From<QkNorm> + From<RopeWriteKv>>(
             let mut x = rand_vec(r, rows * layout.row_len());
             // NOTE: a LayerNorm's inputs off zero mean, so that a missing or wrong mean shows
             if span.centered() {
-                x.iter_mut().enumerate().for_each(|(i, x)| *x += (i % 7) as f32 * 0.5);
+                x.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x += (i % 7) as f32 * 0.5);
             }
             out.push((
                 "qk_norm".into(),
