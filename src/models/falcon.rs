@@ -10,11 +10,12 @@
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
+use super::rope::Positions;
 use super::shard::Lin::{File, Have};
 use super::shard::{Head, Lin};
 use super::stack::{Family, Load, Stack};
 use super::{Norm, Uploader, attend};
-use crate::backend::{Alibi, AttentionOptions, Backend, DeviceBatch};
+use crate::backend::{Backend, DeviceBatch};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
@@ -180,8 +181,7 @@ struct Layer<B: Backend> {
 pub struct Falcon<B: Backend> {
     stack: Stack<B>,
     layers: Vec<Layer<B>>,
-    /// The cos and sin tables `[max_positions, D / 2]`; `None` with ALiBi.
-    rope: Option<(B::Buf, B::Buf)>,
+    positions: Positions<B>,
 }
 
 impl<B: Backend> Falcon<B> {
@@ -279,19 +279,14 @@ impl<B: Backend> Falcon<B> {
             false => None,
         };
         progress(total, total);
-        let rope = match flag(c, "alibi") {
-            true => None,
-            false => Some(super::rope::upload(
-                backend,
-                c,
-                c.rope_theta,
-                max_positions,
-            )?),
-        };
+        // NOTE: Falcon-RW adds the bias to q·k before scaling by 1/sqrt(D): the slopes scaled
+        let alibi = flag(c, "alibi").then(|| (8.0, c.attention_scale()));
+        let first_head = sh.heads.q.start;
+        let positions = Positions::load(backend, c, first_head, alibi, max_positions)?;
         Ok(Falcon {
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
-            rope,
+            positions,
         })
     }
 }
@@ -314,13 +309,6 @@ impl<B: Backend> Family<B> for Falcon<B> {
         let mut u = backend.alloc_scratch_f32(t * f)?; // [T, F]
         let mut oa = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] attention output
         let mut om = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] MLP output
-        // NOTE: Falcon-RW adds the bias to q·k before scaling by 1/sqrt(D): the slopes scaled
-        let alibi = flag(c, "alibi").then(|| Alibi {
-            num_heads: c.num_heads as u32,
-            first_head: s.shard.heads.q.start as u32,
-            max_bias: 8.0,
-            scale: c.attention_scale(),
-        });
 
         for (j, w) in self.layers.iter().enumerate() {
             let l = s.place.layers.start + j;
@@ -334,20 +322,8 @@ impl<B: Backend> Family<B> for Falcon<B> {
                 ql.row_len(),
                 &mut qkv,
             )?;
-            attend(
-                backend,
-                kv,
-                j,
-                &mut qkv,
-                self.rope.as_ref().map(|(cos, sin)| (cos, sin)),
-                batch,
-                ql,
-                AttentionOptions {
-                    alibi,
-                    ..c.attention_options(l)
-                },
-                &mut attn,
-            )?;
+            let (rope, opts) = self.positions.attention(c.attention_options(l));
+            attend(backend, kv, j, &mut qkv, rope, batch, ql, opts, &mut attn)?;
             backend.matmul(&attn, &w.w_o, w.b_o.as_ref(), t, ql.q_len(), hid, &mut oa)?;
             tp.all_reduce_sum(backend, &mut oa, t * hid)?;
             // The MLP reads: ln_mlp(x) (two norms), the attention's normed input (parallel,

@@ -23,12 +23,12 @@
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
-use super::rope::reorder_heads;
+use super::rope::{Positions, reorder_heads};
 use super::shard::Head;
 use super::shard::Lin::{File, Have};
 use super::stack::{Family, Load, Stack};
 use super::{Norm, Uploader, Weight, attend};
-use crate::backend::{Activation, Alibi, AttentionOptions, Backend, DeviceBatch, QkNormSpan};
+use crate::backend::{Activation, Backend, DeviceBatch, QkNormSpan};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
@@ -588,8 +588,7 @@ pub struct NeoX<B: Backend> {
     layers: Vec<Layer<B>>,
     /// BLOOM's LayerNorm of the embeddings, on the first stage.
     embed_norm: Option<Norm<B>>,
-    /// The cos and sin tables `[max_positions, D / 2]`; `None` with ALiBi.
-    rope: Option<(B::Buf, B::Buf)>,
+    positions: Positions<B>,
 }
 
 impl<B: Backend> NeoX<B> {
@@ -737,21 +736,15 @@ impl<B: Backend> NeoX<B> {
             false => None,
         };
         progress(total, total);
-        let rope = match c.extra["alibi_max_bias"].is_null() {
-            true => Some(super::rope::upload(
-                backend,
-                c,
-                c.rope_theta,
-                max_positions,
-            )?),
-            false => None,
-        };
+        let alibi = c.extra["alibi_max_bias"].as_f64().map(|b| (b, 1.0));
+        let first_head = sh.heads.q.start;
+        let positions = Positions::load(backend, c, first_head, alibi, max_positions)?;
         Ok(NeoX {
             gated,
             embed_norm,
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
-            rope,
+            positions,
         })
     }
 }
@@ -773,13 +766,6 @@ impl<B: Backend> Family<B> for NeoX<B> {
             n.apply(backend, &x, t, hid, eps, &mut ha)?;
             std::mem::swap(&mut x, &mut ha);
         }
-        // NOTE: ALiBi's slopes are those of the model's heads: this rank's start at its first
-        let alibi = c.extra["alibi_max_bias"].as_f64().map(|b| Alibi {
-            num_heads: c.num_heads as u32,
-            first_head: s.shard.heads.q.start as u32,
-            max_bias: b as f32,
-            scale: 1.0,
-        });
         let mut hm = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] ln2(x)
         let mut qkv = backend.alloc_scratch_f32(t * ql.row_len())?; // [T, (H + 2 Hkv) D] of this rank
         let mut attn = backend.alloc_scratch_f32(t * ql.q_len())?; // [T, H D]
@@ -799,20 +785,8 @@ impl<B: Backend> Family<B> for NeoX<B> {
             if let Some((qn, kn)) = &w.qk_norm {
                 backend.qk_norm(&mut qkv, qn, kn, t, ql, QkNormSpan::HeadLayer, eps)?;
             }
-            attend(
-                backend,
-                kv,
-                j,
-                &mut qkv,
-                self.rope.as_ref().map(|(cos, sin)| (cos, sin)),
-                batch,
-                ql,
-                AttentionOptions {
-                    alibi,
-                    ..c.attention_options(l)
-                },
-                &mut attn,
-            )?;
+            let (rope, opts) = self.positions.attention(c.attention_options(l));
+            attend(backend, kv, j, &mut qkv, rope, batch, ql, opts, &mut attn)?;
             backend.matmul(&attn, &w.w_o, w.b_o.as_ref(), t, ql.q_len(), hid, &mut oa)?;
             tp.all_reduce_sum(backend, &mut oa, t * hid)?;
             let mlp_in = match (&w.ln2, parallel) {

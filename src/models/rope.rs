@@ -11,7 +11,7 @@
 
 use super::Weight;
 use super::config::ModelConfig;
-use crate::backend::Backend;
+use crate::backend::{Alibi, AttentionOptions, Backend};
 use anyhow::Result;
 
 /// The rotated dimensions of a head.
@@ -97,6 +97,55 @@ pub fn upload<B: Backend>(
 ) -> Result<(B::Buf, B::Buf)> {
     let (cos, sin) = tables(cfg, theta, max_positions);
     Ok((backend.upload_f32(&cos)?, backend.upload_f32(&sin)?))
+}
+
+/// How a family's attention sees positions: Q and K rotated by the cos and sin tables
+/// (`[max_positions, D / 2]`), or ALiBi's bias on the scores.
+pub enum Positions<B: Backend> {
+    Rope(B::Buf, B::Buf),
+    Alibi(Alibi),
+}
+
+impl<B: Backend> Positions<B> {
+    /// ALiBi where `alibi` gives its maximum bias and slope scale (the slopes of the model's
+    /// heads, this rank's from `first_head`), else RoPE at the model's base.
+    pub fn load(
+        backend: &B,
+        cfg: &ModelConfig,
+        first_head: usize,
+        alibi: Option<(f64, f32)>,
+        max_positions: usize,
+    ) -> Result<Self> {
+        Ok(match alibi {
+            Some((max_bias, scale)) => Positions::Alibi(Alibi {
+                num_heads: cfg.num_heads as u32,
+                first_head: first_head as u32,
+                max_bias: max_bias as f32,
+                scale,
+            }),
+            None => {
+                let (cos, sin) = upload(backend, cfg, cfg.rope_theta, max_positions)?;
+                Positions::Rope(cos, sin)
+            }
+        })
+    }
+
+    /// The tables to rotate Q and K with, and `opts` with ALiBi's slopes where there are.
+    pub fn attention(
+        &self,
+        opts: AttentionOptions,
+    ) -> (Option<(&B::Buf, &B::Buf)>, AttentionOptions) {
+        match self {
+            Positions::Rope(cos, sin) => (Some((cos, sin)), opts),
+            Positions::Alibi(a) => (
+                None,
+                AttentionOptions {
+                    alibi: Some(*a),
+                    ..opts
+                },
+            ),
+        }
+    }
 }
 
 /// For each row `j` of a Q or K head as the RoPE op reads it, the row of the checkpoint's head
