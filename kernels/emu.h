@@ -8,7 +8,12 @@
 //     waits for every live thread of the block, __syncwarp and the shuffles for every live lane
 //     of the warp. A barrier that not all of them reach (divergence) is reported as an error,
 //     never a hang. Between barriers a thread runs alone, so a kernel that reads what another
-//     thread writes without a barrier between them sees the (deterministic) wrong value;
+//     thread writes without a barrier between them sees the (deterministic) wrong value. The
+//     threads between two barriers run in index order, in reverse, or shuffled per block and
+//     round (PG_EMU_ORDER 0, 1, 2 with PG_EMU_SEED; the host's PAGODA_EMU_ORDER), so that a race
+//     hidden by one order shows under another;
+//   - a launch asks for at most 48 KiB of dynamic shared memory: the host never opts in to
+//     more (as a GPU refuses without cuFuncSetAttribute);
 //   - blocks run one after another on each of a few OS threads (PAGODA_EMU_THREADS);
 //   - __shared__ arrays are per block; dynamic shared memory is filled with NaNs before each
 //     block, so that reading what no thread wrote shows up in the results;
@@ -90,6 +95,34 @@ constexpr size_t STACK_BYTES = 128 << 10;
 
 inline void* dynamic_shared() { return cur_block->dyn.data(); }
 
+#ifndef PG_EMU_ORDER
+#define PG_EMU_ORDER 0
+#endif
+#ifndef PG_EMU_SEED
+#define PG_EMU_SEED 0ULL
+#endif
+
+// The order in which round `round` of the current block runs its `n` threads.
+static void round_order(std::vector<unsigned>& ord, unsigned n, unsigned long long round) {
+    ord.resize(n);
+    for (unsigned i = 0; i < n; ++i) ord[i] = PG_EMU_ORDER == 1 ? n - 1 - i : i;
+    if (PG_EMU_ORDER != 2) return;
+    // splitmix64 over (seed, block, round): the same shuffles on every run
+    unsigned long long s = PG_EMU_SEED ^ (round * 0x9E3779B97F4A7C15ULL) ^
+                           (((unsigned long long)bidx.z << 42) | ((unsigned long long)bidx.y << 21) | bidx.x);
+    for (unsigned i = n; i > 1; --i) {
+        s += 0x9E3779B97F4A7C15ULL;
+        unsigned long long z = s;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        z ^= z >> 31;
+        const unsigned j = (unsigned)(z % i);
+        const unsigned t = ord[i - 1];
+        ord[i - 1] = ord[j];
+        ord[j] = t;
+    }
+}
+
 [[noreturn]] static void fiber_entry() {
     Block* b = cur_block;
     b->body(b->arg);
@@ -133,8 +166,10 @@ static bool run_block(Block& b, std::string& err) {
         b.fibers[i].st = St::Run;
         b.fibers[i].started = false;
     }
-    for (;;) {
-        for (unsigned i = 0; i < b.n; ++i) {
+    std::vector<unsigned> ord;
+    for (unsigned long long round = 0;; ++round) {
+        round_order(ord, b.n, round);
+        for (unsigned i : ord) {
             Fiber& f = b.fibers[i];
             if (f.st != St::Run) continue;
             b.cur = i;
@@ -215,7 +250,9 @@ static int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const 
     const unsigned n = block[0] * block[1] * block[2];
     if (n == 0 || n > 1024) return fail("a block of " + std::to_string(n) + " threads (1 to 1024)");
     if (block[2] > 64 || grid[1] > 65535 || grid[2] > 65535) return fail("grid or block dimension out of range");
-    if (shared > 227 * 1024) return fail("more than 227 KiB of dynamic shared memory");
+    if (shared > 48 * 1024)
+        return fail("more than 48 KiB of dynamic shared memory (" + std::to_string(shared) +
+                    " bytes); a GPU refuses it unless the host opts in, which Pagoda never does");
     const unsigned long long total = (unsigned long long)grid[0] * grid[1] * grid[2];
     if (total == 0) return 0;
     unsigned workers = std::thread::hardware_concurrency();

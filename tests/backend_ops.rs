@@ -75,14 +75,31 @@ fn gpu_or_skip<B: Backend>(b: anyhow::Result<B>) -> Option<B> {
 }
 
 // The CUDA kernels on the CPU, under the host code of the GPU backends; with 64-lane warps too,
-// as AMD's wavefronts run them. A machine without a C++ compiler fails here, naming it.
+// as AMD's wavefronts run them; and with a block's threads run in reverse and shuffled between
+// barriers, so that a kernel reading another thread's write without a barrier fails one of
+// them. A machine without a C++ compiler fails here, naming it.
 backend_ops!(emu, Some(pagoda::backend::EmuBackend::new().unwrap()));
-backend_ops!(emu_warp64, Some(emu_with_warp_64()), &[1, 2], false);
+backend_ops!(emu_warp64, Some(emu_with(64, Forward)), &[1, 2], false);
+backend_ops!(emu_reverse, Some(emu_with(32, Reverse)), &[3], false);
+backend_ops!(emu_random, Some(emu_with(32, Random(7))), &[4], false);
+backend_ops!(
+    emu_warp64_random,
+    Some(emu_with(64, Random(8))),
+    &[5],
+    false
+);
 
-fn emu_with_warp_64() -> pagoda::backend::EmuBackend {
+#[allow(unused_imports)]
+use pagoda::backend::gpu::emu::ThreadOrder::{Forward, Random, Reverse};
+
+fn emu_with(
+    warp: u32,
+    order: pagoda::backend::gpu::emu::ThreadOrder,
+) -> pagoda::backend::EmuBackend {
     use pagoda::backend::gpu::emu::{EmuOptions, EmuRt};
     let rt = EmuRt::with_options(EmuOptions {
-        warp: 64,
+        warp,
+        order,
         ..EmuOptions::from_env().unwrap()
     })
     .unwrap();

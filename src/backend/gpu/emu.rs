@@ -13,7 +13,10 @@
 //! blocks, default all cores), `PAGODA_EMU_MEMORY` (the device memory it reports, in MiB,
 //! default 4096), `PAGODA_EMU_DEVICES` (how many devices it shows for tensor and pipeline
 //! parallelism, default 8, each with its own memory), `PAGODA_EMU_CCL` (a library with NCCL's
-//! API for their collectives; without it they go through the host).
+//! API for their collectives; without it they go through the host), `PAGODA_EMU_ORDER` (the
+//! order a block's threads run in between barriers: `forward`, the default, `reverse` or
+//! `random:SEED`, shuffled per block and barrier; a kernel that reads another thread's write
+//! without a barrier gives results that depend on it).
 
 use super::kernels::Dialect;
 use super::{CclLibrary, GpuBackend, GpuRuntime};
@@ -49,6 +52,7 @@ pub struct EmuRt {
     cxx_version: String,
     warp: u32,
     memory: u64,
+    order: ThreadOrder,
     allocated: AtomicU64,
     /// Live allocations: pointer to layout, for `free`.
     allocations: Mutex<HashMap<u64, std::alloc::Layout>>,
@@ -64,6 +68,54 @@ pub struct EmuOptions {
     pub warp: u32,
     /// Bytes of device memory reported and allowed.
     pub memory: u64,
+    /// The order of a block's threads between barriers.
+    pub order: ThreadOrder,
+}
+
+/// The order in which the emulator runs a block's threads between two barriers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThreadOrder {
+    Forward,
+    Reverse,
+    /// Shuffled per block and per barrier, from this seed.
+    Random(u64),
+}
+
+impl ThreadOrder {
+    /// `forward`, `reverse` or `random:SEED`.
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "forward" => ThreadOrder::Forward,
+            "reverse" => ThreadOrder::Reverse,
+            _ => match s.strip_prefix("random:").map(str::parse) {
+                Some(Ok(seed)) => ThreadOrder::Random(seed),
+                _ => bail!("PAGODA_EMU_ORDER={s}: expected forward, reverse or random:SEED"),
+            },
+        })
+    }
+
+    /// The C++ defines that select it.
+    fn defines(self) -> [String; 2] {
+        let (order, seed) = match self {
+            ThreadOrder::Forward => (0, 0),
+            ThreadOrder::Reverse => (1, 0),
+            ThreadOrder::Random(s) => (2, s),
+        };
+        [
+            format!("-DPG_EMU_ORDER={order}"),
+            format!("-DPG_EMU_SEED={seed}ULL"),
+        ]
+    }
+}
+
+impl std::fmt::Display for ThreadOrder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ThreadOrder::Forward => write!(f, "forward"),
+            ThreadOrder::Reverse => write!(f, "reverse"),
+            ThreadOrder::Random(s) => write!(f, "random:{s}"),
+        }
+    }
 }
 
 impl EmuOptions {
@@ -86,10 +138,15 @@ impl EmuOptions {
                     << 20
             }
         };
+        let order = match std::env::var("PAGODA_EMU_ORDER") {
+            Err(_) => ThreadOrder::Forward,
+            Ok(o) => ThreadOrder::parse(&o)?,
+        };
         Ok(EmuOptions {
             cxx: std::env::var("PAGODA_EMU_CXX").unwrap_or_else(|_| "c++".into()),
             warp,
             memory,
+            order,
         })
     }
 }
@@ -126,6 +183,7 @@ impl EmuRt {
             cxx_version,
             warp: o.warp,
             memory: o.memory,
+            order: o.order,
             allocated: AtomicU64::new(0),
             allocations: Mutex::new(HashMap::new()),
             libraries: Mutex::new(Vec::new()),
@@ -189,7 +247,10 @@ impl GpuRuntime for EmuRt {
     }
 
     fn device_name(&self) -> String {
-        format!("kernels emulated on the CPU, warp {}", self.warp)
+        format!(
+            "kernels emulated on the CPU, warp={} order={}",
+            self.warp, self.order
+        )
     }
     fn arch(&self) -> String {
         format!("emu-w{}", self.warp)
@@ -285,6 +346,7 @@ impl GpuRuntime for EmuRt {
         .iter()
         .map(|s| s.to_string())
         .chain([format!("-DPG_WARP_SIZE={}", self.warp)])
+        .chain(self.order.defines())
         .chain(
             self.tensor_cores()
                 .then(|| super::kernels::TENSOR_CORES_DEFINE.to_string()),
@@ -380,5 +442,64 @@ impl GpuRuntime for EmuRt {
             return Err(anyhow!("emu: {msg}"));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kernel that reads its neighbour's shared-memory write without a barrier: in index
+    /// order the neighbour (a lower index) has always written first, so the race is hidden;
+    /// in reverse or shuffled order it is not. And a launch over 48 KiB of dynamic shared
+    /// memory is refused, as a GPU refuses it without an opt-in.
+    #[test]
+    fn thread_orders_expose_a_missing_barrier_and_launch_limits_hold() {
+        let src = r#"#include "common.cuh"
+extern "C" __global__ void racy(float* out) {
+    __shared__ float s[64];
+    s[threadIdx.x] = 1.0f + threadIdx.x;
+    // NOTE: deliberately no __syncthreads() here
+    out[threadIdx.x] = threadIdx.x > 0 ? s[threadIdx.x - 1] : 0.0f;
+}
+extern "C" int pg_emu_launch_racy(void** a, const unsigned* g, const unsigned* b, unsigned s,
+                                  char* e, unsigned n) { return pg_emu::launch(&racy, a, g, b, s, e, n); }
+"#;
+        let src = super::super::kernels::prepare("racy", src, Dialect::Emu, false);
+        let run = |order: ThreadOrder, shared: u32| -> Result<Vec<f32>> {
+            let rt = EmuRt::with_options(EmuOptions {
+                order,
+                ..EmuOptions::from_env()?
+            })?;
+            let image = rt.compile("racy", &src, &rt.compile_options())?;
+            let f = rt.load(&image, &["racy".to_string()])?.remove(0);
+            let out = rt.malloc(64 * 4)?;
+            let mut p = out;
+            let mut args = [&mut p as *mut u64 as *mut c_void];
+            // SAFETY: one pointer argument, to 64 floats of this runtime's memory.
+            let launched = unsafe { rt.launch(f, [1, 1, 1], [64, 1, 1], shared, &mut args) };
+            let mut bytes = vec![0u8; 64 * 4];
+            // SAFETY: the 64 floats above.
+            unsafe { rt.dtoh(&mut bytes, out)? };
+            // SAFETY: allocated above, not used afterwards.
+            unsafe { rt.free(out) };
+            launched?;
+            Ok(bytes
+                .chunks(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect())
+        };
+        let right: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        assert_eq!(run(ThreadOrder::Forward, 0).unwrap(), right);
+        assert_ne!(run(ThreadOrder::Reverse, 0).unwrap(), right);
+        assert_ne!(run(ThreadOrder::Random(1), 0).unwrap(), right);
+        assert!(run(ThreadOrder::Forward, 48 << 10).is_ok());
+        let e = run(ThreadOrder::Forward, (48 << 10) + 16).unwrap_err();
+        assert!(format!("{e:#}").contains("48 KiB"), "{e:#}");
+        assert_eq!(
+            ThreadOrder::parse("random:12").unwrap(),
+            ThreadOrder::Random(12)
+        );
+        assert!(ThreadOrder::parse("sideways").is_err());
     }
 }
