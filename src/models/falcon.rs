@@ -322,7 +322,8 @@ impl<B: Backend> Family<B> for Falcon<B> {
                 ql.row_len(),
                 &mut qkv,
             )?;
-            let (rope, opts) = self.positions.attention(c.attention_options(l));
+            let (rope, opts) = (self.positions.rope(), c.attention_options(l));
+            let opts = self.positions.options(opts);
             attend(backend, kv, j, &mut qkv, rope, batch, ql, opts, &mut attn)?;
             backend.matmul(&attn, &w.w_o, w.b_o.as_ref(), t, ql.q_len(), hid, &mut oa)?;
             tp.all_reduce_sum(backend, &mut oa, t * hid)?;

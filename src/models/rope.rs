@@ -130,20 +130,22 @@ impl<B: Backend> Positions<B> {
         })
     }
 
-    /// The tables to rotate Q and K with, and `opts` with ALiBi's slopes where there are.
-    pub fn attention(
-        &self,
-        opts: AttentionOptions,
-    ) -> (Option<(&B::Buf, &B::Buf)>, AttentionOptions) {
+    /// The tables to rotate Q and K with, if any.
+    pub fn rope(&self) -> Option<(&B::Buf, &B::Buf)> {
         match self {
-            Positions::Rope(cos, sin) => (Some((cos, sin)), opts),
-            Positions::Alibi(a) => (
-                None,
-                AttentionOptions {
-                    alibi: Some(*a),
-                    ..opts
-                },
-            ),
+            Positions::Rope(cos, sin) => Some((cos, sin)),
+            Positions::Alibi(_) => None,
+        }
+    }
+
+    /// `opts` with ALiBi's slopes, where there are.
+    pub fn options(&self, opts: AttentionOptions) -> AttentionOptions {
+        match self {
+            Positions::Rope(..) => opts,
+            Positions::Alibi(a) => AttentionOptions {
+                alibi: Some(*a),
+                ..opts
+            },
         }
     }
 }
