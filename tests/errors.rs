@@ -218,10 +218,10 @@ fn family_configs_that_do_not_fit() {
             Box::new(|c| c["hidden_act"] = "relu6".into()),
         ),
         (
-            "alibi",
+            "mpt with qk_ln: true is not supported",
             Box::new(|c| {
-                c["model_type"] = "falcon".into();
-                c["alibi"] = true.into();
+                c["model_type"] = "mpt".into();
+                c["attn_config"] = serde_json::json!({"alibi": true, "qk_ln": true});
             }),
         ),
         (
