@@ -759,6 +759,7 @@ impl<B: Backend> Family<B> for NeoX<B> {
         let (c, tp, t) = (&s.cfg, &s.place.tp, batch.host.num_tokens());
         let (hid, f, ql, eps) = s.sizes();
         let parallel = flag(c, "parallel");
+        let clip_qkv = c.extra["clip_qkv"].as_f64().map(|v| v as f32);
         let gated = self.gated;
         let mut x = s.input(backend, batch)?; // [T, hidden] residual stream
         let mut ha = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] ln1(x)
@@ -779,8 +780,8 @@ impl<B: Backend> Family<B> for NeoX<B> {
             w.ln1.apply(backend, &x, t, hid, eps, &mut ha)?;
             let n = ql.row_len();
             backend.matmul(&ha, &w.w_qkv, w.b_qkv.as_ref(), t, hid, n, &mut qkv)?;
-            if let Some(clip) = c.extra["clip_qkv"].as_f64() {
-                backend.clamp(&mut qkv, clip as f32, t * n)?;
+            if let Some(clip) = clip_qkv {
+                backend.clamp(&mut qkv, clip, t * n)?;
             }
             if let Some((qn, kn)) = &w.qk_norm {
                 backend.qk_norm(&mut qkv, qn, kn, t, ql, QkNormSpan::HeadLayer, eps)?;
