@@ -130,7 +130,7 @@ enum BenchCommand {
 struct ModelArgs {
     /// A GGUF file, an HF-layout directory, or a hub name: ORG/NAME (an HF-layout repository)
     /// or ORG/NAME:QUANT (a GGUF repository's file for that quant), from the Hugging Face cache
-    /// or downloaded into it. Default: SmolLM2-135M-Instruct (fetched once).
+    /// or downloaded into it. Default: SmolLM2-135M-Instruct (fetched once; its Q4_1 weights run as an f16 copy).
     #[arg(long, short)]
     model: Option<PathBuf>,
     /// The hub revision (branch, tag or commit) of a model given by name.
@@ -667,6 +667,7 @@ fn run(cli: Cli) -> Result<()> {
                                 "prompt_token_ids": o.prompt_token_ids,
                                 "token_ids": c.token_ids,
                                 "text": c.text,
+                                "finish_reason": c.finish_reason.map(|f| f.as_str()),
                                 "logprobs": logprobs,
                             })
                         );
@@ -689,6 +690,15 @@ fn run(cli: Cli) -> Result<()> {
                             .unwrap_or_default(),
                         c.text
                     );
+                    // NOTE: a small model decoded greedily often loops until max_tokens; say
+                    // so rather than leave the user to wonder whether the engine is at fault.
+                    if let Some((period, repeats)) = c.repeating_tail() {
+                        eprintln!(
+                            "note: request {i} ran out of tokens repeating the same {period} \
+                             token(s) {repeats} times (greedy decoding loops like this; try \
+                             --repetition-penalty 1.2, or --temperature with --seed)"
+                        );
+                    }
                 }
             }
             eprintln!(

@@ -22,6 +22,27 @@ pub struct CompletionOutput {
     pub stop_reason: Option<super::StopReason>,
 }
 
+impl CompletionOutput {
+    /// Whether the output ran out of tokens (`max_tokens` or the context) while repeating
+    /// itself: the shortest period `p` (up to 64 tokens) whose last 4 repeats, at least 32
+    /// tokens in all, close the output. Returns `(p, repeats)`, counting every whole repeat at
+    /// the end. Greedy decoding of a small model often ends this way, and `generate` says so.
+    pub fn repeating_tail(&self) -> Option<(usize, usize)> {
+        if self.finish_reason != Some(FinishReason::Length) {
+            return None;
+        }
+        let ids = &self.token_ids;
+        (1..=64).find_map(|p| {
+            let same = |k: usize| ids[ids.len() - 1 - k] == ids[ids.len() - 1 - k - p];
+            let run = (0..ids.len().saturating_sub(p))
+                .take_while(|&k| same(k))
+                .count();
+            let repeats = run / p + 1;
+            (repeats >= 4 && repeats * p >= 32).then_some((p, repeats))
+        })
+    }
+}
+
 /// The complete result of one request.
 #[derive(Debug, Clone)]
 pub struct RequestOutput {
@@ -254,5 +275,48 @@ impl LLM {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn output(ids: &[u32], finish: FinishReason) -> CompletionOutput {
+        CompletionOutput {
+            token_ids: ids.to_vec(),
+            finish_reason: Some(finish),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn repeating_tail_finds_the_shortest_period() {
+        let mut ids = vec![5, 6, 7];
+        for _ in 0..12 {
+            ids.extend([1, 2, 3]);
+        }
+        assert_eq!(
+            output(&ids, FinishReason::Length).repeating_tail(),
+            Some((3, 12))
+        );
+        // A stop token ends it well, however it repeated before.
+        assert_eq!(output(&ids, FinishReason::Stop).repeating_tail(), None);
+        // A partial repeat at the end still counts; too few tokens in the loop do not.
+        ids.push(1);
+        assert_eq!(
+            output(&ids, FinishReason::Length).repeating_tail(),
+            Some((3, 12))
+        );
+        assert_eq!(
+            output(&[9; 31], FinishReason::Length).repeating_tail(),
+            None
+        );
+        assert_eq!(
+            output(&[9; 32], FinishReason::Length).repeating_tail(),
+            Some((1, 32))
+        );
+        let varied: Vec<u32> = (0..200).collect();
+        assert_eq!(output(&varied, FinishReason::Length).repeating_tail(), None);
     }
 }

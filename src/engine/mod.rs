@@ -180,7 +180,7 @@ fn prepare(
 )> {
     let path = match &args.model {
         Some(p) => p.clone(),
-        None => crate::fetch::default_model()?,
+        None => crate::models::default_model()?,
     };
     let model = load_model(&path)?;
     let cfg = &model.config;

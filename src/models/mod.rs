@@ -24,7 +24,7 @@ pub use config::Arch;
 pub use config::ModelConfig;
 pub use kv_cache::{KvCache, KvCacheDtype, LayerKvSpec};
 pub use loader::WeightSource;
-pub use open::{LoadedModel, load_model};
+pub use open::{DEFAULT_MODEL_F16_FILE, LoadedModel, default_model, load_model};
 
 use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
 use crate::quant::QuantTensor;

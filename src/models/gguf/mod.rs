@@ -13,6 +13,7 @@
 //! tensor's byte range is checked against the file size when the file is opened.
 
 mod config;
+pub mod convert;
 mod hf;
 mod names;
 mod tokenizer;
@@ -190,6 +191,17 @@ pub struct GgufFile {
     metadata: BTreeMap<String, GgufValue>,
     tensors: Vec<TensorInfo>,
     by_name: HashMap<String, usize>,
+    /// The metadata section as stored (for [`convert`]'s copies), and `general.alignment`.
+    kv: Kv,
+}
+
+/// Where the metadata section lies in the file, and its pair count.
+#[derive(Clone, Copy)]
+struct Kv {
+    start: usize,
+    end: usize,
+    count: u64,
+    alignment: u64,
 }
 
 impl fmt::Debug for GgufFile {
@@ -374,6 +386,7 @@ impl GgufFile {
                 .map(|(i, t)| (t.name.clone(), i))
                 .collect(),
             tensors: parsed.tensors,
+            kv: parsed.kv,
         })
     }
 
@@ -553,6 +566,7 @@ struct Parsed {
     version: u32,
     metadata: BTreeMap<String, GgufValue>,
     tensors: Vec<TensorInfo>,
+    kv: Kv,
 }
 
 fn parse(data: &[u8]) -> Result<Parsed> {
@@ -588,6 +602,7 @@ fn parse(data: &[u8]) -> Result<Parsed> {
     let n_tensors = n_tensors as usize;
 
     let mut metadata = BTreeMap::new();
+    let kv_start = r.pos;
     for i in 0..n_kv {
         let key = r.string(&|| format!("the key of metadata entry {i}"))?;
         let k = text(&key);
@@ -606,6 +621,12 @@ fn parse(data: &[u8]) -> Result<Parsed> {
         },
     };
 
+    let kv = Kv {
+        start: kv_start,
+        end: r.pos,
+        count: n_kv as u64,
+        alignment,
+    };
     let mut infos = Vec::with_capacity(n_tensors);
     let mut seen = HashMap::with_capacity(n_tensors);
     for i in 0..n_tensors {
@@ -682,6 +703,7 @@ fn parse(data: &[u8]) -> Result<Parsed> {
         version,
         metadata,
         tensors,
+        kv,
     })
 }
 
@@ -871,6 +893,35 @@ mod tests {
             } else {
                 2 * (i - hd / 2) + 1
             }
+    }
+
+    /// The f16 copy keeps every metadata value and tensor shape, copies f32 tensors as they
+    /// are, and holds each quantized tensor's reference values rounded to f16.
+    #[test]
+    fn f16_copy_keeps_metadata_and_values() {
+        let src = write_tmp(&synthetic("llama").bytes());
+        let src = GgufFile::open(&src.path).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let dst = out.path().join("copy.gguf");
+        convert::f16_copy(&src, &dst).unwrap();
+        let copy = GgufFile::open(&dst).unwrap();
+        assert_eq!(copy.metadata(), src.metadata());
+        assert_eq!(copy.tensors().len(), src.tensors().len());
+        let mut quantized = 0;
+        for (a, b) in src.tensors().iter().zip(copy.tensors()) {
+            assert_eq!((&a.name, &a.dims), (&b.name, &b.dims));
+            let want = src.load_gguf_tensor(a).unwrap();
+            let got = copy.load_gguf_tensor(b).unwrap();
+            if a.ty == GgmlType::F32 {
+                assert_eq!((b.ty, &got), (GgmlType::F32, &want), "{}", a.name);
+            } else {
+                quantized += 1;
+                assert_eq!(b.ty, GgmlType::F16, "{}", a.name);
+                let rounded: Vec<f32> = want.iter().map(|&w| f16::from_f32(w).to_f32()).collect();
+                assert_eq!(got, rounded, "{}", a.name);
+            }
+        }
+        assert_eq!(quantized, 2);
     }
 
     // ---- dequantization against gguf.quants ----------------------------------------------
