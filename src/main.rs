@@ -6,7 +6,7 @@ use pagoda::engine::KvBudget;
 use pagoda::models::KvCacheDtype;
 use pagoda::models::pooling::{PoolingType, Task};
 use pagoda::sampling::{SamplingDefaults, StructuredOutput};
-use pagoda::sched::{PreemptionMode, SchedulingPolicy};
+use pagoda::sched::{NgramConfig, PreemptionMode, SchedulingPolicy};
 use pagoda::{BackendKind, ChatMessage, EngineArgs, LLM, SamplingParams, WeightDtype};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -230,6 +230,12 @@ struct ModelArgs {
     /// Qwen3-Reranker), instead of a classifier in the checkpoint.
     #[arg(long, value_delimiter = ',')]
     classifier_from_token: Option<Vec<String>>,
+    /// Speculative decoding, as vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K,
+    /// "prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}` (prompt
+    /// lookup: drafts copied from the context, verified in the same step; greedy requests
+    /// without logit edits use it, and their outputs are unchanged)
+    #[arg(long, value_parser = NgramConfig::from_json)]
+    speculative_config: Option<NgramConfig>,
 }
 
 impl ModelArgs {
@@ -255,6 +261,7 @@ impl ModelArgs {
             task,
             pooling_type: self.pooling_type,
             classifier_from_token: self.classifier_from_token.clone(),
+            speculative: self.speculative_config,
             model: self.model_path()?,
             backend: self.backend.first().copied().unwrap_or(BackendKind::Cpu),
             dtype: self.dtype,
@@ -706,6 +713,16 @@ fn run(cli: Cli) -> Result<()> {
                 outs.len(),
                 n_out as f64 / secs
             );
+            let st = llm.engine().stats();
+            if st.spec_drafts > 0 {
+                eprintln!(
+                    "speculation: {} of {} draft tokens accepted ({:.1}%), {:.2} tokens a step where drafts were verified",
+                    st.spec_accepted_tokens,
+                    st.spec_draft_tokens,
+                    100.0 * st.spec_accepted_tokens as f64 / st.spec_draft_tokens as f64,
+                    1.0 + st.spec_accepted_tokens as f64 / st.spec_drafts as f64
+                );
+            }
             let pc = llm.engine().prefix_cache_stats();
             if pc.queries > 0 {
                 eprintln!(

@@ -35,6 +35,8 @@ impl Engine {
         let mut sample_rows = Vec::new();
         let mut prompt_rows: Vec<(RequestId, usize, usize)> = Vec::new();
         let mut pool_rows = Vec::new();
+        // Requests with drafts: (request, the first of their `1 + drafts` rows, the drafts).
+        let mut drafted = Vec::new();
         for s in &sched.scheduled {
             let Some(req) = self.scheduler.request(s.id) else {
                 return Err((anyhow::anyhow!("scheduled request is unknown"), sched));
@@ -60,9 +62,11 @@ impl Engine {
                     prompt_rows.push((s.id, pos, input.logits_rows.len() - 1));
                 }
             }
+            // NOTE: the drafts are the step's last positions, after the last known token.
             input
                 .token_ids
-                .extend_from_slice(&req.tokens[range.clone()]);
+                .extend_from_slice(&req.tokens[range.start..range.end - s.draft_tokens.len()]);
+            input.token_ids.extend_from_slice(&s.draft_tokens);
             for pos in range {
                 input.positions.push(pos as u32);
                 input
@@ -78,7 +82,13 @@ impl Engine {
                 NULL_BLOCK,
                 max_blocks - s.block_table.len(),
             ));
-            if s.sample && pool.is_none() {
+            if s.sample && pool.is_none() && !s.draft_tokens.is_empty() {
+                let end = input.token_ids.len();
+                drafted.push((s.id, input.logits_rows.len(), s.draft_tokens.clone()));
+                input
+                    .logits_rows
+                    .extend((end - 1 - s.draft_tokens.len()..end).map(|r| r as u32));
+            } else if s.sample && pool.is_none() {
                 input.logits_rows.push(input.token_ids.len() as u32 - 1);
                 sampling.push(s.id);
                 sample_rows.push(input.logits_rows.len() - 1);
@@ -89,6 +99,13 @@ impl Engine {
         // the rest of the batch, so a seeded request gives the same tokens in any batch.
         let on_device = self.runner.samples_on_device();
         let mut reduce = vec![None; input.logits_rows.len()];
+        // NOTE: only plain-argmax requests get drafts (`spec.rs`): every row of theirs is an
+        // argmax, which every backend reduces where the logits are.
+        for (_, first, drafts) in &drafted {
+            for r in &mut reduce[*first..=*first + drafts.len()] {
+                *r = Some(RowSampling::GREEDY);
+            }
+        }
         for (id, &row) in sampling.iter().zip(&sample_rows) {
             let (Some(st), Some(req)) = (self.states.get(id), self.scheduler.request(*id)) else {
                 continue;
@@ -133,6 +150,7 @@ impl Engine {
                 sample_rows,
                 prompt_rows,
                 pool_rows,
+                drafted,
                 reduce,
             },
         ))

@@ -10,6 +10,7 @@ mod output;
 mod pool;
 mod request;
 pub mod runner;
+mod spec;
 mod worker;
 mod workers;
 
@@ -28,7 +29,8 @@ use crate::sampling::{
     StructuredCompiler,
 };
 use crate::sched::{
-    FinishReason, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
+    FinishReason, NgramConfig, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig,
+    SchedulingPolicy,
 };
 use crate::tensor::WeightDtype;
 use crate::tokenizer::{ChatMessage, Tokenizer};
@@ -92,6 +94,8 @@ pub struct EngineArgs {
     pub pooling_type: Option<PoolingType>,
     /// The tokens whose logits a score is made of (`--classifier-from-token no,yes`).
     pub classifier_from_token: Option<Vec<String>>,
+    /// Speculative decoding (`--speculative-config`): n-gram drafts verified in each step.
+    pub speculative: Option<NgramConfig>,
 }
 
 impl Default for EngineArgs {
@@ -118,6 +122,7 @@ impl Default for EngineArgs {
             task: Task::Generate,
             pooling_type: None,
             classifier_from_token: None,
+            speculative: None,
         }
     }
 }
@@ -140,6 +145,12 @@ pub struct EngineStats {
     /// Tokens drawn at random by the backend where the logits are (temperature, top-k, top-p,
     /// min-p on a GPU), not on the host.
     pub random_samples_on_device: u64,
+    /// Speculative decoding: request-steps that verified drafts, the draft tokens verified
+    /// and those kept (vLLM's `spec_decode_num_drafts`, `_num_draft_tokens`,
+    /// `_num_accepted_tokens`).
+    pub spec_drafts: u64,
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
 }
 
 pub struct Engine {
@@ -163,6 +174,8 @@ pub struct Engine {
     structured: Option<StructuredCompiler>,
     /// How results are pooled, where the model is served for embeddings or scores.
     pooler: Option<Pooler>,
+    /// Speculative decoding's proposer, if on.
+    speculative: Option<NgramConfig>,
     /// The pooling requests' rows so far.
     pools: HashMap<RequestId, pool::PoolState>,
     /// The length of the rows a step brings back: the vocabulary, or the pooler's width.
@@ -253,6 +266,12 @@ pub fn run_worker_node(args: EngineArgs) -> Result<()> {
 
 impl Engine {
     pub fn new(args: EngineArgs) -> Result<Self> {
+        if args.speculative.is_some() && args.task != Task::Generate {
+            anyhow::bail!(
+                "--speculative-config applies to generation, not to --task {}",
+                args.task.name()
+            );
+        }
         let (model, runner_args, pooler) = prepare(&args)?;
         let cfg = model.config.clone();
         let max_model_len = runner_args.max_model_len;
@@ -352,6 +371,7 @@ impl Engine {
             row_len,
             pooler,
             pools: HashMap::new(),
+            speculative: args.speculative,
         })
     }
 
@@ -748,6 +768,7 @@ impl Engine {
             return self.step_pipelined();
         }
         let t0 = Instant::now();
+        self.propose_drafts();
         let sched = self.scheduler.schedule();
         self.stats.preemptions += sched.preempted.len() as u64;
         if !sched.swap_out.is_empty() || !sched.swap_in.is_empty() {
@@ -822,6 +843,7 @@ impl Engine {
         let t0 = Instant::now();
         let mut started = false;
         if self.pending.len() < self.depth {
+            self.propose_drafts();
             let sched = self.scheduler.schedule();
             self.stats.preemptions += sched.preempted.len() as u64;
             // NOTE: swap preemption keeps one step in flight (`Engine::new`).

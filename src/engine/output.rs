@@ -27,6 +27,7 @@ impl Engine {
             sample_rows,
             prompt_rows,
             pool_rows,
+            drafted,
             reduce,
         } = step;
         let vocab = self.row_len;
@@ -90,7 +91,7 @@ impl Engine {
             if let Some(c) = choices[i].take() {
                 self.stats.random_samples_on_device +=
                     u64::from(reduce[i].as_ref().is_some_and(|r| !r.is_greedy()));
-                sampled.insert(*id, c.token);
+                sampled.insert(*id, vec![c.token]);
                 if let (Some(lp), Some(st)) = (c.logprobs, self.states.get_mut(id)) {
                     if st.params.best_of() > st.params.n {
                         st.cum_logprob += lp.logprob as f64;
@@ -144,21 +145,42 @@ impl Engine {
                     None => token_logprob(row, tok.token_id),
                 } as f64;
             }
-            sampled.insert(*id, tok.token_id);
+            sampled.insert(*id, vec![tok.token_id]);
             if let Some(lp) = tok.logprobs {
                 logprobs.insert(*id, lp);
             }
+        }
+        // NOTE: the drafts equal to the argmax of the row before them are kept, and the argmax
+        // after the last one kept; the rest are dropped (their K/V computed again later).
+        for (id, first, drafts) in drafted {
+            let mut kept = Vec::with_capacity(drafts.len() + 1);
+            for i in 0..=drafts.len() {
+                let c = choices[first + i]
+                    .take()
+                    .context("the runner brought back no token for a draft's row")?;
+                kept.push(c.token);
+                if drafts.get(i) != Some(&c.token) {
+                    break;
+                }
+            }
+            self.stats.spec_drafts += 1;
+            self.stats.spec_draft_tokens += drafts.len() as u64;
+            self.stats.spec_accepted_tokens += kept.len() as u64 - 1;
+            sampled.insert(id, kept);
         }
 
         let events = self.scheduler.update_from_output(&sched, &sampled);
         let mut outputs = Vec::with_capacity(events.len());
         self.finish_pools(&sched, &mut outputs)?;
+        // Requests a stop string ended in this step: their later tokens (kept drafts) are not
+        // theirs.
+        let mut ended = Vec::new();
         for ev in events {
+            if ended.contains(&ev.id) {
+                continue;
+            }
             self.stats.generated_tokens += 1;
-            let n_out = self
-                .scheduler
-                .request(ev.id)
-                .map_or(0, |r| r.output().len());
+            let n_out = ev.num_output_tokens;
             let st = self
                 .states
                 .get_mut(&ev.id)
@@ -228,13 +250,14 @@ impl Engine {
                 new_logprobs: logprobs.remove(&ev.id).into_iter().collect(),
                 finish_reason: finish,
                 num_prompt_tokens: req.prompt_len,
-                num_output_tokens: req.output().len(),
+                num_output_tokens: n_out,
                 pooled: None,
             };
             let (group, cum_logprob) = (st.group, st.cum_logprob);
             if finish.is_some() {
                 self.scheduler.remove_finished(ev.id);
                 self.states.remove(&ev.id);
+                ended.push(ev.id);
             }
             self.emit(group, out, cum_logprob, &mut outputs)?;
         }

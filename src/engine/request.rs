@@ -207,6 +207,9 @@ pub(super) struct PendingStep {
     pub(super) prompt_rows: Vec<(RequestId, usize, usize)>,
     /// The rows a pooling request reads: (request, position, row).
     pub(super) pool_rows: Vec<(RequestId, usize, usize)>,
+    /// The requests verifying drafts: (request, the first of its `1 + drafts` rows, the
+    /// drafts).
+    pub(super) drafted: Vec<(RequestId, usize, Vec<u32>)>,
     /// How each logits row is reduced: its token chosen where the logits are (greedy rows,
     /// and random ones where the backend samples), or `None`: its logits come to the host.
     pub(super) reduce: Vec<Option<RowSampling>>,

@@ -7,9 +7,11 @@
 
 mod request;
 mod scheduler;
+mod spec;
 
 pub use request::{FinishReason, Request, RequestId, RequestStatus};
 pub use scheduler::{
     PreemptionMode, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput,
     SchedulingPolicy, TokenEvent,
 };
+pub use spec::NgramConfig;

@@ -50,6 +50,9 @@ pub struct Request {
     /// `Some(root)`: the request may share cached blocks registered under `root` (prefix
     /// caching uses one root for all; parallel samples without it share one of their own).
     pub cache_root: Option<u64>,
+    /// Draft tokens proposed for the next step (speculative decoding), scheduled after its
+    /// last token when it decodes; taken by the next `schedule`.
+    pub draft_tokens: Vec<u32>,
 }
 
 impl Request {
@@ -70,6 +73,7 @@ impl Request {
             status: RequestStatus::Waiting,
             num_preemptions: 0,
             cache_root: None,
+            draft_tokens: Vec::new(),
         }
     }
 

@@ -83,6 +83,10 @@ pub struct ScheduledRequest {
     /// This chunk reaches the request's last known token, so a new token is sampled from the
     /// logits of its last row. False for a prompt chunk that is not the last.
     pub sample: bool,
+    /// Draft tokens computed after the last known token (speculative decoding): the step's
+    /// last `draft_tokens.len()` positions. Each of the `1 + len` rows gives a token; the
+    /// drafts equal to the tokens before them are kept, with the token after the last of them.
+    pub draft_tokens: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -104,12 +108,15 @@ impl SchedulerOutput {
     }
 }
 
-/// What happened to a request in `update_from_output`.
+/// What happened to a request in `update_from_output`: one event per token it gained (more
+/// than one in a step where drafts were accepted).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
     pub id: RequestId,
     pub token: u32,
     pub finished: Option<FinishReason>,
+    /// The request's output length with this token.
+    pub num_output_tokens: usize,
 }
 
 pub struct Scheduler {
@@ -227,7 +234,8 @@ impl Scheduler {
     pub fn schedule(&mut self) -> SchedulerOutput {
         let mut out = SchedulerOutput::default();
         let mut budget = self.config.max_num_batched_tokens;
-        let mut grants: Vec<(RequestId, usize)> = Vec::new();
+        // (request, tokens computed, of which drafts)
+        let mut grants: Vec<(RequestId, usize, usize)> = Vec::new();
         let share = if self.config.steps_in_flight > 1 {
             let unfinished = self.running.len() + self.waiting.len() + self.swapped.len();
             unfinished.div_ceil(self.config.steps_in_flight).max(1)
@@ -243,10 +251,33 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let r = &self.requests[&id];
+            let r = self.requests.get_mut(&id).unwrap();
             let computed = r.num_computed_tokens;
+            let drafts = std::mem::take(&mut r.draft_tokens);
             let n = (r.num_tokens() - computed).min(budget);
             debug_assert!(n > 0, "a running request always has a token to compute");
+            // NOTE: drafts follow a decoding request's last token, within the budget and so
+            // that every token they could bring stays within max_tokens and the context; they
+            // are dropped rather than preempt anyone.
+            let room = (budget - 1)
+                .min(r.max_tokens.saturating_sub(r.output().len() + 1))
+                .min(self.config.max_model_len.saturating_sub(r.num_tokens() + 1));
+            let n_draft = if computed + 1 == r.num_tokens() {
+                drafts.len().min(room)
+            } else {
+                0
+            };
+            if n_draft > 0
+                && self
+                    .kv
+                    .allocate_slots(id, &self.requests[&id].tokens, computed + 1 + n_draft)
+            {
+                self.requests.get_mut(&id).unwrap().draft_tokens = drafts;
+                grants.push((id, 1 + n_draft, n_draft));
+                budget -= 1 + n_draft;
+                i += 1;
+                continue;
+            }
             let scheduled = loop {
                 if self
                     .kv
@@ -281,7 +312,7 @@ impl Scheduler {
             if !scheduled {
                 break;
             }
-            grants.push((id, n));
+            grants.push((id, n, 0));
             budget -= n;
             i += 1;
         }
@@ -315,7 +346,7 @@ impl Scheduler {
                 self.swapped.pop_front();
                 self.running.push(id);
                 self.requests.get_mut(&id).unwrap().status = RequestStatus::Running;
-                grants.push((id, n));
+                grants.push((id, n, 0));
                 budget -= n;
             }
         }
@@ -351,7 +382,7 @@ impl Scheduler {
                 let r = self.requests.get_mut(&id).unwrap();
                 r.status = RequestStatus::Running;
                 r.num_computed_tokens = hit;
-                grants.push((id, n));
+                grants.push((id, n, 0));
                 budget -= n;
             }
             if self.config.policy == SchedulingPolicy::Static && !self.running.is_empty() {
@@ -360,15 +391,18 @@ impl Scheduler {
             }
         }
 
-        for (id, n) in grants {
+        for (id, n, n_draft) in grants {
             self.in_flight.insert(id);
-            let r = &self.requests[&id];
+            let r = self.requests.get_mut(&id).unwrap();
+            let mut drafts = std::mem::take(&mut r.draft_tokens);
+            drafts.truncate(n_draft);
             out.scheduled.push(ScheduledRequest {
                 id,
                 num_computed_tokens: r.num_computed_tokens,
                 num_new_tokens: n,
                 block_table: self.kv.block_table(id).to_vec(),
-                sample: r.num_computed_tokens + n == r.num_tokens(),
+                sample: r.num_computed_tokens + n == r.num_tokens() + n_draft,
+                draft_tokens: drafts,
             });
             out.num_batched_tokens += n;
         }
@@ -393,13 +427,15 @@ impl Scheduler {
         self.waiting.push_front(id);
     }
 
-    /// Applies a step's results: advances computed tokens, appends the sampled tokens (`sampled`
-    /// holds one per scheduled request with `sample == true`, in any order) and finishes the
-    /// requests that hit a stop token or their length limit, freeing their blocks.
+    /// Applies a step's results: advances computed tokens, appends the tokens each sampled
+    /// request gained (`sampled` holds them for every scheduled request with `sample == true`:
+    /// one, or with drafts the kept drafts and the token after them) and finishes the requests
+    /// that hit a stop token or their length limit, freeing their blocks. Tokens after one that
+    /// finishes a request are dropped.
     pub fn update_from_output(
         &mut self,
         out: &SchedulerOutput,
-        sampled: &HashMap<RequestId, u32>,
+        sampled: &HashMap<RequestId, Vec<u32>>,
     ) -> Vec<TokenEvent> {
         let mut events = Vec::new();
         for s in &out.scheduled {
@@ -410,32 +446,48 @@ impl Scheduler {
             if r.is_finished() {
                 continue;
             }
-            r.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens;
-            if !s.sample {
-                continue;
+            let tokens = sampled.get(&s.id).filter(|_| s.sample);
+            // NOTE: the K/V of the drafts that were not kept are not the request's: the
+            // positions are computed again with the right tokens (the slots stay allocated).
+            let kept = tokens.map_or(0, |t| t.len().clamp(1, s.draft_tokens.len() + 1) - 1);
+            debug_assert!(tokens.is_none_or(|t| t[..kept] == s.draft_tokens[..kept]));
+            r.num_computed_tokens =
+                s.num_computed_tokens + s.num_new_tokens - (s.draft_tokens.len() - kept);
+            let tokens = tokens.map_or(&[][..], |t| &t[..(kept + 1).min(t.len())]);
+            let mut finished = None;
+            for &token in tokens {
+                r.tokens.push(token);
+                let n_out = r.num_tokens() - r.prompt_len;
+                finished = if r.stop_token_ids.contains(&token) {
+                    Some(FinishReason::Stop)
+                } else if n_out >= r.max_tokens || r.num_tokens() >= self.config.max_model_len {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                };
+                events.push(TokenEvent {
+                    id: s.id,
+                    token,
+                    finished,
+                    num_output_tokens: n_out,
+                });
+                if finished.is_some() {
+                    break;
+                }
             }
-            let Some(&token) = sampled.get(&s.id) else {
-                continue;
-            };
-            r.tokens.push(token);
-            let n_out = r.num_tokens() - r.prompt_len;
-            let finished = if r.stop_token_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else if n_out >= r.max_tokens || r.num_tokens() >= self.config.max_model_len {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            events.push(TokenEvent {
-                id: s.id,
-                token,
-                finished,
-            });
             if let Some(reason) = finished {
                 self.finish_request(s.id, reason);
             }
         }
         events
+    }
+
+    /// Proposes draft tokens for a running request's next step (speculative decoding); they
+    /// are scheduled if it decodes then, as far as the budget and its limits allow.
+    pub fn set_draft_tokens(&mut self, id: RequestId, drafts: Vec<u32>) {
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.draft_tokens = drafts;
+        }
     }
 
     /// Forgets that `out`'s requests are in flight, after its step failed: they are scheduled
@@ -479,6 +531,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// One token per sampled request, as a step without drafts gives.
+    fn one(m: HashMap<RequestId, u32>) -> HashMap<RequestId, Vec<u32>> {
+        m.into_iter().map(|(id, t)| (id, vec![t])).collect()
+    }
+
     fn sched(blocks: usize, bs: usize, budget: usize, max_seqs: usize) -> Scheduler {
         let cfg = SchedulerConfig {
             max_num_batched_tokens: budget,
@@ -520,7 +577,7 @@ mod tests {
         while s.request(3).unwrap().num_computed_tokens < 20 {
             let out = s.schedule();
             chunks.push(out.scheduled[0].num_new_tokens);
-            assert!(s.update_from_output(&out, &HashMap::new()).is_empty());
+            assert!(s.update_from_output(&out, &one(HashMap::new())).is_empty());
         }
         assert_eq!(chunks, vec![8, 8, 4]);
         assert!(s.finish_request(3, FinishReason::Stop));
@@ -555,7 +612,7 @@ mod tests {
             assert!(out.num_batched_tokens <= s.config.max_num_batched_tokens);
             assert!(out.scheduled.len() <= s.config.max_num_seqs);
             let sampled = fake_sampled(&out);
-            s.update_from_output(&out, &sampled);
+            s.update_from_output(&out, &one(sampled));
             s.kv.check_invariants();
             steps += 1;
             assert!(steps < max_steps, "did not finish");
@@ -571,7 +628,7 @@ mod tests {
         let out = s.schedule();
         assert_eq!(out.scheduled[0].num_new_tokens, 3);
         assert!(out.scheduled[0].sample);
-        s.update_from_output(&out, &HashMap::from([(1, 7)]));
+        s.update_from_output(&out, &one(HashMap::from([(1, 7)])));
         s.add_request(Request::new(2, vec![1; 25], 5, vec![]))
             .unwrap();
         let out = s.schedule();
@@ -602,7 +659,7 @@ mod tests {
         let out = s.schedule();
         assert_eq!(out.scheduled.len(), 3);
         let sampled = HashMap::from([(1, 1), (2, 2), (3, 3)]);
-        s.update_from_output(&out, &sampled);
+        s.update_from_output(&out, &one(sampled));
         // the next decode needs a new block for each: request 3 (last admitted) is preempted
         let out = s.schedule();
         assert_eq!(out.preempted, vec![3]);
@@ -636,15 +693,15 @@ mod tests {
         assert_eq!(b.scheduled.iter().map(|r| r.id).collect::<Vec<_>>(), [3]);
         assert_eq!(s.num_in_flight(), 3);
         assert!(s.schedule().is_empty(), "everything is in flight");
-        s.update_from_output(&a, &HashMap::from([(1, 1), (2, 2)]));
+        s.update_from_output(&a, &one(HashMap::from([(1, 1), (2, 2)])));
         // request 1 needs a third block and none is free: the victim is request 2, the last
         // admitted one that is not in flight (request 3's step still writes its blocks)
         let c = s.schedule();
         assert_eq!(c.preempted, vec![2]);
         assert_eq!(c.scheduled.iter().map(|r| r.id).collect::<Vec<_>>(), [1]);
         assert_eq!(s.request(3).unwrap().status, RequestStatus::Running);
-        s.update_from_output(&b, &HashMap::from([(3, 3)]));
-        s.update_from_output(&c, &HashMap::from([(1, 4)]));
+        s.update_from_output(&b, &one(HashMap::from([(3, 3)])));
+        s.update_from_output(&c, &one(HashMap::from([(1, 4)])));
         assert_eq!(s.num_in_flight(), 0);
         run_to_end(&mut s, 100);
         assert_eq!(s.kv.pool().num_free(), 6);
@@ -679,7 +736,7 @@ mod tests {
                 if queue.len() == 2 || stalled {
                     let out = queue.pop_front().expect("progress");
                     let sampled = fake_sampled(&out);
-                    s.update_from_output(&out, &sampled);
+                    s.update_from_output(&out, &one(sampled));
                 }
                 steps += 1;
                 assert!(steps < 200, "{mode:?}: no end after {steps} steps");
@@ -699,7 +756,7 @@ mod tests {
         let a = s.schedule();
         let b = s.schedule();
         assert_eq!((ids(&a), ids(&b)), (vec![1, 2, 3], vec![4, 5]));
-        s.update_from_output(&a, &HashMap::from([(1, 1), (2, 1), (3, 1)]));
+        s.update_from_output(&a, &one(HashMap::from([(1, 1), (2, 1), (3, 1)])));
         // the next step takes the requests of step a, while b is in flight
         let c = s.schedule();
         assert_eq!(ids(&c), [1, 2, 3]);
@@ -720,7 +777,7 @@ mod tests {
         }
         let out = s.schedule();
         let table3 = out.scheduled[2].block_table.clone();
-        s.update_from_output(&out, &HashMap::from([(1, 1), (2, 2), (3, 3)]));
+        s.update_from_output(&out, &one(HashMap::from([(1, 1), (2, 2), (3, 3)])));
         let out = s.schedule();
         assert_eq!(out.preempted, vec![3]);
         assert_eq!(
@@ -750,7 +807,7 @@ mod tests {
                 .filter(|r| r.sample)
                 .map(|r| (r.id, 9))
                 .collect();
-            s.update_from_output(&out, &sampled);
+            s.update_from_output(&out, &one(sampled));
             s.kv.check_invariants();
         }
         assert!(resumed);
@@ -767,11 +824,11 @@ mod tests {
         s.add_request(Request::new(2, vec![1, 2], 2, vec![99]))
             .unwrap();
         let out = s.schedule();
-        let ev = s.update_from_output(&out, &HashMap::from([(1, 99), (2, 5)]));
+        let ev = s.update_from_output(&out, &one(HashMap::from([(1, 99), (2, 5)])));
         assert_eq!(ev[0].finished, Some(FinishReason::Stop));
         assert_eq!(ev[1].finished, None);
         let out = s.schedule();
-        let ev = s.update_from_output(&out, &HashMap::from([(2, 6)]));
+        let ev = s.update_from_output(&out, &one(HashMap::from([(2, 6)])));
         assert_eq!(ev[0].finished, Some(FinishReason::Length));
         assert!(!s.has_unfinished());
         assert_eq!(s.kv.pool().num_free(), 49);
@@ -783,7 +840,7 @@ mod tests {
         s.add_request(Request::new(1, vec![1; 20], 10, vec![]))
             .unwrap();
         let out = s.schedule();
-        s.update_from_output(&out, &HashMap::from([(1, 3)]));
+        s.update_from_output(&out, &one(HashMap::from([(1, 3)])));
         assert!(s.kv.pool().num_free() < 49);
         assert!(s.finish_request(1, FinishReason::Abort));
         assert_eq!(s.kv.pool().num_free(), 49);
@@ -816,7 +873,7 @@ mod tests {
                 first_step_of_3 = Some(step);
             }
             let sampled = out.scheduled.iter().map(|r| (r.id, 7)).collect();
-            s.update_from_output(&out, &sampled);
+            s.update_from_output(&out, &one(sampled));
             step += 1;
         }
         // request 1 ends after step 0, but 3 must wait until 2 (5 tokens: steps 0..=4) ends
@@ -892,7 +949,7 @@ mod tests {
                 .filter(|r| r.sample)
                 .map(|r| (r.id, 9))
                 .collect();
-            s.update_from_output(&out, &sampled);
+            s.update_from_output(&out, &one(sampled));
             s.kv().check_invariants();
             if !s.has_unfinished() {
                 break;
@@ -958,14 +1015,14 @@ mod tests {
                 if queue.len() == depth || stalled {
                     let Some(out) = queue.pop_front() else { continue };
                     let sampled = fake_sampled(&out);
-                    s.update_from_output(&out, &sampled);
+                    s.update_from_output(&out, &one(sampled));
                 }
                 s.kv.check_invariants();
                 steps += 1;
                 prop_assert!(steps < 5000);
             }
             while let Some(out) = queue.pop_front() {
-                s.update_from_output(&out, &HashMap::new());
+                s.update_from_output(&out, &one(HashMap::new()));
             }
             prop_assert_eq!(s.num_in_flight(), 0);
             prop_assert_eq!(s.kv.pool().num_free(), blocks - 1);
@@ -978,5 +1035,124 @@ mod tests {
                 prop_assert_eq!(r.output(), &want[..]);
             }
         }
+    }
+
+    /// The fake model's tokens for a step with drafts: each row's token, kept while the draft
+    /// before it was right.
+    fn fake_verified(out: &SchedulerOutput) -> HashMap<RequestId, Vec<u32>> {
+        out.scheduled
+            .iter()
+            .filter(|r| r.sample)
+            .map(|r| {
+                let last = r.num_computed_tokens + r.num_new_tokens - r.draft_tokens.len();
+                let mut got = Vec::new();
+                for i in 0..=r.draft_tokens.len() {
+                    let t = fake_token(r.id, last + i);
+                    got.push(t);
+                    if r.draft_tokens.get(i) != Some(&t) {
+                        break;
+                    }
+                }
+                (r.id, got)
+            })
+            .collect()
+    }
+
+    /// Drafts right at some positions and wrong at others, under a tight pool (preemption)
+    /// and budget: every request ends with the fake model's tokens, as without drafts, in
+    /// fewer steps; the K/V of rejected drafts are recomputed (computed tokens never pass the
+    /// known ones).
+    #[test]
+    fn drafts_keep_the_outputs_and_save_steps() {
+        let run = |drafts: bool| {
+            let mut s = sched(9, 4, 12, 4);
+            for id in 0..4u64 {
+                let prompt = vec![1; 3 + id as usize * 2];
+                s.add_request(Request::new(id, prompt, 12, vec![])).unwrap();
+            }
+            let mut steps = 0;
+            while s.has_unfinished() {
+                if drafts {
+                    for id in s.running_ids().to_vec() {
+                        let r = s.request(id).unwrap();
+                        let next = r.num_tokens();
+                        // right, right, wrong, right: 4 drafts
+                        let d = (0..4)
+                            .map(|i| fake_token(id, next + i) + u32::from(i == 2))
+                            .collect();
+                        s.set_draft_tokens(id, d);
+                    }
+                }
+                let out = s.schedule();
+                assert!(out.num_batched_tokens <= 12);
+                for r in &out.scheduled {
+                    assert!(
+                        r.draft_tokens.is_empty() || r.num_new_tokens == 1 + r.draft_tokens.len()
+                    );
+                }
+                s.update_from_output(&out, &fake_verified(&out));
+                for &id in s.running_ids() {
+                    let r = s.request(id).unwrap();
+                    assert!(r.num_computed_tokens < r.num_tokens());
+                }
+                s.kv.check_invariants();
+                steps += 1;
+                assert!(steps < 500);
+            }
+            let outputs: Vec<Vec<u32>> = (0..4)
+                .map(|id| s.request(id).unwrap().output().to_vec())
+                .collect();
+            (outputs, steps, s.num_preemptions())
+        };
+        let (plain, plain_steps, _) = run(false);
+        let (spec, spec_steps, preempted) = run(true);
+        assert_eq!(plain, spec);
+        for (id, o) in spec.iter().enumerate() {
+            let p = 3 + id * 2;
+            let want: Vec<u32> = (0..12).map(|k| fake_token(id as u64, p + k)).collect();
+            assert_eq!(o, &want);
+        }
+        assert!(
+            spec_steps < plain_steps,
+            "{spec_steps} steps with drafts, {plain_steps} without"
+        );
+        assert!(preempted > 0, "the pool is meant to force preemption");
+    }
+
+    /// A stop token among the kept drafts ends the request there; drafts never reach past
+    /// max_tokens.
+    #[test]
+    fn drafts_stop_at_a_stop_token_and_at_max_tokens() {
+        let mut s = sched(100, 4, 64, 4);
+        s.add_request(Request::new(1, vec![5; 4], 3, vec![]))
+            .unwrap();
+        s.add_request(Request::new(2, vec![5; 4], 10, vec![42]))
+            .unwrap();
+        let out = s.schedule();
+        s.update_from_output(&out, &one(HashMap::from([(1, 6), (2, 6)])));
+        s.set_draft_tokens(1, vec![7, 8, 9, 10]);
+        s.set_draft_tokens(2, vec![7, 42, 9]);
+        let out = s.schedule();
+        // request 1 has 2 tokens to go: one draft at most
+        assert_eq!(out.scheduled[0].draft_tokens, vec![7]);
+        assert_eq!(out.scheduled[1].draft_tokens, vec![7, 42, 9]);
+        let ev = s.update_from_output(
+            &out,
+            &HashMap::from([(1, vec![7, 8]), (2, vec![7, 42, 9, 11])]),
+        );
+        let got: Vec<(RequestId, u32, Option<FinishReason>, usize)> = ev
+            .iter()
+            .map(|e| (e.id, e.token, e.finished, e.num_output_tokens))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, 7, None, 2),
+                (1, 8, Some(FinishReason::Length), 3),
+                (2, 7, None, 2),
+                (2, 42, Some(FinishReason::Stop), 3),
+            ]
+        );
+        assert!(!s.has_unfinished());
     }
 }
