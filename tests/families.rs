@@ -8,20 +8,13 @@
 
 mod common;
 
-use common::{TINY_FAMILIES, ids, single_sequence_step};
+use common::{TINY_FAMILIES, ids, single_sequence_step, tiny};
 use pagoda::backend::{CpuBackend, DeviceBatch};
 use pagoda::engine::KvBudget;
 use pagoda::models::{KvCache, load_model, registry};
 use pagoda::sampling::sampler::TokenLogprobs;
 use pagoda::tensor::DType;
 use pagoda::{BackendKind, EngineArgs, LLM, Prompt, SamplingParams};
-use std::path::PathBuf;
-
-fn tiny(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/tiny")
-        .join(name)
-}
 
 fn goldens() -> serde_json::Value {
     let p = tiny("goldens.json");

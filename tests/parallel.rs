@@ -202,26 +202,6 @@ fn qwen25_tensor_2_and_7_with_kv_heads_replicated_reproduce_the_goldens() {
 }
 
 /// The tiny model's transformers goldens.
-fn tiny_cases(m: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
-    let text = std::fs::read_to_string(tiny("goldens.json")).unwrap();
-    let goldens: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let cases: Vec<(Vec<u32>, Vec<u32>)> = goldens["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["model"] == m)
-        .map(|e| (ids(&e["prompt_ids"]), ids(&e["generated_ids"])))
-        .collect();
-    assert!(!cases.is_empty(), "{m}");
-    cases
-}
-
-fn tiny(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/tiny")
-        .join(name)
-}
-
 /// Every family's tiny model (4 heads, 2 KV heads, 3 layers; Phi-3's projections fused; Gemma 3:
 /// 1 KV head, replicated, 6 layers of local and global attention; GPT-2 and Falcon: biases on
 /// the row-parallel projections, added by rank 0 only; Falcon: multi-query, attention and MLP

@@ -112,6 +112,7 @@ fn models_health_version_metrics() {
         "pagoda:e2e_request_latency_seconds_bucket",
         "pagoda:prefix_cache_queries_total",
         "pagoda:prefix_cache_hits_total",
+        "pagoda:spec_decode_num_accepted_tokens_total",
     ] {
         assert!(text.contains(name), "{name} missing:\n{text}");
     }

@@ -565,6 +565,8 @@ mod tests {
             prefix_cache_queries: 0,
             prefix_cache_hits: 0,
             prefix_cache_hit_rate: 0.0,
+            spec_draft_tokens: 0,
+            spec_accepted_tokens: 0,
             ttft_ms: Summary::of(&[100.0]),
             kv_peak_blocks: 20,
             structured: "none".into(),

@@ -114,6 +114,11 @@ pub struct ThroughputResult {
     pub prefix_cache_hits: u64,
     #[serde(default)]
     pub prefix_cache_hit_rate: f64,
+    /// Speculative decoding: draft tokens verified, and kept.
+    #[serde(default)]
+    pub spec_draft_tokens: u64,
+    #[serde(default)]
+    pub spec_accepted_tokens: u64,
     /// Time to first token over requests, in milliseconds since the run started.
     #[serde(default)]
     pub ttft_ms: Summary,
@@ -250,6 +255,7 @@ pub fn run(
     let preempt0 = engine.stats().preemptions;
     let swap0 = engine.stats().swap_bytes;
     let device0 = engine.stats().random_samples_on_device;
+    let spec0 = engine.stats().clone();
     let bar = super::progress_bar(opts.progress, reqs.len() as u64, "requests");
 
     let t0 = Instant::now();
@@ -387,6 +393,8 @@ pub fn run(
         random_samples_on_device: engine.stats().random_samples_on_device - device0,
         preemption_mode: engine.preemption_mode().name().to_string(),
         swap_bytes: engine.stats().swap_bytes - swap0,
+        spec_draft_tokens: engine.stats().spec_draft_tokens - spec0.spec_draft_tokens,
+        spec_accepted_tokens: engine.stats().spec_accepted_tokens - spec0.spec_accepted_tokens,
         prefix_cache_queries: pc.queries - pc0.queries,
         prefix_cache_hits: pc.hits - pc0.hits,
         prefix_cache_hit_rate: if pc.queries > pc0.queries {

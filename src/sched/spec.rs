@@ -13,9 +13,18 @@ pub struct NgramConfig {
     pub prompt_lookup_max: usize,
     pub prompt_lookup_min: usize,
     /// No drafts while this many requests or more are running (verifying drafts costs compute
-    /// that a large batch no longer has to spare).
+    /// that a large batch no longer has to spare). `None`: drafts at any batch size.
     pub disable_by_batch_size: Option<usize>,
 }
+
+/// `disable_by_batch_size` where the JSON does not give it.
+///
+/// NOTE: measured on the CPU backend (docs/benchmarks.md, `scripts/bench-spec.sh`): with 16 or
+/// 64 requests at once, SmolLM2 Q4_1 ran 0.76-0.89x as fast with drafts as without (the
+/// matmuls are compute-bound there, and every rejected draft is a wasted row); with 4 it was
+/// 0.83-0.87x for SmolLM2 (its LM head is a fifth of its weights, and computes every draft's
+/// row) and 1.06-1.42x for Qwen2.5-Coder. Below 4, both gain.
+pub const DEFAULT_DISABLE_BY_BATCH_SIZE: usize = 4;
 
 impl NgramConfig {
     /// Reads vLLM's `--speculative-config` JSON. Only the `ngram` method exists here; the
@@ -88,7 +97,9 @@ impl NgramConfig {
             num_speculative_tokens: k,
             prompt_lookup_max: max,
             prompt_lookup_min: min,
-            disable_by_batch_size: int("disable_by_batch_size")?,
+            disable_by_batch_size: Some(
+                int("disable_by_batch_size")?.unwrap_or(DEFAULT_DISABLE_BY_BATCH_SIZE),
+            ),
         })
     }
 
@@ -131,9 +142,13 @@ mod tests {
     fn reads_vllm_json_and_names_what_is_wrong() {
         let ok = |s: &str| NgramConfig::from_json(s).unwrap();
         let err = |s: &str| NgramConfig::from_json(s).unwrap_err();
+        let dflt = |c: NgramConfig| NgramConfig {
+            disable_by_batch_size: Some(DEFAULT_DISABLE_BY_BATCH_SIZE),
+            ..c
+        };
         assert_eq!(
             ok(r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}"#),
-            cfg(4, 3, 3)
+            dflt(cfg(4, 3, 3))
         );
         assert_eq!(
             ok(
@@ -146,7 +161,7 @@ mod tests {
         );
         assert_eq!(
             ok(r#"{"method": "ngram", "num_speculative_tokens": 1}"#),
-            cfg(1, 5, 5)
+            dflt(cfg(1, 5, 5))
         );
         assert!(err("{").contains("not valid JSON"));
         assert!(err("[]").contains("JSON object"));

@@ -67,6 +67,10 @@ pub struct EngineGauges {
     /// Prompt tokens looked up in the prefix cache, and of those found there.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    /// Speculative decoding: request-steps that verified drafts, drafts verified, kept.
+    pub spec_decode_num_drafts: u64,
+    pub spec_decode_num_draft_tokens: u64,
+    pub spec_decode_num_accepted_tokens: u64,
 }
 
 #[derive(Debug)]
@@ -201,6 +205,24 @@ impl Metrics {
             "counter",
             "Prompt tokens found in the prefix cache (not computed).",
             g.prefix_cache_hits.to_string(),
+        );
+        one(
+            "pagoda:spec_decode_num_drafts_total",
+            "counter",
+            "Speculative decoding: request-steps that verified draft tokens.",
+            g.spec_decode_num_drafts.to_string(),
+        );
+        one(
+            "pagoda:spec_decode_num_draft_tokens_total",
+            "counter",
+            "Speculative decoding: draft tokens verified.",
+            g.spec_decode_num_draft_tokens.to_string(),
+        );
+        one(
+            "pagoda:spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Speculative decoding: draft tokens accepted.",
+            g.spec_decode_num_accepted_tokens.to_string(),
         );
         let name = "pagoda:request_success_total";
         let _ = writeln!(out, "# HELP {name} Requests finished, by finish reason.");

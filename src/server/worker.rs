@@ -371,6 +371,9 @@ impl Worker {
             preemptions: stats.preemptions,
             prefix_cache_queries: pc.queries,
             prefix_cache_hits: pc.hits,
+            spec_decode_num_drafts: stats.spec_drafts,
+            spec_decode_num_draft_tokens: stats.spec_draft_tokens,
+            spec_decode_num_accepted_tokens: stats.spec_accepted_tokens,
         });
     }
 }

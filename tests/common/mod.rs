@@ -38,6 +38,28 @@ pub fn gguf_families() -> impl Iterator<Item = &'static str> {
     TINY_FAMILIES.iter().copied().filter(|&m| m != "falcon-rw")
 }
 
+/// A file or model directory under tests/data/tiny.
+pub fn tiny(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/tiny")
+        .join(name)
+}
+
+/// A tiny family's golden cases: (prompt ids, transformers' greedy ids).
+pub fn tiny_cases(m: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let text = std::fs::read_to_string(tiny("goldens.json")).unwrap();
+    let goldens: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let cases: Vec<(Vec<u32>, Vec<u32>)> = goldens["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["model"] == m)
+        .map(|e| (ids(&e["prompt_ids"]), ids(&e["generated_ids"])))
+        .collect();
+    assert!(!cases.is_empty(), "{m}");
+    cases
+}
+
 /// A model under `$PAGODA_CACHE/models`; fails (never skips) when it is missing.
 pub fn model_path(name: &str) -> PathBuf {
     let cache = std::env::var_os("PAGODA_CACHE")
