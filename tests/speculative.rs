@@ -1,8 +1,10 @@
-//! Speculative decoding (n-gram prompt lookup) must not change greedy outputs: the same prompts,
+//! Speculative decoding (n-gram prompt lookup) must not change outputs: the same prompts,
 //! batched, with and without `--speculative-config`, give the same tokens on the real models
 //! (SmolLM2 as shipped, Q4_1 with 8-bit activations, and its f32 HF copy), with prefix caching
-//! and preemption in play, beside sampled requests that do not speculate, and split into two
-//! pipeline stages. The drafts must be accepted often where the output repeats the prompt.
+//! and preemption in play, and split into two pipeline stages: greedy requests, and seeded
+//! sampled ones with penalties and log-probabilities (each draft's row is sampled with the
+//! draw of its position, so the tokens are the same draw for draw, which is stronger than the
+//! same distribution). The drafts must be accepted often where the output repeats the prompt.
 
 mod common;
 
@@ -49,8 +51,9 @@ fn args(model: &str, spec: Option<NgramConfig>, kv: Option<u64>) -> EngineArgs {
     }
 }
 
-/// Every prompt's tokens (greedy, 48 each, eos ignored), and one seeded sampled request's;
-/// with the engine's counters.
+/// Every prompt's tokens (greedy, 48 each, eos ignored), and those of seeded sampled requests
+/// (one with penalties and log-probabilities, whose values are compared too); with the
+/// engine's counters.
 fn run(args: EngineArgs) -> (Vec<Vec<u32>>, pagoda::engine::EngineStats) {
     let mut llm = LLM::new(args).unwrap();
     let prompts = prompts();
@@ -64,18 +67,37 @@ fn run(args: EngineArgs) -> (Vec<Vec<u32>>, pagoda::engine::EngineStats) {
         seed: Some(7),
         ..greedy.clone()
     };
-    // NOTE: the sampled request runs in the same batch as the greedy ones.
+    let penalized = SamplingParams {
+        temperature: 0.7,
+        top_p: 0.9,
+        seed: Some(3),
+        repetition_penalty: 1.1,
+        presence_penalty: 0.3,
+        logprobs: Some(2),
+        ..greedy.clone()
+    };
+    // NOTE: the sampled requests run in the same batch as the greedy ones.
     let mut all: Vec<(String, SamplingParams)> = prompts
         .iter()
         .map(|p| (p.clone(), greedy.clone()))
         .collect();
     all.push((prompts[0].clone(), sampled));
+    all.push((prompts[4].clone(), penalized));
     let outs = llm
         .generate_each(all.into_iter().map(|(p, s)| (p.into(), s)).collect())
         .unwrap();
+    // The log-probabilities' bits ride along as extra "tokens".
     let ids = outs
         .into_iter()
-        .map(|o| o.outputs[0].token_ids.clone())
+        .map(|o| {
+            let c = &o.outputs[0];
+            let mut v = c.token_ids.clone();
+            for l in &c.logprobs {
+                v.push(l.logprob.to_bits());
+                v.extend(l.top.iter().flat_map(|&(t, p)| [t, p.to_bits()]));
+            }
+            v
+        })
         .collect();
     (ids, llm.engine().stats().clone())
 }
@@ -182,4 +204,45 @@ fn tiny_families_reproduce_their_goldens_with_speculation() {
         }
     }
     assert!(accepted > 0);
+}
+
+/// Seeded sampled requests alone (temperature 0.8, top-p 0.95, eight seeds) on a prompt whose
+/// continuation repeats it: drafts are made and kept, and every request gives the tokens it
+/// gives without them. Also on the emulated GPU, where the rows are sampled on the device.
+#[test]
+fn seeded_sampling_speculates_and_keeps_its_tokens() {
+    let sampled = |seed| SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: Some(seed),
+        max_tokens: Some(32),
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    let run = |args: EngineArgs, prompt: &Prompt| {
+        let mut llm = LLM::new(args).unwrap();
+        let all = (0..8).map(|s| (prompt.clone(), sampled(s))).collect();
+        let outs = llm.generate_each(all).unwrap();
+        let ids: Vec<Vec<u32>> = outs.iter().map(|o| o.outputs[0].token_ids.clone()).collect();
+        (ids, llm.engine().stats().clone())
+    };
+    let smol = Prompt::Text(prompts()[0].clone());
+    let (plain, _) = run(args(SMOL_GGUF, None, None), &smol);
+    let (spec, stats) = run(args(SMOL_GGUF, Some(SPEC), None), &smol);
+    assert_eq!(plain, spec);
+    assert!(stats.spec_accepted_tokens > 0, "{stats:?}");
+
+    let m = TINY_FAMILIES[0];
+    let tiny_prompt = Prompt::Tokens(tiny_cases(m)[0].0.clone());
+    let emu = |spec| EngineArgs {
+        model: Some(tiny(m)),
+        backend: BackendKind::Emu,
+        block_size: 4,
+        speculative: spec,
+        ..Default::default()
+    };
+    let (plain, _) = run(emu(None), &tiny_prompt);
+    let (spec, stats) = run(emu(Some(SPEC)), &tiny_prompt);
+    assert_eq!(plain, spec);
+    assert!(stats.spec_drafts > 0 && stats.random_samples_on_device > 0, "{stats:?}");
 }

@@ -3,7 +3,7 @@
 //! (a token chosen where the logits are, or the row brought to the host).
 
 use super::Engine;
-use super::request::{PendingStep, banned_tokens};
+use super::request::{PendingStep, banned_tokens, with_drafts};
 use crate::backend::BatchInput;
 use crate::kv::NULL_BLOCK;
 use crate::sampling::RowSampling;
@@ -35,8 +35,7 @@ impl Engine {
         let mut sample_rows = Vec::new();
         let mut prompt_rows: Vec<(RequestId, usize, usize)> = Vec::new();
         let mut pool_rows = Vec::new();
-        // Requests with drafts: (request, the first of their `1 + drafts` rows, the drafts).
-        let mut drafted = Vec::new();
+        let mut drafts = Vec::new();
         for s in &sched.scheduled {
             let Some(req) = self.scheduler.request(s.id) else {
                 return Err((anyhow::anyhow!("scheduled request is unknown"), sched));
@@ -82,16 +81,15 @@ impl Engine {
                 NULL_BLOCK,
                 max_blocks - s.block_table.len(),
             ));
-            if s.sample && pool.is_none() && !s.draft_tokens.is_empty() {
+            if s.sample && pool.is_none() {
+                // The last known token's row, and one per draft.
                 let end = input.token_ids.len();
-                drafted.push((s.id, input.logits_rows.len(), s.draft_tokens.clone()));
+                sampling.push(s.id);
+                sample_rows.push(input.logits_rows.len());
+                drafts.push(s.draft_tokens.clone());
                 input
                     .logits_rows
                     .extend((end - 1 - s.draft_tokens.len()..end).map(|r| r as u32));
-            } else if s.sample && pool.is_none() {
-                input.logits_rows.push(input.token_ids.len() as u32 - 1);
-                sampling.push(s.id);
-                sample_rows.push(input.logits_rows.len() - 1);
             }
         }
         self.stats.batched_tokens += input.token_ids.len() as u64;
@@ -99,14 +97,7 @@ impl Engine {
         // the rest of the batch, so a seeded request gives the same tokens in any batch.
         let on_device = self.runner.samples_on_device();
         let mut reduce = vec![None; input.logits_rows.len()];
-        // NOTE: only plain-argmax requests get drafts (`spec.rs`): every row of theirs is an
-        // argmax, which every backend reduces where the logits are.
-        for (_, first, drafts) in &drafted {
-            for r in &mut reduce[*first..=*first + drafts.len()] {
-                *r = Some(RowSampling::GREEDY);
-            }
-        }
-        for (id, &row) in sampling.iter().zip(&sample_rows) {
+        for ((id, &first), drafts) in sampling.iter().zip(&sample_rows).zip(&drafts) {
             let (Some(st), Some(req)) = (self.states.get(id), self.scheduler.request(*id)) else {
                 continue;
             };
@@ -116,17 +107,21 @@ impl Engine {
             if !samples_anywhere(p) || !(on_device || p.chooses_argmax()) {
                 continue;
             }
-            let banned = banned_tokens(st, req.output());
-            let how = row_sampling(
-                &st.params,
-                st.seed,
-                req.prompt(),
-                req.output(),
-                &banned,
-                self.config.vocab_size,
-            );
-            if on_device || how.is_plain_greedy() {
-                reduce[row] = Some(how);
+            // NOTE: a draft's row is sampled as the position after the drafts before it.
+            for i in 0..=drafts.len() {
+                let output = with_drafts(req.output(), drafts, i);
+                let banned = banned_tokens(st, &output);
+                let how = row_sampling(
+                    &st.params,
+                    st.seed,
+                    req.prompt(),
+                    &output,
+                    &banned,
+                    self.config.vocab_size,
+                );
+                if on_device || how.is_plain_greedy() {
+                    reduce[first + i] = Some(how);
+                }
             }
         }
         if on_device {
@@ -150,7 +145,7 @@ impl Engine {
                 sample_rows,
                 prompt_rows,
                 pool_rows,
-                drafted,
+                drafts,
                 reduce,
             },
         ))

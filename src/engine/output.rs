@@ -5,12 +5,13 @@
 
 use super::request::{
     Masked, PendingStep, PromptLogprob, StepOutput, StopReason, banned_tokens, prompt_logprob,
+    with_drafts,
 };
 use super::{Engine, StepResult};
-use crate::sampling::{Choice, Restrict, sampler::sample_restricted, token_logprob};
+use crate::sampling::{Choice, Restrict, TokenLogprobs, sampler::sample_restricted, token_logprob};
 use crate::sched::{FinishReason, RequestId};
 use anyhow::{Context, Result, bail, ensure};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 impl Engine {
     /// Samples a step's tokens from its results and applies them: the scheduler's update, stop
@@ -27,7 +28,7 @@ impl Engine {
             sample_rows,
             prompt_rows,
             pool_rows,
-            drafted,
+            drafts,
             reduce,
         } = step;
         let vocab = self.row_len;
@@ -85,88 +86,92 @@ impl Engine {
             }
         }
         let mut sampled = HashMap::new();
-        let mut logprobs = HashMap::new();
-        for (i, id) in sampling.iter().enumerate() {
-            let i = sample_rows[i];
-            if let Some(c) = choices[i].take() {
-                self.stats.random_samples_on_device +=
-                    u64::from(reduce[i].as_ref().is_some_and(|r| !r.is_greedy()));
-                sampled.insert(*id, vec![c.token]);
-                if let (Some(lp), Some(st)) = (c.logprobs, self.states.get_mut(id)) {
-                    if st.params.best_of() > st.params.n {
-                        st.cum_logprob += lp.logprob as f64;
-                    }
-                    if st.params.logprobs.is_some() {
-                        logprobs.insert(*id, lp);
-                    }
-                }
-                continue;
-            }
-            let i = host_row[i];
+        let mut logprobs: HashMap<RequestId, VecDeque<TokenLogprobs>> = HashMap::new();
+        // NOTE: a request with drafts has a row per draft after its first; row `i` is sampled
+        // as the request's next token would be after the first `i` drafts (its edits and its
+        // draw for that position), and the drafts are kept while each equals the token the row
+        // before it gave. So the tokens are those of decoding one at a time, draw for draw;
+        // for one candidate per position this is speculative sampling's rejection scheme (a
+        // draft kept with its probability, else a draw from the rest).
+        for ((id, &first), drafts) in sampling.iter().zip(&sample_rows).zip(&drafts) {
             let (Some(req), Some(st)) = (self.scheduler.request(*id), self.states.get_mut(id))
             else {
                 continue;
             };
-            let row = &logits[i * vocab..(i + 1) * vocab];
-            let banned = banned_tokens(st, req.output());
-            // NOTE: a grammar that fails midway lets the output end (its stop tokens only)
-            // rather than take the step down.
-            let mask = match masks.remove(id) {
-                Some(Ok(v)) => Some(v),
-                Some(Err(e)) => {
-                    tracing::warn!("request {id}: structured output failed: {e}");
-                    let mut v = llguidance::toktrie::SimpleVob::alloc(vocab);
-                    st.stop_ids.iter().for_each(|&t| v.allow_token(t));
-                    Some(v)
-                }
-                None => None,
-            };
-            let restrict = Restrict {
-                banned: &banned,
-                allowed: mask.as_ref().map(|m| m.as_slice()),
-            };
-            let tok = sample_restricted(
-                row,
-                &st.params,
-                req.prompt(),
-                req.output(),
-                &restrict,
-                st.seed,
-                req.output().len(),
-            );
-            if let Some(m) = &mut st.matcher
-                && let Err(e) = m.consume_token(tok.token_id)
-            {
-                tracing::warn!("request {id}: structured output failed: {e:#}");
-            }
-            if st.params.best_of() > st.params.n {
-                st.cum_logprob += match &tok.logprobs {
-                    Some(lp) => lp.logprob,
-                    None => token_logprob(row, tok.token_id),
-                } as f64;
-            }
-            sampled.insert(*id, vec![tok.token_id]);
-            if let Some(lp) = tok.logprobs {
-                logprobs.insert(*id, lp);
-            }
-        }
-        // NOTE: the drafts equal to the argmax of the row before them are kept, and the argmax
-        // after the last one kept; the rest are dropped (their K/V computed again later).
-        for (id, first, drafts) in drafted {
+            let ranks = st.params.best_of() > st.params.n;
             let mut kept = Vec::with_capacity(drafts.len() + 1);
+            let mut lps = VecDeque::new();
             for i in 0..=drafts.len() {
-                let c = choices[first + i]
-                    .take()
-                    .context("the runner brought back no token for a draft's row")?;
-                kept.push(c.token);
-                if drafts.get(i) != Some(&c.token) {
+                let row = first + i;
+                let output = with_drafts(req.output(), drafts, i);
+                let (token, lp) = match choices[row].take() {
+                    Some(c) => {
+                        self.stats.random_samples_on_device +=
+                            u64::from(reduce[row].as_ref().is_some_and(|r| !r.is_greedy()));
+                        if let (true, Some(lp)) = (ranks, &c.logprobs) {
+                            st.cum_logprob += lp.logprob as f64;
+                        }
+                        (c.token, c.logprobs.filter(|_| st.params.logprobs.is_some()))
+                    }
+                    None => {
+                        let at = host_row[row] * vocab;
+                        let logits_row = &logits[at..at + vocab];
+                        let banned = banned_tokens(st, &output);
+                        // NOTE: a grammar that fails midway lets the output end (its stop
+                        // tokens only) rather than take the step down. Constrained requests
+                        // have no drafts.
+                        let mask = match masks.remove(id) {
+                            Some(Ok(v)) => Some(v),
+                            Some(Err(e)) => {
+                                tracing::warn!("request {id}: structured output failed: {e}");
+                                let mut v = llguidance::toktrie::SimpleVob::alloc(vocab);
+                                st.stop_ids.iter().for_each(|&t| v.allow_token(t));
+                                Some(v)
+                            }
+                            None => None,
+                        };
+                        let restrict = Restrict {
+                            banned: &banned,
+                            allowed: mask.as_ref().map(|m| m.as_slice()),
+                        };
+                        let tok = sample_restricted(
+                            logits_row,
+                            &st.params,
+                            req.prompt(),
+                            &output,
+                            &restrict,
+                            st.seed,
+                            output.len(),
+                        );
+                        if let Some(m) = &mut st.matcher
+                            && let Err(e) = m.consume_token(tok.token_id)
+                        {
+                            tracing::warn!("request {id}: structured output failed: {e:#}");
+                        }
+                        if ranks {
+                            st.cum_logprob += match &tok.logprobs {
+                                Some(lp) => lp.logprob,
+                                None => token_logprob(logits_row, tok.token_id),
+                            } as f64;
+                        }
+                        (tok.token_id, tok.logprobs)
+                    }
+                };
+                kept.push(token);
+                lps.extend(lp);
+                if drafts.get(i) != Some(&token) {
                     break;
                 }
             }
-            self.stats.spec_drafts += 1;
-            self.stats.spec_draft_tokens += drafts.len() as u64;
-            self.stats.spec_accepted_tokens += kept.len() as u64 - 1;
-            sampled.insert(id, kept);
+            if !drafts.is_empty() {
+                self.stats.spec_drafts += 1;
+                self.stats.spec_draft_tokens += drafts.len() as u64;
+                self.stats.spec_accepted_tokens += kept.len() as u64 - 1;
+            }
+            sampled.insert(*id, kept);
+            if !lps.is_empty() {
+                logprobs.insert(*id, lps);
+            }
         }
 
         let events = self.scheduler.update_from_output(&sched, &sampled);
@@ -247,7 +252,11 @@ impl Engine {
                 index: st.index,
                 new_token_ids: vec![ev.token],
                 new_text: text,
-                new_logprobs: logprobs.remove(&ev.id).into_iter().collect(),
+                new_logprobs: logprobs
+                    .get_mut(&ev.id)
+                    .and_then(|q| q.pop_front())
+                    .into_iter()
+                    .collect(),
                 finish_reason: finish,
                 num_prompt_tokens: req.prompt_len,
                 num_output_tokens: n_out,

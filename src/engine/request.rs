@@ -9,6 +9,7 @@ use crate::sampling::{
 };
 use crate::sched::{FinishReason, RequestId, SchedulerOutput};
 use crate::tokenizer::Tokenizer;
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 /// The token sequences of `bad_words` (vLLM's way): each word as written and with a leading
@@ -50,6 +51,16 @@ pub(super) fn banned_tokens(st: &RequestState, output: &[u32]) -> Vec<u32> {
         }
     }
     banned
+}
+
+/// A request's output as its `i`-th row of a step with `drafts` sees it: the output, then the
+/// first `i` drafts.
+pub(super) fn with_drafts<'a>(output: &'a [u32], drafts: &[u32], i: usize) -> Cow<'a, [u32]> {
+    if i == 0 {
+        Cow::Borrowed(output)
+    } else {
+        Cow::Owned([output, &drafts[..i]].concat())
+    }
 }
 
 /// The seed of sample `index` of a request seeded with `seed`: sample 0 keeps the request's
@@ -199,17 +210,18 @@ pub(super) struct Ranked {
 /// A scheduled step on its way through the model, and what its results are for.
 pub(super) struct PendingStep {
     pub(super) sched: SchedulerOutput,
-    /// The requests that sample a token, and the logits row of each.
+    /// The requests that sample a token, the logits row of each, and their drafts: a request
+    /// with `k` drafts has `1 + k` rows from its first, one per position (speculative
+    /// decoding).
     pub(super) sampling: Vec<RequestId>,
     pub(super) sample_rows: Vec<usize>,
+    pub(super) drafts: Vec<Vec<u32>>,
     /// The prompt rows asked for by `prompt_logprobs`: (request, position whose next token
     /// they score, row).
     pub(super) prompt_rows: Vec<(RequestId, usize, usize)>,
     /// The rows a pooling request reads: (request, position, row).
     pub(super) pool_rows: Vec<(RequestId, usize, usize)>,
-    /// The requests verifying drafts: (request, the first of its `1 + drafts` rows, the
-    /// drafts).
-    pub(super) drafted: Vec<(RequestId, usize, Vec<u32>)>,
+
     /// How each logits row is reduced: its token chosen where the logits are (greedy rows,
     /// and random ones where the backend samples), or `None`: its logits come to the host.
     pub(super) reduce: Vec<Option<RowSampling>>,
