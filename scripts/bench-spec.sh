@@ -10,7 +10,8 @@
 #
 # usage: scripts/bench-spec.sh [MODEL...]   (default: SmolLM2 Q4_1 and f32, Qwen2.5-Coder Q4_K_M)
 # env: PAGODA (binary, default target/release/pagoda), ROUNDS (2), MAX_TOKENS (128), SPEC (the
-#      JSON), BATCHES (none: batch 1 per workload)
+#      JSON), BATCHES (none: batch 1 per workload), SAMPLING (extra generate flags, e.g.
+#      "--temperature 0.7 --seed 1": sampled requests speculate too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=${PAGODA_CACHE:-$HOME/.cache/pagoda}
@@ -49,7 +50,8 @@ $text"
 )
 
 run() { # generate's stderr (time, acceptance) for the prompts in "$@"
-  "$bin" generate --model "$m" --chat-template --max-tokens "$max_tokens" "$@" 2>&1 >/dev/null
+  # shellcheck disable=SC2086
+  "$bin" generate --model "$m" --chat-template --max-tokens "$max_tokens" ${SAMPLING:-} "$@" 2>&1 >/dev/null
 }
 row() { # label round prompts...
   local label=$1 r=$2; shift 2
