@@ -52,8 +52,8 @@ fn args(model: &str, spec: Option<NgramConfig>, kv: Option<u64>) -> EngineArgs {
 }
 
 /// Every prompt's tokens (greedy, 48 each, eos ignored), and those of seeded sampled requests
-/// (one with penalties and log-probabilities, whose values are compared too); with the
-/// engine's counters.
+/// (one with penalties and log-probabilities, whose values are compared too, one the best of
+/// three); with the engine's counters.
 fn run(args: EngineArgs) -> (Vec<Vec<u32>>, pagoda::engine::EngineStats) {
     let mut llm = LLM::new(args).unwrap();
     let prompts = prompts();
@@ -81,8 +81,14 @@ fn run(args: EngineArgs) -> (Vec<Vec<u32>>, pagoda::engine::EngineStats) {
         .iter()
         .map(|p| (p.clone(), greedy.clone()))
         .collect();
+    let ranked = SamplingParams {
+        best_of: Some(3),
+        ..sampled.clone()
+    };
     all.push((prompts[0].clone(), sampled));
     all.push((prompts[4].clone(), penalized));
+    // `best_of` ranks its samples by the log-probabilities of their tokens.
+    all.push((prompts[2].clone(), ranked));
     let outs = llm
         .generate_each(all.into_iter().map(|(p, s)| (p.into(), s)).collect())
         .unwrap();
@@ -223,7 +229,10 @@ fn seeded_sampling_speculates_and_keeps_its_tokens() {
         let mut llm = LLM::new(args).unwrap();
         let all = (0..8).map(|s| (prompt.clone(), sampled(s))).collect();
         let outs = llm.generate_each(all).unwrap();
-        let ids: Vec<Vec<u32>> = outs.iter().map(|o| o.outputs[0].token_ids.clone()).collect();
+        let ids: Vec<Vec<u32>> = outs
+            .iter()
+            .map(|o| o.outputs[0].token_ids.clone())
+            .collect();
         (ids, llm.engine().stats().clone())
     };
     let smol = Prompt::Text(prompts()[0].clone());
@@ -244,5 +253,8 @@ fn seeded_sampling_speculates_and_keeps_its_tokens() {
     let (plain, _) = run(emu(None), &tiny_prompt);
     let (spec, stats) = run(emu(Some(SPEC)), &tiny_prompt);
     assert_eq!(plain, spec);
-    assert!(stats.spec_drafts > 0 && stats.random_samples_on_device > 0, "{stats:?}");
+    assert!(
+        stats.spec_drafts > 0 && stats.random_samples_on_device > 0,
+        "{stats:?}"
+    );
 }

@@ -87,6 +87,9 @@ impl Engine {
         }
         let mut sampled = HashMap::new();
         let mut logprobs: HashMap<RequestId, VecDeque<TokenLogprobs>> = HashMap::new();
+        // `best_of`: each token's log-probability, added to its sample's score as its token is
+        // taken (a token after a stop is not).
+        let mut scores: HashMap<RequestId, VecDeque<f64>> = HashMap::new();
         // NOTE: a request with drafts has a row per draft after its first; row `i` is sampled
         // as the request's next token would be after the first `i` drafts (its edits and its
         // draw for that position), and the drafts are kept while each equals the token the row
@@ -101,6 +104,7 @@ impl Engine {
             let ranks = st.params.best_of() > st.params.n;
             let mut kept = Vec::with_capacity(drafts.len() + 1);
             let mut lps = VecDeque::new();
+            let mut score = VecDeque::new();
             for i in 0..=drafts.len() {
                 let row = first + i;
                 let output = with_drafts(req.output(), drafts, i);
@@ -109,7 +113,7 @@ impl Engine {
                         self.stats.random_samples_on_device +=
                             u64::from(reduce[row].as_ref().is_some_and(|r| !r.is_greedy()));
                         if let (true, Some(lp)) = (ranks, &c.logprobs) {
-                            st.cum_logprob += lp.logprob as f64;
+                            score.push_back(lp.logprob as f64);
                         }
                         (c.token, c.logprobs.filter(|_| st.params.logprobs.is_some()))
                     }
@@ -149,10 +153,10 @@ impl Engine {
                             tracing::warn!("request {id}: structured output failed: {e:#}");
                         }
                         if ranks {
-                            st.cum_logprob += match &tok.logprobs {
+                            score.push_back(match &tok.logprobs {
                                 Some(lp) => lp.logprob,
                                 None => token_logprob(logits_row, tok.token_id),
-                            } as f64;
+                            } as f64);
                         }
                         (tok.token_id, tok.logprobs)
                     }
@@ -172,6 +176,9 @@ impl Engine {
             if !lps.is_empty() {
                 logprobs.insert(*id, lps);
             }
+            if !score.is_empty() {
+                scores.insert(*id, score);
+            }
         }
 
         let events = self.scheduler.update_from_output(&sched, &sampled);
@@ -190,6 +197,9 @@ impl Engine {
                 .states
                 .get_mut(&ev.id)
                 .context("request state is missing")?;
+            if let Some(v) = scores.get_mut(&ev.id).and_then(|q| q.pop_front()) {
+                st.cum_logprob += v;
+            }
             // NOTE: the token that ends a request (EOS, a stop token id) is not part of its
             // text, as in vLLM, also when special tokens are kept.
             let delta =
