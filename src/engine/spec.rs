@@ -16,29 +16,26 @@ use super::Engine;
 use crate::sampling::rows::samples_anywhere;
 
 impl Engine {
-    /// Sets this step's drafts: an n-gram lookup over each running request's tokens.
+    /// Sets this step's drafts: an n-gram lookup over each running request's tokens, or none
+    /// (also clearing those proposed for a step that did not run the request).
     pub(super) fn propose_drafts(&mut self) {
         let Some(cfg) = self.speculative else {
             return;
         };
-        if cfg
+        let on = !cfg
             .disable_by_batch_size
-            .is_some_and(|b| self.scheduler.num_running() >= b)
-        {
-            return;
-        }
+            .is_some_and(|b| self.scheduler.num_running() >= b);
         for id in self.scheduler.running_ids().to_vec() {
             let (Some(st), Some(req)) = (self.states.get(&id), self.scheduler.request(id)) else {
                 continue;
             };
             // NOTE: a grammar's matcher would have to take rejected drafts back.
-            if !samples_anywhere(&st.params) {
-                continue;
-            }
-            let drafts = cfg.propose(&req.tokens);
-            if !drafts.is_empty() {
-                self.scheduler.set_draft_tokens(id, drafts);
-            }
+            let drafts = if on && samples_anywhere(&st.params) {
+                cfg.propose(&req.tokens)
+            } else {
+                Vec::new()
+            };
+            self.scheduler.set_draft_tokens(id, drafts);
         }
     }
 }
