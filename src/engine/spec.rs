@@ -22,9 +22,9 @@ impl Engine {
         let Some(cfg) = self.speculative else {
             return;
         };
-        let on = !cfg
+        let on = cfg
             .disable_by_batch_size
-            .is_some_and(|b| self.scheduler.num_running() >= b);
+            .is_none_or(|b| self.scheduler.num_running() < b);
         for id in self.scheduler.running_ids().to_vec() {
             let (Some(st), Some(req)) = (self.states.get(&id), self.scheduler.request(id)) else {
                 continue;
