@@ -232,8 +232,8 @@ struct ModelArgs {
     classifier_from_token: Option<Vec<String>>,
     /// Speculative decoding, as vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K,
     /// "prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}` (prompt
-    /// lookup: drafts copied from the context, verified in the same step; greedy requests
-    /// without logit edits use it, and their outputs are unchanged)
+    /// lookup: drafts copied from the context, verified in the same step; every request but
+    /// those with structured output uses it, and outputs are unchanged, seeded ones included)
     #[arg(long, value_parser = NgramConfig::from_json)]
     speculative_config: Option<NgramConfig>,
 }

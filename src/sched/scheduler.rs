@@ -234,8 +234,8 @@ impl Scheduler {
     pub fn schedule(&mut self) -> SchedulerOutput {
         let mut out = SchedulerOutput::default();
         let mut budget = self.config.max_num_batched_tokens;
-        // (request, tokens computed, of which drafts)
-        let mut grants: Vec<(RequestId, usize, usize)> = Vec::new();
+        // (request, tokens computed, the drafts among them)
+        let mut grants: Vec<(RequestId, usize, Vec<u32>)> = Vec::new();
         let share = if self.config.steps_in_flight > 1 {
             let unfinished = self.running.len() + self.waiting.len() + self.swapped.len();
             unfinished.div_ceil(self.config.steps_in_flight).max(1)
@@ -253,7 +253,7 @@ impl Scheduler {
             }
             let r = self.requests.get_mut(&id).unwrap();
             let computed = r.num_computed_tokens;
-            let drafts = std::mem::take(&mut r.draft_tokens);
+            let mut drafts = std::mem::take(&mut r.draft_tokens);
             let n = (r.num_tokens() - computed).min(budget);
             debug_assert!(n > 0, "a running request always has a token to compute");
             // NOTE: drafts follow a decoding request's last token, within the budget and so
@@ -272,8 +272,8 @@ impl Scheduler {
                     .kv
                     .allocate_slots(id, &self.requests[&id].tokens, computed + 1 + n_draft)
             {
-                self.requests.get_mut(&id).unwrap().draft_tokens = drafts;
-                grants.push((id, 1 + n_draft, n_draft));
+                drafts.truncate(n_draft);
+                grants.push((id, 1 + n_draft, drafts));
                 budget -= 1 + n_draft;
                 i += 1;
                 continue;
@@ -312,7 +312,7 @@ impl Scheduler {
             if !scheduled {
                 break;
             }
-            grants.push((id, n, 0));
+            grants.push((id, n, Vec::new()));
             budget -= n;
             i += 1;
         }
@@ -346,7 +346,7 @@ impl Scheduler {
                 self.swapped.pop_front();
                 self.running.push(id);
                 self.requests.get_mut(&id).unwrap().status = RequestStatus::Running;
-                grants.push((id, n, 0));
+                grants.push((id, n, Vec::new()));
                 budget -= n;
             }
         }
@@ -382,7 +382,7 @@ impl Scheduler {
                 let r = self.requests.get_mut(&id).unwrap();
                 r.status = RequestStatus::Running;
                 r.num_computed_tokens = hit;
-                grants.push((id, n, 0));
+                grants.push((id, n, Vec::new()));
                 budget -= n;
             }
             if self.config.policy == SchedulingPolicy::Static && !self.running.is_empty() {
@@ -391,17 +391,15 @@ impl Scheduler {
             }
         }
 
-        for (id, n, n_draft) in grants {
+        for (id, n, drafts) in grants {
             self.in_flight.insert(id);
-            let r = self.requests.get_mut(&id).unwrap();
-            let mut drafts = std::mem::take(&mut r.draft_tokens);
-            drafts.truncate(n_draft);
+            let r = &self.requests[&id];
             out.scheduled.push(ScheduledRequest {
                 id,
                 num_computed_tokens: r.num_computed_tokens,
                 num_new_tokens: n,
                 block_table: self.kv.block_table(id).to_vec(),
-                sample: r.num_computed_tokens + n == r.num_tokens() + n_draft,
+                sample: r.num_computed_tokens + n == r.num_tokens() + drafts.len(),
                 draft_tokens: drafts,
             });
             out.num_batched_tokens += n;

@@ -17,6 +17,9 @@ const TYPE_F16: u32 = 1;
 /// Writes `src` to `dst` with every quantized tensor as f16 (f32 and f16 tensors are copied
 /// as they are; any other type is refused). The file is written beside `dst` and renamed into
 /// place, so an interrupted copy never leaves a partial `dst`.
+///
+/// NOTE: `general.file_type` is copied too, so it still names the source's type: it is a
+/// description llama.cpp prints, not how it reads the tensors (each has its own type).
 pub fn f16_copy(src: &GgufFile, dst: &Path) -> Result<()> {
     let mut plan = Vec::with_capacity(src.tensors.len());
     let mut rel = 0u64;
