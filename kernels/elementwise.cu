@@ -1,5 +1,6 @@
-// Elementwise and row-copy kernels: residual add, SiLU·up, embedding lookup, row gather,
-// bias add, and the f32 → f16/bf16 casts that feed cuBLAS when weights are half precision.
+// Elementwise and row-copy kernels: residual add, SiLU·up, embedding lookup, row gather, the
+// weighted row scatter-add of MoE experts, bias add, and the f32 → f16/bf16 casts that feed
+// cuBLAS when weights are half precision.
 // One thread per output element, grid-stride loops.
 #include "common.cuh"
 
@@ -46,6 +47,17 @@ extern "C" __global__ void gather_rows_f32(const float* x, const u32* rows, floa
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / dim, c = i % dim;
         out[i] = x[(u64)rows[r] * dim + c];
+    }
+}
+
+// out[rows[i], :] += w[i] * y[i, :]     (rows checked on the host: in range, distinct, so no
+// two threads add to one element)
+extern "C" __global__ void scatter_add_rows_f32(const float* y, const u32* rows, const float* w, float* out,
+                                                u32 nrows, u32 dim) {
+    const u64 n = (u64)nrows * dim;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / dim, c = i % dim;
+        out[(u64)rows[r] * dim + c] += w[r] * y[i];
     }
 }
 

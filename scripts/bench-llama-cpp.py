@@ -4,7 +4,7 @@
 for each batch size N, N sequences with short prompts decoded together (one llama_batch with one
 token per sequence per step, greedy), timed after every prompt has been computed.
 
-usage: bench-llama-cpp.py MODEL.gguf [N ...] [--tokens T] [--threads K]
+usage: bench-llama-cpp.py MODEL.gguf [N ...] [--tokens T] [--threads K] [--kv f32|f16]
 needs: pip install llama-cpp-python numpy
 """
 import argparse
@@ -21,7 +21,9 @@ def main():
     ap.add_argument("batches", nargs="*", type=int, default=[1, 16, 64])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    a = ap.parse_args()
+    ap.add_argument("--kv", choices=["f32", "f16"], default="f32",
+                    help="K/V cache type (Pagoda: f32 for f32 weights, f16 for quantized ones)")
+    a = ap.parse_intermixed_args()
 
     L.llama_backend_init()
     mp = L.llama_model_default_params()
@@ -39,9 +41,10 @@ def main():
         cp.n_seq_max = n_seq
         cp.n_threads = a.threads
         cp.n_threads_batch = a.threads
-        # NOTE: f32 K/V like Pagoda's pool (llama.cpp defaults to f16)
-        cp.type_k = L.GGML_TYPE_F32
-        cp.type_v = L.GGML_TYPE_F32
+        # NOTE: K/V in the type Pagoda's pool has for the same file (llama.cpp defaults to f16)
+        kv = L.GGML_TYPE_F32 if a.kv == "f32" else L.GGML_TYPE_F16
+        cp.type_k = kv
+        cp.type_v = kv
         return L.llama_init_from_model(model, cp)
 
     def tokenize(text):

@@ -4,7 +4,8 @@
 Writes tests/data/tiny/<name>/ (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json) for mistral, qwen3, gemma3, phi3, phi3-longrope, gpt2,
 falcon, falcon-new, falcon-untied, granite, gpt-neox, stablelm, starcoder2, cohere,
-gpt-bigcode, gptj, olmo2, bloom, mpt, falcon-rw, and tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
+gpt-bigcode, gptj, olmo2, bloom, mpt, falcon-rw, mixtral, qwen2-moe, qwen3-moe, olmoe, and
+tests/data/tiny/goldens.json. See tests/data/tiny/README.md.
 
 usage: make-tiny-models.py [--out tests/data/tiny] [--only NAME ...]
 
@@ -256,6 +257,40 @@ def specs(ids):
             multi_query=False, parallel_attn=False, bias=True, alibi=True, ffn_hidden_size=128,
             max_position_embeddings=256, layer_norm_epsilon=1e-5, tie_word_embeddings=True, **common), 2000,
             {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"ln_f.": 1.0}), "attn": "sdpa"}),
+        # Mixtral: 4 experts, the top 2 renormalised
+        "mixtral": ("mixtral", dict(
+            hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+            max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+            tie_word_embeddings=True, **common), 2100,
+            {"init": dict(emb_std=0.6, norm_offset={"model.norm.": 1.0})}),
+        # Qwen2-MoE: QKV biases, 4 experts with the top 2 not renormalised, a shared expert
+        # behind a sigmoid gate. NOTE: every layer sparse, as in every released checkpoint:
+        # llama.cpp's qwen2moe has no dense layers (mlp_only_layers), so no GGUF copy could
+        # hold one.
+        "qwen2-moe": ("qwen2_moe", dict(
+            hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+            mlp_only_layers=[], decoder_sparse_step=1, max_position_embeddings=256,
+            rope_theta=10000.0, rms_norm_eps=1e-6, use_sliding_window=False,
+            tie_word_embeddings=True, **common), 2200,
+            {"init": dict(emb_std=0.6, norm_offset={"model.norm.": 1.0})}),
+        # Qwen3-MoE: per-head Q/K norms, 4 experts, the top 2 renormalised
+        "qwen3-moe": ("qwen3_moe", dict(
+            hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+            use_sliding_window=False, tie_word_embeddings=True, **common), 2300,
+            {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"model.norm.": 1.0})}),
+        # OLMoE: RMSNorm of all of Q and of K, 6 experts, the top 3 not renormalised
+        "olmoe": ("olmoe", dict(
+            hidden_size=64, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+            max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+            tie_word_embeddings=True, **common), 2400,
+            {"init": dict(emb_std=0.6, w_std=0.4, norm_offset={"model.norm.": 1.0})}),
     }
 
 
@@ -393,6 +428,10 @@ def summary(cfg, name, seed):
             s["max_position_embeddings"] = d["max_position_embeddings"]
         if mt == "qwen3":
             s["qk_norm"] = True
+        for k in ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers"):
+            if k in d:
+                s[k] = d[k]
     s.update(model_type=mt, architecture=d["architectures"][0], tie_word_embeddings=d["tie_word_embeddings"],
              vocab_size=d["vocab_size"], seed=seed)
     return s

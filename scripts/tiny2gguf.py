@@ -24,6 +24,9 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
   which the tiny config lacks); mpt: `max_alibi_bias` and `clamp_kqv` as keys;
 - gpt-bigcode (starcoder): one KV head with multi_query; gptj: the rotated dimensions as a key
   (llama.cpp's converter has no GPT-J class; the names and keys are the gguf package's);
+- mixtral (`llama` with experts), qwen2moe, qwen3moe, olmoe: each layer's experts stacked into
+  `[experts, out, in]` tensors before naming (`ffn_{gate,up,down}_exps`), the expert counts and
+  sizes as keys; Mixtral's Q and K permuted as Llama's;
 - starcoder2: llama.cpp's converter writes no window; the window is written here as
   `starcoder2.attention.sliding_window` (the key llama.cpp reads for every family), so that the
   tiny model's long prompt means the same thing.
@@ -60,7 +63,12 @@ ARCH = {  # tiny model -> (GGUF architecture name, MODEL_ARCH)
     "olmo2": ("olmo2", MODEL_ARCH.OLMO2),
     "bloom": ("bloom", MODEL_ARCH.BLOOM),
     "mpt": ("mpt", MODEL_ARCH.MPT),
+    "mixtral": ("llama", MODEL_ARCH.LLAMA),
+    "qwen2-moe": ("qwen2moe", MODEL_ARCH.QWEN2MOE),
+    "qwen3-moe": ("qwen3moe", MODEL_ARCH.QWEN3MOE),
+    "olmoe": ("olmoe", MODEL_ARCH.OLMOE),
 }
+MOE = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe")
 LAYER_NORM = ("gpt2", "falcon", "gpt-neox", "stablelm", "starcoder2", "cohere", "gpt-bigcode", "gptj",
               "bloom", "mpt")
 NEW_FALCON = ("falcon-new", "falcon-untied")  # the new decoder architecture
@@ -108,12 +116,31 @@ def stack_norms(weights):
     return out
 
 
+def stack_experts(weights):
+    """Each layer's per-expert projections, `...experts.{j}.{proj}.weight`, as one
+    `[experts, out, in]` tensor `...experts.{proj}.weight` each, as llama.cpp's converter merges
+    them (Mixtral's LlamaModel, Qwen2MoeModel, OlmoeModel) before naming them."""
+    out, parts = {}, {}
+    for k, a in weights.items():
+        if ".experts." in k:
+            base, rest = k.split(".experts.")
+            j, proj = rest.split(".", 1)
+            parts.setdefault(f"{base}.experts.{proj}", {})[int(j)] = a
+        else:
+            out[k] = a
+    for k, p in parts.items():
+        out[k] = np.stack([p[j] for j in range(len(p))])
+    return out
+
+
 def convert(name, d, out):
     arch_name, arch = ARCH[name]
     c = json.load(open(os.path.join(d, "config.json")))
     weights = load_file(os.path.join(d, "model.safetensors"))
     if name == "stablelm":
         weights = stack_norms(weights)
+    if name in MOE:
+        weights = stack_experts(weights)
     n_layer = c.get("num_hidden_layers") or c.get("n_layer") or c.get("n_layers")
     hid = c.get("hidden_size") or c.get("n_embd") or c.get("d_model")
     n_head = c.get("num_attention_heads") or c.get("n_head") or c.get("n_heads")
@@ -174,9 +201,18 @@ def convert(name, d, out):
         w.add_residual_scale(c["residual_multiplier"])
         w.add_attention_scale(c["attention_multiplier"])
         w.add_logit_scale(c["logits_scaling"])
-    if name == "qwen3":
+    if name in ("qwen3", "qwen3-moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if name in MOE:
+        # llama.cpp's converters: the counts, the experts' MLP size where it differs from
+        # the dense one, the shared expert's
+        w.add_expert_count(c.get("num_local_experts") or c["num_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        if c.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        if c.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     if name.startswith("phi3"):
         w.add_rope_dimension_count(head_dim)
         if c.get("sliding_window"):
@@ -199,9 +235,9 @@ def convert(name, d, out):
         if name == "gpt2" and hf.endswith((".attn.c_attn.weight", ".attn.c_proj.weight",
                                            ".mlp.c_fc.weight", ".mlp.c_proj.weight")):
             a = a.T
-        if name in ("mistral", "granite") and hf.endswith("self_attn.q_proj.weight"):
+        if name in ("mistral", "granite", "mixtral") and hf.endswith("self_attn.q_proj.weight"):
             a = permute(a, n_head)
-        if name in ("mistral", "granite") and hf.endswith("self_attn.k_proj.weight"):
+        if name in ("mistral", "granite", "mixtral") and hf.endswith("self_attn.k_proj.weight"):
             a = permute(a, n_kv)
         if name == "gemma3" and hf.endswith("norm.weight"):
             a = a + 1.0

@@ -774,6 +774,16 @@ fn run(cli: Cli) -> Result<()> {
                 "heads / kv heads: {} / {} (head_dim {})",
                 c.num_heads, c.num_kv_heads, c.head_dim
             );
+            if let Some(m) = &c.moe {
+                println!(
+                    "experts:          {} of {} per token, each an MLP of {}{}",
+                    m.top_k,
+                    m.num_experts,
+                    m.expert_ffn,
+                    m.shared_expert_ffn
+                        .map_or(String::new(), |f| format!(", a shared one of {f}"))
+                );
+            }
             println!("vocab:            {}", c.vocab_size);
             println!(
                 "context:          {} (model), {} (engine)",

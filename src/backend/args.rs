@@ -175,6 +175,30 @@ pub fn gather_rows(x: usize, rows: &[u32], dim: usize, out: usize) -> Result<()>
     Ok(())
 }
 
+/// `scatter_add_rows`: a weight for each of `y`'s rows, each target row inside `out`, none
+/// twice (so that a GPU's threads never add to one row at once).
+pub fn scatter_add_rows(
+    y: usize,
+    rows: &[u32],
+    weights: usize,
+    dim: usize,
+    out: usize,
+) -> Result<()> {
+    ensure!(
+        y >= rows.len() * dim && weights >= rows.len(),
+        "scatter_add_rows: fewer source rows or weights than target rows"
+    );
+    if let Some(&r) = rows.iter().find(|&&r| (r as usize + 1) * dim > out) {
+        bail!("scatter_add_rows: row {r} out of range");
+    }
+    let mut seen = rows.to_vec();
+    seen.sort_unstable();
+    if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+        bail!("scatter_add_rows: row {} appears twice", w[0]);
+    }
+    Ok(())
+}
+
 /// `argmax_rows`: `rows` rows of `cols`.
 pub fn argmax_rows(logits: usize, rows: usize, cols: usize) -> Result<()> {
     ensure!(logits >= rows * cols, "argmax_rows: buffer too small");

@@ -703,6 +703,18 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buf,
     ) -> Result<()>;
 
+    /// `out[rows[i], :] += weights[i] · y[i, :]` for the `rows` given, which are distinct: a
+    /// routed expert's outputs added to the tokens that chose it, each with its routing weight.
+    /// A row's sum is the same whatever other rows the call has (no reduction across rows).
+    fn scatter_add_rows(
+        &self,
+        y: &Self::Buf,
+        rows: &Self::Buf,
+        weights: &Self::Buf,
+        dim: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
     // ---- paged KV cache ----------------------------------------------------------------
 
     /// Writes each row's K and V (from the fused QKV rows) at its slot

@@ -153,6 +153,16 @@ macro_rules! stub_backend_impl {
             ) -> Result<()> {
                 match self.0 {}
             }
+            fn scatter_add_rows(
+                &self,
+                y: &Self::Buf,
+                rows: &Self::Buf,
+                weights: &Self::Buf,
+                dim: usize,
+                out: &mut Self::Buf,
+            ) -> Result<()> {
+                match self.0 {}
+            }
             fn write_kv(
                 &self,
                 qkv: &Self::Buf,

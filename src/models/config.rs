@@ -49,6 +49,74 @@ pub struct Llama3RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+/// A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks `top_k` of
+/// `num_experts` gated MLPs for each token, whose outputs are summed with the routing weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// The experts each token is routed to.
+    pub top_k: usize,
+    /// Each expert's MLP size (`moe_intermediate_size`; Mixtral's `intermediate_size`).
+    pub expert_ffn: usize,
+    /// The top-k routing weights are renormalised to sum to 1 (else they are the softmax over
+    /// all experts, taken as they are).
+    pub norm_topk_prob: bool,
+    /// A shared expert every token goes through, its output scaled by `sigmoid(x · w)` (Qwen2-
+    /// MoE): its MLP size.
+    pub shared_expert_ffn: Option<usize>,
+    /// Per layer, whether its MLP is dense (of `intermediate_size`): Qwen's `mlp_only_layers`
+    /// and `decoder_sparse_step`.
+    pub dense_layers: Vec<bool>,
+}
+
+/// The most experts a config may have (DeepSeek-V3 and Qwen3.5 have 256, Llama 4 Maverick 128).
+pub const MAX_EXPERTS: usize = 1024;
+
+impl MoeConfig {
+    /// Whether layer `l` routes to experts (else its MLP is dense).
+    pub fn sparse(&self, l: usize) -> bool {
+        !self.dense_layers.get(l).copied().unwrap_or(false)
+    }
+
+    /// Checks the sizes: at least one expert, `top_k` of them at most, an MLP of each.
+    pub fn validate(&self, num_layers: usize) -> Result<()> {
+        let max_ffn = LIMITS
+            .iter()
+            .find(|(k, _)| *k == "intermediate_size")
+            .map_or(0, |l| l.1);
+        if self.num_experts == 0 || self.num_experts > MAX_EXPERTS {
+            bail!(
+                "the number of experts must be between 1 and {MAX_EXPERTS}, got {}",
+                self.num_experts
+            );
+        }
+        if self.top_k == 0 || self.top_k > self.num_experts {
+            bail!(
+                "num_experts_per_tok must be between 1 and the number of experts ({}), got {}",
+                self.num_experts,
+                self.top_k
+            );
+        }
+        for (name, f) in [
+            ("the experts' intermediate size", Some(self.expert_ffn)),
+            ("shared_expert_intermediate_size", self.shared_expert_ffn),
+        ] {
+            if let Some(f) = f
+                && (f == 0 || f > max_ffn)
+            {
+                bail!("{name} must be between 1 and {max_ffn}, got {f}");
+            }
+        }
+        if self.dense_layers.len() != num_layers {
+            bail!(
+                "{} dense-layer flags for {num_layers} layers",
+                self.dense_layers.len()
+            );
+        }
+        Ok(())
+    }
+}
+
 /// The decoder families this engine can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
@@ -91,6 +159,14 @@ pub enum Arch {
     /// Cohere (Command-R): one LayerNorm without bias feeding attention and MLP in parallel,
     /// interleaved RoPE, scaled logits.
     Cohere,
+    /// Mixtral: Mistral with a mixture of experts in every layer.
+    Mixtral,
+    /// Qwen2-MoE: Qwen2 with experts and a gated shared expert.
+    Qwen2Moe,
+    /// Qwen3-MoE: Qwen3 with experts.
+    Qwen3Moe,
+    /// OLMoE: experts, RMSNorm of all of Q and of K.
+    Olmoe,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -133,6 +209,8 @@ pub struct ModelConfig {
     pub final_logit_softcap: Option<f64>,
     /// The LM head's logits are multiplied by this (Granite's `1 / logits_scaling`).
     pub logit_scale: Option<f64>,
+    /// The mixture of experts that replaces the MLP, if the model has one.
+    pub moe: Option<MoeConfig>,
     /// Settings only one family has, recorded by its config hook and read by its model (so a
     /// new family needs no new field here).
     pub extra: Value,
@@ -196,6 +274,9 @@ impl ModelConfig {
     /// every size and value is one a real model could have (see [`LIMITS`]).
     pub fn validate(&self) -> Result<()> {
         self.check_sizes()?;
+        if let Some(m) = &self.moe {
+            m.validate(self.num_layers)?;
+        }
         self.check_values()
     }
 
@@ -460,6 +541,7 @@ impl ModelConfig {
             attn_logit_softcap: None,
             final_logit_softcap: None,
             logit_scale: None,
+            moe: None,
             extra: Value::Null,
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,

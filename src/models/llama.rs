@@ -1,7 +1,9 @@
 //! The Llama family and the families that share its graph: Llama 2/3 and SmolLM2, Mistral
 //! (sliding-window attention), Qwen2 (biases on the Q, K and V projections), Qwen3 (per-head
-//! RMSNorm of Q and K before RoPE) and Granite (multipliers on the embeddings, the residual
-//! branches, the attention scores and the logits). Written once over the [`Backend`] trait.
+//! RMSNorm of Q and K before RoPE), Granite (multipliers on the embeddings, the residual
+//! branches, the attention scores and the logits), and with a mixture of experts for an MLP
+//! (`moe.rs`): Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (RMSNorm of all of Q and of K). Written
+//! once over the [`Backend`] trait.
 //!
 //! Shapes: T = tokens in the step (all sequences flattened), R = rows whose logits are wanted,
 //! H = query heads, Hkv = kv heads, D = head_dim, F = intermediate size.
@@ -9,10 +11,11 @@
 use super::config::{Fields, ModelConfig};
 use super::gguf::GgufFile;
 use super::kv_cache::KvCache;
+use super::moe::{self, HfKeys, Moe};
 use super::shard::Lin::File;
 use super::shard::{Head, Lin};
 use super::stack::{Family, Load, Stack};
-use super::{Norm, attend};
+use super::{Norm, attend, stack_linear};
 use crate::backend::{Backend, DeviceBatch, QkNormSpan};
 use crate::tensor::DType;
 use anyhow::{Result, bail};
@@ -22,18 +25,27 @@ struct Layer<B: Backend> {
     attn_norm: B::Buf,      // [hidden] f32
     wqkv: B::Buf,           // [(H + 2 Hkv) D, hidden]: q, k and v projections stacked
     bqkv: Option<B::Buf>,   // [(H + 2 Hkv) D] f32 (Qwen2)
-    q_norm: Option<B::Buf>, // [D] f32 (Qwen3)
-    k_norm: Option<B::Buf>, // [D] f32 (Qwen3)
+    q_norm: Option<B::Buf>, // [D] f32 (Qwen3); [H D] (OLMoE)
+    k_norm: Option<B::Buf>, // [D] f32 (Qwen3); [Hkv D] (OLMoE)
     wo: B::Buf,             // [hidden, H D]
     mlp_norm: B::Buf,       // [hidden] f32
-    w_gate_up: B::Buf,      // [2 F, hidden]: gate and up projections stacked
-    w_down: B::Buf,         // [hidden, F]
+    mlp: Mlp<B>,
+}
+
+enum Mlp<B: Backend> {
+    Dense {
+        gate_up: B::Buf, // [2 F, hidden]: gate and up projections stacked
+        down: B::Buf,    // [hidden, F]
+    },
+    Experts(Moe<B>),
 }
 
 pub struct Llama<B: Backend> {
     stack: Stack<B>,
     /// This stage's layers.
     layers: Vec<Layer<B>>,
+    /// What the Q and K norms span: each head (Qwen3), or all of Q and of K (OLMoE).
+    qk_span: QkNormSpan,
     /// Granite's multipliers of the embeddings and of each residual branch.
     embedding_multiplier: Option<f32>,
     residual_multiplier: Option<f32>,
@@ -81,6 +93,59 @@ pub fn hf_config_qwen3(v: &Value, c: &mut ModelConfig) -> Result<()> {
     if Fields::top(v).bool("use_sliding_window")? == Some(true) {
         bail!("use_sliding_window: true is not supported for qwen3");
     }
+    Ok(())
+}
+
+/// `model_type: mixtral`: Mistral with `num_local_experts` experts of `intermediate_size` in
+/// every layer, the top-k weights renormalised.
+pub fn hf_config_mixtral(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    hf_config_mistral(v, c)?;
+    let keys = HfKeys {
+        experts: &["num_local_experts"],
+        expert_ffn: "intermediate_size",
+        norm_topk_prob: true,
+    };
+    c.moe = Some(moe::hf_config(v, c.num_layers, keys)?);
+    Ok(())
+}
+
+/// The experts of Qwen2-MoE and Qwen3-MoE: `num_experts` of `moe_intermediate_size`, a shared
+/// expert where `shared_expert_intermediate_size` is set.
+fn qwen_experts(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    let keys = HfKeys {
+        experts: &["num_experts", "num_local_experts"],
+        expert_ffn: "moe_intermediate_size",
+        norm_topk_prob: false,
+    };
+    c.moe = Some(moe::hf_config(v, c.num_layers, keys)?);
+    Ok(())
+}
+
+/// `model_type: qwen2_moe`: Qwen2 with experts and a gated shared expert.
+pub fn hf_config_qwen2_moe(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    hf_config_qwen2(v, c)?;
+    qwen_experts(v, c)
+}
+
+/// `model_type: qwen3_moe`: Qwen3 with experts.
+pub fn hf_config_qwen3_moe(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    hf_config_qwen3(v, c)?;
+    qwen_experts(v, c)
+}
+
+/// `model_type: olmoe`: experts of `intermediate_size`, RMSNorm of all of Q and of all of K.
+pub fn hf_config_olmoe(v: &Value, c: &mut ModelConfig) -> Result<()> {
+    if !Fields::top(v).get("clip_qkv").is_null() {
+        bail!("olmoe with clip_qkv is not supported");
+    }
+    c.qk_norm = true;
+    c.extra = serde_json::json!({ "qk_norm_all": true });
+    let keys = HfKeys {
+        experts: &["num_experts", "num_local_experts"],
+        expert_ffn: "intermediate_size",
+        norm_topk_prob: false,
+    };
+    c.moe = Some(moe::hf_config(v, c.num_layers, keys)?);
     Ok(())
 }
 
@@ -155,7 +220,13 @@ pub fn gguf_config(g: &GgufFile, arch: &str, c: &mut ModelConfig) -> Result<()> 
             key("logit_scale")?,
         )?;
     }
-    c.qk_norm |= arch == "qwen3";
+    c.qk_norm |= matches!(arch, "qwen3" | "qwen3moe" | "olmoe");
+    if arch == "olmoe" {
+        c.extra = serde_json::json!({ "qk_norm_all": true });
+    }
+    // NOTE: llama.cpp renormalises the top-k weights of Mixtral (`llama`) and Qwen3-MoE, not
+    // those of Qwen2-MoE and OLMoE, where the file does not say.
+    c.moe = moe::gguf_config(g, arch, c, matches!(arch, "llama" | "qwen3moe"))?;
     if c.qk_norm && g.tensor_info("blk.0.attn_q_norm.weight").is_none() {
         bail!("a {arch} model needs Q/K norms, but the file has no blk.0.attn_q_norm.weight");
     }
@@ -169,6 +240,17 @@ impl<B: Backend> Llama<B> {
         let (h, hkv, d, hid, f) = c.layer_sizes();
         let (sh, mut up, total) = ld.start()?;
         let place = ld.place;
+        let qk_span = match c.extra["qk_norm_all"].as_bool() {
+            Some(true) => QkNormSpan::All,
+            _ => QkNormSpan::Head,
+        };
+        // NOTE: a norm over all heads needs them all: under tensor parallelism each rank
+        // computes the whole QKV projection and keeps its heads' rows, as OLMo 2 does.
+        let whole_qkv = qk_span == QkNormSpan::All && sh.tp > 1;
+        if whole_qkv && c.attention_bias {
+            bail!("QKV biases with Q/K norms over all heads are not supported");
+        }
+        let (q_len, k_len) = qk_span.weight_lens(c.qkv_layout());
         let embed = if place.first_stage() || (c.tie_word_embeddings && place.last_stage()) {
             Some(sh.vocab_table(&mut up, "model.embed_tokens.weight", hid, c.vocab_size)?)
         } else {
@@ -181,7 +263,13 @@ impl<B: Backend> Llama<B> {
             let n = |s: &str| format!("{p}{s}");
             // NOTE: Phi-3 stores the projections fused, in the order we stack them.
             let fused = n("self_attn.qkv_proj.weight");
+            let proj = |s: &str, rows| up.fetch_linear(&n(s), &[rows, hid]);
             let wqkv = match up.has(&fused)? {
+                _ if whole_qkv => stack_linear(vec![
+                    proj("self_attn.q_proj.weight", h * d)?,
+                    proj("self_attn.k_proj.weight", hkv * d)?,
+                    proj("self_attn.v_proj.weight", hkv * d)?,
+                ])?,
                 true => sh.qkv_fused(&up, File(&fused, [(h + 2 * hkv) * d, hid]))?,
                 false => sh.qkv(
                     &up,
@@ -204,23 +292,32 @@ impl<B: Backend> Llama<B> {
             };
             let (q_norm, k_norm) = if c.qk_norm {
                 (
-                    Some(up.weight(&n("self_attn.q_norm.weight"), &[d], DType::F32)?),
-                    Some(up.weight(&n("self_attn.k_norm.weight"), &[d], DType::F32)?),
+                    Some(up.weight(&n("self_attn.q_norm.weight"), &[q_len], DType::F32)?),
+                    Some(up.weight(&n("self_attn.k_norm.weight"), &[k_len], DType::F32)?),
                 )
             } else {
                 (None, None)
             };
-            let fused = n("mlp.gate_up_proj.weight");
-            let gate_up = match up.has(&fused)? {
-                true => sh.gate_up_fused(&up, File(&fused, [2 * f, hid]))?,
-                false => sh.gate_up(
-                    &up,
-                    File(&n("mlp.gate_proj.weight"), [f, hid]),
-                    File(&n("mlp.up_proj.weight"), [f, hid]),
-                )?,
-            };
             let wo = sh.o_proj(&up, File(&n("self_attn.o_proj.weight"), [hid, h * d]))?;
-            let w_down = sh.down(&up, File(&n("mlp.down_proj.weight"), [hid, f]))?;
+            let mlp = match &c.moe {
+                Some(m) if m.sparse(i) => Mlp::Experts(Moe::load(&mut up, &sh, m, hid, &p)?),
+                _ => {
+                    let fused = n("mlp.gate_up_proj.weight");
+                    let gate_up = match up.has(&fused)? {
+                        true => sh.gate_up_fused(&up, File(&fused, [2 * f, hid]))?,
+                        false => sh.gate_up(
+                            &up,
+                            File(&n("mlp.gate_proj.weight"), [f, hid]),
+                            File(&n("mlp.up_proj.weight"), [f, hid]),
+                        )?,
+                    };
+                    let down = sh.down(&up, File(&n("mlp.down_proj.weight"), [hid, f]))?;
+                    Mlp::Dense {
+                        gate_up: up.upload_linear(gate_up)?,
+                        down: up.upload_linear(down)?,
+                    }
+                }
+            };
             layers.push(Layer {
                 attn_norm: up.weight(&n("input_layernorm.weight"), &[hid], DType::F32)?,
                 wqkv: up.upload_linear(wqkv)?,
@@ -229,8 +326,7 @@ impl<B: Backend> Llama<B> {
                 k_norm,
                 wo: up.upload_linear(wo)?,
                 mlp_norm: up.weight(&n("post_attention_layernorm.weight"), &[hid], DType::F32)?,
-                w_gate_up: up.upload_linear(gate_up)?,
-                w_down: up.upload_linear(w_down)?,
+                mlp,
             });
             progress(i - place.layers.start + 2, total);
         }
@@ -255,6 +351,7 @@ impl<B: Backend> Llama<B> {
         Ok(Llama {
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
+            qk_span,
             embedding_multiplier: multiplier("embedding_multiplier"),
             residual_multiplier: multiplier("residual_multiplier"),
             rope_cos,
@@ -287,6 +384,15 @@ impl<B: Backend> Family<B> for Llama<B> {
         let mut gu = backend.alloc_scratch_f32(t * 2 * f)?; // [T, 2 F]
         let mut act = backend.alloc_scratch_f32(t * f)?; // [T, F]
         let mut o = backend.alloc_scratch_f32(t * hid)?; // [T, hidden] output of o_proj / down_proj
+        // norms over all heads, split: all heads' QKV rows, and which of their rows of D are ours
+        let all = c.qkv_layout();
+        let mut whole = match self.qk_span == QkNormSpan::All && s.place.tp_size() > 1 {
+            true => Some((
+                backend.alloc_scratch_f32(t * all.row_len())?, // [T, (H + 2 Hkv) D]
+                backend.upload_u32(&s.shard.own_qkv_rows(all, t))?,
+            )),
+            false => None,
+        };
 
         // NOTE: each residual add is fused with the norm that follows it (add_rms_norm): the
         // layer's input norm is applied at the end of the previous layer. Under tensor
@@ -296,9 +402,16 @@ impl<B: Backend> Family<B> for Llama<B> {
         }
         for (j, w) in self.layers.iter().enumerate() {
             let l = s.place.layers.start + j;
-            backend.matmul(&h, &w.wqkv, w.bqkv.as_ref(), t, hid, ql.row_len(), &mut qkv)?;
+            let (out, layout) = match &mut whole {
+                Some((full, _)) => (full, all),
+                None => (&mut qkv, ql),
+            };
+            backend.matmul(&h, &w.wqkv, w.bqkv.as_ref(), t, hid, layout.row_len(), out)?;
             if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-                backend.qk_norm(&mut qkv, qn, kn, t, ql, QkNormSpan::Head, eps)?;
+                backend.qk_norm(out, qn, kn, t, layout, self.qk_span, eps)?;
+            }
+            if let Some((full, rows)) = &whole {
+                backend.gather_rows(full, rows, c.head_dim, &mut qkv)?;
             }
             attend(
                 backend,
@@ -315,17 +428,14 @@ impl<B: Backend> Family<B> for Llama<B> {
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             residual(&mut o)?;
             backend.add_rms_norm(&mut x, &o, &w.mlp_norm, t, hid, eps, &mut h)?;
-            backend.matmul_gated_act(
-                &h,
-                &w.w_gate_up,
-                t,
-                hid,
-                f,
-                c.hidden_act,
-                &mut gu,
-                &mut act,
-            )?;
-            backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
+            match &w.mlp {
+                Mlp::Dense { gate_up, down } => {
+                    let a = c.hidden_act;
+                    backend.matmul_gated_act(&h, gate_up, t, hid, f, a, &mut gu, &mut act)?;
+                    backend.matmul(&act, down, None, t, f, hid, &mut o)?;
+                }
+                Mlp::Experts(m) => o = m.forward(backend, &h, t, hid, c.hidden_act)?,
+            }
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             residual(&mut o)?;
             match self.layers.get(j + 1) {

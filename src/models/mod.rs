@@ -10,6 +10,7 @@ pub mod kv_cache;
 pub mod llama;
 pub mod loader;
 pub mod mmap;
+pub mod moe;
 pub mod neox;
 pub mod olmo2;
 pub mod open;

@@ -18,8 +18,7 @@ use super::shard::Lin::File;
 use super::stack::{Family, Load, Stack};
 use super::stack_linear;
 use super::{Norm, attend};
-use crate::backend::{Backend, DeviceBatch, QkNormSpan, QkvLayout};
-use crate::parallel::HeadShard;
+use crate::backend::{Backend, DeviceBatch, QkNormSpan};
 use crate::tensor::DType;
 use anyhow::{Result, bail};
 use serde_json::Value;
@@ -171,7 +170,7 @@ impl<B: Backend> Family<B> for Olmo2<B> {
         // split: this rank's rows of D values of `qkv` ([T (H + 2 Hkv), D]), and where they go
         let mut mine = match s.place.tp_size() > 1 {
             true => Some((
-                backend.upload_u32(&own_heads(&s.shard.heads, all, t))?,
+                backend.upload_u32(&s.shard.own_qkv_rows(all, t))?,
                 backend.alloc_scratch_f32(t * ql.row_len())?, // [T, (H + 2 Hkv) D] of this rank
             )),
             false => None,
@@ -217,37 +216,5 @@ impl<B: Backend> Family<B> for Olmo2<B> {
             backend.add_assign(&mut x, &h, t * hid)?;
         }
         s.output(backend, x, batch)
-    }
-}
-
-/// The rows of `D` values of all heads' QKV rows (`[T (H + 2 Hkv), D]`) that are a rank's
-/// heads' rows, token by token: its q heads, its kv heads' k, then their v.
-fn own_heads(heads: &HeadShard, all: QkvLayout, t: usize) -> Vec<u32> {
-    let per_token = all.num_heads + 2 * all.num_kv_heads;
-    let (k0, v0) = (all.num_heads, all.num_heads + all.num_kv_heads);
-    let rows: Vec<usize> = (heads.q.clone())
-        .chain(heads.kv.clone().map(|h| k0 + h))
-        .chain(heads.kv.clone().map(|h| v0 + h))
-        .collect();
-    (0..t)
-        .flat_map(|i| rows.iter().map(move |r| (i * per_token + r) as u32))
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Rank 1 of 2 with 4 q heads and 2 kv heads keeps q heads 2, 3, k head 1 and v head 1 of
-    /// each token's 8 rows.
-    #[test]
-    fn a_rank_keeps_its_heads_rows() {
-        let all = QkvLayout {
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 16,
-        };
-        let heads = HeadShard::new(4, 2, 2, 1).unwrap();
-        assert_eq!(own_heads(&heads, all, 2), [2, 3, 5, 7, 10, 11, 13, 15]);
     }
 }

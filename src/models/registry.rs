@@ -87,6 +87,46 @@ pub static FAMILIES: &[Family] = &[
         gguf_tensor_name: super::gguf::llama_tensor_name,
     },
     Family {
+        arch: Arch::Mixtral,
+        name: "mixtral",
+        hf_model_types: &["mixtral"],
+        gguf_architectures: &[],
+        hf_prepare: no_renames,
+        hf_config: super::llama::hf_config_mixtral,
+        gguf_config: super::llama::gguf_config,
+        gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+    Family {
+        arch: Arch::Qwen2Moe,
+        name: "qwen2_moe",
+        hf_model_types: &["qwen2_moe"],
+        gguf_architectures: &["qwen2moe"],
+        hf_prepare: no_renames,
+        hf_config: super::llama::hf_config_qwen2_moe,
+        gguf_config: super::llama::gguf_config,
+        gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+    Family {
+        arch: Arch::Qwen3Moe,
+        name: "qwen3_moe",
+        hf_model_types: &["qwen3_moe"],
+        gguf_architectures: &["qwen3moe"],
+        hf_prepare: no_renames,
+        hf_config: super::llama::hf_config_qwen3_moe,
+        gguf_config: super::llama::gguf_config,
+        gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+    Family {
+        arch: Arch::Olmoe,
+        name: "olmoe",
+        hf_model_types: &["olmoe"],
+        gguf_architectures: &["olmoe"],
+        hf_prepare: no_renames,
+        hf_config: super::llama::hf_config_olmoe,
+        gguf_config: super::llama::gguf_config,
+        gguf_tensor_name: super::gguf::llama_tensor_name,
+    },
+    Family {
         arch: Arch::Granite,
         name: "granite",
         hf_model_types: &["granite"],
@@ -349,9 +389,16 @@ pub fn load_shard<B: Backend>(
         | Arch::Cohere
         | Arch::Bloom
         | Arch::Mpt => Box::new(NeoX::load(ld, progress)?),
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Granite => {
-            Box::new(Llama::load(ld, progress)?)
-        }
+        Arch::Llama
+        | Arch::Mistral
+        | Arch::Qwen2
+        | Arch::Qwen3
+        | Arch::Phi3
+        | Arch::Granite
+        | Arch::Mixtral
+        | Arch::Qwen2Moe
+        | Arch::Qwen3Moe
+        | Arch::Olmoe => Box::new(Llama::load(ld, progress)?),
     })
 }
 

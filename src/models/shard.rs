@@ -27,6 +27,7 @@ pub struct Shard {
     pub vocab: Range<usize>,
     /// This rank's heads as the kernels see them.
     pub ql: QkvLayout,
+    rank: usize,
     h: usize,
     hkv: usize,
     d: usize,
@@ -76,6 +77,7 @@ impl Shard {
             vocab: place.vocab(c.vocab_size),
             heads,
             ql,
+            rank,
             h: c.num_heads,
             hkv: c.num_kv_heads,
             d: c.head_dim,
@@ -89,6 +91,22 @@ impl Shard {
 
     fn kv_rows(&self) -> Range<usize> {
         self.heads.kv.start * self.d..self.heads.kv.end * self.d
+    }
+
+    /// The rows of `D` values of all heads' QKV rows (`[T (H + 2 Hkv), D]`) that are this
+    /// rank's heads' rows, token by token: its q heads, its kv heads' k, then their v. (For Q/K
+    /// norms over all heads, which each rank computes whole: OLMo 2, OLMoE.)
+    pub fn own_qkv_rows(&self, all: QkvLayout, t: usize) -> Vec<u32> {
+        let heads = &self.heads;
+        let per_token = all.num_heads + 2 * all.num_kv_heads;
+        let (k0, v0) = (all.num_heads, all.num_heads + all.num_kv_heads);
+        let rows: Vec<usize> = (heads.q.clone())
+            .chain(heads.kv.clone().map(|h| k0 + h))
+            .chain(heads.kv.clone().map(|h| v0 + h))
+            .collect();
+        (0..t)
+            .flat_map(|i| rows.iter().map(move |r| (i * per_token + r) as u32))
+            .collect()
     }
 
     /// What each of this worker's layers keeps in the KV cache: its stage's layers, its KV
@@ -140,8 +158,34 @@ impl Shard {
 
     /// This rank's rows of the gate and up projections, stacked.
     pub fn gate_up<B: Backend>(&self, up: &Uploader<B>, gate: Lin, upw: Lin) -> Result<Weight> {
-        let rows = || Part::row_range(self.ffn.clone());
+        self.gate_up_of(up, gate, upw, &self.ffn)
+    }
+
+    /// This rank's columns of an MLP of `f` (an expert's): split as the dense MLP is.
+    pub fn ffn_of(&self, f: usize) -> Range<usize> {
+        split_aligned(f, self.tp, self.rank, 256)
+    }
+
+    /// The rows `ffn` of the gate and up projections, stacked (an expert's part).
+    pub fn gate_up_of<B: Backend>(
+        &self,
+        up: &Uploader<B>,
+        gate: Lin,
+        upw: Lin,
+        ffn: &Range<usize>,
+    ) -> Result<Weight> {
+        let rows = || Part::row_range(ffn.clone());
         stack_linear(vec![take(up, gate, rows())?, take(up, upw, rows())?])
+    }
+
+    /// The columns `ffn` of a down projection (an expert's part).
+    pub fn down_of<B: Backend>(
+        &self,
+        up: &Uploader<B>,
+        w: Lin,
+        ffn: &Range<usize>,
+    ) -> Result<Weight> {
+        take(up, w, Part::cols(ffn.clone()))
     }
 
     /// This rank's rows of a plain (ungated) MLP's first projection (`[F, hidden]`) or bias.
@@ -157,7 +201,7 @@ impl Shard {
 
     /// This rank's columns of the down projection (`[hidden, F]`).
     pub fn down<B: Backend>(&self, up: &Uploader<B>, w: Lin) -> Result<Weight> {
-        take(up, w, Part::cols(self.ffn.clone()))
+        self.down_of(up, w, &self.ffn)
     }
 
     /// This rank's rows of a `[vocab, hidden]` table, uploaded, with its row count.
@@ -397,5 +441,35 @@ impl<B: Backend> Head<B> {
             (Head::Tied, None) => bail!("a tied LM head without an embedding table"),
             (Head::Hidden | Head::Classifier(..), _) => bail!("the model has no LM head"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rank 1 of 2 with 4 q heads and 2 kv heads keeps q heads 2, 3, k head 1 and v head 1 of
+    /// each token's 8 rows.
+    #[test]
+    fn a_rank_keeps_its_heads_rows() {
+        let all = QkvLayout {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+        };
+        let heads = HeadShard::new(4, 2, 2, 1).unwrap();
+        let sh = Shard {
+            tp: 2,
+            ql: all,
+            heads,
+            ffn: 0..0,
+            vocab: 0..0,
+            rank: 1,
+            h: 4,
+            hkv: 2,
+            d: 16,
+            f: 0,
+        };
+        assert_eq!(sh.own_qkv_rows(all, 2), [2, 3, 5, 7, 10, 11, 13, 15]);
     }
 }

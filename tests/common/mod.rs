@@ -30,7 +30,14 @@ pub const TINY_FAMILIES: &[&str] = &[
     "bloom",
     "mpt",
     "falcon-rw",
+    "mixtral",
+    "qwen2-moe",
+    "qwen3-moe",
+    "olmoe",
 ];
+
+/// The tiny families whose MLP is a mixture of experts.
+pub const MOE_FAMILIES: &[&str] = &["mixtral", "qwen2-moe", "qwen3-moe", "olmoe"];
 
 /// The tiny families with a GGUF copy (`tiny-gguf/`): all but those llama.cpp has no form of
 /// (Falcon with ALiBi).

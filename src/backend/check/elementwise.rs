@@ -1,5 +1,5 @@
-//! Elementwise ops (`gated_act`, `act`, `scale`, `softcap`, `clamp`, `add_assign`) and the row
-//! gathers (`embedding`, `gather_rows`).
+//! Elementwise ops (`gated_act`, `act`, `scale`, `softcap`, `clamp`, `add_assign`), the row
+//! gathers (`embedding`, `gather_rows`) and the weighted row scatter (`scatter_add_rows`).
 
 use super::util::{rand_vec, rounded};
 use crate::backend::{Activation, Backend};
@@ -126,6 +126,41 @@ impl Embedding {
     }
 }
 
+/// Two routed experts' outputs added into the tokens that chose them (`scatter_add_rows`
+/// twice, the second call's rows overlapping the first's), over an output already holding
+/// values.
+pub(super) struct ScatterAdd {
+    pub(super) dim: usize,
+    pub(super) out: Vec<f32>,
+    /// Per call: the rows, their weights, the source rows.
+    pub(super) calls: Vec<(Vec<u32>, Vec<f32>, Vec<f32>)>,
+}
+
+impl ScatterAdd {
+    pub(super) fn run<B: Backend>(&self, be: &B) -> Result<Vec<f32>> {
+        let mut out = be.upload_f32(&self.out)?;
+        for (rows, w, y) in &self.calls {
+            let (y, rows, w) = (be.upload_f32(y)?, be.upload_u32(rows)?, be.upload_f32(w)?);
+            be.scatter_add_rows(&y, &rows, &w, self.dim, &mut out)?;
+        }
+        be.download_f32(&out)
+    }
+
+    /// What [`Self::run`] should return, in f64.
+    pub(super) fn reference(&self) -> Vec<f64> {
+        let dim = self.dim;
+        let mut out: Vec<f64> = self.out.iter().map(|&v| v as f64).collect();
+        for (rows, w, y) in &self.calls {
+            for (i, &r) in rows.iter().enumerate() {
+                for c in 0..dim {
+                    out[r as usize * dim + c] += w[i] as f64 * y[i * dim + c] as f64;
+                }
+            }
+        }
+        out
+    }
+}
+
 /// The table's rows of this family, drawn from `r` in order.
 pub(super) fn cases<C: From<Elementwise> + From<Embedding>>(
     r: &mut ChaCha8Rng,
@@ -158,4 +193,29 @@ pub(super) fn cases<C: From<Elementwise> + From<Embedding>>(
             }),
         ));
     }
+}
+
+/// The scatter's rows, drawn last from `r` (after every other family's), so that adding them
+/// left the other rows' inputs as they were.
+pub(super) fn scatter_cases<C: From<ScatterAdd>>(
+    r: &mut ChaCha8Rng,
+    out: &mut Vec<(String, String, f64, C)>,
+) {
+    let (tokens, dim) = (13, 200);
+    let mut call = |rows: Vec<u32>| {
+        let w = rand_vec(r, rows.len()).iter().map(|v| v.abs()).collect();
+        let y = rand_vec(r, rows.len() * dim);
+        (rows, w, y)
+    };
+    let calls = vec![call(vec![12, 3, 0, 7, 5]), call(vec![3, 4, 12, 1])];
+    out.push((
+        "scatter_add_rows".into(),
+        format!("2 calls into {tokens}x{dim}"),
+        1e-6,
+        C::from(ScatterAdd {
+            dim,
+            out: rand_vec(r, tokens * dim),
+            calls,
+        }),
+    ));
 }

@@ -28,7 +28,7 @@ use crate::tensor::DType;
 use anyhow::{Result, bail};
 use attention::Attention;
 use cache::KvBlocks;
-use elementwise::{Elementwise, Embedding};
+use elementwise::{Elementwise, Embedding, ScatterAdd};
 use linear::{GatedMatmul, Matmul};
 use norm::{LayerNorm, RmsNorm};
 use qkv::{QkNorm, Rope, RopeWriteKv};
@@ -77,6 +77,7 @@ case_list!(
     LayerNorm,
     Elementwise,
     Embedding,
+    ScatterAdd,
     Rope,
     QkNorm,
     RopeWriteKv,
@@ -98,6 +99,7 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
     attention::cases(&mut r, &mut out);
     sample::cases(&mut r, &mut out);
     cache::cases(&mut r, &mut out);
+    elementwise::scatter_cases(&mut r, &mut out);
     out
 }
 

@@ -608,6 +608,26 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn scatter_add_rows(
+        &self,
+        y: &CpuBuf,
+        rows: &CpuBuf,
+        weights: &CpuBuf,
+        dim: usize,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        let (y, rows, weights) = (y.f32()?, rows.u32()?, weights.f32()?);
+        let out = out.f32_mut()?;
+        args::scatter_add_rows(y.len(), rows, weights.len(), dim, out.len())?;
+        for (i, &r) in rows.iter().enumerate() {
+            let o = &mut out[r as usize * dim..(r as usize + 1) * dim];
+            for (o, &v) in o.iter_mut().zip(&y[i * dim..(i + 1) * dim]) {
+                *o += weights[i] * v;
+            }
+        }
+        Ok(())
+    }
+
     fn write_kv(
         &self,
         qkv: &CpuBuf,

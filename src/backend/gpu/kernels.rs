@@ -72,6 +72,7 @@ pub fn kernel_names(stem: &str, tensor_cores: bool) -> Vec<String> {
             "softcap_f32",
             "clamp_f32",
             "gather_rows_f32",
+            "scatter_add_rows_f32",
             "add_bias_f32",
             "cast_f32_bf16",
             "cast_f32_f16",

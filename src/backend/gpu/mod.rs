@@ -846,6 +846,31 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         )
     }
 
+    fn scatter_add_rows(
+        &self,
+        y: &GpuBuf<R>,
+        rows: &GpuBuf<R>,
+        weights: &GpuBuf<R>,
+        dim: usize,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        let idx = rows.host_u32("scatter_add_rows")?;
+        args::scatter_add_rows(y.len, idx, weights.len, dim, out.len)?;
+        self.elementwise(
+            "scatter_add_rows_f32",
+            idx.len() * dim,
+            &[
+                Arg::P(y.ptr()),
+                Arg::P(rows.ptr()),
+                Arg::P(weights.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(idx.len(), "rows")?,
+                u32_arg(dim, "dim")?,
+            ],
+        )
+    }
+
     fn write_kv(
         &self,
         qkv: &GpuBuf<R>,

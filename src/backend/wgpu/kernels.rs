@@ -21,6 +21,7 @@ pub enum Kernel {
     LayerNorm,
     Rope,
     GatherRows,
+    ScatterAddRows,
     WriteKv,
     Attention,
     Argmax,
@@ -28,7 +29,7 @@ pub enum Kernel {
 
 impl Kernel {
     #[cfg(test)]
-    pub const ALL: [Kernel; 13] = [
+    pub const ALL: [Kernel; 14] = [
         Kernel::Matmul,
         Kernel::Matvec,
         Kernel::Embedding,
@@ -39,6 +40,7 @@ impl Kernel {
         Kernel::LayerNorm,
         Kernel::Rope,
         Kernel::GatherRows,
+        Kernel::ScatterAddRows,
         Kernel::WriteKv,
         Kernel::Attention,
         Kernel::Argmax,
@@ -56,6 +58,7 @@ impl Kernel {
             Kernel::LayerNorm => "layer_norm",
             Kernel::Rope => "rope",
             Kernel::GatherRows => "gather_rows",
+            Kernel::ScatterAddRows => "scatter_add_rows",
             Kernel::WriteKv => "write_kv",
             Kernel::Attention => "attention",
             Kernel::Argmax => "argmax",
@@ -74,6 +77,7 @@ impl Kernel {
             Kernel::LayerNorm => include_str!("../../../shaders/layer_norm.wgsl"),
             Kernel::Rope => include_str!("../../../shaders/rope.wgsl"),
             Kernel::GatherRows => include_str!("../../../shaders/gather_rows.wgsl"),
+            Kernel::ScatterAddRows => include_str!("../../../shaders/scatter_add_rows.wgsl"),
             Kernel::WriteKv => include_str!("../../../shaders/write_kv.wgsl"),
             Kernel::Attention => include_str!("../../../shaders/attention.wgsl"),
             Kernel::Argmax => include_str!("../../../shaders/argmax.wgsl"),

@@ -889,6 +889,36 @@ impl Backend for WgpuBackend {
         Ok(())
     }
 
+    fn scatter_add_rows(
+        &self,
+        y: &WgpuBuf,
+        rows_idx: &WgpuBuf,
+        weights: &WgpuBuf,
+        dim: usize,
+        out: &mut WgpuBuf,
+    ) -> Result<()> {
+        let (ib, idx) = rows_idx.u32("rows")?;
+        args::scatter_add_rows(y.len, idx, weights.len, dim, out.len)?;
+        let (yb, wb) = (y.f32("scatter_add_rows input")?, weights.f32("weights")?);
+        let ob = out.f32("scatter_add_rows output")?;
+        ensure!(
+            yb.size().max(ob.size()) <= self.gpu.max_binding,
+            "scatter_add_rows: the rows ({} MiB) are larger than one storage binding",
+            yb.size().max(ob.size()) >> 20
+        );
+        self.gpu.dispatch(
+            &Kernel::ScatterAddRows.key(),
+            &[idx.len() as u32, dim as u32],
+            &[
+                Bind::whole(yb),
+                Bind::whole(ib),
+                Bind::whole(wb),
+                Bind::whole(ob),
+            ],
+            self.grid(idx.len() * dim),
+        )
+    }
+
     fn write_kv(
         &self,
         qkv: &WgpuBuf,

@@ -91,11 +91,6 @@ impl GgufFile {
             }
         };
 
-        if let Some(n) = opt_usize(&format!("{a}.expert_count"))?
-            && n > 0
-        {
-            bail!("mixture-of-experts models ({a}.expert_count = {n}) are not supported");
-        }
         let hidden_size = req_usize(&format!("{a}.embedding_length"))?;
         let num_heads = req_usize(&format!("{a}.attention.head_count"))?;
         let num_kv_heads = opt_usize(&format!("{a}.attention.head_count_kv"))?.unwrap_or(num_heads);
@@ -160,12 +155,20 @@ impl GgufFile {
             attn_logit_softcap: None,
             final_logit_softcap: None,
             logit_scale: None,
+            moe: None,
             extra: serde_json::Value::Null,
             bos_token_id,
             eos_token_ids,
         };
         c.check_sizes()?;
         (family.gguf_config)(self, &arch_name, &mut c)?;
+        // NOTE: a family whose hook reads no experts would run such a file without them.
+        if let Some(n) = opt_usize(&format!("{a}.expert_count"))?
+            && n > 0
+            && c.moe.is_none()
+        {
+            bail!("mixture-of-experts models of {a} ({a}.expert_count = {n}) are not supported");
+        }
         c.validate()?;
         // NOTE: llama.cpp refuses a file with tensors it does not use; a layer's tensors past
         // block_count mean a corrupt count (running fewer layers would go unnoticed).

@@ -8,7 +8,7 @@ use crate::models::{Part, Weight};
 use crate::quant::{QuantTensor, dequantize_into};
 use crate::tensor::HostTensor;
 use crate::untrusted::text;
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use std::ops::Range;
 
 impl GgufFile {
@@ -33,7 +33,10 @@ impl GgufFile {
         let Some(info) = self.tensor_info(&gguf_name) else {
             return Ok(None);
         };
-        let out = load(info, fix);
+        let out = match fix {
+            Some(GgufFix::Expert(j)) => expert_matrix(info, j).and_then(|m| load(&m, None)),
+            _ => load(info, fix),
+        };
         self.release(info);
         out.map(Some).map_err(|e| {
             anyhow!(
@@ -115,4 +118,30 @@ impl GgufFile {
             Ok(Weight::dense(t, stored_type(info.ty)))
         })
     }
+}
+
+/// Expert `j`'s matrix of a 3-D experts tensor (GGUF dims `[in, out, experts]`), as a 2-D
+/// tensor of its own: its rows are a contiguous range of the file, so that everything read
+/// from a 2-D weight (blocks kept, parts, shapes) reads it the same way.
+fn expert_matrix(info: &TensorInfo, j: usize) -> Result<TensorInfo> {
+    let &[k, rows, experts] = info.dims.as_slice() else {
+        bail!(
+            "an experts tensor has 3 dimensions, not {}",
+            info.dims.len()
+        );
+    };
+    if j as u64 >= experts {
+        bail!("expert {j} of {experts}");
+    }
+    let k = usize::try_from(k).map_err(|_| anyhow!("dimension too large"))?;
+    let bytes = (info.ty.row_bytes(k)? as u64)
+        .checked_mul(rows)
+        .context("tensor too large")?;
+    Ok(TensorInfo {
+        name: info.name.clone(),
+        dims: vec![k as u64, rows],
+        ty: info.ty,
+        offset: info.offset + j as u64 * bytes,
+        n_bytes: bytes,
+    })
 }

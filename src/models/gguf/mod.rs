@@ -1017,6 +1017,50 @@ mod tests {
 
     // ---- a valid synthetic file ----------------------------------------------------------
 
+    /// Expert j's matrix of a stacked `[experts, rows, k]` tensor in blocks: whole (kept in
+    /// its blocks), a part of its rows and columns, its shape, and the router beside it.
+    #[test]
+    fn experts_are_read_one_matrix_each_from_their_stacked_tensor() {
+        let (experts, rows) = (3usize, 2usize);
+        let q = |e: usize, r: usize, c: usize| (e * 40 + r * 7 + c) as i8 - 60;
+        let mut data = vec![];
+        for e in 0..experts {
+            for r in 0..rows {
+                data.extend(q8_0_block(0.5, |c| q(e, r, c)));
+            }
+        }
+        let dims = [32, rows as u64, experts as u64];
+        let w = synthetic("llama")
+            .tensor("blk.0.ffn_gate_exps.weight", &dims, 8, data)
+            .f32_tensor("blk.0.ffn_gate_inp.weight", &[32, 3], |i| i as f32);
+        let t = write_tmp(&w.bytes());
+        let g = GgufFile::open(&t.path).unwrap();
+        let name = |e: usize| format!("model.layers.0.mlp.experts.{e}.gate_proj.weight");
+        for e in 0..experts {
+            let want: Vec<f32> = (0..rows * 32)
+                .map(|i| 0.5 * q(e, i / 32, i % 32) as f32)
+                .collect();
+            assert_eq!(g.hf_shape(&name(e)).unwrap(), Some(vec![rows, 32]));
+            let Some(Weight::Quant(w)) = g.weight(&name(e)).unwrap() else {
+                panic!("expert {e} is not kept in its blocks");
+            };
+            assert_eq!((w.rows(), w.k), (rows, 32));
+            assert_eq!(g.tensor(&name(e)).unwrap().unwrap().data, want);
+            let part = g
+                .weight_part(&name(e), &Part::row_range(1..2))
+                .unwrap()
+                .unwrap();
+            assert_eq!(part.into_dense().unwrap().0.data, want[32..]);
+        }
+        // Mixtral's names for the same tensor, the router
+        let mixtral = "model.layers.0.block_sparse_moe.experts.2.w1.weight";
+        assert_eq!(g.tensor(mixtral).unwrap(), g.tensor(&name(2)).unwrap());
+        let router = g.tensor("model.layers.0.mlp.gate.weight").unwrap().unwrap();
+        assert_eq!(router.shape, [3, 32]);
+        let e = g.tensor(&name(3)).unwrap_err().to_string();
+        assert!(e.contains("expert 3 of 3"), "{e}");
+    }
+
     #[test]
     fn synthetic_llama_round_trip() {
         let t = write_tmp(&synthetic("llama").bytes());
@@ -1061,6 +1105,7 @@ mod tests {
             attn_logit_softcap: None,
             final_logit_softcap: None,
             logit_scale: None,
+            moe: None,
             extra: serde_json::Value::Null,
             bos_token_id: Some(0),
             eos_token_ids: vec![6, 7],
@@ -1424,15 +1469,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("not a multiple of num_key_value_heads"), "{e}");
-        // Mixture of experts (Mixtral is stored as arch llama).
-        let w = synthetic("llama").u32("llama.expert_count", 8);
-        let t = write_tmp(&w.bytes());
-        let e = GgufFile::open(&t.path)
-            .unwrap()
-            .config()
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("mixture-of-experts"), "{e}");
+        // Mixture of experts (Mixtral is stored as arch llama) without the experts per token;
+        // experts in a family that has none.
+        for (arch, want) in [
+            ("llama", "expert_used_count"),
+            ("gpt2", "mixture-of-experts"),
+        ] {
+            let w = synthetic(arch)
+                .u32(&format!("{arch}.expert_count"), 8)
+                .f32(&format!("{arch}.attention.layer_norm_epsilon"), 1e-5);
+            let t = write_tmp(&w.bytes());
+            let e = GgufFile::open(&t.path)
+                .unwrap()
+                .config()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{e}");
+        }
         // A missing required key.
         let mut w3 = synthetic("llama");
         w3.kvs.retain(|(k, _, _)| k != "llama.block_count");

@@ -14,6 +14,9 @@ pub enum GgufFix {
     SubtractOne,
     /// Stored `[out, in]` where HF stores `[in, out]` (GPT-2's `Conv1D`): transposed on load.
     Transpose,
+    /// Expert `j`'s `[out, in]` matrix of a 3-D `[experts, out, in]` tensor (llama.cpp's
+    /// `ffn_{gate,up,down}_exps`, where HF has one tensor per expert).
+    Expert(usize),
 }
 
 /// A GGUF tensor name, and how the tensor differs from its HF counterpart.
@@ -52,8 +55,51 @@ pub fn map_name(
     Some((format!("blk.{layer}.{part}.{kind}"), fix))
 }
 
-/// The GGUF name of an HF tensor name in the Llama-like families (llama.cpp's `blk.N.*`).
+/// The GGUF name of an HF tensor name of a mixture of experts: the router
+/// (`block_sparse_moe.gate` in Mixtral, `mlp.gate` in the others) as `ffn_gate_inp`, expert
+/// `j`'s projections (Mixtral's `w1`, `w3`, `w2`) as its matrix of `ffn_{gate,up,down}_exps`,
+/// Qwen2-MoE's shared expert as `ffn_*_shexp` and its gate as `ffn_gate_inp_shexp`: the names
+/// llama.cpp's converter writes.
+pub fn moe_tensor_name(hf: &str) -> Option<GgufTensorName> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (idx, rest) = rest.split_once('.')?;
+    let layer: usize = idx.parse().ok()?;
+    if layer.to_string() != idx {
+        return None;
+    }
+    let rest = rest
+        .strip_prefix("mlp.")
+        .or_else(|| rest.strip_prefix("block_sparse_moe."))?
+        .strip_suffix(".weight")?;
+    let blk = |part: &str, fix| Some((format!("blk.{layer}.{part}.weight"), fix));
+    match rest {
+        "gate" => return blk("ffn_gate_inp", None),
+        "shared_expert_gate" => return blk("ffn_gate_inp_shexp", None),
+        "shared_expert.gate_proj" => return blk("ffn_gate_shexp", None),
+        "shared_expert.up_proj" => return blk("ffn_up_shexp", None),
+        "shared_expert.down_proj" => return blk("ffn_down_shexp", None),
+        _ => {}
+    }
+    let (j, proj) = rest.strip_prefix("experts.")?.split_once('.')?;
+    let expert: usize = j.parse().ok()?;
+    if expert.to_string() != j {
+        return None;
+    }
+    let part = match proj {
+        "gate_proj" | "w1" => "ffn_gate_exps",
+        "up_proj" | "w3" => "ffn_up_exps",
+        "down_proj" | "w2" => "ffn_down_exps",
+        _ => return None,
+    };
+    blk(part, Some(GgufFix::Expert(expert)))
+}
+
+/// The GGUF name of an HF tensor name in the Llama-like families (llama.cpp's `blk.N.*`), the
+/// mixtures of experts among them.
 pub fn llama_tensor_name(hf: &str) -> Option<GgufTensorName> {
+    if let Some(n) = moe_tensor_name(hf) {
+        return Some(n);
+    }
     map_name(
         hf,
         &[
