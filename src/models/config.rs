@@ -28,6 +28,15 @@ pub const LIMITS: &[(&str, usize)] = &[
     ("max_position_embeddings", MAX_CONTEXT),
 ];
 
+/// The largest value [`LIMITS`] allows the size `name`.
+fn limit(name: &str) -> usize {
+    LIMITS
+        .iter()
+        .find(|(k, _)| *k == name)
+        .map(|l| l.1)
+        .expect("every size has a limit")
+}
+
 /// Phi-3's `longrope` (`su`) RoPE scaling: per-frequency factors for short and long contexts,
 /// and the cos/sin magnitude factor.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,10 +89,7 @@ impl MoeConfig {
 
     /// Checks the sizes: at least one expert, `top_k` of them at most, an MLP of each.
     pub fn validate(&self, num_layers: usize) -> Result<()> {
-        let max_ffn = LIMITS
-            .iter()
-            .find(|(k, _)| *k == "intermediate_size")
-            .map_or(0, |l| l.1);
+        let max_ffn = limit("intermediate_size");
         if self.num_experts == 0 || self.num_experts > MAX_EXPERTS {
             bail!(
                 "the number of experts must be between 1 and {MAX_EXPERTS}, got {}",
@@ -295,14 +301,11 @@ impl ModelConfig {
             ("max_position_embeddings", c.max_position_embeddings),
         ];
         for (name, n) in sizes {
-            let (_, max) = LIMITS
-                .iter()
-                .find(|(k, _)| *k == name)
-                .expect("every size has a limit");
+            let max = limit(name);
             if n == 0 {
                 bail!("{name} must be positive, got 0");
             }
-            if n > *max {
+            if n > max {
                 bail!(
                     "{name} {n} is larger than any model this engine runs (at most {max}): \
                      the file is corrupt"

@@ -825,6 +825,16 @@ mod tests {
         Tmp { _dir: dir, path }
     }
 
+    /// The error reading the config of the file `w` writes.
+    fn config_err(w: &Writer) -> String {
+        let t = write_tmp(&w.bytes());
+        GgufFile::open(&t.path)
+            .unwrap()
+            .config()
+            .unwrap_err()
+            .to_string()
+    }
+
     fn open_err(bytes: &[u8]) -> (String, String) {
         let t = write_tmp(bytes);
         let e = GgufFile::open(&t.path).expect_err("open should fail");
@@ -1309,12 +1319,7 @@ mod tests {
         assert_eq!(g.config().unwrap().rope_scaling, Some(s));
 
         let w = synthetic("llama").f32_tensor("rope_freqs.weight", &[4], |i| f[i] as f32 * 1.5);
-        let t = write_tmp(&w.bytes());
-        let e = GgufFile::open(&t.path)
-            .unwrap()
-            .config()
-            .unwrap_err()
-            .to_string();
+        let e = config_err(&w);
         assert!(e.contains("does not match Llama 3 RoPE scaling"), "{e}");
 
         let w = synthetic("llama")
@@ -1334,12 +1339,7 @@ mod tests {
         );
 
         let w = synthetic("llama").str("llama.rope.scaling.type", "yarn");
-        let t = write_tmp(&w.bytes());
-        let e = GgufFile::open(&t.path)
-            .unwrap()
-            .config()
-            .unwrap_err()
-            .to_string();
+        let e = config_err(&w);
         assert!(
             e.contains("RoPE scaling of type 'yarn' is not supported"),
             "{e}"
@@ -1462,12 +1462,7 @@ mod tests {
         let mut w2 = w.clone();
         w2.kvs
             .retain(|(k, _, v)| k != "llama.attention.head_count_kv" || v == &3u32.to_le_bytes());
-        let t = write_tmp(&w2.bytes());
-        let e = GgufFile::open(&t.path)
-            .unwrap()
-            .config()
-            .unwrap_err()
-            .to_string();
+        let e = config_err(&w2);
         assert!(e.contains("not a multiple of num_key_value_heads"), "{e}");
         // Mixture of experts (Mixtral is stored as arch llama) without the experts per token;
         // experts in a family that has none.
@@ -1478,23 +1473,13 @@ mod tests {
             let w = synthetic(arch)
                 .u32(&format!("{arch}.expert_count"), 8)
                 .f32(&format!("{arch}.attention.layer_norm_epsilon"), 1e-5);
-            let t = write_tmp(&w.bytes());
-            let e = GgufFile::open(&t.path)
-                .unwrap()
-                .config()
-                .unwrap_err()
-                .to_string();
+            let e = config_err(&w);
             assert!(e.contains(want), "{e}");
         }
         // A missing required key.
         let mut w3 = synthetic("llama");
         w3.kvs.retain(|(k, _, _)| k != "llama.block_count");
-        let t = write_tmp(&w3.bytes());
-        let e = GgufFile::open(&t.path)
-            .unwrap()
-            .config()
-            .unwrap_err()
-            .to_string();
+        let e = config_err(&w3);
         assert!(e.contains("llama.block_count"), "{e}");
     }
 
@@ -1735,12 +1720,7 @@ mod tests {
         let mut w = synthetic("llama");
         w.kvs.retain(|(k, _, _)| k != "llama.block_count");
         let w = w.strs("llama.block_count", &big);
-        let t = write_tmp(&w.bytes());
-        let e = GgufFile::open(&t.path)
-            .unwrap()
-            .config()
-            .unwrap_err()
-            .to_string();
+        let e = config_err(&w);
         clean(&e);
         assert!(
             e.contains("'llama.block_count' should be a non-negative integer")
