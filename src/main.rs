@@ -21,6 +21,9 @@ use std::time::Instant;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Threads for the CPU's work (default: $RAYON_NUM_THREADS, else one per physical core).
+    #[arg(long, global = true, value_parser = clap::value_parser!(u16).range(1..))]
+    threads: Option<u16>,
 }
 
 #[derive(Subcommand)]
@@ -615,6 +618,17 @@ fn model_args(cmd: &Command) -> Option<&ModelArgs> {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    let threads = match cli.threads {
+        Some(n) => Some(n as usize),
+        None if std::env::var_os("RAYON_NUM_THREADS").is_some() => None,
+        None => Some(pagoda::backend::cpu::physical_cores()),
+    };
+    if let Some(n) = threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("starting the CPU threads")?;
+    }
     // NOTE: on a node other than 0 the command's own work (prompts, the server) is node 0's;
     // this node serves its workers, as vLLM's other nodes do.
     if let Some(m) = model_args(&cli.command).filter(|m| m.node_rank > 0) {

@@ -10,8 +10,8 @@ use pagoda::{DType, EngineArgs, LLM, Prompt, SamplingParams, WeightDtype};
 use serde_json::Value;
 
 /// Where greedy choices may part: the two most likely tokens are closer than this (in log
-/// probability) for one engine or the other. Both quantize activations to 8 bits, but per 32
-/// values here and per 256 in llama.cpp for the K-quants, and llama.cpp keeps K/V in f16.
+/// probability) for one engine or the other. Both quantize activations to 8 bits (per 256
+/// values for the K-quants, per 32 for the others), but their float sums run in other orders.
 const NEAR_TIE: f32 = 0.5;
 
 fn llama_cpp() -> Value {

@@ -23,6 +23,7 @@ pub fn create_runner(
             args.nodes.node_rank
         );
     }
+    crate::backend::cpu::simd::isa_cap()?;
     // NOTE: PAGODA_PARALLEL_RUNNER=1 runs even one device through the workers and the device
     // communicator (NCCL), so that a machine with one GPU checks that path.
     let forced = std::env::var("PAGODA_PARALLEL_RUNNER").is_ok_and(|v| v == "1");

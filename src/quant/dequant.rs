@@ -10,7 +10,7 @@ use rayon::prelude::*;
 // `gguf.quants`), with the same f32 operations in the same order, so results are bit-exact.
 
 /// The non-uniform 4-bit levels of IQ4_NL / IQ4_XS.
-const IQ4_LEVELS: [i8; 16] = [
+pub const IQ4_LEVELS: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 

@@ -5,7 +5,7 @@
 
 mod dequant;
 
-pub use dequant::{dequantize, dequantize_into};
+pub use dequant::{IQ4_LEVELS, dequantize, dequantize_into};
 
 use anyhow::{Result, bail};
 use std::fmt;
@@ -159,7 +159,10 @@ impl GgmlType {
     /// quantized matmul multiplies as they are (the others are dequantized at load).
     pub fn has_kernel(self) -> bool {
         use GgmlType::*;
-        matches!(self, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K)
+        matches!(
+            self,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_NL | IQ4_XS
+        )
     }
 
     /// Bytes of one row of `k` values, if `k` is a whole number of blocks.

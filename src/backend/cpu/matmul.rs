@@ -337,13 +337,13 @@ pub enum Path {
 }
 
 impl Path {
-    /// The fastest path this CPU runs (once per process).
+    /// The fastest path this CPU runs, within `PAGODA_CPU_ISA` (once per process).
     pub fn detect() -> Path {
         static PATH: std::sync::OnceLock<Path> = std::sync::OnceLock::new();
         *PATH.get_or_init(|| {
             [Path::Avx512, Path::Avx2]
                 .into_iter()
-                .find(|p| p.available())
+                .find(|&p| p.available() && p as u8 <= super::simd::isa_level())
                 .unwrap_or(Path::Portable)
         })
     }

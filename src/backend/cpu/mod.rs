@@ -6,7 +6,7 @@ mod attention;
 mod exp;
 pub mod matmul;
 pub mod qmatmul;
-mod simd;
+pub(crate) mod simd;
 
 use attention::{AttnArgs, AttnTask, Scratch};
 use matmul::{Elem, Packed, Weights};
@@ -178,6 +178,39 @@ fn write_rows<T: Elem>(
     Ok(())
 }
 
+/// The physical cores this process may run on (SMT siblings counted once), where Linux says;
+/// else the logical CPUs it may use.
+pub fn physical_cores() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: a zeroed cpu_set_t is a valid empty set, and the call fills it.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: `set` is a cpu_set_t of `size` bytes.
+        if unsafe { libc::sched_getaffinity(0, size, &mut set) } == 0 {
+            let mut cores = std::collections::HashSet::new();
+            for cpu in 0..libc::CPU_SETSIZE as usize {
+                // SAFETY: cpu < CPU_SETSIZE.
+                if !unsafe { libc::CPU_ISSET(cpu, &set) } {
+                    continue;
+                }
+                let topo = format!("/sys/devices/system/cpu/cpu{cpu}/topology");
+                let core = std::fs::read_to_string(format!("{topo}/core_id"));
+                let pkg = std::fs::read_to_string(format!("{topo}/physical_package_id"));
+                match (core, pkg) {
+                    (Ok(c), Ok(p)) => cores.insert((p.trim().to_owned(), c.trim().to_owned())),
+                    _ => return logical,
+                };
+            }
+            if !cores.is_empty() {
+                return cores.len().min(logical);
+            }
+        }
+    }
+    logical
+}
+
 pub struct CpuBackend {
     threads: usize,
 }
@@ -200,7 +233,7 @@ impl Backend for CpuBackend {
     type Buf = CpuBuf;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads)", self.threads)
+        format!("cpu ({} threads, {})", self.threads, qmatmul::path().name())
     }
 
     fn upload_weight(&self, t: &HostTensor, dtype: DType) -> Result<CpuBuf> {

@@ -32,12 +32,13 @@
 //! every tile reads the values from there.
 
 use super::simd::{PREFETCH_BYTES, prefetch_lines, reduce8};
-use crate::quant::QuantTensor;
+use crate::quant::{IQ4_LEVELS, QuantTensor};
 use codes::*;
 use half::f16;
 use rayon::prelude::*;
 
 mod codes;
+mod kquant;
 
 /// Weight rows per parallel task.
 const SLAB: usize = 32;
@@ -56,11 +57,11 @@ pub enum Path {
 }
 
 impl Path {
-    /// The fastest path this CPU runs.
+    /// The fastest path this CPU runs, within `PAGODA_CPU_ISA`.
     pub fn detect() -> Path {
         [Path::Avx512, Path::Avx2]
             .into_iter()
-            .find(|p| p.available())
+            .find(|&p| p.available() && p as u8 <= super::simd::isa_level())
             .unwrap_or(Path::Portable)
     }
 
@@ -235,7 +236,22 @@ pub fn qmatmul_on(
     assert!(x.len() >= m * k && out.len() >= m * n);
     assert!(w.k == k && w.rows() == n && k.is_multiple_of(32));
     let p = if p.available() { p } else { Path::Portable };
-    let xq = quantize_rows_on(p, x, m, k);
+    let types: Vec<u8> = w
+        .parts
+        .iter()
+        .map(|part| code(part.ty).expect("QuantTensor holds kernel types only"))
+        .collect();
+    // x quantized per 32 for the blocks of 32, per 256 for the K-quants (only as needed).
+    let rows32 = if types.iter().any(|&t| !is_k(t)) {
+        m
+    } else {
+        0
+    };
+    let xq = quantize_rows_on(p, x, rows32, k);
+    let xk = types
+        .iter()
+        .any(|&t| is_k(t))
+        .then(|| kquant::quantize_rows256(p != Path::Portable, x, m, k));
     let tile_rows = if p == Path::Avx512 { MR } else { 4 };
     // NOTE: where x is one tile, each weight row is read once: a few large tasks per thread
     // (fewer hand-offs); otherwise slabs small enough to stay in L2 while the tiles pass.
@@ -254,20 +270,21 @@ pub fn qmatmul_on(
         col += part.rows;
     }
     let out_ptr = SendPtr(out.as_mut_ptr());
-    let xq = &xq;
-    // NOTE: with several tiles of x on AVX2, each slab is decoded once into `Decoded` and
-    // every tile reads it there, instead of decoding every weight row once per tile of 4 rows
-    // (for the K-quants the decode costs more than the tile's dot products). The same values
-    // and the same operations follow either way, so the bits do not change.
-    let predecode = p == Path::Avx2 && m > tile_rows;
+    let (xq, xk) = (&xq, &xk);
     tasks.into_par_iter().for_each_init(
         // A weight row's minimums, padded with zeros to a multiple of 8; a decoded slab.
         || (vec![0f32; xq.nm], Decoded::default()),
         |(mins, dec), (pi, j0, r0, nj)| {
             let part = &w.parts[pi];
-            let t = code(part.ty).expect("QuantTensor holds kernel types only");
+            let t = types[pi];
             let rb = part.data.len() / part.rows;
             let rows = &part.data[r0 * rb..(r0 + nj) * rb];
+            // NOTE: with several tiles of x on AVX2, each slab of blocks of 32 is decoded
+            // once into `Decoded` and every tile reads it there, instead of decoding every
+            // weight row once per tile of 4 rows. The same values and the same operations
+            // follow either way, so the bits do not change. (The K-quants decode a
+            // super-block once for the tile's rows and spend most on the dots.)
+            let predecode = p == Path::Avx2 && m > tile_rows && !is_k(t);
             if predecode {
                 dec.decode(t, rows, rb, nj, xq);
             }
@@ -275,7 +292,6 @@ pub fn qmatmul_on(
             let mut i = 0;
             while i < m {
                 let mr = tile_rows.min(m - i);
-                let tile = Tile { x: xq, i };
                 for jj in 0..nj {
                     // NOTE: the first tile streams the weights from memory: ask for them
                     // ahead (see matmul's PREFETCH_BYTES); the others find them in cache.
@@ -283,11 +299,12 @@ pub fn qmatmul_on(
                         let at = rows.as_ptr().wrapping_add(jj * rb + PREFETCH_BYTES);
                         prefetch_lines(at, rb);
                     }
+                    let row = &rows[jj * rb..(jj + 1) * rb];
                     let mut r = [0f32; MR];
-                    if predecode {
-                        dec.run(t, jj, mr, tile, &mut r);
-                    } else {
-                        run(p, t, mr, &rows[jj * rb..(jj + 1) * rb], tile, mins, &mut r);
+                    match xk {
+                        Some(xk) if is_k(t) => kquant::run(p, t, mr, row, xk, i, &mut r),
+                        _ if predecode => dec.run(t, jj, mr, Tile { x: xq, i }, &mut r),
+                        _ => run(p, t, mr, row, Tile { x: xq, i }, mins, &mut r),
                     }
                     for (a, v) in r[..mr].iter().enumerate() {
                         // SAFETY: this task alone writes columns j0 .. j0 + nj of `out` (m
@@ -332,7 +349,7 @@ impl Decoded {
                     }
                 };
             }
-            each!(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+            each!(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL)
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (t, rows, rb);
@@ -353,8 +370,8 @@ impl Decoded {
                 // SAFETY: sub-block j < nb lies in row r; the slab's buffers hold nrows rows
                 // of kp values, 8 nbp scales and nm minimums.
                 unsafe {
-                    let b = rows.as_ptr().add(r * rb + (j / subs(T)) * block_bytes(T));
-                    let (v, scale, min) = x86::decode::<T>(b, j % subs(T));
+                    let b = rows.as_ptr().add(r * rb + j * block_bytes(T));
+                    let (v, scale, min) = x86::decode::<T>(b);
                     let vp = self.v.as_mut_ptr().add(r * x.kp + 32 * j);
                     _mm256_storeu_si256(vp as *mut __m256i, v);
                     let sp = self.scale.as_mut_ptr().add(r * 8 * x.nbp + 8 * j);
@@ -424,10 +441,8 @@ fn run(p: Path, t: u8, mr: usize, row: &[u8], x: Tile<'_>, mins: &mut [f32], r: 
                 Q4_1 => $f::<Q4_1, $mr>($row, x, mins, r),
                 Q5_0 => $f::<Q5_0, $mr>($row, x, mins, r),
                 Q5_1 => $f::<Q5_1, $mr>($row, x, mins, r),
-                Q8_0 => $f::<Q8_0, $mr>($row, x, mins, r),
-                Q4_K => $f::<Q4_K, $mr>($row, x, mins, r),
-                Q5_K => $f::<Q5_K, $mr>($row, x, mins, r),
-                _ => $f::<Q6_K, $mr>($row, x, mins, r),
+                IQ4_NL => $f::<IQ4_NL, $mr>($row, x, mins, r),
+                _ => $f::<Q8_0, $mr>($row, x, mins, r),
             }
         };
     }
@@ -470,10 +485,10 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
-/// Sub-block `s` of the block `b`: values `v`, the scale of each half, and the minimum, with
-/// `w = scale·v + min` as the reference dequantizer computes it.
+/// The block `b`: values `v`, the scale, and the minimum, with `w = scale·v + min` as the
+/// reference dequantizer computes it.
 #[inline(always)]
-fn decode(t: u8, b: &[u8], s: usize) -> ([i8; 32], [f32; 2], f32) {
+fn decode(t: u8, b: &[u8]) -> ([i8; 32], f32, f32) {
     let mut v = [0i8; 32];
     // The 32 nibbles of 16 bytes: low ones first.
     let nib = |v: &mut [i8; 32], qs: &[u8]| {
@@ -494,60 +509,38 @@ fn decode(t: u8, b: &[u8], s: usize) -> ([i8; 32], [f32; 2], f32) {
             let d = f16_at(b, 0);
             nib(&mut v, &b[2..18]);
             sub(&mut v, 8);
-            (v, [d, d], 0.0)
+            (v, d, 0.0)
+        }
+        IQ4_NL => {
+            let d = f16_at(b, 0);
+            nib(&mut v, &b[2..18]);
+            v.iter_mut().for_each(|x| *x = IQ4_LEVELS[*x as usize]);
+            (v, d, 0.0)
         }
         Q4_1 => {
             let d = f16_at(b, 0);
             nib(&mut v, &b[4..20]);
-            (v, [d, d], f16_at(b, 2))
+            (v, d, f16_at(b, 2))
         }
         Q5_0 => {
             let d = f16_at(b, 0);
             nib(&mut v, &b[6..22]);
             high(&mut v, u32::from_le_bytes([b[2], b[3], b[4], b[5]]));
             sub(&mut v, 16);
-            (v, [d, d], 0.0)
+            (v, d, 0.0)
         }
         Q5_1 => {
             let d = f16_at(b, 0);
             nib(&mut v, &b[8..24]);
             high(&mut v, u32::from_le_bytes([b[4], b[5], b[6], b[7]]));
-            (v, [d, d], f16_at(b, 2))
+            (v, d, f16_at(b, 2))
         }
-        Q8_0 => {
+        _ => {
             let d = f16_at(b, 0);
             for (x, &q) in v.iter_mut().zip(&b[2..34]) {
                 *x = q as i8;
             }
-            (v, [d, d], 0.0)
-        }
-        Q4_K | Q5_K => {
-            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-            let (sc, mn) = k_scale_min(s, &b[4..16]);
-            let (c, shift) = (s / 2, 4 * (s % 2));
-            let qs = if t == Q4_K { &b[16..144] } else { &b[48..176] };
-            for (l, x) in v.iter_mut().enumerate() {
-                let mut q = (qs[c * 32 + l] >> shift) & 0x0F;
-                if t == Q5_K {
-                    q |= ((b[16 + l] >> s) & 1) << 4;
-                }
-                *x = q as i8;
-            }
-            let a = d * sc as f32;
-            (v, [a, a], -(dmin * mn as f32))
-        }
-        _ => {
-            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-            let d = f16_at(b, 208);
-            let (h, lshift, hshift) = (s / 4, 4 * ((s % 4) / 2), 2 * (s % 4));
-            for (l, x) in v.iter_mut().enumerate() {
-                let low = (ql[h * 64 + 32 * (s % 2) + l] >> lshift) & 0x0F;
-                let hi = (qh[h * 32 + l] >> hshift) & 3;
-                *x = (low | (hi << 4)) as i8 - 32;
-            }
-            let lo = d * (sc[2 * s] as i8) as f32;
-            let hi = d * (sc[2 * s + 1] as i8) as f32;
-            (v, [lo, hi], 0.0)
+            (v, d, 0.0)
         }
     }
 }
@@ -564,15 +557,15 @@ fn row_portable<const T: u8, const R: usize>(
     for j in 0..xs.nbp {
         let half = 8 * (j % 2);
         if j < xs.nb {
-            let b = &row[(j / subs(T)) * block_bytes(T)..][..block_bytes(T)];
-            let (v, scale, min) = decode(T, b, j % subs(T));
+            let b = &row[j * block_bytes(T)..][..block_bytes(T)];
+            let (v, scale, min) = decode(T, b);
             mins[j] = min;
             for a in 0..R {
                 let q = &xs.q[(x.i + a) * xs.kp + 32 * j..][..32];
                 let dx = xs.d[(x.i + a) * xs.nbp + j];
                 for l in 0..8 {
                     let isum: i32 = (4 * l..4 * l + 4).map(|e| v[e] as i32 * q[e] as i32).sum();
-                    let f = scale[l / 4] * dx;
+                    let f = scale * dx;
                     acc[a][half + l] = (isum as f32).mul_add(f, acc[a][half + l]);
                 }
             }
@@ -690,8 +683,8 @@ unsafe fn row_avx2<const T: u8, const R: usize>(
     match row {
         // SAFETY: j < nb, so its block lies in the row.
         Src::Blocks(row) => sweep!(|j| unsafe {
-            let b = row.as_ptr().add((j / subs(T)) * block_bytes(T));
-            let (v, scale, min) = x86::decode::<T>(b, j % subs(T));
+            let b = row.as_ptr().add(j * block_bytes(T));
+            let (v, scale, min) = x86::decode::<T>(b);
             *mins.get_unchecked_mut(j) = min;
             (v, scale)
         }),
@@ -733,8 +726,8 @@ unsafe fn row_avx512<const T: u8, const R: usize>(
         // kp = 32 nbp values and 8 nbp lane scales, and 32 jp + 64 <= kp.
         unsafe {
             let sub = |j: usize| {
-                let b = row.as_ptr().add((j / subs(T)) * block_bytes(T));
-                x86::decode::<T>(b, j % subs(T))
+                let b = row.as_ptr().add(j * block_bytes(T));
+                x86::decode::<T>(b)
             };
             let (v0, s0, m0) = sub(jp);
             mins[jp] = m0;

@@ -1,6 +1,24 @@
 //! Helpers the CPU kernels share (matmul.rs, qmatmul.rs, attention.rs): prefetching and the one
 //! fixed order in which 8 lanes are summed.
 
+/// The widest instruction set the CPU kernels may pick, from `PAGODA_CPU_ISA`: `avx512`,
+/// `avx2` or `portable` (0, 1, 2 below; unset: whatever the CPU has). It measures a narrower
+/// machine's kernels on a wider one, as llama.cpp's `GGML_AVX512=OFF` builds do.
+pub fn isa_cap() -> anyhow::Result<u8> {
+    match std::env::var("PAGODA_CPU_ISA").as_deref() {
+        Err(_) | Ok("avx512") => Ok(2),
+        Ok("avx2") => Ok(1),
+        Ok("portable") => Ok(0),
+        Ok(other) => anyhow::bail!("PAGODA_CPU_ISA={other}: expected avx512, avx2 or portable"),
+    }
+}
+
+/// [`isa_cap`] read once (the engine checks it when it starts: see `engine::launch`).
+pub fn isa_level() -> u8 {
+    static LEVEL: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| isa_cap().unwrap_or(2))
+}
+
 /// How far ahead the first row tile over a panel block prefetches the panels' weights.
 /// NOTE: a model's weights do not fit in the caches, so every step streams them from memory;
 /// the hardware prefetcher alone left 64-row f16 steps 15% slower than with weights in L3.

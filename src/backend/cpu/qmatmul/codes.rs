@@ -12,6 +12,10 @@ pub(super) const Q8_0: u8 = 4;
 pub(super) const Q4_K: u8 = 5;
 pub(super) const Q5_K: u8 = 6;
 pub(super) const Q6_K: u8 = 7;
+pub(super) const Q2_K: u8 = 8;
+pub(super) const Q3_K: u8 = 9;
+pub(super) const IQ4_NL: u8 = 10;
+pub(super) const IQ4_XS: u8 = 11;
 
 pub(super) fn code(ty: GgmlType) -> Option<u8> {
     Some(match ty {
@@ -23,33 +27,35 @@ pub(super) fn code(ty: GgmlType) -> Option<u8> {
         GgmlType::Q4_K => Q4_K,
         GgmlType::Q5_K => Q5_K,
         GgmlType::Q6_K => Q6_K,
+        GgmlType::Q2_K => Q2_K,
+        GgmlType::Q3_K => Q3_K,
+        GgmlType::IQ4_NL => IQ4_NL,
+        GgmlType::IQ4_XS => IQ4_XS,
         _ => return None,
     })
 }
 
-/// Bytes of one block of the type.
+/// Whether the type is a K-quant (super-blocks of 256, the kernels of `kquant.rs`); the
+/// others have blocks of 32.
+pub(super) const fn is_k(t: u8) -> bool {
+    matches!(t, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS)
+}
+
+/// Bytes of one block of 32 (a type that is not a K-quant).
 pub(super) const fn block_bytes(t: u8) -> usize {
     match t {
-        Q4_0 => 18,
+        Q4_0 | IQ4_NL => 18,
         Q4_1 => 20,
         Q5_0 => 22,
         Q5_1 => 24,
-        Q8_0 => 34,
-        Q4_K => 144,
-        Q5_K => 176,
-        _ => 210,
+        _ => 34,
     }
-}
-
-/// 32-value sub-blocks per block.
-pub(super) const fn subs(t: u8) -> usize {
-    if t >= Q4_K { 8 } else { 1 }
 }
 
 /// Whether the type has a minimum (`w = scale·v + min`); its decoded values are never
 /// negative.
 pub(super) const fn has_min(t: u8) -> bool {
-    matches!(t, Q4_1 | Q5_1 | Q4_K | Q5_K)
+    matches!(t, Q4_1 | Q5_1 | Q2_K | Q4_K | Q5_K)
 }
 
 /// Q4_K / Q5_K: the 6-bit (scale, min) of sub-block `j` from the 12 packed bytes.

@@ -4,15 +4,19 @@ use super::*;
 use crate::quant::GgmlType;
 use crate::quant::dequantize;
 
-const TYPES: [GgmlType; 8] = [
+const TYPES: [GgmlType; 12] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
     GgmlType::Q5_1,
     GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
 ];
 
 struct Rng(u64);
@@ -36,8 +40,11 @@ fn random_weight(ty: GgmlType, rows: usize, k: usize, rng: &mut Rng) -> QuantTen
     let nblocks = rows * k / block;
     let mut data: Vec<u8> = (0..nblocks * bytes).map(|_| rng.next() as u8).collect();
     let halves: &[usize] = match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL => &[0],
+        GgmlType::IQ4_XS => &[0],
         GgmlType::Q6_K => &[208],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q2_K => &[80, 82],
         _ => &[0, 2],
     };
     for b in data.chunks_exact_mut(bytes) {
@@ -67,8 +74,15 @@ fn run_on(p: Path, x: &[f32], m: usize, w: &QuantTensor) -> Vec<f32> {
     out
 }
 
-/// x as the kernel sees it: quantized per block of 32 and dequantized.
-fn x_as_quantized(x: &[f32], m: usize, k: usize) -> Vec<f64> {
+/// x as the kernel for `ty` sees it: quantized per block of 32 (per 256 for the K-quants) and
+/// dequantized.
+fn x_as_quantized(ty: GgmlType, x: &[f32], m: usize, k: usize) -> Vec<f64> {
+    if ty.block_layout().0 == 256 {
+        let q = kquant::quantize_rows256(false, x, m, k);
+        return (0..m * k)
+            .map(|i| q.q[i] as f64 * q.d[i / 256] as f64)
+            .collect();
+    }
     let q = quantize_rows(x, m, k);
     (0..m * k)
         .map(|i| {
@@ -87,7 +101,7 @@ fn check(ty: GgmlType, p: Path, m: usize, k: usize, n: usize, seed: u64) {
     let x = random_x(m, k, &mut rng);
     let got = run_on(p, &x, m, &w);
     let wd = w.dequantize().unwrap();
-    let xq = x_as_quantized(&x, m, k);
+    let xq = x_as_quantized(ty, &x, m, k);
     for i in 0..m {
         for j in 0..n {
             let (mut exact, mut of_q, mut mag) = (0f64, 0f64, 0f64);
@@ -256,6 +270,33 @@ fn activation_quantization_is_the_same_on_every_path() {
         assert_eq!(got.d, want.d, "{p:?}");
         assert_eq!(got.d8, want.d8, "{p:?}");
         assert_eq!(got.s, want.s, "{p:?}");
+    }
+}
+
+/// Per 256 too, every path quantizes to the same bits (ties to even, a zero block's scale 0),
+/// and the sums per 16 are those of the values.
+#[test]
+fn activation_quantization_per_256_is_the_same_on_every_path() {
+    let mut rng = Rng(12);
+    let (m, k) = (3, 512);
+    let mut x = random_x(m, k, &mut rng);
+    let ties = [127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -126.5, 126.5];
+    x[..8].copy_from_slice(&ties);
+    x[256..512].fill(0.0);
+    let want = kquant::quantize_rows256(false, &x, m, k);
+    assert_eq!(&want.q[..8], &[127, 2, -4, 0, 0, 2, -126, 126]);
+    assert_eq!((want.d[0], want.d[1]), (1.0, 0.0));
+    for (g, &s) in want.bs.iter().enumerate() {
+        let sum: i32 = want.q[16 * g..16 * g + 16].iter().map(|&v| v as i32).sum();
+        assert_eq!(s as i32, sum);
+    }
+    for (i, &v) in x.iter().enumerate() {
+        let d = want.d[i / 256];
+        assert!((want.q[i] as f32 * d - v).abs() <= 0.5 * d * 1.0001);
+    }
+    if Path::Avx2.available() {
+        let got = kquant::quantize_rows256(true, &x, m, k);
+        assert_eq!((got.q, got.d, got.bs), (want.q, want.d, want.bs));
     }
 }
 

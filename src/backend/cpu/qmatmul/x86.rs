@@ -1,7 +1,7 @@
 //! x86-64: the quantized blocks decoded in registers (AVX2, AVX-512), as the portable path
 //! decodes them, and the integer dots.
 
-use super::codes::{Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, k_scale_min};
+use super::codes::{IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1};
 use std::arch::x86_64::*;
 
 #[inline]
@@ -37,6 +37,15 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     )
 }
 
+/// IQ4's non-uniform levels of 32 nibbles.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn levels(nib: __m256i) -> __m256i {
+    // SAFETY: 16 bytes of the table.
+    let t = unsafe { _mm_loadu_si128(crate::quant::IQ4_LEVELS.as_ptr() as *const __m128i) };
+    _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t), nib)
+}
+
 /// Byte `e` is 16 where bit `e` of `qh` is set, else 0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -58,10 +67,10 @@ fn u32_at(b: *const u8) -> u32 {
     unsafe { (b as *const u32).read_unaligned() }
 }
 
-/// [`super::decode`] in registers: values, the 8 lanes' scales, the minimum.
+/// [`super::decode`] in registers: values, the scale in 8 lanes, the minimum.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn decode<const T: u8>(b: *const u8, s: usize) -> (__m256i, __m256, f32) {
+pub(super) unsafe fn decode<const T: u8>(b: *const u8) -> (__m256i, __m256, f32) {
     // SAFETY (all loads): `b` is a whole block of type T, whose layout the offsets follow.
     unsafe {
         match T {
@@ -70,6 +79,7 @@ pub(super) unsafe fn decode<const T: u8>(b: *const u8, s: usize) -> (__m256i, __
                 (v, f16x8(b, 0), 0.0)
             }
             Q4_1 => (nibbles(b.add(4)), f16x8(b, 0), f16_at(b, 2)),
+            IQ4_NL => (levels(nibbles(b.add(2))), f16x8(b, 0), 0.0),
             Q5_0 => {
                 let u = _mm256_or_si256(nibbles(b.add(6)), bit16(u32_at(b.add(2))));
                 let v = _mm256_sub_epi8(u, _mm256_set1_epi8(16));
@@ -79,45 +89,9 @@ pub(super) unsafe fn decode<const T: u8>(b: *const u8, s: usize) -> (__m256i, __
                 let u = _mm256_or_si256(nibbles(b.add(8)), bit16(u32_at(b.add(4))));
                 (u, f16x8(b, 0), f16_at(b, 2))
             }
-            Q8_0 => {
+            _ => {
                 let v = _mm256_loadu_si256(b.add(2) as *const __m256i);
                 (v, f16x8(b, 0), 0.0)
-            }
-            Q4_K | Q5_K => {
-                let (d, dmin) = (f16x8(b, 0), f16_at(b, 2));
-                let q = std::slice::from_raw_parts(b.add(4), 12);
-                let (sc, mn) = k_scale_min(s, q);
-                let qs = if T == Q4_K { b.add(16) } else { b.add(48) };
-                let bytes = _mm256_loadu_si256(qs.add(32 * (s / 2)) as *const __m256i);
-                let bytes = if s.is_multiple_of(2) {
-                    bytes
-                } else {
-                    _mm256_srli_epi16::<4>(bytes)
-                };
-                let mut u = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
-                if T == Q5_K {
-                    let qh = _mm256_loadu_si256(b.add(16) as *const __m256i);
-                    let bit = _mm256_set1_epi8(1 << s);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-                    u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-                }
-                let a = _mm256_mul_ps(d, _mm256_set1_ps(sc as f32));
-                (u, a, -(dmin * mn as f32))
-            }
-            _ => {
-                let d = f16x8(b, 208);
-                let h = s / 4;
-                let low = _mm256_loadu_si256(b.add(h * 64 + 32 * (s % 2)) as *const __m256i);
-                let low = _mm256_srl_epi16(low, _mm_cvtsi32_si128(4 * ((s % 4) / 2) as i32));
-                let low = _mm256_and_si256(low, _mm256_set1_epi8(0x0F));
-                let hi = _mm256_loadu_si256(b.add(128 + h * 32) as *const __m256i);
-                let hi = _mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * (s % 4) as i32));
-                let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, _mm256_set1_epi8(3)));
-                let v = _mm256_sub_epi8(_mm256_or_si256(low, hi), _mm256_set1_epi8(32));
-                let sc = b.add(192 + 2 * s);
-                let (lo, hi) = ((*sc as i8) as f32, (*sc.add(1) as i8) as f32);
-                let sc = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
-                (v, _mm256_mul_ps(d, sc), 0.0)
             }
         }
     }
