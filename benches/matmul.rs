@@ -3,6 +3,7 @@
 //!     cargo bench --bench matmul                  # every weight type, default shapes
 //!     cargo bench --bench matmul -- 1 64          # some row counts
 //!     PAGODA_MATMUL_TYPES=Q4_K,Q6_K PAGODA_MATMUL_SHAPES=4864x896 cargo bench --bench matmul
+//!     PAGODA_CPU_ISA=avx2 cargo bench --bench matmul     # the AVX2 kernels on an AVX-512 CPU
 //!
 //! Weights are random (random blocks for the GGML types); shapes are SmolLM2-135M's fused
 //! gate/up projection (`[3072, 576]`) and a `[576, 1536]` one (the down projection, whose
@@ -38,7 +39,11 @@ fn quant(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> QuantTensor {
         .collect();
     let at: &[usize] = match ty {
         GgmlType::Q6_K => &[208],
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::IQ4_XS => {
+            &[0]
+        }
         _ => &[0, 2],
     };
     for b in data.chunks_exact_mut(bytes) {
@@ -158,7 +163,8 @@ fn main() {
     let mut rng = Rng(1);
     let mut json = Vec::new();
     let types = [
-        "f32", "f16", "bf16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+        "f32", "f16", "bf16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+        "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     ];
     // PAGODA_MATMUL_TYPES=Q4_K,Q6_K: only those types.
     let only_types = std::env::var("PAGODA_MATMUL_TYPES").unwrap_or_default();
@@ -193,8 +199,12 @@ fn main() {
                         "Q4_1" => GgmlType::Q4_1,
                         "Q5_0" => GgmlType::Q5_0,
                         "Q5_1" => GgmlType::Q5_1,
+                        "Q2_K" => GgmlType::Q2_K,
+                        "Q3_K" => GgmlType::Q3_K,
                         "Q4_K" => GgmlType::Q4_K,
                         "Q5_K" => GgmlType::Q5_K,
+                        "IQ4_NL" => GgmlType::IQ4_NL,
+                        "IQ4_XS" => GgmlType::IQ4_XS,
                         _ => GgmlType::Q6_K,
                     };
                     if !k.is_multiple_of(ty.block_layout().0) {
@@ -218,13 +228,20 @@ fn main() {
                     (None, _) => time(budget, || matmul(&x, m, k, n, &mut out, Weights::BF16(&wb))),
                 };
                 let gflops = 2.0 * (m * n * k) as f64 / secs / 1e9;
+                let bytes = match (&q, name) {
+                    (Some(q), _) => q.bytes(),
+                    (None, "f32") => 4 * n * k,
+                    (None, _) => 2 * n * k,
+                };
+                // the weight's bytes over the time: against the memory bandwidth at m = 1
+                let gbs = bytes as f64 / secs / 1e9;
                 println!(
-                    "{name:>5} m={m:<4} [{n}x{k}]  {:>9.1} us  {gflops:>7.1} GFLOP/s  {:>5.1}% of peak",
+                    "{name:>6} m={m:<4} [{n}x{k}]  {:>9.1} us  {gflops:>7.1} GFLOP/s  {:>5.1}% of peak  {gbs:>6.1} GB/s of weights",
                     secs * 1e6,
                     100.0 * gflops / peak
                 );
                 json.push(format!(
-                    "{{\"type\": \"{name}\", \"m\": {m}, \"n\": {n}, \"k\": {k}, \"us\": {:.2}, \"gflops\": {gflops:.2}}}",
+                    "{{\"type\": \"{name}\", \"m\": {m}, \"n\": {n}, \"k\": {k}, \"us\": {:.2}, \"gflops\": {gflops:.2}, \"weight_gbs\": {gbs:.2}}}",
                     secs * 1e6
                 ));
             }

@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# CPU decode before and after a change, alternated (A B A B) on one machine: builds
-# `benches/decode.rs` at BASE (a commit) in a temporary worktree and at the working tree, then
-# runs both on SmolLM2 and Qwen2.5-Coder (scripts/fetch-models.sh first).
+# A bench before and after a change, alternated (A B A B) on one machine: builds the bench at
+# BASE (a commit) in a temporary worktree and at the working tree, then runs both.
+#   decode (default): SmolLM2 and Qwen2.5-Coder at 1 and 16 sequences (fetch-models.sh first)
+#   matmul: the CPU matmuls, ARGS passed on (rows of x), with PAGODA_MATMUL_TYPES/_SHAPES
 #
-# usage: scripts/bench-before-after.sh BASE
+# usage: scripts/bench-before-after.sh BASE [decode | matmul [ARGS ...]]
 set -euo pipefail
-base=${1:?usage: scripts/bench-before-after.sh BASE-COMMIT}
+base=${1:?usage: scripts/bench-before-after.sh BASE-COMMIT [decode | matmul [ARGS ...]]}
+bench=${2:-decode}
+shift $(($# < 2 ? $# : 2))
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${PAGODA_CACHE:-$HOME/.cache/pagoda}
 tmp=$(mktemp -d)
 trap 'git -C "$here" worktree remove --force "$tmp/base" 2>/dev/null || true' EXIT
-bin() { # dir -> path of the decode bench executable built there
-  (cd "$1" && CARGO_TARGET_DIR="$here/target" cargo bench --bench decode --no-run 2>&1) |
-    sed -n 's/.*Executable benches\/decode.rs (\(.*\))/\1/p'
+bin() { # dir -> path of the bench executable built there
+  (cd "$1" && CARGO_TARGET_DIR="$here/target" cargo bench --bench "$bench" --no-run 2>&1) |
+    sed -n "s/.*Executable benches\/$bench.rs (\(.*\))/\1/p"
 }
 git -C "$here" worktree add -q "$tmp/base" "$base"
-cp "$(bin "$tmp/base")" "$tmp/decode-before"
-cp "$(bin "$here")" "$tmp/decode-after"
+cp "$(bin "$tmp/base")" "$tmp/$bench-before"
+cp "$(bin "$here")" "$tmp/$bench-after"
 qwen=$cache/models/Qwen2.5-Coder-0.5B-Instruct.gguf
-for round in 1 2; do
+for round in 1 2 3; do
   for which in before after; do
+    if [ "$bench" = matmul ]; then
+      echo "== round $round, $which"
+      "$tmp/matmul-$which" "$@" 2>/dev/null | grep -v '^{'
+      continue
+    fi
     echo "== round $round, $which, SmolLM2"
     "$tmp/decode-$which" 1 16 --tokens 64 2>/dev/null | grep -v '^{'
     echo "== round $round, $which, Qwen2.5-Coder-0.5B"

@@ -298,7 +298,7 @@ use x86::{row_avx2, row_vnni};
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::codes::*;
-    use super::super::x86::{hsum, levels};
+    use super::super::x86::{f16_at, hsum, levels};
     use super::{MR, Rows256, offset, signed};
     use std::arch::x86_64::*;
 
@@ -308,13 +308,6 @@ mod x86 {
         dmin: f32,
         sc: __m256i,
         mn: __m256i,
-    }
-
-    #[inline(always)]
-    unsafe fn f16_at(b: *const u8, i: usize) -> f32 {
-        // SAFETY: the caller's block holds bytes i and i + 1 (x86 is little-endian).
-        let bits = unsafe { (b.add(i) as *const u16).read_unaligned() };
-        half::f16::from_bits(bits).to_f32()
     }
 
     #[inline(always)]
@@ -359,14 +352,38 @@ mod x86 {
                     }
                 }
                 Q4_K | Q5_K => {
-                    // The 6-bit (scale, min) pairs of `k_scale_min`, four bytes at a time.
-                    let (w0, w1, w2) = (u32_at(b, 4), u32_at(b, 8), u32_at(b, 12));
-                    let (m6, m4, m2) = (0x3F3F_3F3Fu32, 0x0F0F_0F0Fu32, 0x0303_0303u32);
-                    let sc_hi = (w2 & m4) | (((w0 >> 6) & m2) << 4);
-                    let mn_hi = ((w2 >> 4) & m4) | (((w1 >> 6) & m2) << 4);
-                    let sc = ((w0 & m6) as u64) | ((sc_hi as u64) << 32);
-                    let mn = ((w1 & m6) as u64) | ((mn_hi as u64) << 32);
-                    let s = _mm_set_epi64x(mn as i64, sc as i64);
+                    // The 6-bit (scale, min) pairs of `k_scale_min` from the 12 bytes
+                    // s[0..12] at b + 4, as bytes [sc0..sc7, mn0..mn7]: sc_j = s[j] & 63 and
+                    // mn_j = s[4 + j] & 63 for j < 4; sc_{4+j} = (s[8 + j] & 15) |
+                    // (s[j] >> 6) << 4 and mn_{4+j} = (s[8 + j] >> 4) | (s[4 + j] >> 6) << 4.
+                    let x = _mm_loadu_si128(b as *const __m128i);
+                    let z = -1;
+                    let low = _mm_shuffle_epi8(
+                        x,
+                        _mm_setr_epi8(4, 5, 6, 7, z, z, z, z, 8, 9, 10, 11, z, z, z, z),
+                    );
+                    let top = _mm_shuffle_epi8(
+                        x,
+                        _mm_setr_epi8(z, z, z, z, 4, 5, 6, 7, z, z, z, z, 8, 9, 10, 11),
+                    );
+                    let nib = _mm_shuffle_epi8(
+                        x,
+                        _mm_setr_epi8(z, z, z, z, 12, 13, 14, 15, z, z, z, z, z, z, z, z),
+                    );
+                    let nib_hi = _mm_shuffle_epi8(
+                        x,
+                        _mm_setr_epi8(z, z, z, z, z, z, z, z, z, z, z, z, 12, 13, 14, 15),
+                    );
+                    let s = _mm_or_si128(
+                        _mm_or_si128(
+                            _mm_and_si128(low, _mm_set1_epi8(63)),
+                            _mm_and_si128(_mm_srli_epi16::<2>(top), _mm_set1_epi8(0x30)),
+                        ),
+                        _mm_or_si128(
+                            _mm_and_si128(nib, _mm_set1_epi8(0x0F)),
+                            _mm_and_si128(_mm_srli_epi16::<4>(nib_hi), _mm_set1_epi8(0x0F)),
+                        ),
+                    );
                     // one per 32 values: each twice, one per group of 16
                     Head {
                         d: f16_at(b, 0),
@@ -376,14 +393,17 @@ mod x86 {
                     }
                 }
                 IQ4_XS => {
+                    // Scale j: nibble j of the u32 at 4, and bits 2j, 2j + 1 of the u16 at 2
+                    // above it, spread to byte j.
                     let high = (b.add(2) as *const u16).read_unaligned() as u64;
+                    let high = (high | (high << 24)) & 0x0000_00FF_0000_00FF;
+                    let high = (high | (high << 12)) & 0x000F_000F_000F_000F;
+                    let high = (high | (high << 6)) & 0x0303_0303_0303_0303;
                     let low = u32_at(b, 4) as u64;
-                    let mut s = 0u64;
-                    for j in 0..8 {
-                        let l = (low >> (4 * j)) & 0x0F;
-                        s |= (l | (((high >> (2 * j)) & 3) << 4)) << (8 * j);
-                    }
-                    let s = _mm_cvtsi64_si128(s as i64);
+                    let low = (low | (low << 16)) & 0x0000_FFFF_0000_FFFF;
+                    let low = (low | (low << 8)) & 0x00FF_00FF_00FF_00FF;
+                    let low = (low | (low << 4)) & 0x0F0F_0F0F_0F0F_0F0F;
+                    let s = _mm_cvtsi64_si128((low | (high << 4)) as i64);
                     let sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s, s));
                     Head {
                         d: f16_at(b, 0),
@@ -551,7 +571,9 @@ mod x86 {
                         let h = head::<T>(b);
                         let lo = _mm256_permute2x128_si256::<0x00>(h.sc, h.sc);
                         let hi = _mm256_permute2x128_si256::<0x11>(h.sc, h.sc);
-                        let mut isum = [_mm256_setzero_si256(); R];
+                        // NOTE: two sums per row (even and odd vectors), added at the end: one
+                        // chain of 8 dependent dpwssd per super-block bounded batch-1 decode.
+                        let mut isum = [[_mm256_setzero_si256(); 2]; R];
                         for c in 0..4 {
                             let (v0, v1) = pair::<T>(b, c);
                             let g = if c < 2 { lo } else { hi };
@@ -569,16 +591,16 @@ mod x86 {
                                 } else {
                                     (_mm256_maddubs_epi16(v0, q0), _mm256_maddubs_epi16(v1, q1))
                                 };
-                                let ($acc, $p, $s) = (*isum, p0, s0);
-                                *isum = $dot;
-                                let ($acc, $p, $s) = (*isum, p1, s1);
-                                *isum = $dot;
+                                let ($acc, $p, $s) = (isum[0], p0, s0);
+                                isum[0] = $dot;
+                                let ($acc, $p, $s) = (isum[1], p1, s1);
+                                isum[1] = $dot;
                             }
                         }
                         for (a, acc) in acc.iter_mut().enumerate() {
                             let bs = x.bs.as_ptr().add((i + a) * k / 16 + 16 * sb);
                             let bs = _mm256_loadu_si256(bs as *const __m256i);
-                            let mut l = isum[a];
+                            let mut l = _mm256_add_epi32(isum[a][0], isum[a][1]);
                             if offset(T) == 32 {
                                 let o = _mm256_madd_epi16(h.sc, bs);
                                 l = _mm256_sub_epi32(l, _mm256_slli_epi32::<5>(o));

@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f16_at(b: *const u8, i: usize) -> f32 {
+pub(super) fn f16_at(b: *const u8, i: usize) -> f32 {
     _mm256_cvtss_f32(f16x8(b, i))
 }
 
