@@ -19,7 +19,11 @@ bin() { # dir -> path of the bench executable built there
 }
 git -C "$here" worktree add -q "$tmp/base" "$base"
 cp "$(bin "$tmp/base")" "$tmp/$bench-before"
+# NOTE: the two builds share one target directory, where cargo keys the bench by package, not by
+# path: with the base's sources still there, it found the base's build fresh and built nothing.
+git -C "$here" worktree remove --force "$tmp/base"
 cp "$(bin "$here")" "$tmp/$bench-after"
+cmp -s "$tmp/$bench-before" "$tmp/$bench-after" && { echo "before and after are one binary" >&2; exit 1; }
 qwen=$cache/models/Qwen2.5-Coder-0.5B-Instruct.gguf
 for round in 1 2 3; do
   for which in before after; do

@@ -34,6 +34,7 @@ use super::MR;
 use super::codes::*;
 use crate::quant::IQ4_LEVELS;
 use half::f16;
+use rayon::prelude::*;
 
 /// Rows of `x` quantized per 256 values: `q` `[m, k]`, the scales `d` `[m, k / 256]`, and the
 /// sums of `q` per 16 values `bs` `[m, k / 16]`.
@@ -54,25 +55,36 @@ pub(super) fn quantize_rows256(simd: bool, x: &[f32], m: usize, k: usize) -> Row
         bs: vec![0; m * k / 16],
         k,
     };
-    let blocks = x[..m * k]
-        .chunks_exact(256)
-        .zip(r.q.chunks_exact_mut(256))
-        .zip(r.d.iter_mut())
-        .zip(r.bs.chunks_exact_mut(16));
-    for (((x, q), d), bs) in blocks {
-        let (x, q, bs) = (
-            x.try_into().expect("256"),
-            q.try_into().expect("256"),
-            bs.try_into().expect("16"),
-        );
-        #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: the caller asks for it only where AVX2 is available.
-            *d = unsafe { quantize_sb_avx2(x, q, bs) };
-            continue;
+    if m == 0 || k == 0 {
+        return r;
+    }
+    let row = |((x, q), (d, bs)): ((&[f32], &mut [i8]), (&mut [f32], &mut [i16]))| {
+        let blocks = x.chunks_exact(256).zip(q.chunks_exact_mut(256));
+        for ((x, q), (d, bs)) in blocks.zip(d.iter_mut().zip(bs.chunks_exact_mut(16))) {
+            let (x, q, bs) = (
+                x.try_into().expect("256"),
+                q.try_into().expect("256"),
+                bs.try_into().expect("16"),
+            );
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: the caller asks for it only where AVX2 is available.
+                *d = unsafe { quantize_sb_avx2(x, q, bs) };
+                continue;
+            }
+            let _ = simd;
+            *d = quantize_sb(x, q, bs);
         }
-        let _ = simd;
-        *d = quantize_sb(x, q, bs);
+    };
+    let rows = x[..m * k].par_chunks(k).zip(r.q.par_chunks_mut(k));
+    let sums = r.d.par_chunks_mut(k / 256).zip(r.bs.par_chunks_mut(k / 16));
+    if m >= 8 {
+        rows.zip(sums).for_each(row);
+    } else {
+        // NOTE: a handful of rows is quicker on this thread than handed to the pool.
+        let rows = x[..m * k].chunks(k).zip(r.q.chunks_mut(k));
+        let sums = r.d.chunks_mut(k / 256).zip(r.bs.chunks_mut(k / 16));
+        rows.zip(sums).for_each(row);
     }
     r
 }
