@@ -13,16 +13,18 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${PAGODA_CACHE:-$HOME/.cache/pagoda}
 tmp=$(mktemp -d)
 trap 'git -C "$here" worktree remove --force "$tmp/base" 2>/dev/null || true' EXIT
-bin() { # dir -> path of the bench executable built there
-  (cd "$1" && CARGO_TARGET_DIR="$here/target" cargo bench --bench "$bench" --no-run 2>&1) |
+bin() { # dir, target dir -> path of the bench executable built there
+  (cd "$1" && CARGO_TARGET_DIR="$2" cargo bench --bench "$bench" --no-run 2>&1) |
     sed -n "s/.*Executable benches\/$bench.rs (\(.*\))/\1/p"
 }
 git -C "$here" worktree add -q "$tmp/base" "$base"
-cp "$(bin "$tmp/base")" "$tmp/$bench-before"
-# NOTE: the two builds share one target directory, where cargo keys the bench by package, not by
-# path: with the base's sources still there, it found the base's build fresh and built nothing.
-git -C "$here" worktree remove --force "$tmp/base"
-cp "$(bin "$here")" "$tmp/$bench-after"
+# NOTE: cargo keys a build by package, not by path, and judges it fresh by the mtimes of the
+# sources it was built from: in one target directory, the working tree's build found the base's
+# fresh and built nothing (until 2026-12-07 this script compared the base with itself). So the
+# base gets a target directory of its own, and the working tree's sources are touched.
+cp "$(bin "$tmp/base" "$here/target/before-after-base")" "$tmp/$bench-before"
+touch "$here/src/lib.rs" "$here/benches/$bench.rs"
+cp "$(bin "$here" "$here/target")" "$tmp/$bench-after"
 cmp -s "$tmp/$bench-before" "$tmp/$bench-after" && { echo "before and after are one binary" >&2; exit 1; }
 qwen=$cache/models/Qwen2.5-Coder-0.5B-Instruct.gguf
 for round in 1 2 3; do

@@ -665,3 +665,32 @@ fn unavailable_backends_fail_cleanly() {
     }
     assert!("tpu".parse::<pagoda::BackendKind>().is_err());
 }
+
+/// `--threads` and `PAGODA_CPU_ISA` reach the CPU backend (`info` names both), and bad values
+/// of either are refused by name.
+#[test]
+fn threads_and_the_cpu_instruction_set_are_taken_or_refused() {
+    let info = |args: &[&str], isa: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pagoda"))
+            .args(["info", "--model", tiny("qwen3").to_str().unwrap()])
+            .args(args)
+            .env("PAGODA_CPU_ISA", isa)
+            .env_remove("RAYON_NUM_THREADS")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    let (ok, text) = info(&["--threads", "1"], "portable");
+    assert!(ok && text.contains("cpu (1 threads, portable)"), "{text}");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        let (ok, text) = info(&["--threads", "3"], "avx2");
+        assert!(ok && text.contains("cpu (3 threads, avx2)"), "{text}");
+    }
+    let (ok, text) = info(&[], "avx3");
+    assert!(!ok && text.contains("PAGODA_CPU_ISA=avx3"), "{text}");
+    let (ok, text) = info(&["--threads", "0"], "avx512");
+    assert!(!ok && text.contains("--threads"), "{text}");
+}

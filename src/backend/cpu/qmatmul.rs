@@ -1,16 +1,17 @@
-//! `y = x · Wᵀ` with `W` kept in its GGML block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-//! Q5_K, Q6_K), for the CPU backend.
+//! `y = x · Wᵀ` with `W` kept in its GGML block format, for the CPU backend: here the blocks of
+//! 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL); the super-blocks of 256 (Q2_K … Q6_K, IQ4_XS) in
+//! [`kquant`], against activations quantized per 256. A weight may mix both (its parts).
 //!
 //! The scheme is llama.cpp's; the code is ours. Each row of `x` is quantized to 8 bits per
 //! block of 32 values (a scale `d = max|x| / 127`, 32 i8 `q`, and `d·Σq`). A weight row is
-//! walked 32 values at a time; each 32-value sub-block `j` is decoded in registers into 32
-//! small integers `v`, a scale per 16 values and a minimum, so that `w = scale·v + min` exactly
-//! as the reference dequantizer computes it. For one output element:
+//! walked one block `j` at a time, decoded in registers into 32 small integers `v`, a scale and
+//! a minimum, so that `w = scale·v + min` exactly as the reference dequantizer computes it. For
+//! one output element:
 //!
 //! ```text
-//!   acc[16], sub-block j adds to lanes 8·(j mod 2) .. +8, lane l of those summing 4 values:
+//!   acc[16], block j adds to lanes 8·(j mod 2) .. +8, lane l of those summing 4 values:
 //!     acc[8·(j mod 2) + l] = fma(Σ v·q over its 4 values, scale·d, acc[..])
-//!   (an odd count of sub-blocks ends with one fma(0, 0, ·) on the odd lanes)
+//!   (an odd count of blocks ends with one fma(0, 0, ·) on the odd lanes)
 //!   mins (types with one): macc[j mod 8] = fma(min_j, d·Σq_j, macc[..]), padded to 8 likewise
 //!   y = reduce8(acc[0..8] + acc[8..16]) + reduce8(macc)
 //! ```
@@ -20,7 +21,7 @@
 //! minus `128·Σv`.
 //!
 //! NOTE: every path computes every output element with exactly the operations above, in that
-//! order: the AVX-512 path with two sub-blocks per 16-lane register, AVX2 with an even and an
+//! order: the AVX-512 path with two blocks per 16-lane register, AVX2 with an even and an
 //! odd 8-lane accumulator, the portable path lane by lane. So the paths agree to the bit, and a
 //! row's result does not depend on the other rows of the batch (batch invariance, as in
 //! matmul.rs).
@@ -28,8 +29,8 @@
 //! Tiles: one weight row against up to MR rows of `x` (8 with AVX-512, 4 otherwise), the
 //! accumulators in registers. Weight rows are split into slabs of SLAB rows for the threads; a
 //! slab stays in L2 while every tile of `x` passes over it. The row is decoded once per tile,
-//! except on AVX2 with more than one tile, where the slab is decoded once into [`Decoded`] and
-//! every tile reads the values from there.
+//! except with more than one tile, where the slab is decoded once into [`Decoded`] and every
+//! tile of 4 rows reads the values from there with the AVX2 kernel.
 
 use super::simd::{PREFETCH_BYTES, prefetch_lines, reduce8};
 use crate::quant::{IQ4_LEVELS, QuantTensor};
@@ -279,15 +280,17 @@ pub fn qmatmul_on(
             let t = types[pi];
             let rb = part.data.len() / part.rows;
             let rows = &part.data[r0 * rb..(r0 + nj) * rb];
-            // NOTE: with several tiles of x on AVX2, each slab of blocks of 32 is decoded
-            // once into `Decoded` and every tile reads it there, instead of decoding every
-            // weight row once per tile of 4 rows. The same values and the same operations
-            // follow either way, so the bits do not change. (The K-quants decode a
-            // super-block once for the tile's rows and spend most on the dots.)
-            let predecode = p == Path::Avx2 && m > tile_rows && !is_k(t);
+            // NOTE: with several tiles of x, each slab of blocks of 32 is decoded once into
+            // `Decoded` and every tile of 4 rows reads it there with the AVX2 kernel, instead
+            // of decoding every weight row once per tile: on AVX-512 too, where decoding per
+            // tile of 8 made 64 rows half as fast as AVX2's way. The paths agree to the bit,
+            // so the bits do not change. (The K-quants decode a super-block once for the
+            // tile's rows and spend most on the dots.)
+            let predecode = p != Path::Portable && m > tile_rows && !is_k(t);
             if predecode {
                 dec.decode(t, rows, rb, nj, xq);
             }
+            let tile_rows = if predecode { 4 } else { tile_rows };
             let o = out_ptr;
             let mut i = 0;
             while i < m {
