@@ -34,6 +34,7 @@
 
 use super::simd::{PREFETCH_BYTES, prefetch_lines, reduce8};
 use crate::quant::{IQ4_LEVELS, QuantTensor};
+pub use codes::Path;
 use codes::*;
 use half::f16;
 use rayon::prelude::*;
@@ -43,62 +44,6 @@ mod kquant;
 
 /// Weight rows per parallel task.
 const SLAB: usize = 32;
-/// The most rows of `x` in a tile (the AVX-512 path's; the others take 4).
-const MR: usize = 8;
-
-/// A kernel implementation; [`Path::detect`] picks the best the CPU has.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Path {
-    /// Plain Rust: the reference for the others, and the path on non-x86 CPUs.
-    Portable,
-    /// AVX2 + FMA + F16C (`maddubs` integer dots).
-    Avx2,
-    /// AVX-512 with VNNI (`dpbusd` integer dots on 512-bit vectors).
-    Avx512,
-}
-
-impl Path {
-    /// The fastest path this CPU runs, within `PAGODA_CPU_ISA`.
-    pub fn detect() -> Path {
-        [Path::Avx512, Path::Avx2]
-            .into_iter()
-            .find(|&p| p.available() && p as u8 <= super::simd::isa_level())
-            .unwrap_or(Path::Portable)
-    }
-
-    /// Whether this CPU can run the path.
-    pub fn available(self) -> bool {
-        match self {
-            Path::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Path::Avx2 => {
-                use std::arch::is_x86_feature_detected as has;
-                has!("avx2") && has!("fma") && has!("f16c")
-            }
-            #[cfg(target_arch = "x86_64")]
-            Path::Avx512 => {
-                use std::arch::is_x86_feature_detected as has;
-                Path::Avx2.available()
-                    && has!("avx512f")
-                    && has!("avx512bw")
-                    && has!("avx512dq")
-                    && has!("avx512vl")
-                    && has!("avx512vnni")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Path::Portable => "portable",
-            Path::Avx2 => "avx2",
-            Path::Avx512 => "avx512-vnni",
-        }
-    }
-}
-
 /// The path chosen once per process.
 pub fn path() -> Path {
     static PATH: std::sync::OnceLock<Path> = std::sync::OnceLock::new();

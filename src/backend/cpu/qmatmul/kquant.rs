@@ -30,7 +30,6 @@
 //! values; here it spends two per 256.
 
 use super::super::simd::reduce8;
-use super::MR;
 use super::codes::*;
 use crate::quant::IQ4_LEVELS;
 use half::f16;
@@ -58,7 +57,8 @@ pub(super) fn quantize_rows256(simd: bool, x: &[f32], m: usize, k: usize) -> Row
     if m == 0 || k == 0 {
         return r;
     }
-    let row = |((x, q), (d, bs)): ((&[f32], &mut [i8]), (&mut [f32], &mut [i16]))| {
+    type Row<'a> = ((&'a [f32], &'a mut [i8]), (&'a mut [f32], &'a mut [i16]));
+    let row = |((x, q), (d, bs)): Row<'_>| {
         let blocks = x.chunks_exact(256).zip(q.chunks_exact_mut(256));
         for ((x, q), (d, bs)) in blocks.zip(d.iter_mut().zip(bs.chunks_exact_mut(16))) {
             let (x, q, bs) = (
@@ -127,16 +127,7 @@ const fn signed(t: u8) -> bool {
 
 /// One weight row (`row`: its super-blocks) against the rows `i .. i + mr` of `x`, into
 /// `r[..mr]`, on path `p` (available: the caller checked).
-pub(super) fn run(
-    p: super::Path,
-    t: u8,
-    mr: usize,
-    row: &[u8],
-    x: &Rows256,
-    i: usize,
-    r: &mut [f32; MR],
-) {
-    use super::Path;
+pub(super) fn run(p: Path, t: u8, mr: usize, row: &[u8], x: &Rows256, i: usize, r: &mut [f32; MR]) {
     macro_rules! by_type {
         ($f:ident, $mr:literal) => {
             match t {
