@@ -227,11 +227,14 @@ pub fn qmatmul_on(
             let rows = &part.data[r0 * rb..(r0 + nj) * rb];
             // NOTE: with several tiles of x, each slab of blocks of 32 is decoded once into
             // `Decoded` and every tile of 4 rows reads it there with the AVX2 kernel, instead
-            // of decoding every weight row once per tile: on AVX-512 too, where decoding per
-            // tile of 8 made 64 rows half as fast as AVX2's way. The paths agree to the bit,
-            // so the bits do not change. (The K-quants decode a super-block once for the
-            // tile's rows and spend most on the dots.)
-            let predecode = p != Path::Portable && m > tile_rows && !is_k(t);
+            // of decoding every weight row once per tile. On AVX-512 only for long rows: a
+            // tile of 8 rows of x takes 16 bytes per value of k (`u` and `d8`), past L1 from
+            // k = 2048, and at k = 4096 decoding per tile of 8 ran 64 rows at half AVX2's
+            // speed; below, its 512-bit dots win. The paths agree to the bit, so the bits do
+            // not change. (The K-quants decode a super-block once for the tile's rows and
+            // spend most on the dots.)
+            let predecode =
+                !is_k(t) && m > tile_rows && (p == Path::Avx2 || (p == Path::Avx512 && k >= 2048));
             if predecode {
                 dec.decode(t, rows, rb, nj, xq);
             }
