@@ -203,11 +203,13 @@ unsafe fn task<T: Elem>(
         _ => (6, 1),
     };
     let mut scratch = [0f32; 6 * 2 * PANEL];
-    // NOTE: where several row tiles pass over a block of f16/bf16 panels, it is widened once
+    // NOTE: where many row tiles pass over a block of f16/bf16 panels, it is widened once
     // into `wide` and the tiles run the f32 kernel on it, instead of each tile widening every
-    // value again (prefill in f16 ran at 0.6x its f32 speed). Widening is exact and the FMAs
-    // are the same, so the bits do not change.
-    let widen = T::NARROW && m > mr_max;
+    // value again (prefill in f16 ran at 0.6x its f32 speed). A widening pass costs about
+    // what three tiles' conversions do (a load, a conversion and a store per 16 values, where
+    // a tile folds the conversion into its load), so it waits for five tiles. Widening is
+    // exact and the FMAs are the same, so the bits do not change.
+    let widen = T::NARROW && m > 4 * mr_max;
     let mut wide = vec![0f32; if widen { 2 * KC * PANEL } else { 0 }];
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
@@ -749,7 +751,8 @@ mod tests {
     /// Half weights: the products are exactly those of the widened values.
     #[test]
     fn half_weights_are_their_widened_values() {
-        let (m, k, n) = (9, 300, 35);
+        // 29 rows: five tiles and more, where a panel block is widened once (see `task`)
+        let (m, k, n) = (29, 300, 35);
         let wf = rand(n * k, 5);
         let x = rand(m * k, 6);
         let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
@@ -758,7 +761,7 @@ mod tests {
         let widened_b = Packed::pack(&wb.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), n, k);
         let (ph, pb) = (Packed::pack(&wh, n, k), Packed::pack(&wb, n, k));
         for p in paths() {
-            for mm in [1, 2, m] {
+            for mm in [1, 2, 9, m] {
                 let xs = &x[..mm * k];
                 assert_eq!(
                     run(p, xs, mm, k, n, Weights::F16(&ph)),
