@@ -60,6 +60,22 @@ template <typename KV>
 __device__ __forceinline__ void load_kv_tile(const KV* __restrict__ cache, const u32* __restrict__ table, float* kv_s,
                                              u32 kt0, u32 nk, u32 D, u32 g, u32 num_kv_heads, u32 block_size) {
     constexpr u32 EPL = 16 / sizeof(KV);
+    // NOTE: an fp8 row of D % 16 == 8 values starts 8 bytes past a 16-byte boundary every other
+    // key: such rows are read in 8-byte loads (the host checks D % 8 for every cache type).
+    if (sizeof(KV) == 1 && D % 16 != 0) {
+        const u32 cpr = D / 8;
+        for (u32 e = threadIdx.x; e < nk * cpr; e += blockDim.x) {
+            const u32 jj = e / cpr, c = e % cpr, key = kt0 + jj;
+            const u64 blk = table[key / block_size];
+            const uint2 w = __ldg(reinterpret_cast<const uint2*>(
+                cache + ((blk * num_kv_heads + g) * block_size + key % block_size) * D + c * 8));
+            float v[16];
+            unpack16(make_uint4(w.x, w.y, 0, 0), v, (const KV*)0);
+#pragma unroll
+            for (u32 x = 0; x < 8; ++x) kv_s[jj * (D + 1) + c * 8 + x] = v[x];
+        }
+        return;
+    }
     const u32 cpr = D / EPL;  // chunks per row
     for (u32 e = threadIdx.x; e < nk * cpr; e += blockDim.x) {
         const u32 jj = e / cpr, c = e % cpr, key = kt0 + jj;

@@ -86,6 +86,7 @@ struct Block {
     unsigned cur = 0, n = 0;
     void (*body)(void*) = nullptr;
     void* arg = nullptr;
+    std::string fault;  // the first fault of a thread that a GPU would stop at (see __ldg)
 };
 
 inline thread_local Block* cur_block = nullptr;
@@ -286,7 +287,8 @@ static int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const 
             bidx.z = (unsigned)(id / ((unsigned long long)grid[0] * grid[1]));
             const float nan = std::nanf("");
             for (auto& v : b.dyn) v = {nan, nan, nan, nan};
-            if (!run_block(b, e)) {
+            if (!run_block(b, e) || !b.fault.empty()) {
+                if (e.empty()) e = b.fault;
                 std::lock_guard<std::mutex> g(mu);
                 if (first_err.empty()) first_err = e;
                 break;
@@ -412,9 +414,21 @@ static inline float __int_as_float(int i) { return pg_bits<float>(i); }
 static inline float __uint_as_float(unsigned i) { return pg_bits<float>(i); }
 static inline unsigned __float_as_uint(float f) { return pg_bits<unsigned>(f); }
 static inline int __float_as_int(float f) { return pg_bits<int>(f); }
+// NOTE: a GPU stops a kernel that loads a vector from an address that is not a multiple of its
+// size ("misaligned address"), where the host's loads succeed: the emulator records the first
+// such load of a block as the launch's error.
 template <class T>
 static inline T __ldg(const T* p) {
-    return *p;
+    pg_emu::Block* b = pg_emu::cur_block;
+    if (reinterpret_cast<uintptr_t>(p) % alignof(T) != 0 && b && b->fault.empty()) {
+        char m[200];
+        snprintf(m, sizeof m, "misaligned %zu-byte load at %p (a multiple of %zu is required) in block (%u, %u, %u), thread %u",
+                 sizeof(T), (const void*)p, alignof(T), blockIdx.x, blockIdx.y, blockIdx.z, b->cur);
+        b->fault = m;
+    }
+    T v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
 }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 // IEEE single operations, rounded to nearest (the host's, compiled without FMA contraction).

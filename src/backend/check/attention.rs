@@ -498,6 +498,13 @@ pub(super) fn cases<C: From<Attention>>(
             None,
             DType::F8E4M3,
         ),
+        // fp8 rows of 24 bytes: every other key's row starts 8 bytes past a 16-byte boundary
+        (
+            ("d=24, mixed", 8, 4, 2, 24, &[(9, 14), (30, 1)]),
+            None,
+            None,
+            DType::F8E4M3,
+        ),
     ];
     // ALiBi: heads that are not a power of two (slopes past it), a rank's heads of a split
     // model (its first head 4 of 12), Falcon's scaled slopes, with a window, decode splits

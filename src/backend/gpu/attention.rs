@@ -36,7 +36,7 @@ impl<R: GpuRuntime> GpuBackend<R> {
         );
         let caches = (k_cache.len, v_cache.len);
         args::paged_attention(qkv.len, b.num_tokens(), layout, caches, kv, out.len)?;
-        // NOTE: K, V and q rows are read in 16-byte chunks.
+        // NOTE: K, V and q rows are read in 16-byte chunks (8-byte for fp8 rows, see below).
         ensure!(
             d % 8 == 0,
             "paged_attention: head size {d} is not a multiple of 8"
@@ -46,14 +46,9 @@ impl<R: GpuRuntime> GpuBackend<R> {
             k_cache.elem == v_cache.elem,
             "paged_attention: K and V caches of different types"
         );
+        // NOTE: the tensor-core and decode kernels have instances for head sizes that are
+        // multiples of 16 only; the general kernel reads fp8 rows of 8 mod 16 in 8-byte chunks.
         let kv_type = k_cache.elem.kernel_suffix()?;
-        // NOTE: a K or V row is read in 16-byte chunks: 16 fp8 values.
-        let per_chunk = 16 / k_cache.elem.size();
-        ensure!(
-            d % per_chunk == 0,
-            "paged_attention: head size {d} with a {kv_type} KV cache is not supported (a multiple \
-             of {per_chunk} is)"
-        );
         batch.shape.check_kv(kv.num_blocks, bs, b.max_blocks)?;
         let max_q = batch.shape.max_query_len;
         if t_rows == 0 || b.num_seqs() == 0 {

@@ -502,4 +502,45 @@ extern "C" int pg_emu_launch_racy(void** a, const unsigned* g, const unsigned* b
         );
         assert!(ThreadOrder::parse("sideways").is_err());
     }
+
+    /// A 16-byte load from an address 8 bytes past a 16-byte boundary stops the launch with an
+    /// error, as a GPU stops it; the same load from a boundary runs.
+    #[test]
+    fn misaligned_vector_loads_are_errors() {
+        let src = r#"#include "common.cuh"
+extern "C" __global__ void load16(const unsigned char* in, unsigned off, unsigned* out) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(in + off));
+    out[threadIdx.x] = w.x + w.w;
+}
+extern "C" int pg_emu_launch_load16(void** a, const unsigned* g, const unsigned* b, unsigned s,
+                                    char* e, unsigned n) { return pg_emu::launch(&load16, a, g, b, s, e, n); }
+"#;
+        let src = super::super::kernels::prepare("load16", src, Dialect::Emu, false);
+        let rt = EmuRt::open().unwrap();
+        let image = rt.compile("load16", &src, &rt.compile_options()).unwrap();
+        let f = rt.load(&image, &["load16".to_string()]).unwrap().remove(0);
+        let (input, out) = (rt.malloc(64).unwrap(), rt.malloc(4 * 4).unwrap());
+        let run = |off: u32| {
+            let (mut i, mut o, mut off) = (input, out, off);
+            let mut args = [
+                &mut i as *mut u64 as *mut c_void,
+                &mut off as *mut u32 as *mut c_void,
+                &mut o as *mut u64 as *mut c_void,
+            ];
+            // SAFETY: the kernel's three arguments; it reads 16 bytes at `off` <= 32 of the 64
+            // and writes 4 words.
+            unsafe { rt.launch(f, [1, 1, 1], [4, 1, 1], 0, &mut args) }
+        };
+        assert!(run(16).is_ok());
+        let e = run(8).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("misaligned 16-byte load"),
+            "{e:#}"
+        );
+        // SAFETY: allocated above, not used afterwards.
+        unsafe {
+            rt.free(input);
+            rt.free(out);
+        }
+    }
 }
