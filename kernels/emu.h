@@ -431,11 +431,24 @@ static inline T __ldg(const T* p) {
     return v;
 }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-// IEEE single operations, rounded to nearest (the host's, compiled without FMA contraction).
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fdiv_rn(float a, float b) { return a / b; }
+// IEEE single operations, rounded to nearest.
+// NOTE: under PG_EMU_CONTRACT (the host compiler contracting to FMA, as NVRTC does), operands
+// and results pass through an empty asm, so that none of these is fused with a neighbouring
+// product or sum: the GPU never contracts them either.
+static inline float pg_rounded(float x) {
+#ifdef PG_EMU_CONTRACT
+#if defined(__x86_64__)
+    __asm__("" : "+x"(x));
+#else
+    __asm__("" : "+w"(x));
+#endif
+#endif
+    return x;
+}
+static inline float __fadd_rn(float a, float b) { return pg_rounded(pg_rounded(a) + pg_rounded(b)); }
+static inline float __fsub_rn(float a, float b) { return pg_rounded(pg_rounded(a) - pg_rounded(b)); }
+static inline float __fmul_rn(float a, float b) { return pg_rounded(pg_rounded(a) * pg_rounded(b)); }
+static inline float __fdiv_rn(float a, float b) { return pg_rounded(pg_rounded(a) / pg_rounded(b)); }
 static inline float __fdividef(float a, float b) { return a / b; }
 template <class A, class B>
 static inline std::common_type_t<A, B> min(A a, B b) {

@@ -79,13 +79,31 @@ fn gpu_or_skip<B: Backend>(b: anyhow::Result<B>) -> Option<B> {
 // barriers, so that a kernel reading another thread's write without a barrier fails one of
 // them. A machine without a C++ compiler fails here, naming it.
 backend_ops!(emu, Some(pagoda::backend::EmuBackend::new().unwrap()));
-backend_ops!(emu_warp64, Some(emu_with(64, Forward)), &[1, 2], false);
-backend_ops!(emu_reverse, Some(emu_with(32, Reverse)), &[3], false);
-backend_ops!(emu_random, Some(emu_with(32, Random(7))), &[4], false);
+backend_ops!(
+    emu_warp64,
+    Some(emu_with(64, Forward, false)),
+    &[1, 2],
+    false
+);
+backend_ops!(emu_reverse, Some(emu_with(32, Reverse, false)), &[3], false);
+backend_ops!(
+    emu_random,
+    Some(emu_with(32, Random(7), false)),
+    &[4],
+    false
+);
 backend_ops!(
     emu_warp64_random,
-    Some(emu_with(64, Random(8))),
+    Some(emu_with(64, Random(8), false)),
     &[5],
+    false
+);
+// Multiplies and adds contracted to FMAs, as NVRTC compiles them by default: every tolerance
+// must hold either way.
+backend_ops!(
+    emu_fp_contract,
+    Some(emu_with(32, Forward, true)),
+    &[1, 6],
     false
 );
 
@@ -95,11 +113,13 @@ use pagoda::backend::gpu::emu::ThreadOrder::{Forward, Random, Reverse};
 fn emu_with(
     warp: u32,
     order: pagoda::backend::gpu::emu::ThreadOrder,
+    fp_contract: bool,
 ) -> pagoda::backend::EmuBackend {
     use pagoda::backend::gpu::emu::{EmuOptions, EmuRt};
     let rt = EmuRt::with_options(EmuOptions {
         warp,
         order,
+        fp_contract,
         ..EmuOptions::from_env().unwrap()
     })
     .unwrap();

@@ -53,6 +53,7 @@ pub struct EmuRt {
     warp: u32,
     memory: u64,
     order: ThreadOrder,
+    fp_contract: bool,
     allocated: AtomicU64,
     /// Live allocations: pointer to layout, for `free`.
     allocations: Mutex<HashMap<u64, std::alloc::Layout>>,
@@ -70,6 +71,10 @@ pub struct EmuOptions {
     pub memory: u64,
     /// The order of a block's threads between barriers.
     pub order: ThreadOrder,
+    /// Multiplies and adds contracted to FMAs by the host compiler, as NVRTC and hipcc do by
+    /// default (`PAGODA_EMU_FP_CONTRACT=fast`); off by default, so that results are the
+    /// host's plain IEEE operations.
+    pub fp_contract: bool,
 }
 
 /// The order in which the emulator runs a block's threads between two barriers.
@@ -142,11 +147,17 @@ impl EmuOptions {
             Err(_) => ThreadOrder::Forward,
             Ok(o) => ThreadOrder::parse(&o)?,
         };
+        let fp_contract = match std::env::var("PAGODA_EMU_FP_CONTRACT").as_deref() {
+            Err(_) | Ok("off") => false,
+            Ok("fast") => true,
+            Ok(c) => bail!("PAGODA_EMU_FP_CONTRACT={c}: expected fast or off"),
+        };
         Ok(EmuOptions {
             cxx: std::env::var("PAGODA_EMU_CXX").unwrap_or_else(|_| "c++".into()),
             warp,
             memory,
             order,
+            fp_contract,
         })
     }
 }
@@ -161,6 +172,11 @@ impl EmuRt {
             [32, 64].contains(&o.warp),
             "emu: a warp of {} lanes (32 or 64)",
             o.warp
+        );
+        #[cfg(target_arch = "x86_64")]
+        ensure!(
+            !o.fp_contract || std::arch::is_x86_feature_detected!("fma"),
+            "emu: PAGODA_EMU_FP_CONTRACT=fast needs a CPU with FMA instructions"
         );
         let cxx = o.cxx;
         let out = Command::new(&cxx).arg("--version").output().with_context(|| {
@@ -184,6 +200,7 @@ impl EmuRt {
             warp: o.warp,
             memory: o.memory,
             order: o.order,
+            fp_contract: o.fp_contract,
             allocated: AtomicU64::new(0),
             allocations: Mutex::new(HashMap::new()),
             libraries: Mutex::new(Vec::new()),
@@ -248,8 +265,10 @@ impl GpuRuntime for EmuRt {
 
     fn device_name(&self) -> String {
         format!(
-            "kernels emulated on the CPU, warp={} order={}",
-            self.warp, self.order
+            "kernels emulated on the CPU, warp={} order={} fp-contract={}",
+            self.warp,
+            self.order,
+            if self.fp_contract { "fast" } else { "off" }
         )
     }
     fn arch(&self) -> String {
@@ -331,11 +350,17 @@ impl GpuRuntime for EmuRt {
         "so"
     }
     fn compile_options(&self) -> Vec<String> {
+        // NOTE: with contraction on (as NVRTC's default), x86-64 needs FMA instructions for it
+        // to happen, and emu.h keeps the explicitly rounded operations (__fmul_rn, ...) out of
+        // it, as the GPU does; off (GCC's default on aarch64 is on), every product and sum is
+        // rounded on its own.
+        let contract: &[&str] = match (self.fp_contract, cfg!(target_arch = "x86_64")) {
+            (false, _) => &["-ffp-contract=off"],
+            (true, true) => &["-ffp-contract=fast", "-mfma", "-DPG_EMU_CONTRACT=1"],
+            (true, false) => &["-ffp-contract=fast", "-DPG_EMU_CONTRACT=1"],
+        };
         [
             "-O2",
-            // NOTE: no FMA contraction (GCC's default on aarch64): the kernels' explicitly
-            // rounded operations (__fmul_rn, ...) stay separate, as on the GPU.
-            "-ffp-contract=off",
             "-std=c++17",
             "-fPIC",
             "-shared",
@@ -344,6 +369,7 @@ impl GpuRuntime for EmuRt {
             "-w",
         ]
         .iter()
+        .chain(contract)
         .map(|s| s.to_string())
         .chain([format!("-DPG_WARP_SIZE={}", self.warp)])
         .chain(self.order.defines())
@@ -501,6 +527,54 @@ extern "C" int pg_emu_launch_racy(void** a, const unsigned* g, const unsigned* b
             ThreadOrder::Random(12)
         );
         assert!(ThreadOrder::parse("sideways").is_err());
+    }
+
+    /// With `fp_contract` a product and a sum fuse into one FMA, as NVRTC compiles them, and an
+    /// explicitly rounded product (`__fmul_rn`) still does not; without, neither does.
+    #[test]
+    fn fp_contract_fuses_plain_products_only() {
+        let src = r#"#include "common.cuh"
+extern "C" __global__ void fused(const float* in, float* out) {
+    const float a = in[0], c = in[1];
+    if (threadIdx.x == 0) out[0] = a * a - c;
+    else out[1] = __fmul_rn(a, a) - c;
+}
+extern "C" int pg_emu_launch_fused(void** a, const unsigned* g, const unsigned* b, unsigned s,
+                                   char* e, unsigned n) { return pg_emu::launch(&fused, a, g, b, s, e, n); }
+"#;
+        let src = super::super::kernels::prepare("fused", src, Dialect::Emu, false);
+        // (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24: rounded to f32 it is 1 + 2^-11 (a tie, to even).
+        let a = 1.0 + (-12f32).exp2();
+        let c = 1.0 + (-11f32).exp2();
+        let run = |fp_contract: bool| -> [f32; 2] {
+            let rt = EmuRt::with_options(EmuOptions {
+                fp_contract,
+                ..EmuOptions::from_env().unwrap()
+            })
+            .unwrap();
+            let image = rt.compile("fused", &src, &rt.compile_options()).unwrap();
+            let f = rt.load(&image, &["fused".to_string()]).unwrap().remove(0);
+            let (input, out) = (rt.malloc(8).unwrap(), rt.malloc(8).unwrap());
+            let mut bytes = [a.to_le_bytes(), c.to_le_bytes()].concat();
+            // SAFETY: 8 bytes each, allocated above; the kernel's 2 threads read 2 floats and
+            // write one each.
+            unsafe {
+                rt.htod(input, &bytes).unwrap();
+                let (mut i, mut o) = (input, out);
+                let mut args = [
+                    &mut i as *mut u64 as *mut c_void,
+                    &mut o as *mut u64 as *mut c_void,
+                ];
+                rt.launch(f, [1, 1, 1], [2, 1, 1], 0, &mut args).unwrap();
+                rt.dtoh(&mut bytes, out).unwrap();
+                rt.free(input);
+                rt.free(out);
+            }
+            let v = |i: usize| f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
+            [v(0), v(1)]
+        };
+        assert_eq!(run(false), [0.0, 0.0]);
+        assert_eq!(run(true), [(-24f32).exp2(), 0.0]);
     }
 
     /// A 16-byte load from an address 8 bytes past a 16-byte boundary stops the launch with an
