@@ -98,6 +98,17 @@ backend_ops!(
     &[5],
     false
 );
+// The matrix products through the vendor-BLAS host path (the casts to the weights' type,
+// cuBLAS's column-major call) against the emulator's reference with cuBLAS's contract.
+backend_ops!(
+    emu_blas,
+    Some(emu_options(pagoda::backend::gpu::emu::EmuOptions {
+        blas: true,
+        ..pagoda::backend::gpu::emu::EmuOptions::from_env().unwrap()
+    })),
+    &[1, 7],
+    false
+);
 // Multiplies and adds contracted to FMAs, as NVRTC compiles them by default: every tolerance
 // must hold either way.
 backend_ops!(
@@ -115,14 +126,17 @@ fn emu_with(
     order: pagoda::backend::gpu::emu::ThreadOrder,
     fp_contract: bool,
 ) -> pagoda::backend::EmuBackend {
-    use pagoda::backend::gpu::emu::{EmuOptions, EmuRt};
-    let rt = EmuRt::with_options(EmuOptions {
+    emu_options(pagoda::backend::gpu::emu::EmuOptions {
         warp,
         order,
         fp_contract,
-        ..EmuOptions::from_env().unwrap()
+        ..pagoda::backend::gpu::emu::EmuOptions::from_env().unwrap()
     })
-    .unwrap();
+}
+
+fn emu_options(o: pagoda::backend::gpu::emu::EmuOptions) -> pagoda::backend::EmuBackend {
+    use pagoda::backend::gpu::emu::EmuRt;
+    let rt = EmuRt::with_options(o).unwrap();
     pagoda::backend::gpu::GpuBackend::with_runtime(rt).unwrap()
 }
 

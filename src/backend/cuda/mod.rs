@@ -8,7 +8,7 @@
 //! `catch_unwind`, so that a missing symbol (an old driver) is an error, never an abort.
 
 use super::gpu::kernels::Dialect;
-use super::gpu::{CclLibrary, Elem, GpuBackend, GpuRuntime};
+use super::gpu::{CclLibrary, Elem, GemmEx, GpuBackend, GpuRuntime};
 use anyhow::{Context, Result, anyhow, bail};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{result as drv, sys as cu};
@@ -391,51 +391,46 @@ impl GpuRuntime for CudaRt {
     fn has_blas(&self) -> bool {
         true
     }
-    unsafe fn gemm(
-        &self,
-        ab: Elem,
-        m: usize,
-        n: usize,
-        k: usize,
-        x: u64,
-        w: u64,
-        y: u64,
-    ) -> Result<()> {
-        // Row-major y[m, n] = x[m, k] · w[n, k]ᵀ is column-major yᵀ[n, m] = w · xᵀ, i.e.
-        // C (n × m, ld n) = op(A = w, k × n col-major, transposed) · op(B = x, k × m, as is).
-        let t = match ab {
+    unsafe fn gemm_ex(&self, g: &GemmEx) -> Result<()> {
+        g.check()?;
+        let t = match g.ab {
             Elem::F32 => blas::cudaDataType_t::CUDA_R_32F,
             Elem::F16 => blas::cudaDataType_t::CUDA_R_16F,
-            Elem::BF16 => blas::cudaDataType_t::CUDA_R_16BF,
-            Elem::F8 | Elem::U32 => bail!("cuBLAS: a {ab:?} matrix"),
+            _ => blas::cudaDataType_t::CUDA_R_16BF,
         };
-        let dims = [m, n, k].map(|v| i32::try_from(v).ok());
-        let [Some(mi), Some(ni), Some(ki)] = dims else {
-            bail!("cuBLAS: {m}x{k}x{n} is too large for one call");
+        let op = |t: bool| {
+            if t {
+                blas::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas::cublasOperation_t::CUBLAS_OP_N
+            }
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let dims = [g.m, g.n, g.k, g.lda, g.ldb, g.ldc].map(|v| i32::try_from(v).ok());
+        let [Some(m), Some(n), Some(k), Some(lda), Some(ldb), Some(ldc)] = dims else {
+            bail!("cuBLAS: {}x{}x{} is too large for one call", g.m, g.k, g.n);
+        };
         self.bind()?;
         // SAFETY: forwarded from the caller's contract; alpha and beta live on the host.
         ck(
             unsafe {
                 cudarc::cublas::result::gemm_ex(
                     self.blas,
-                    blas::cublasOperation_t::CUBLAS_OP_T,
-                    blas::cublasOperation_t::CUBLAS_OP_N,
-                    ni,
-                    mi,
-                    ki,
-                    &alpha as *const f32 as *const c_void,
-                    w as *const c_void,
+                    op(g.trans_a),
+                    op(g.trans_b),
+                    m,
+                    n,
+                    k,
+                    &g.alpha as *const f32 as *const c_void,
+                    g.a as *const c_void,
                     t,
-                    ki,
-                    x as *const c_void,
+                    lda,
+                    g.b as *const c_void,
                     t,
-                    ki,
-                    &beta as *const f32 as *const c_void,
-                    y as *mut c_void,
+                    ldb,
+                    &g.beta as *const f32 as *const c_void,
+                    g.c as *mut c_void,
                     blas::cudaDataType_t::CUDA_R_32F,
-                    ni,
+                    ldc,
                     blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )

@@ -19,7 +19,7 @@
 //! without a barrier gives results that depend on it).
 
 use super::kernels::Dialect;
-use super::{CclLibrary, GpuBackend, GpuRuntime};
+use super::{CclLibrary, Elem, GemmEx, GpuBackend, GpuRuntime};
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_void};
@@ -54,6 +54,7 @@ pub struct EmuRt {
     memory: u64,
     order: ThreadOrder,
     fp_contract: bool,
+    blas: bool,
     allocated: AtomicU64,
     /// Live allocations: pointer to layout, for `free`.
     allocations: Mutex<HashMap<u64, std::alloc::Layout>>,
@@ -75,6 +76,10 @@ pub struct EmuOptions {
     /// default (`PAGODA_EMU_FP_CONTRACT=fast`); off by default, so that results are the
     /// host's plain IEEE operations.
     pub fp_contract: bool,
+    /// Matrix products through [`GpuRuntime::gemm_ex`], a reference with cuBLAS's contract,
+    /// so that the host code of the vendor-BLAS path runs (`PAGODA_EMU_BLAS=1`); off by
+    /// default, so that the GEMM kernels run.
+    pub blas: bool,
 }
 
 /// The order in which the emulator runs a block's threads between two barriers.
@@ -152,12 +157,18 @@ impl EmuOptions {
             Ok("fast") => true,
             Ok(c) => bail!("PAGODA_EMU_FP_CONTRACT={c}: expected fast or off"),
         };
+        let blas = match std::env::var("PAGODA_EMU_BLAS").as_deref() {
+            Err(_) | Ok("0") => false,
+            Ok("1") => true,
+            Ok(b) => bail!("PAGODA_EMU_BLAS={b}: expected 1 or 0"),
+        };
         Ok(EmuOptions {
             cxx: std::env::var("PAGODA_EMU_CXX").unwrap_or_else(|_| "c++".into()),
             warp,
             memory,
             order,
             fp_contract,
+            blas,
         })
     }
 }
@@ -201,6 +212,7 @@ impl EmuRt {
             memory: o.memory,
             order: o.order,
             fp_contract: o.fp_contract,
+            blas: o.blas,
             allocated: AtomicU64::new(0),
             allocations: Mutex::new(HashMap::new()),
             libraries: Mutex::new(Vec::new()),
@@ -265,10 +277,11 @@ impl GpuRuntime for EmuRt {
 
     fn device_name(&self) -> String {
         format!(
-            "kernels emulated on the CPU, warp={} order={} fp-contract={}",
+            "kernels emulated on the CPU, warp={} order={} fp-contract={} blas={}",
             self.warp,
             self.order,
-            if self.fp_contract { "fast" } else { "off" }
+            if self.fp_contract { "fast" } else { "off" },
+            if self.blas { "on" } else { "off" }
         )
     }
     fn arch(&self) -> String {
@@ -469,6 +482,65 @@ impl GpuRuntime for EmuRt {
         }
         Ok(())
     }
+    fn has_blas(&self) -> bool {
+        self.blas
+    }
+    unsafe fn gemm_ex(&self, g: &GemmEx) -> Result<()> {
+        use rayon::prelude::*;
+        ensure!(
+            self.blas,
+            "emu: no vendor GEMM (PAGODA_EMU_BLAS=1 emulates cuBLAS's)"
+        );
+        g.check()?;
+        let at = |p: u64, i: usize| -> f32 {
+            // SAFETY: the caller's contract: the operands hold every element their shapes and
+            // leading dimensions reach, in this (host) memory.
+            unsafe {
+                match g.ab {
+                    Elem::F32 => *(p as *const f32).add(i),
+                    Elem::F16 => half::f16::from_bits(*(p as *const u16).add(i)).to_f32(),
+                    _ => half::bf16::from_bits(*(p as *const u16).add(i)).to_f32(),
+                }
+            }
+        };
+        let c = g.c as usize;
+        // NOTE: each column of C on its own task, its elements' products summed in k order with
+        // FMAs; cuBLAS's order is its own, which the tolerances cover.
+        (0..g.n).into_par_iter().for_each(|j| {
+            for i in 0..g.m {
+                let mut s = 0f32;
+                for l in 0..g.k {
+                    let a = at(
+                        g.a,
+                        if g.trans_a {
+                            l + i * g.lda
+                        } else {
+                            i + l * g.lda
+                        },
+                    );
+                    let b = at(
+                        g.b,
+                        if g.trans_b {
+                            j + l * g.ldb
+                        } else {
+                            l + j * g.ldb
+                        },
+                    );
+                    s = a.mul_add(b, s);
+                }
+                // SAFETY: as above; each task writes its own column j.
+                unsafe {
+                    let y = (c as *mut f32).add(i + j * g.ldc);
+                    *y = if g.beta == 0.0 {
+                        g.alpha * s
+                    } else {
+                        g.alpha.mul_add(s, g.beta * *y)
+                    };
+                }
+            }
+        });
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -575,6 +647,134 @@ extern "C" int pg_emu_launch_fused(void** a, const unsigned* g, const unsigned* 
         };
         assert_eq!(run(false), [0.0, 0.0]);
         assert_eq!(run(true), [(-24f32).exp2(), 0.0]);
+    }
+
+    /// The emulated `gemm_ex` keeps cuBLAS's contract: column-major operands, either
+    /// transposed, leading dimensions longer than the rows, alpha and beta, half operands; and
+    /// `GemmEx::linear` is the row-major `x · wᵀ` of a linear layer.
+    #[test]
+    fn emulated_gemm_ex_keeps_cublas_contract() {
+        let rt = EmuRt::with_options(EmuOptions {
+            blas: true,
+            ..EmuOptions::from_env().unwrap()
+        })
+        .unwrap();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rand = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                })
+                .collect()
+        };
+        let upload = |v: &[f32], ab: Elem| -> u64 {
+            let bytes: Vec<u8> = match ab {
+                Elem::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                _ => v
+                    .iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect(),
+            };
+            let p = rt.malloc(bytes.len()).unwrap();
+            // SAFETY: allocated above with these bytes' length.
+            unsafe { rt.htod(p, &bytes).unwrap() };
+            p
+        };
+        let (m, n, k) = (5, 7, 9);
+        for ab in [Elem::F32, Elem::BF16] {
+            let q = |x: f32| match ab {
+                Elem::F32 => x as f64,
+                _ => half::bf16::from_f32(x).to_f32() as f64,
+            };
+            for (trans_a, trans_b) in [(false, false), (true, false), (false, true), (true, true)] {
+                // Stored rows and leading dimensions 3 longer than needed.
+                let (ra, ca) = if trans_a { (k, m) } else { (m, k) };
+                let (rb, cb) = if trans_b { (n, k) } else { (k, n) };
+                let (lda, ldb, ldc) = (ra + 3, rb + 3, m + 3);
+                let (av, bv, cv) = (rand(lda * ca), rand(ldb * cb), rand(ldc * n));
+                let (a, b) = (upload(&av, ab), upload(&bv, ab));
+                let c = upload(&cv, Elem::F32);
+                let g = GemmEx {
+                    trans_a,
+                    trans_b,
+                    m,
+                    n,
+                    k,
+                    alpha: 0.5,
+                    a,
+                    lda,
+                    b,
+                    ldb,
+                    beta: 2.0,
+                    c,
+                    ldc,
+                    ab,
+                };
+                let mut out = vec![0u8; 4 * ldc * n];
+                // SAFETY: the operands above, of the sizes their shapes reach.
+                unsafe {
+                    rt.gemm_ex(&g).unwrap();
+                    rt.dtoh(&mut out, c).unwrap();
+                }
+                let got = |i: usize| f32::from_le_bytes(out[4 * i..4 * i + 4].try_into().unwrap());
+                for j in 0..n {
+                    for i in 0..m {
+                        let dot: f64 = (0..k)
+                            .map(|l| {
+                                let x = if trans_a {
+                                    av[l + i * lda]
+                                } else {
+                                    av[i + l * lda]
+                                };
+                                let y = if trans_b {
+                                    bv[j + l * ldb]
+                                } else {
+                                    bv[l + j * ldb]
+                                };
+                                q(x) * q(y)
+                            })
+                            .sum();
+                        let want = 0.5 * dot + 2.0 * cv[i + j * ldc] as f64;
+                        let e = (got(i + j * ldc) as f64 - want).abs();
+                        assert!(e < 1e-5 * want.abs().max(1.0), "{ab:?} {trans_a} {trans_b}");
+                    }
+                    // The rows past m of each column are not C's and stay as they were.
+                    for i in m..ldc {
+                        assert_eq!(got(i + j * ldc), cv[i + j * ldc]);
+                    }
+                }
+                assert!(
+                    GemmEx { lda: ra - 1, ..g }.check().is_err(),
+                    "a short leading dimension is refused"
+                );
+            }
+        }
+        // A linear layer: y[m, n] = x[m, k] · w[n, k]ᵀ, row-major.
+        let (x, w) = (rand(m * k), rand(n * k));
+        let (xp, wp, yp) = (
+            upload(&x, Elem::F32),
+            upload(&w, Elem::F32),
+            rt.malloc(4 * m * n).unwrap(),
+        );
+        let mut out = vec![0u8; 4 * m * n];
+        // SAFETY: the sizes above.
+        unsafe {
+            rt.gemm_ex(&GemmEx::linear(Elem::F32, m, n, k, xp, wp, yp))
+                .unwrap();
+            rt.dtoh(&mut out, yp).unwrap();
+        }
+        for r in 0..m {
+            for col in 0..n {
+                let want: f64 = (0..k)
+                    .map(|l| x[r * k + l] as f64 * w[col * k + l] as f64)
+                    .sum();
+                let got = f32::from_le_bytes(out[4 * (r * n + col)..][..4].try_into().unwrap());
+                assert!((got as f64 - want).abs() < 1e-5 * want.abs().max(1.0));
+            }
+        }
     }
 
     /// A 16-byte load from an address 8 bytes past a 16-byte boundary stops the launch with an

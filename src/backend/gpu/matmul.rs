@@ -3,7 +3,7 @@
 //! vendor's; the kernels are in kernels/matmul.cu.
 
 use super::kernels::MATVEC_MAX_ROWS;
-use super::{Arg, Elem, GpuBackend, GpuBuf, GpuRuntime, u32_arg};
+use super::{Arg, Elem, GemmEx, GpuBackend, GpuBuf, GpuRuntime, u32_arg};
 use super::{GemmPath, ptr_or_null};
 use crate::backend::{Activation, Backend, args};
 use anyhow::{Result, ensure};
@@ -73,7 +73,10 @@ impl<R: GpuRuntime> GpuBackend<R> {
             let xp = xb.as_ref().map_or(x.ptr(), |b| b.ptr());
             self.timed("gemm (vendor BLAS)", || {
                 // SAFETY: sizes checked above; xb holds m*k elements of w's type.
-                unsafe { self.rt.gemm(w.elem, m, n, k, xp, w.ptr(), out.ptr()) }
+                unsafe {
+                    let g = GemmEx::linear(w.elem, m, n, k, xp, w.ptr(), out.ptr());
+                    self.rt.gemm_ex(&g)
+                }
             })?;
             if let Some(b) = bias {
                 self.elementwise(

@@ -19,7 +19,7 @@ mod runtime;
 mod sample;
 
 pub use memory::GpuBuf;
-pub use runtime::{CclLibrary, Elem, GpuRuntime};
+pub use runtime::{CclLibrary, Elem, GemmEx, GpuRuntime};
 
 use super::{
     Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkNormSpan,

@@ -127,25 +127,84 @@ pub trait GpuRuntime: Send + Sync + Sized + 'static {
         args: &mut [*mut c_void],
     ) -> Result<()>;
 
-    /// Whether [`Self::gemm`] is backed by a vendor library.
+    /// Whether [`Self::gemm_ex`] is backed by a vendor library (or, in the emulator, by a
+    /// reference with the same contract).
     fn has_blas(&self) -> bool {
         false
     }
-    /// `y[m, n] = x[m, k] · w[n, k]ᵀ`, x and w of type `ab`, y f32, f32 accumulation.
+    /// One column-major GEMM as cuBLAS's and hipBLAS's `gemm_ex` take it.
     /// # Safety
-    /// Pointers are device memory of the sizes above.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm(
-        &self,
-        _ab: Elem,
-        _m: usize,
-        _n: usize,
-        _k: usize,
-        _x: u64,
-        _w: u64,
-        _y: u64,
-    ) -> Result<()> {
+    /// `a`, `b` and `c` are device memory holding the elements that `g`'s shapes and leading
+    /// dimensions reach.
+    unsafe fn gemm_ex(&self, g: &GemmEx) -> Result<()> {
+        let _ = g;
         bail!("{}: no vendor GEMM", Self::API)
+    }
+}
+
+/// `C = alpha·op(A)·op(B) + beta·C` in column-major storage, as cuBLAS's `cublasGemmEx` (and
+/// hipBLAS's) take it: `op(A)` is `m × k`, `op(B)` is `k × n`, `C` is `m × n` in f32; A and B
+/// of type `ab`; f32 accumulation (`CUBLAS_COMPUTE_32F`). Element (i, j) of a column-major
+/// matrix with leading dimension `ld` is at `i + j·ld`. With `beta == 0`, C is not read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemmEx {
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f32,
+    pub a: u64,
+    pub lda: usize,
+    pub b: u64,
+    pub ldb: usize,
+    pub beta: f32,
+    pub c: u64,
+    pub ldc: usize,
+    pub ab: Elem,
+}
+
+impl GemmEx {
+    /// Row-major `y[m, n] = x[m, k] · w[n, k]ᵀ` (a linear layer), which column-major is
+    /// `yᵀ[n, m] = op(w)·xᵀ`: A = w read as `k × n` and transposed, B = x read as `k × m`.
+    pub fn linear(ab: Elem, m: usize, n: usize, k: usize, x: u64, w: u64, y: u64) -> Self {
+        GemmEx {
+            trans_a: true,
+            trans_b: false,
+            m: n,
+            n: m,
+            k,
+            alpha: 1.0,
+            a: w,
+            lda: k,
+            b: x,
+            ldb: k,
+            beta: 0.0,
+            c: y,
+            ldc: n,
+            ab,
+        }
+    }
+
+    /// Refuses what cuBLAS refuses with `CUBLAS_STATUS_INVALID_VALUE`: leading dimensions
+    /// shorter than the stored rows, and operand types other than f32, f16 and bf16.
+    pub fn check(&self) -> Result<()> {
+        let rows_a = if self.trans_a { self.k } else { self.m };
+        let rows_b = if self.trans_b { self.n } else { self.k };
+        anyhow::ensure!(
+            self.lda >= rows_a.max(1) && self.ldb >= rows_b.max(1) && self.ldc >= self.m.max(1),
+            "gemm_ex: leading dimensions {} / {} / {} below the rows {rows_a} / {rows_b} / {}",
+            self.lda,
+            self.ldb,
+            self.ldc,
+            self.m
+        );
+        anyhow::ensure!(
+            matches!(self.ab, Elem::F32 | Elem::F16 | Elem::BF16),
+            "gemm_ex: a {:?} matrix",
+            self.ab
+        );
+        Ok(())
     }
 }
 
