@@ -80,6 +80,7 @@ struct Fiber {
 struct Block {
     std::vector<Fiber> fibers;
     std::vector<unsigned long long> xchg;  // one slot per thread, for the shuffles
+    std::vector<unsigned> site;            // per thread, the source line of its shuffle
     std::vector<unsigned> frags;           // six words per thread, for mma_16816
     std::vector<float4> dyn;               // dynamic shared memory, 16-byte aligned
     jmp_buf sched;
@@ -269,6 +270,7 @@ static int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const 
         b.arg = arg;
         b.fibers.resize(n);
         b.xchg.assign(n, 0);
+        b.site.assign(n, 0);
         b.frags.assign(6 * (size_t)n, 0);
         b.dyn.resize((shared + 15) / 16 + 1);
         std::vector<char*> stacks = take_stacks(n);
@@ -328,13 +330,31 @@ static int launch(void (*k)(A...), void** args, const unsigned* grid, const unsi
     return run_grid(body, &call, grid, block, shared, err, errlen);
 }
 
+// A shuffle at source line `site` among the lanes of `mask` (every lane of a 64-wide warp): each
+// lane leaves its value, waits for the warp, reads its source lane's. A lane of the mask that
+// has exited or waits at another shuffle is a fault (on a GPU the exchange is undefined, and
+// here the lanes would silently pair up).
 template <class T>
-static inline T shfl(T v, unsigned src_lane_of(unsigned lane, unsigned arg), unsigned arg) {
+static inline T shfl(unsigned site, unsigned mask, T v, unsigned src_lane_of(unsigned lane, unsigned arg),
+                     unsigned arg) {
     static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
     Block* b = cur_block;
     const unsigned t = b->cur, lane = t % PG_WARP_SIZE, base = t - lane;
     std::memcpy(&b->xchg[t], &v, sizeof(T));
+    b->site[t] = site;
     wait_at(St::BarWarp);
+    for (unsigned l = 0; l < PG_WARP_SIZE && base + l < b->n && b->fault.empty(); ++l) {
+        if (PG_WARP_SIZE == 32 && !((mask >> l) & 1u)) continue;
+        const unsigned o = base + l;
+        if (b->fibers[o].st == St::Done || b->site[o] != site) {
+            char m[200];
+            snprintf(m, sizeof m,
+                     "divergent shuffle in block (%u, %u, %u): thread %u at line %u, thread %u %s %u", bidx.x,
+                     bidx.y, bidx.z, t, site, o, b->fibers[o].st == St::Done ? "exited, last shuffle at line" : "at line",
+                     b->site[o]);
+            b->fault = m;
+        }
+    }
     unsigned src = base + src_lane_of(lane, arg);
     if (src >= b->n || src_lane_of(lane, arg) >= PG_WARP_SIZE) src = t;
     T r;
@@ -390,17 +410,21 @@ static inline void mma_16816(float* c, const unsigned* a, const unsigned* b, flo
 static inline void __syncthreads() { pg_emu::wait_at(pg_emu::St::BarBlock); }
 static inline void __syncwarp(unsigned = 0xffffffffu) { pg_emu::wait_at(pg_emu::St::BarWarp); }
 
+// NOTE: macros, so that each shuffle knows the line it is written on.
+#define __shfl_xor_sync(mask, v, m) pg_shfl_xor_sync(__LINE__, (mask), (v), (m))
+#define __shfl_sync(mask, v, src) pg_shfl_sync(__LINE__, (mask), (v), (src))
+#define __shfl_down_sync(mask, v, d) pg_shfl_down_sync(__LINE__, (mask), (v), (d))
 template <class T>
-static inline T __shfl_xor_sync(unsigned, T v, int m) {
-    return pg_emu::shfl(v, [](unsigned lane, unsigned a) { return lane ^ a; }, (unsigned)m);
+static inline T pg_shfl_xor_sync(unsigned site, unsigned mask, T v, int m) {
+    return pg_emu::shfl(site, mask, v, [](unsigned lane, unsigned a) { return lane ^ a; }, (unsigned)m);
 }
 template <class T>
-static inline T __shfl_sync(unsigned, T v, int src) {
-    return pg_emu::shfl(v, [](unsigned, unsigned a) { return a % PG_WARP_SIZE; }, (unsigned)src);
+static inline T pg_shfl_sync(unsigned site, unsigned mask, T v, int src) {
+    return pg_emu::shfl(site, mask, v, [](unsigned, unsigned a) { return a % PG_WARP_SIZE; }, (unsigned)src);
 }
 template <class T>
-static inline T __shfl_down_sync(unsigned, T v, unsigned d) {
-    return pg_emu::shfl(v, [](unsigned lane, unsigned a) { return lane + a; }, d);
+static inline T pg_shfl_down_sync(unsigned site, unsigned mask, T v, unsigned d) {
+    return pg_emu::shfl(site, mask, v, [](unsigned lane, unsigned a) { return lane + a; }, d);
 }
 
 template <class To, class From>

@@ -777,6 +777,58 @@ extern "C" int pg_emu_launch_fused(void** a, const unsigned* g, const unsigned* 
         }
     }
 
+    /// Two halves of a warp at two different shuffles would pair up silently; they are a
+    /// fault, as is a shuffle whose mask names a lane that has exited. One shuffle for the
+    /// whole warp runs.
+    #[test]
+    fn divergent_shuffles_are_errors() {
+        let src = r#"#include "common.cuh"
+extern "C" __global__ void shuffles(unsigned mode, float* out) {
+    float v = (float)threadIdx.x;
+    if (mode == 1 && threadIdx.x >= 16) return;
+    if (mode == 2 && threadIdx.x < 16) v = PG_SHFL_XOR(v, 1);
+    else v = PG_SHFL_XOR(v, 1);
+    out[threadIdx.x] = v;
+}
+extern "C" int pg_emu_launch_shuffles(void** a, const unsigned* g, const unsigned* b, unsigned s,
+                                      char* e, unsigned n) { return pg_emu::launch(&shuffles, a, g, b, s, e, n); }
+"#;
+        let src = super::super::kernels::prepare("shuffles", src, Dialect::Emu, false);
+        let rt = EmuRt::with_options(EmuOptions {
+            warp: 32,
+            ..EmuOptions::from_env().unwrap()
+        })
+        .unwrap();
+        let image = rt.compile("shuffles", &src, &rt.compile_options()).unwrap();
+        let f = rt
+            .load(&image, &["shuffles".to_string()])
+            .unwrap()
+            .remove(0);
+        let out = rt.malloc(32 * 4).unwrap();
+        let run = |mode: u32| {
+            let (mut mode, mut o) = (mode, out);
+            let mut args = [
+                &mut mode as *mut u32 as *mut c_void,
+                &mut o as *mut u64 as *mut c_void,
+            ];
+            // SAFETY: the kernel's two arguments; it writes at most 32 floats.
+            unsafe { rt.launch(f, [1, 1, 1], [32, 1, 1], 0, &mut args) }
+        };
+        run(0).unwrap();
+        let e = format!("{:#}", run(1).unwrap_err());
+        assert!(
+            e.contains("divergent shuffle") && e.contains("exited"),
+            "{e}"
+        );
+        let e = format!("{:#}", run(2).unwrap_err());
+        assert!(
+            e.contains("divergent shuffle") && e.contains("at line"),
+            "{e}"
+        );
+        // SAFETY: allocated above, not used afterwards.
+        unsafe { rt.free(out) };
+    }
+
     /// A 16-byte load from an address 8 bytes past a 16-byte boundary stops the launch with an
     /// error, as a GPU stops it; the same load from a boundary runs.
     #[test]
