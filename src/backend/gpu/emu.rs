@@ -503,6 +503,10 @@ impl GpuRuntime for EmuRt {
                 }
             }
         };
+        // Element (r, c) of op(M), M column-major with leading dimension ld.
+        let op_at = |trans: bool, r: usize, c: usize, ld: usize| {
+            if trans { c + r * ld } else { r + c * ld }
+        };
         let c = g.c as usize;
         // NOTE: each column of C on its own task, its elements' products summed in k order with
         // FMAs; cuBLAS's order is its own, which the tolerances cover.
@@ -510,22 +514,8 @@ impl GpuRuntime for EmuRt {
             for i in 0..g.m {
                 let mut s = 0f32;
                 for l in 0..g.k {
-                    let a = at(
-                        g.a,
-                        if g.trans_a {
-                            l + i * g.lda
-                        } else {
-                            i + l * g.lda
-                        },
-                    );
-                    let b = at(
-                        g.b,
-                        if g.trans_b {
-                            j + l * g.ldb
-                        } else {
-                            l + j * g.ldb
-                        },
-                    );
+                    let a = at(g.a, op_at(g.trans_a, i, l, g.lda));
+                    let b = at(g.b, op_at(g.trans_b, l, j, g.ldb));
                     s = a.mul_add(b, s);
                 }
                 // SAFETY: as above; each task writes its own column j.
