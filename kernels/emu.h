@@ -334,6 +334,8 @@ static int launch(void (*k)(A...), void** args, const unsigned* grid, const unsi
 // lane leaves its value, waits for the warp, reads its source lane's. A lane of the mask that
 // has exited or waits at another shuffle is a fault (on a GPU the exchange is undefined, and
 // here the lanes would silently pair up).
+// NOTE: each lane compares itself with the next lane of the mask only (cyclically): the lanes
+// are not all at this shuffle exactly when some lane's next one is not where it is.
 template <class T>
 static inline T shfl(unsigned site, unsigned mask, T v, unsigned src_lane_of(unsigned lane, unsigned arg),
                      unsigned arg) {
@@ -343,10 +345,10 @@ static inline T shfl(unsigned site, unsigned mask, T v, unsigned src_lane_of(uns
     std::memcpy(&b->xchg[t], &v, sizeof(T));
     b->site[t] = site;
     wait_at(St::BarWarp);
-    for (unsigned l = 0; l < PG_WARP_SIZE && base + l < b->n && b->fault.empty(); ++l) {
-        if (PG_WARP_SIZE == 32 && !((mask >> l) & 1u)) continue;
-        const unsigned o = base + l;
-        if (b->fibers[o].st == St::Done || b->site[o] != site) {
+    for (unsigned d = 1; d < PG_WARP_SIZE; ++d) {
+        const unsigned l = (lane + d) % PG_WARP_SIZE, o = base + l;
+        if (o >= b->n || (PG_WARP_SIZE == 32 && !((mask >> l) & 1u))) continue;
+        if ((b->fibers[o].st == St::Done || b->site[o] != site) && b->fault.empty()) {
             char m[200];
             snprintf(m, sizeof m,
                      "divergent shuffle in block (%u, %u, %u): thread %u at line %u, thread %u %s %u", bidx.x,
@@ -354,6 +356,7 @@ static inline T shfl(unsigned site, unsigned mask, T v, unsigned src_lane_of(uns
                      b->site[o]);
             b->fault = m;
         }
+        break;
     }
     unsigned src = base + src_lane_of(lane, arg);
     if (src >= b->n || src_lane_of(lane, arg) >= PG_WARP_SIZE) src = t;
