@@ -8,7 +8,7 @@
 
 Per kernel and architecture: registers, spill bytes (stores / loads), static shared memory,
 global loads by width (16-byte LDG.128 against 8-, 4-, 2- and 1-byte ones), asynchronous copies
-to shared memory (LDGSTS) and tensor-core instructions (HMMA).
+to shared memory (LDGSTS), tensor-core instructions (HMMA) and integer dot products (IDP).
 
 `--check` applies the rules of issue 11 and exits 1 on a violation:
   - no kernel spills;
@@ -18,7 +18,10 @@ to shared memory (LDGSTS) and tensor-core instructions (HMMA).
   - a prefill attention kernel (paged_attention_prefill_*) uses tensor cores (HMMA), and each
     KV cache type narrower than f32 (bf16, f16, fp8) has one on sm_90. The
     general kernel (paged_attention_<kv>) stays SIMT: it serves the f32 cache (the exact path),
-    head sizes without an instance, and devices without mma.sync.
+    head sizes without an instance, and devices without mma.sync;
+  - a matvec over weights in GGML blocks (qmatvec_*) multiplies in integers (IDP, dp4a).
+    NOTE: the 16-byte rule above is not applied to them yet: their lanes load 4 bytes, the
+    order of the CPU's sums (issue 35 keeps this open).
 Known violations, the debt issue 11 is paying off, are listed in scripts/kernel-report.known
 ("kernel rule" per line, a # comment saying why): they are reported but do not fail, and an
 entry that no longer fails is an error too, so that the list only shrinks.
@@ -103,7 +106,7 @@ def sass_counts(cubin):
         if m:
             cur = m.group(1)
             out[cur] = {"ldg128": 0, "ldg64": 0, "ldg32": 0, "ldg16": 0, "ldg8": 0,
-                        "ldgsts": 0, "hmma": 0}
+                        "ldgsts": 0, "hmma": 0, "idp": 0}
             continue
         m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if not (m and cur):
@@ -126,6 +129,8 @@ def sass_counts(cubin):
             c["ldgsts"] += 1
         elif parts[0] == "HMMA":
             c["hmma"] += 1
+        elif parts[0] == "IDP":
+            c["idp"] += 1
     return out
 
 
@@ -166,17 +171,19 @@ for arch in args.arch.split(","):
                 violations.add((k, "narrow-loads"))
             if prefill_attention(k) and c.get("hmma", 0) == 0:
                 violations.add((k, "no-hmma"))
+            if k.startswith("qmatvec_") and c.get("idp", 0) == 0:
+                violations.add((k, "no-idp"))
         if arch == "sm_90" and name == "attention.cu":
             for kv in MMA_KV_TYPES:
                 if not any(prefill_attention(k) and f"_{kv}_" in k for k in regs):
                     violations.add((f"paged_attention_prefill_{kv}", "missing"))
 
-print("| arch | file | kernel | registers | spills (B, st / ld) | smem (B) | LDG 16 B | 8 B | 4 B | 2 / 1 B | LDGSTS | HMMA |")
-print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("| arch | file | kernel | registers | spills (B, st / ld) | smem (B) | LDG 16 B | 8 B | 4 B | 2 / 1 B | LDGSTS | HMMA | IDP |")
+print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for arch, name, k, r, ss, sl, smem, c in rows:
     g = lambda key: c.get(key, 0)
     print(f"| {arch} | {name} | `{k}` | {r} | {ss} / {sl} | {smem} | {g('ldg128')} | {g('ldg64')} | "
-          f"{g('ldg32')} | {g('ldg16')} / {g('ldg8')} | {g('ldgsts')} | {g('hmma')} |")
+          f"{g('ldg32')} | {g('ldg16')} / {g('ldg8')} | {g('ldgsts')} | {g('hmma')} | {g('idp')} |")
 
 known = set()
 if os.path.exists(args.known):

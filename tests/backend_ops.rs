@@ -56,6 +56,12 @@ macro_rules! backend_ops {
                 let Some(b) = $make else { return };
                 super::check(&b, $seeds, $limited);
             }
+            #[test]
+            fn weights_in_blocks_give_the_cpus_bits() {
+                let Some(b) = $make else { return };
+                let differ = pagoda::backend::check::quant_bits_against_cpu(&b, $seeds[0]).unwrap();
+                assert!(differ.is_empty(), "{}:\n{}", b.name(), differ.join("\n"));
+            }
         }
     };
 }

@@ -23,7 +23,7 @@ mod stubs;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
-use crate::quant::QuantTensor;
+use crate::quant::{GgmlType, QuantTensor};
 use crate::sampling::{Choice, RowSampling};
 use crate::tensor::{DType, HostTensor};
 use anyhow::Result;
@@ -508,6 +508,11 @@ pub trait Backend: Send + Sync + 'static {
     /// ([`Backend::upload_quant`]); where not, the loader dequantizes them.
     fn supports_quant(&self) -> bool {
         false
+    }
+    /// Whether weights of block type `ty` stay in it on this backend (a type without a kernel
+    /// here is dequantized at load).
+    fn keeps_quant(&self, ty: GgmlType) -> bool {
+        self.supports_quant() && ty.has_kernel()
     }
     /// Uploads a linear weight (or embedding table) kept in its block formats.
     fn upload_quant(&self, t: QuantTensor) -> Result<Self::Buf> {

@@ -28,7 +28,7 @@ pub use loader::WeightSource;
 pub use open::{DEFAULT_MODEL_F16_FILE, LoadedModel, default_model, load_model};
 
 use crate::backend::{AttentionOptions, Backend, DeviceBatch, QkvLayout};
-use crate::quant::QuantTensor;
+use crate::quant::{GgmlType, QuantTensor};
 use crate::tensor::{DType, HostTensor, WeightDtype, WeightStats};
 use anyhow::{Context, Result, bail};
 
@@ -308,6 +308,8 @@ pub struct Uploader<'a, B: Backend> {
     dtype: WeightDtype,
     /// What was uploaded so far.
     pub stats: WeightStats,
+    /// Block types dequantized at load so far (each is logged once).
+    dequantized: std::collections::HashSet<GgmlType>,
 }
 
 fn check_shape(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
@@ -324,6 +326,7 @@ impl<'a, B: Backend> Uploader<'a, B> {
             src,
             dtype,
             stats: WeightStats::default(),
+            dequantized: Default::default(),
         }
     }
 
@@ -415,7 +418,9 @@ impl<'a, B: Backend> Uploader<'a, B> {
     /// converts everything to it.
     pub fn upload_linear(&mut self, w: Weight) -> Result<B::Buf> {
         match (self.dtype, w) {
-            (WeightDtype::Auto, Weight::Quant(q)) if self.backend.supports_quant() => {
+            (WeightDtype::Auto, Weight::Quant(q))
+                if q.parts.iter().all(|p| self.backend.keeps_quant(p.ty)) =>
+            {
                 let params = (q.rows() * q.k) as u64;
                 let parts: Vec<(String, u64)> = q
                     .parts
@@ -430,12 +435,33 @@ impl<'a, B: Backend> Uploader<'a, B> {
                 Ok(buf)
             }
             (WeightDtype::Auto, w) => {
+                if let Weight::Quant(q) = &w {
+                    self.note_dequantized(q);
+                }
                 let (t, stored) = w.into_dense()?;
                 self.upload(&t, stored)
             }
             (WeightDtype::Fixed(dt), w) => {
                 let (t, _) = w.into_dense()?;
                 self.upload(&t, dt)
+            }
+        }
+    }
+
+    /// Says once per type which of `q`'s block types are dequantized to f32 at load (the
+    /// backend has no kernel for them), and what that costs.
+    fn note_dequantized(&mut self, q: &QuantTensor) {
+        for p in &q.parts {
+            if !self.backend.keeps_quant(p.ty) && self.dequantized.insert(p.ty) {
+                let (values, bytes) = p.ty.block_layout();
+                let name = self.backend.name();
+                tracing::info!(
+                    "{} weights have no kernel on the {} backend: dequantized to f32 at load (4 \
+                     bytes a value instead of {:.2})",
+                    p.ty,
+                    name.split([':', ' ']).next().unwrap_or(&name),
+                    bytes as f64 / values as f64
+                );
             }
         }
     }

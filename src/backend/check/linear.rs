@@ -1,11 +1,14 @@
 //! Matrix products: `matmul` (with and without a bias, every weight type, decode rows and
-//! batches, odd sizes) and the gated MLP's `matmul_gated_act`.
+//! batches, odd sizes), the gated MLP's `matmul_gated_act`, and weights in GGML blocks
+//! (`matmul` and `embedding` of one table, in two parts of different types).
 
 use super::util::{rand_vec, rounded};
 use crate::backend::{Activation, Backend};
+use crate::quant::{GgmlType, QuantTensor};
 use crate::tensor::{DType, HostTensor};
 use anyhow::Result;
 use rand_chacha::ChaCha8Rng;
+use rand_chacha::rand_core::Rng;
 
 pub(super) struct Matmul {
     pub(super) dtype: DType,
@@ -116,6 +119,93 @@ impl GatedMatmul {
     }
 }
 
+/// A weight in blocks: `matmul` by it (x quantized to 8 bits per 32 by the backend, so against
+/// the exact product the error is the activations' rounding: about 1e-2) and `embedding` of
+/// its rows (exact). Backends that do not keep a type get it dequantized, as the loader does.
+pub(super) struct QuantMatmul {
+    pub(super) m: usize,
+    pub(super) x: Vec<f32>,
+    pub(super) w: QuantTensor,
+    pub(super) b: Option<Vec<f32>>,
+    pub(super) ids: Vec<u32>,
+}
+
+impl QuantMatmul {
+    pub(super) fn run<B: Backend>(&self, be: &B) -> Result<Vec<f32>> {
+        let (m, k, n) = (self.m, self.w.k, self.w.rows());
+        let wb = if self.w.parts.iter().all(|p| be.keeps_quant(p.ty)) {
+            be.upload_quant(self.w.clone())?
+        } else {
+            be.upload_weight(
+                &HostTensor::new(vec![n, k], self.w.dequantize()?),
+                DType::F32,
+            )?
+        };
+        let bb = self.b.as_ref().map(|b| be.upload_f32(b)).transpose()?;
+        let mut out = be.alloc_f32(m * n)?;
+        be.matmul(
+            &be.upload_f32(&self.x)?,
+            &wb,
+            bb.as_ref(),
+            m,
+            k,
+            n,
+            &mut out,
+        )?;
+        let mut e = be.alloc_f32(self.ids.len() * k)?;
+        be.embedding(&wb, &be.upload_u32(&self.ids)?, k, &mut e)?;
+        let mut v = be.download_f32(&out)?;
+        v.extend(be.download_f32(&e)?);
+        Ok(v)
+    }
+
+    /// What [`Self::run`] should return, in f64.
+    pub(super) fn reference(&self) -> Vec<f64> {
+        let (m, k, n) = (self.m, self.w.k, self.w.rows());
+        let w = self.w.dequantize().expect("random blocks dequantize");
+        let mut out = Vec::with_capacity(m * n + self.ids.len() * k);
+        for i in 0..m {
+            for j in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|l| self.x[i * k + l] as f64 * w[j * k + l] as f64)
+                    .sum();
+                out.push(dot + self.b.as_ref().map_or(0.0, |b| b[j] as f64));
+            }
+        }
+        for &id in &self.ids {
+            out.extend(w[id as usize * k..][..k].iter().map(|&v| v as f64));
+        }
+        out
+    }
+}
+
+/// `rows` rows of `k` values of `ty`: random bytes, with the f16 scales (and minimums) set to
+/// random finite values of a realistic size.
+pub(super) fn random_blocks(
+    r: &mut ChaCha8Rng,
+    ty: GgmlType,
+    rows: usize,
+    k: usize,
+) -> QuantTensor {
+    let (block, bytes) = ty.block_layout();
+    let mut data = vec![0u8; rows * k / block * bytes];
+    r.fill_bytes(&mut data);
+    let halves: &[usize] = match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        _ => &[0],
+    };
+    for b in data.chunks_exact_mut(bytes) {
+        for &at in halves {
+            let v = half::f16::from_f32(rand_vec(r, 1)[0] * 0.05);
+            b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    QuantTensor::new(ty, rows, k, data).expect("whole blocks")
+}
+
 /// The tolerance of a product of `m` rows by `dtype` weights over `k`.
 // NOTE: half weights with a decode-sized batch go through the GEMV kernels, which keep x in
 // f32; elsewhere a vendor GEMM may round x to the weights' type first.
@@ -128,7 +218,7 @@ fn matmul_tolerance(dtype: DType, m: usize, k: usize) -> f64 {
 }
 
 /// The table's rows of this family, drawn from `r` in order.
-pub(super) fn cases<C: From<Matmul> + From<GatedMatmul>>(
+pub(super) fn cases<C: From<Matmul> + From<GatedMatmul> + From<QuantMatmul>>(
     r: &mut ChaCha8Rng,
     out: &mut Vec<(String, String, f64, C)>,
 ) {
@@ -159,6 +249,52 @@ pub(super) fn cases<C: From<Matmul> + From<GatedMatmul>>(
                     x: rand_vec(r, m * k),
                     w: rand_vec(r, n * k),
                     b: bias.then(|| rand_vec(r, n)),
+                }),
+            ));
+        }
+    }
+    // weights in blocks, a second part in Q8_0 under them (a fused projection of two types):
+    // decode rows, a batch over two launch rows, an odd count of blocks.
+    // NOTE: drawn from a stream of their own, so that the other rows keep their inputs.
+    let r = &mut r.clone();
+    r.set_stream(0x5155_414e);
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::IQ4_NL,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_XS,
+    ] {
+        let shapes = match ty.block_layout().0 {
+            32 => [(1, 576, 96, true), (3, 96, 40, false), (20, 256, 48, true)],
+            _ => [(1, 512, 96, true), (3, 256, 40, false), (20, 768, 48, true)],
+        };
+        for (m, k, n, bias) in shapes {
+            let w = QuantTensor::stack(vec![
+                random_blocks(r, ty, n - 16, k),
+                random_blocks(r, GgmlType::Q8_0, 16, k),
+            ])
+            .expect("one k");
+            out.push((
+                "matmul".into(),
+                format!(
+                    "{ty} (+Q8_0) {m}x{k}x{n}{}",
+                    if bias { " +bias" } else { "" }
+                ),
+                2e-2,
+                C::from(QuantMatmul {
+                    m,
+                    x: rand_vec(r, m * k),
+                    w,
+                    b: bias.then(|| rand_vec(r, n)),
+                    ids: vec![0, (n - 1) as u32, 5, (n - 17) as u32],
                 }),
             ));
         }

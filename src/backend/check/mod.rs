@@ -29,7 +29,7 @@ use anyhow::{Result, bail};
 use attention::Attention;
 use cache::KvBlocks;
 use elementwise::{Elementwise, Embedding, ScatterAdd};
-use linear::{GatedMatmul, Matmul};
+use linear::{GatedMatmul, Matmul, QuantMatmul};
 use norm::{LayerNorm, RmsNorm};
 use qkv::{QkNorm, Rope, RopeWriteKv};
 use rand_chacha::ChaCha8Rng;
@@ -73,6 +73,7 @@ macro_rules! case_list {
 case_list!(
     Matmul,
     GatedMatmul,
+    QuantMatmul,
     RmsNorm,
     LayerNorm,
     Elementwise,
@@ -191,6 +192,37 @@ pub fn check_backend<B: Backend>(be: &B, seed: u64) -> Vec<CheckRow> {
 /// what `cargo test` runs for each compiled backend (`tests/backend_ops.rs`).
 pub fn check_against_reference<B: Backend>(be: &B, seed: u64) -> Vec<CheckRow> {
     check_with(be, seed, |case| Ok(reference(case)))
+}
+
+/// The products by weights in blocks, on `be` and on the CPU backend, which must agree to the
+/// bit: the backends that keep a block type compute it with the CPU's operations in the CPU's
+/// order (kernels/qmatmul.cu). The cases where they differ, named; none where `be` keeps no
+/// block type.
+pub fn quant_bits_against_cpu<B: Backend>(be: &B, seed: u64) -> Result<Vec<String>> {
+    let cpu = CpuBackend::new();
+    let mut differ = Vec::new();
+    for (op, name, _, case) in cases(seed) {
+        let Case::QuantMatmul(c) = &case else {
+            continue;
+        };
+        if !c.w.parts.iter().all(|p| be.keeps_quant(p.ty)) {
+            continue;
+        }
+        let (got, want) = (c.run(be)?, c.run(&cpu)?);
+        let same = got.len() == want.len()
+            && got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        if !same {
+            let at = got
+                .iter()
+                .zip(&want)
+                .position(|(a, b)| a.to_bits() != b.to_bits());
+            differ.push(format!("{op} {name}: first difference at {at:?}"));
+        }
+    }
+    Ok(differ)
 }
 
 /// Creates the backend `kind` names and checks it.

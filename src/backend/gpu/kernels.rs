@@ -29,6 +29,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("cache", include_str!("../../../kernels/cache.cu")),
     ("attention", include_str!("../../../kernels/attention.cu")),
     ("matmul", include_str!("../../../kernels/matmul.cu")),
+    ("qmatmul", include_str!("../../../kernels/qmatmul.cu")),
     ("sample", include_str!("../../../kernels/sample.cu")),
 ];
 
@@ -56,6 +57,16 @@ pub const SAMPLE_THREADS: u32 = 512;
 /// output (`LOGPROBS_MAX` and `LOGPROBS_WORDS` in sample.cu).
 pub const LOGPROBS_MAX: usize = 20;
 pub const LOGPROBS_WORDS: usize = 3 + 2 * LOGPROBS_MAX;
+
+/// GGML block types with kernels (`qmatvec_<type>` and `embedding_<type>` in qmatmul.cu):
+/// the blocks of 32, then the super-blocks of 256.
+pub const QUANT_TYPES: [&str; 12] = [
+    "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+    "iq4_xs",
+];
+
+/// Rows of x per launch row of `qmatvec_<type>` (`QM_ROWS` in qmatmul.cu).
+pub const QMATVEC_ROWS: usize = 8;
 
 /// Largest row count served by the `matvec_<dtype>_<M>` and `matvec_gated_<dtype>_<M>` kernels.
 pub const MATVEC_MAX_ROWS: usize = 8;
@@ -90,6 +101,7 @@ pub fn kernel_names(stem: &str, tensor_cores: bool) -> Vec<String> {
             "logprobs_f32",
         ],
         "rope" => &["rope_f32"],
+        "qmatmul" => &["quantize_x32_f32", "quantize_x256_f32"],
         "attention" => &["attention_reduce_f32"],
         _ => &[],
     };
@@ -124,6 +136,12 @@ pub fn kernel_names(stem: &str, tensor_cores: bool) -> Vec<String> {
                     names.push(format!("matvec_{d}_{m}"));
                     names.push(format!("matvec_gated_{d}_{m}"));
                 }
+            }
+        }
+        "qmatmul" => {
+            for t in QUANT_TYPES {
+                names.push(format!("qmatvec_{t}"));
+                names.push(format!("embedding_{t}"));
             }
         }
         _ => {}
@@ -308,26 +326,35 @@ mod tests {
             for n in names {
                 // Macro-stamped names are checked through their macro's invocation.
                 let direct = src.contains(&format!(" {n}("));
-                let stamped = match n.split('_').collect::<Vec<_>>()[..] {
-                    ["embedding", d] => src.contains(&format!("EMBEDDING(embedding_{d},")),
-                    ["gemm", d] => src.contains(&format!("GEMM({d},")),
-                    ["matvec", d, m] | ["matvec", "gated", d, m] => {
-                        src.contains(&format!("MATVEC_ALL_M({d},"))
-                            && src.contains(&format!("MATVEC(DT, W, {m})"))
-                    }
-                    ["paged", "attention", kv] => src.contains(&format!("PAGED_ATTENTION({kv},")),
-                    ["paged", "attention", "prefill", kv, d] => {
-                        src.contains(&format!("PG_HEAD_DIMS(PAGED_ATTENTION_MMA, {kv},"))
-                            && src.contains(&format!("X(DT, KV, {})", &d[1..]))
-                    }
-                    ["write", "kv", kv] => src.contains(&format!("WRITE_KV({kv},")),
-                    ["rope", "write", "kv", kv] => src.contains(&format!("ROPE_WRITE_KV({kv},")),
-                    ["paged", "attention", "decode", kv, d] => {
-                        src.contains(&format!("PG_HEAD_DIMS(PAGED_ATTENTION_DECODE, {kv},"))
-                            && src.contains(&format!("X(DT, KV, {})", &d[1..]))
-                    }
-                    _ => false,
-                };
+                let block_type = n.split_once('_').map(|(_, t)| t).unwrap_or("");
+                let block_kernel = *stem == "qmatmul"
+                    && (src.contains(&format!("QMATMUL({block_type},"))
+                        || src.contains(&format!("QMATMUL_K({block_type},")));
+                let stamped = block_kernel
+                    || match n.split('_').collect::<Vec<_>>()[..] {
+                        ["embedding", d] => src.contains(&format!("EMBEDDING(embedding_{d},")),
+                        ["gemm", d] => src.contains(&format!("GEMM({d},")),
+                        ["matvec", d, m] | ["matvec", "gated", d, m] => {
+                            src.contains(&format!("MATVEC_ALL_M({d},"))
+                                && src.contains(&format!("MATVEC(DT, W, {m})"))
+                        }
+                        ["paged", "attention", kv] => {
+                            src.contains(&format!("PAGED_ATTENTION({kv},"))
+                        }
+                        ["paged", "attention", "prefill", kv, d] => {
+                            src.contains(&format!("PG_HEAD_DIMS(PAGED_ATTENTION_MMA, {kv},"))
+                                && src.contains(&format!("X(DT, KV, {})", &d[1..]))
+                        }
+                        ["write", "kv", kv] => src.contains(&format!("WRITE_KV({kv},")),
+                        ["rope", "write", "kv", kv] => {
+                            src.contains(&format!("ROPE_WRITE_KV({kv},"))
+                        }
+                        ["paged", "attention", "decode", kv, d] => {
+                            src.contains(&format!("PG_HEAD_DIMS(PAGED_ATTENTION_DECODE, {kv},"))
+                                && src.contains(&format!("X(DT, KV, {})", &d[1..]))
+                        }
+                        _ => false,
+                    };
                 assert!(direct || stamped, "{stem}: kernel {n} is not defined");
             }
         }

@@ -29,6 +29,9 @@ impl<R: GpuRuntime> GpuBackend<R> {
         if m == 0 || n == 0 {
             return Ok(());
         }
+        if w.elem == Elem::Blocks {
+            return self.qmatmul_op(x, w, bias, m, k, n, out);
+        }
         let dt = w.elem.kernel_suffix()?;
         let (mu, nu, ku) = (u32_arg(m, "m")?, u32_arg(n, "n")?, u32_arg(k, "k")?);
         let vec = if w.elem == Elem::F32 { 4 } else { 8 };
@@ -120,7 +123,13 @@ impl<R: GpuRuntime> GpuBackend<R> {
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
         let vec = if w_gate_up.elem == Elem::F32 { 4 } else { 8 };
-        if rows == 0 || rows > MATVEC_MAX_ROWS || !k.is_multiple_of(vec) {
+        // NOTE: weights in blocks take the two steps: their matvec's lanes sum in the CPU's
+        // order, which a fused activation would not change, so the gain would be one write.
+        if rows == 0
+            || rows > MATVEC_MAX_ROWS
+            || !k.is_multiple_of(vec)
+            || w_gate_up.elem == Elem::Blocks
+        {
             self.matmul(x, w_gate_up, None, rows, k, 2 * ffn, gate_up)?;
             return self.gated_act(gate_up, rows, ffn, act, out);
         }

@@ -110,6 +110,8 @@ pub struct GpuBuf<R: GpuRuntime> {
     pub(super) len: usize,
     pub(super) elem: Elem,
     pub(super) host: Option<Arc<Vec<u32>>>,
+    /// The parts of a weight in blocks (`Elem::Blocks`).
+    pub(super) quant: Option<Arc<Vec<QPart>>>,
 }
 
 impl<R: GpuRuntime> GpuBuf<R> {
@@ -140,6 +142,28 @@ impl<R: GpuRuntime> GpuBuf<R> {
             .map(|v| v.as_slice())
             .with_context(|| format!("{what}: index buffer has no host copy"))
     }
+}
+
+/// One part of a weight in GGUF blocks on the device (`gpu/qmatmul.rs`): its type, its rows, and where it starts (byte offsets
+/// into the buffer).
+#[derive(Debug, Clone)]
+pub struct QPart {
+    pub(super) ty: &'static str,
+    pub(super) rows: usize,
+    pub(super) layout: Layout,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum Layout {
+    /// Blocks of 32: where each plane starts.
+    Planes {
+        qs: usize,
+        qh: Option<usize>,
+        d: usize,
+        m: Option<usize>,
+    },
+    /// Super-blocks of 256 from `at`, `stride` bytes each.
+    Padded { at: usize, stride: usize },
 }
 
 #[cfg(test)]

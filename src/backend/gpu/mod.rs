@@ -15,6 +15,7 @@ mod matmul;
 mod memory;
 mod norm;
 mod plan;
+mod qmatmul;
 mod runtime;
 mod sample;
 
@@ -270,6 +271,7 @@ impl<R: GpuRuntime> GpuBackend<R> {
             len,
             elem,
             host: None,
+            quant: None,
         })
     }
 
@@ -283,6 +285,10 @@ impl<R: GpuRuntime> GpuBackend<R> {
     }
 
     fn download_bytes(&self, buf: &GpuBuf<R>) -> Result<Vec<u8>> {
+        ensure!(
+            buf.elem != Elem::Blocks,
+            "a weight in blocks cannot be read back"
+        );
         self.rt.bind()?;
         let mut out = vec![0u8; buf.len * buf.elem.size()];
         if !out.is_empty() {
@@ -376,6 +382,7 @@ fn widen(elem: Elem, bytes: &[u8]) -> Result<Vec<f32>> {
             .collect(),
         Elem::F8 => bytes.iter().map(|&b| e4m3_to_f32(b)).collect(),
         Elem::U32 => bail!("expected a float buffer, got a u32 one"),
+        Elem::Blocks => bail!("expected a float buffer, got one of blocks"),
     })
 }
 
@@ -394,6 +401,7 @@ fn narrow(elem: Elem, v: &[f32]) -> Result<std::borrow::Cow<'_, [u8]>> {
         }
         Elem::F8 => std::borrow::Cow::Owned(v.iter().map(|&x| f32_to_e4m3(x)).collect()),
         Elem::U32 => bail!("expected a float buffer, got a u32 one"),
+        Elem::Blocks => bail!("expected a float buffer, got one of blocks"),
     })
 }
 
@@ -494,6 +502,18 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         }
     }
 
+    fn supports_quant(&self) -> bool {
+        true
+    }
+
+    fn keeps_quant(&self, ty: crate::quant::GgmlType) -> bool {
+        self.has_block_kernel(ty)
+    }
+
+    fn upload_quant(&self, t: crate::quant::QuantTensor) -> Result<GpuBuf<R>> {
+        self.upload_quant_op(t)
+    }
+
     fn upload_f32(&self, data: &[f32]) -> Result<GpuBuf<R>> {
         self.upload_bytes(bytemuck::cast_slice(data), data.len(), Elem::F32)
     }
@@ -523,6 +543,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             len: parts[i].len(),
             elem: Elem::U32,
             host: Some(Arc::new(parts[i].to_vec())),
+            quant: None,
         };
         Ok(DeviceBatch {
             shape: host.shape()?,
@@ -622,6 +643,9 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
         let n = ids.len;
         out.expect(Elem::F32, "embedding")?;
         args::embedding(host, table.len, dim, out.len)?;
+        if table.elem == Elem::Blocks {
+            return self.qembedding_op(table, ids, dim, out);
+        }
         let name = format!("embedding_{}", table.elem.kernel_suffix()?);
         self.elementwise(
             &name,

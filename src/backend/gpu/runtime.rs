@@ -16,6 +16,8 @@ pub enum Elem {
     /// FP8 E4M3 (KV caches only)
     F8,
     U32,
+    /// GGML blocks of 32 in planes (`gpu/qmatmul.rs`; weights only): bytes.
+    Blocks,
 }
 
 impl Elem {
@@ -29,7 +31,7 @@ impl Elem {
     }
     pub fn size(self) -> usize {
         match self {
-            Elem::F8 => 1,
+            Elem::F8 | Elem::Blocks => 1,
             Elem::F16 | Elem::BF16 => 2,
             Elem::F32 | Elem::U32 => 4,
         }
@@ -42,6 +44,7 @@ impl Elem {
             Elem::BF16 => "bf16",
             Elem::F8 => "fp8",
             Elem::U32 => bail!("expected a float buffer, got a u32 one"),
+            Elem::Blocks => bail!("expected a float buffer, got one of blocks"),
         })
     }
 }

@@ -1,0 +1,325 @@
+//! Weights kept in GGML's block formats on the CUDA and HIP backends (and the emulator): the
+//! upload, and the launches of kernels/qmatmul.cu.
+//!
+//! A weight `[n, k]` of one or more parts (row ranges of one type each, as in
+//! [`QuantTensor`]) is one allocation. For each part, one after the other, 16-byte aligned,
+//! blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) in planes:
+//!
+//! ```text
+//!   qs  [rows, k/32, 16 bytes] (Q8_0: 32)   the packed values, as the block stores them
+//!   qh  [rows, k/32] u32                    the fifth bits (Q5_0, Q5_1)
+//!   d   [rows, k/32] f16 bits               the scales
+//!   m   [rows, k/32] f16 bits               the minimums (Q4_1, Q5_1)
+//! ```
+//!
+//! and super-blocks of 256 (Q2_K .. Q6_K, IQ4_XS) as the file stores them, each padded to a
+//! multiple of 16 bytes (`[rows, k/256, stride]`).
+//!
+//! NOTE: planes and padding so that every load of a lane is aligned to its size (the file's
+//! blocks of 18, 20, 22, 24, 34, 84, 110 and 210 bytes would not be); the bytes are the same,
+//! but for the padding of Q2_K (84 to 96 bytes, 14%), Q3_K (2%), Q6_K (7%) and IQ4_XS (6%).
+
+use super::kernels::{QMATVEC_ROWS, QUANT_TYPES};
+use super::memory::{Layout, QPart};
+use super::{Arg, Elem, GpuBackend, GpuBuf, GpuRuntime, u32_arg};
+use crate::quant::{GgmlType, QuantTensor};
+use anyhow::{Result, bail, ensure};
+use std::sync::Arc;
+
+/// Threads per block of `qmatvec_<type>`, and lanes per weight row of the blocks of 32 and
+/// of the super-blocks (`QM_THREADS`, `QLANES` and `KLANES` in qmatmul.cu).
+const QM_THREADS: usize = 256;
+const QLANES: usize = 16;
+const KLANES: usize = 8;
+
+/// The kernels' name for a block type, where there is a kernel for it.
+fn kernel_type(ty: GgmlType) -> Option<&'static str> {
+    let i = match ty {
+        GgmlType::Q4_0 => 0,
+        GgmlType::Q4_1 => 1,
+        GgmlType::Q5_0 => 2,
+        GgmlType::Q5_1 => 3,
+        GgmlType::Q8_0 => 4,
+        GgmlType::IQ4_NL => 5,
+        GgmlType::Q2_K => 6,
+        GgmlType::Q3_K => 7,
+        GgmlType::Q4_K => 8,
+        GgmlType::Q5_K => 9,
+        GgmlType::Q6_K => 10,
+        GgmlType::IQ4_XS => 11,
+        _ => return None,
+    };
+    Some(QUANT_TYPES[i])
+}
+
+/// The planes of `t`'s parts, one after the other, and where each starts.
+fn planes(t: &QuantTensor) -> Result<(Vec<u8>, Vec<QPart>)> {
+    ensure!(
+        t.k.is_multiple_of(32),
+        "rows of {} values are not whole blocks of 32",
+        t.k
+    );
+    let mut bytes = Vec::with_capacity(t.bytes() + 64 * t.parts.len());
+    let mut parts = Vec::with_capacity(t.parts.len());
+    let align = |b: &mut Vec<u8>| b.resize(b.len().next_multiple_of(16), 0);
+    for p in &t.parts {
+        let Some(ty) = kernel_type(p.ty) else {
+            bail!("{} weights have no GPU kernel", p.ty);
+        };
+        let (values, bb) = p.ty.block_layout();
+        let blocks = p.data.chunks_exact(bb);
+        ensure!(
+            blocks.len() == p.rows * (t.k / values),
+            "{} data of the wrong size",
+            p.ty
+        );
+        if values == 256 {
+            let (at, stride) = (bytes.len(), bb.next_multiple_of(16));
+            for b in blocks {
+                bytes.extend_from_slice(b);
+                bytes.resize(bytes.len() + stride - bb, 0);
+            }
+            let layout = Layout::Padded { at, stride };
+            parts.push(QPart {
+                ty,
+                rows: p.rows,
+                layout,
+            });
+            continue;
+        }
+        // (offset of the minimum, of the fifth bits, of the values; values' bytes)
+        let (mo, ho, vo, vb) = match p.ty {
+            GgmlType::Q4_1 => (Some(2), None, 4, 16),
+            GgmlType::Q5_0 => (None, Some(2), 6, 16),
+            GgmlType::Q5_1 => (Some(2), Some(4), 8, 16),
+            GgmlType::Q8_0 => (None, None, 2, 32),
+            _ => (None, None, 2, 16), // Q4_0, IQ4_NL
+        };
+        let qs = bytes.len();
+        blocks
+            .clone()
+            .for_each(|b| bytes.extend_from_slice(&b[vo..vo + vb]));
+        align(&mut bytes);
+        let qh = ho.map(|o| {
+            let at = bytes.len();
+            blocks
+                .clone()
+                .for_each(|b| bytes.extend_from_slice(&b[o..o + 4]));
+            align(&mut bytes);
+            at
+        });
+        let d = bytes.len();
+        blocks
+            .clone()
+            .for_each(|b| bytes.extend_from_slice(&b[0..2]));
+        align(&mut bytes);
+        let m = mo.map(|o| {
+            let at = bytes.len();
+            blocks
+                .clone()
+                .for_each(|b| bytes.extend_from_slice(&b[o..o + 2]));
+            align(&mut bytes);
+            at
+        });
+        let layout = Layout::Planes { qs, qh, d, m };
+        parts.push(QPart {
+            ty,
+            rows: p.rows,
+            layout,
+        });
+    }
+    Ok((bytes, parts))
+}
+
+impl<R: GpuRuntime> GpuBackend<R> {
+    /// Whether weights of type `ty` stay in their blocks here.
+    pub(super) fn has_block_kernel(&self, ty: GgmlType) -> bool {
+        kernel_type(ty).is_some()
+    }
+
+    /// Uploads a weight whose every part has a kernel ([`kernel_type`]).
+    pub(super) fn upload_quant_op(&self, t: QuantTensor) -> Result<GpuBuf<R>> {
+        let (bytes, parts) = planes(&t)?;
+        let mut buf = self.upload_bytes(&bytes, bytes.len(), Elem::Blocks)?;
+        // NOTE: `len` counts the weight's values (n·k), as for every other weight, so that
+        // the ops' size checks read it alike.
+        buf.len = t.rows() * t.k;
+        buf.quant = Some(Arc::new(parts));
+        Ok(buf)
+    }
+
+    fn quant_parts<'a>(&self, w: &'a GpuBuf<R>, what: &str) -> Result<&'a [QPart]> {
+        match &w.quant {
+            Some(p) if w.elem == Elem::Blocks => Ok(p),
+            _ => bail!(
+                "{what}: expected a weight in blocks, got a {:?} buffer",
+                w.elem
+            ),
+        }
+    }
+
+    /// `out[m, n] = x[m, k] · Wᵀ (+ b)` for a weight in blocks: x quantized once per 32 and
+    /// once per 256 as the parts need, then one launch per part. Sizes are checked by the
+    /// caller.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn qmatmul_op(
+        &self,
+        x: &GpuBuf<R>,
+        w: &GpuBuf<R>,
+        bias: Option<&GpuBuf<R>>,
+        m: usize,
+        k: usize,
+        n: usize,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        let parts = self.quant_parts(w, "matmul")?;
+        let grid_y = m.div_ceil(QMATVEC_ROWS);
+        ensure!(
+            grid_y <= 65535,
+            "matmul: {m} rows is more than one launch takes"
+        );
+        let padded = |p: &&QPart| matches!(p.layout, Layout::Padded { .. });
+        // x as the blocks of 32 take it: i8 [m, k], the scales and d·Σq per 32.
+        let x32 = match parts.iter().any(|p| !padded(&p)) {
+            true => Some(self.quantize_x(x, m * k / 32, 32)?),
+            false => None,
+        };
+        // x as the super-blocks take it: i8 [m, k], the scales per 256 and Σq per 16.
+        let x256 = match parts.iter().any(|p| padded(&p)) {
+            true => Some(self.quantize_x(x, m * k / 256, 256)?),
+            false => None,
+        };
+        let mut row0 = 0;
+        for p in parts {
+            let (lanes, args) = match (&p.layout, &x32, &x256) {
+                (&Layout::Planes { qs, qh, d, m: mn }, Some(xq), _) => {
+                    let at = |o: Option<usize>| Arg::P(o.map_or(0, |o| w.ptr() + o as u64));
+                    let nb = u32_arg(k / 32, "blocks per row")?;
+                    (
+                        QLANES,
+                        [
+                            xq.args(),
+                            vec![
+                                u32_arg(m, "m")?,
+                                nb,
+                                at(Some(qs)),
+                                at(qh),
+                                at(Some(d)),
+                                at(mn),
+                            ],
+                        ]
+                        .concat(),
+                    )
+                }
+                (&Layout::Padded { at, stride }, _, Some(xq)) => {
+                    let nsb = u32_arg(k / 256, "super-blocks per row")?;
+                    let w0 = Arg::P(w.ptr() + at as u64);
+                    (
+                        KLANES,
+                        [
+                            xq.args(),
+                            vec![u32_arg(m, "m")?, nsb, w0, u32_arg(stride / 4, "stride")?],
+                        ]
+                        .concat(),
+                    )
+                }
+                _ => unreachable!("x is quantized for every layout among the parts"),
+            };
+            let bias_part = bias.map_or(Arg::P(0), |b| Arg::P(b.ptr() + 4 * row0 as u64));
+            let tail = [
+                bias_part,
+                Arg::P(out.ptr() + 4 * row0 as u64),
+                u32_arg(p.rows, "rows")?,
+                u32_arg(n, "n")?,
+            ];
+            self.launch(
+                &format!("qmatvec_{}", p.ty),
+                [p.rows.div_ceil(QM_THREADS / lanes) as u32, grid_y as u32, 1],
+                [QM_THREADS as u32, 1, 1],
+                0,
+                &[args, tail.to_vec()].concat(),
+            )?;
+            row0 += p.rows;
+        }
+        Ok(())
+    }
+
+    /// `x` quantized per `group` (32 or 256) values: `quantize_x32_f32` or
+    /// `quantize_x256_f32` over its `blocks` groups.
+    fn quantize_x(&self, x: &GpuBuf<R>, blocks: usize, group: usize) -> Result<QuantizedX<R>> {
+        let q = QuantizedX {
+            q: self.alloc(blocks * group / 4, Elem::U32, false)?,
+            d: self.alloc(blocks, Elem::F32, false)?,
+            // Σq per block of 32 (times d), or per 16 for the super-blocks
+            sums: self.alloc(blocks * if group == 32 { 1 } else { 16 }, Elem::F32, false)?,
+        };
+        self.elementwise(
+            &format!("quantize_x{group}_f32"),
+            blocks,
+            &[
+                Arg::P(x.ptr()),
+                Arg::P(q.q.ptr()),
+                Arg::P(q.d.ptr()),
+                Arg::P(q.sums.ptr()),
+                u32_arg(blocks, "blocks")?,
+            ],
+        )?;
+        Ok(q)
+    }
+
+    /// Rows of a table in blocks, dequantized: one launch per part, each writing the ids in
+    /// its rows. Ids are checked by the caller.
+    pub(super) fn qembedding_op(
+        &self,
+        table: &GpuBuf<R>,
+        ids: &GpuBuf<R>,
+        dim: usize,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        let parts = self.quant_parts(table, "embedding")?;
+        let n = ids.len;
+        let mut row0 = 0;
+        for p in parts {
+            let at = |o: Option<usize>| Arg::P(o.map_or(0, |o| table.ptr() + o as u64));
+            let weight = match p.layout {
+                Layout::Planes { qs, qh, d, m } => vec![at(Some(qs)), at(qh), at(Some(d)), at(m)],
+                Layout::Padded { at: a, stride } => {
+                    vec![at(Some(a)), u32_arg(stride / 4, "stride")?]
+                }
+            };
+            let rest = [
+                Arg::P(ids.ptr()),
+                Arg::P(out.ptr()),
+                u32_arg(n, "tokens")?,
+                u32_arg(dim, "dim")?,
+                u32_arg(row0, "row")?,
+                u32_arg(p.rows, "rows")?,
+            ];
+            self.elementwise(
+                &format!("embedding_{}", p.ty),
+                n * dim,
+                &[weight, rest.to_vec()].concat(),
+            )?;
+            row0 += p.rows;
+        }
+        Ok(())
+    }
+}
+
+/// Activations quantized for the block kernels: the i8 values (four to a word), the scales,
+/// and the sums (`quantize_x32_f32`'s d·Σq per 32 or `quantize_x256_f32`'s Σq per 16).
+struct QuantizedX<R: GpuRuntime> {
+    q: GpuBuf<R>,
+    d: GpuBuf<R>,
+    sums: GpuBuf<R>,
+}
+
+impl<R: GpuRuntime> QuantizedX<R> {
+    fn args(&self) -> Vec<Arg> {
+        vec![
+            Arg::P(self.q.ptr()),
+            Arg::P(self.d.ptr()),
+            Arg::P(self.sums.ptr()),
+        ]
+    }
+}
