@@ -55,6 +55,9 @@ struct alignas(8) uint2 {
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
+struct alignas(16) int4 {
+    int x, y, z, w;
+};
 struct alignas(8) float2 {
     float x, y;
 };

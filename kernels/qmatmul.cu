@@ -214,9 +214,11 @@ __device__ __forceinline__ void embedding_q_impl(const u32* qs, const u32* qh, c
 
 // ---- super-blocks of 256 ---------------------------------------------------------------------
 
+// Per super-block b: xq[b, l, vv] (word 8l + vv) holds values 32 vv + 4l .. +3, the words
+// lane l of qmatvec_k reads; xr[b, l] is that lane's record {Σq of group 2l, of group 2l+1,
+// the scale's bits, 0}. So each lane's share of x is two 16-byte loads and one.
 extern "C" __global__ void __launch_bounds__(QM_THREADS)
-    quantize_x256_f32(const float* __restrict__ x, u32* __restrict__ xq, float* __restrict__ xd,
-                      int* __restrict__ xbs, u32 blocks) {
+    quantize_x256_f32(const float* __restrict__ x, u32* __restrict__ xq, int* __restrict__ xr, u32 blocks) {
     const u32 b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= blocks) return;
     const float* p = x + (u64)b * 256;
@@ -224,10 +226,10 @@ extern "C" __global__ void __launch_bounds__(QM_THREADS)
     for (int i = 0; i < 256; ++i) amax = fmaxf(amax, fabsf(p[i]));
     const float scale = __fdiv_rn(amax, 127.0f);
     const float inv = scale > 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f;
-    for (int g = 0; g < 16; ++g) {
+    for (u32 g = 0; g < 16; ++g) {
         int sum = 0;
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
+        for (u32 w = 0; w < 4; ++w) {
             u32 word = 0;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -236,11 +238,16 @@ extern "C" __global__ void __launch_bounds__(QM_THREADS)
                 sum += q;
                 word |= ((u32)q & 0xFFu) << (8 * i);
             }
-            xq[(u64)b * 64 + 4 * g + w] = word;
+            // values 16g + 4w: vector vv = g / 2, lane 4 (g % 2) + w
+            xq[(u64)b * 64 + 8 * (4 * (g % 2) + w) + g / 2] = word;
         }
-        xbs[(u64)b * 16 + g] = sum;
+        xr[(u64)b * 32 + 4 * (g / 2) + g % 2] = sum;
     }
-    xd[b] = scale;
+#pragma unroll
+    for (u32 l = 0; l < 8; ++l) {
+        xr[(u64)b * 32 + 4 * l + 2] = (int)__float_as_uint(scale);
+        xr[(u64)b * 32 + 4 * l + 3] = 0;
+    }
 }
 
 __device__ __forceinline__ float f16_at(const unsigned char* b, u32 i) { return f16_bits_to_f32(b[i] | (b[i + 1] << 8)); }
@@ -269,7 +276,7 @@ __device__ __forceinline__ void k_group(const unsigned char* b, u32 g, int& sc, 
         sc = (signed char)b[192 + g];
     } else {  // IQ4_XS
         const u32 j = g / 2;
-        const u32 low = (b[4 + j / 2] >> (4 * (j % 2))) & 0xFu, high = ((b[2] | (b[3] << 8)) >> (2 * j)) & 3u;
+        const u32 low = (b[132 + j / 2] >> (4 * (j % 2))) & 0xFu, high = ((b[130] | (b[131] << 8)) >> (2 * j)) & 3u;
         sc = (int)(low | (high << 4)) - 32;
     }
 }
@@ -289,39 +296,80 @@ __device__ __forceinline__ void k_scales(const unsigned char* b, float& d, float
     } else if (T == QT_Q6_K) {
         d = f16_at(b, 208);
     } else {
-        d = f16_at(b, 0);
+        d = f16_at(b, 128);  // IQ4_XS: the header after the values
     }
 }
 
-// Values 32 vv + 4l .. +3 of the super-block at w (words), before the offset, four bytes in a
-// word. (h, j) = (vv / 4, vv % 4) for the types that interleave two halves of 128.
+// Where the upload moves the words of a super-block (gpu/qmatmul.rs, `lane_major`): each
+// lane's words of the values, next to each other, so that it loads them 16 (or 8) bytes at a
+// time. Word `w` as the file stores it is at word k_word<T>(w); the header stays in place,
+// but IQ4_XS's, which moves after the values.
+//   Q2_K  qs    4 + 8h + l       -> 4 + 2l + h
+//   Q3_K  qs    8 + 8h + l       -> 8 + 2l + h      (hmask, word l, stays)
+//   Q4_K  qs    4 + 8c + l       -> 4 + 4l + c
+//   Q5_K  qs    12 + 8c + l      -> 12 + 4l + c     (qh, word 4 + l, stays)
+//   Q6_K  ql    16h + 8p + l     -> 4l + 2h + p;    qh 32 + 8h + l -> 32 + 2l + h
+//   IQ4_XS qs   2 + 4vv + w      -> 8w + vv;        header bytes 0..8 -> 128..136
 template <int T>
-__device__ __forceinline__ int k_values(const u32* __restrict__ w, u32 vv, u32 l) {
-    const u32 h = vv / 4, j = vv % 4;
-    if (T == QT_Q2_K) return (int)((__ldg(w + 4 + 8 * h + l) >> (2 * j)) & 0x03030303u);
-    if (T == QT_Q3_K) {
-        const u32 low = (__ldg(w + 8 + 8 * h + l) >> (2 * j)) & 0x03030303u;
-        return (int)(low | (((__ldg(w + l) >> vv) & 0x01010101u) << 2));
+__device__ __forceinline__ u32 k_word(u32 w) {
+    if (T == QT_Q2_K && w >= 4 && w < 20) return 4 + 2 * ((w - 4) % 8) + (w - 4) / 8;
+    if (T == QT_Q3_K && w >= 8 && w < 24) return 8 + 2 * ((w - 8) % 8) + (w - 8) / 8;
+    if (T == QT_Q4_K && w >= 4 && w < 36) return 4 + 4 * ((w - 4) % 8) + (w - 4) / 8;
+    if (T == QT_Q5_K && w >= 12 && w < 44) return 12 + 4 * ((w - 12) % 8) + (w - 12) / 8;
+    if (T == QT_Q6_K && w < 32) return 4 * (w % 8) + w / 8;
+    if (T == QT_Q6_K && w >= 32 && w < 48) return 32 + 2 * ((w - 32) % 8) + (w - 32) / 8;
+    if (T == QT_IQ4_XS) return w < 2 ? 32 + w : 8 * ((w - 2) % 4) + (w - 2) / 4;
+    return w;
+}
+
+// Values 32 vv + 4l .. +3 (before the offset), four bytes a word, for vv = 0..7, from the
+// super-block at w (the lane-major layout above).
+template <int T>
+__device__ __forceinline__ void k_values(const u32* __restrict__ w, u32 l, int* v) {
+    if (T == QT_Q4_K || T == QT_Q5_K) {
+        const uint4 c = __ldg(reinterpret_cast<const uint4*>(w + (T == QT_Q4_K ? 4 : 12) + 4 * l));
+        const u32 q[4] = {c.x, c.y, c.z, c.w};
+        const u32 hi = T == QT_Q5_K ? __ldg(w + 4 + l) : 0u;
+#pragma unroll
+        for (u32 vv = 0; vv < 8; ++vv) {
+            u32 x = (q[vv / 2] >> (4 * (vv % 2))) & 0x0F0F0F0Fu;
+            if (T == QT_Q5_K) x |= ((hi >> vv) & 0x01010101u) << 4;
+            v[vv] = (int)x;
+        }
+    } else if (T == QT_Q6_K) {
+        const uint4 c = __ldg(reinterpret_cast<const uint4*>(w + 4 * l));
+        const uint2 h2 = __ldg(reinterpret_cast<const uint2*>(w + 32 + 2 * l));
+        const u32 q[4] = {c.x, c.y, c.z, c.w}, qh[2] = {h2.x, h2.y};
+#pragma unroll
+        for (u32 vv = 0; vv < 8; ++vv) {
+            const u32 h = vv / 4, j = vv % 4;
+            const u32 low = (q[2 * h + j % 2] >> (4 * (j / 2))) & 0x0F0F0F0Fu;
+            v[vv] = (int)(low | (((qh[h] >> (2 * j)) & 0x03030303u) << 4));
+        }
+    } else if (T == QT_Q2_K || T == QT_Q3_K) {
+        const uint2 c = __ldg(reinterpret_cast<const uint2*>(w + (T == QT_Q2_K ? 4 : 8) + 2 * l));
+        const u32 q[2] = {c.x, c.y};
+        const u32 hm = T == QT_Q3_K ? __ldg(w + l) : 0u;
+#pragma unroll
+        for (u32 vv = 0; vv < 8; ++vv) {
+            u32 x = (q[vv / 4] >> (2 * (vv % 4))) & 0x03030303u;
+            if (T == QT_Q3_K) x |= ((hm >> vv) & 0x01010101u) << 2;
+            v[vv] = (int)x;
+        }
+    } else {  // IQ4_XS: values j and j + 16 of each 32 share byte j
+        const uint4* p = reinterpret_cast<const uint4*>(w + 8 * (l & 3u));
+        const uint4 a = __ldg(p), b = __ldg(p + 1);
+        const u32 q[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (u32 vv = 0; vv < 8; ++vv) v[vv] = (int)iq4_levels4((q[vv] >> (4 * (l >> 2))) & 0x0F0F0F0Fu);
     }
-    if (T == QT_Q4_K) return (int)((__ldg(w + 4 + 8 * (vv / 2) + l) >> (4 * (vv % 2))) & 0x0F0F0F0Fu);
-    if (T == QT_Q5_K) {
-        const u32 low = (__ldg(w + 12 + 8 * (vv / 2) + l) >> (4 * (vv % 2))) & 0x0F0F0F0Fu;
-        return (int)(low | (((__ldg(w + 4 + l) >> vv) & 0x01010101u) << 4));
-    }
-    if (T == QT_Q6_K) {
-        const u32 low = (__ldg(w + 16 * h + 8 * (j % 2) + l) >> (4 * (j / 2))) & 0x0F0F0F0Fu;
-        const u32 high = (__ldg(w + 32 + 8 * h + l) >> (2 * j)) & 0x03030303u;
-        return (int)(low | (high << 4));
-    }
-    // IQ4_XS: values j and j + 16 of each 32 share byte j
-    return (int)iq4_levels4((__ldg(w + 2 + 4 * vv + (l & 3u)) >> (4 * (l >> 2))) & 0x0F0F0F0Fu);
 }
 
 template <int T>
-__device__ __forceinline__ void qmatvec_k_impl(const u32* __restrict__ xq, const float* __restrict__ xd,
-                                               const int* __restrict__ xbs, u32 m, u32 nsb,
-                                               const u32* __restrict__ w, u32 stride, const float* __restrict__ bias,
-                                               float* __restrict__ y, u32 rows, u32 ldy) {
+__device__ __forceinline__ void qmatvec_k_impl(const u32* __restrict__ xq, const int* __restrict__ xr, u32 m,
+                                               u32 nsb, const u32* __restrict__ w, u32 stride,
+                                               const float* __restrict__ bias, float* __restrict__ y, u32 rows,
+                                               u32 ldy) {
     const u32 l = threadIdx.x % KLANES;
     const u32 row = blockIdx.x * (blockDim.x / KLANES) + threadIdx.x / KLANES;
     const bool live = row < rows;
@@ -337,25 +385,26 @@ __device__ __forceinline__ void qmatvec_k_impl(const u32* __restrict__ xq, const
             float d, dmin;
             k_scales<T>(bb, d, dmin);
             int v[8], sc[8], mn, sp0, sp1, mp0, mp1;
+            k_values<T>(sw, l, v);
 #pragma unroll
-            for (u32 vv = 0; vv < 8; ++vv) {
-                v[vv] = k_values<T>(sw, vv, l);
-                k_group<T>(bb, 2 * vv + l / 4, sc[vv], mn);
-            }
+            for (u32 vv = 0; vv < 8; ++vv) k_group<T>(bb, 2 * vv + l / 4, sc[vv], mn);
             k_group<T>(bb, 2 * l, sp0, mp0);
             k_group<T>(bb, 2 * l + 1, sp1, mp1);
 #pragma unroll
             for (int a = 0; a < QM_ROWS; ++a) {
                 if ((u32)a < mr) {
                     const u64 xb = (u64)(m0 + a) * nsb + sb;
+                    const uint4* xp = reinterpret_cast<const uint4*>(xq + xb * 64 + 8 * l);
+                    const uint4 q0 = __ldg(xp), q1 = __ldg(xp + 1);
+                    const u32 q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+                    const int4 r = __ldg(reinterpret_cast<const int4*>(xr + xb * 32 + 4 * l));
                     int il = 0;
 #pragma unroll
-                    for (u32 vv = 0; vv < 8; ++vv) il += sc[vv] * pg_dp4a(v[vv], (int)__ldg(xq + xb * 64 + 8 * vv + l), 0);
-                    const int bs0 = __ldg(xbs + xb * 16 + 2 * l), bs1 = __ldg(xbs + xb * 16 + 2 * l + 1);
-                    il -= value_offset<T>() * (sp0 * bs0 + sp1 * bs1);
-                    const float dx = __ldg(xd + xb);
+                    for (u32 vv = 0; vv < 8; ++vv) il += sc[vv] * pg_dp4a(v[vv], (int)q[vv], 0);
+                    il -= value_offset<T>() * (sp0 * r.x + sp1 * r.y);
+                    const float dx = __int_as_float(r.z);
                     acc[a] = fmaf((float)il, __fmul_rn(d, dx), acc[a]);
-                    if (has_min<T>()) acc[a] = fmaf((float)(mp0 * bs0 + mp1 * bs1), -__fmul_rn(dmin, dx), acc[a]);
+                    if (has_min<T>()) acc[a] = fmaf((float)(mp0 * r.x + mp1 * r.y), -__fmul_rn(dmin, dx), acc[a]);
                 }
             }
         }
@@ -370,6 +419,12 @@ __device__ __forceinline__ void qmatvec_k_impl(const u32* __restrict__ xq, const
     }
 }
 
+// Byte `i` of the super-block at b as the file stores it, from the lane-major layout.
+template <int T>
+__device__ __forceinline__ u32 k_byte(const unsigned char* b, u32 i) {
+    return b[4 * k_word<T>(i / 4) + i % 4];
+}
+
 // Value e of the super-block at b, as the reference dequantizer computes it.
 template <int T>
 __device__ __forceinline__ float dequant_k_value(const unsigned char* b, u32 e) {
@@ -379,27 +434,28 @@ __device__ __forceinline__ float dequant_k_value(const unsigned char* b, u32 e) 
     k_group<T>(b, e / 16, sc, mn);
     const u32 h = e / 128, j = (e % 128) / 32, l = e % 32;
     if (T == QT_Q2_K) {
-        const u32 q = (b[16 + 32 * h + l] >> (2 * j)) & 3u;
+        const u32 q = (k_byte<T>(b, 16 + 32 * h + l) >> (2 * j)) & 3u;
         return __fsub_rn(__fmul_rn(__fmul_rn(d, (float)sc), (float)q), __fmul_rn(dmin, (float)mn));
     }
     if (T == QT_Q3_K) {
-        const int low = (b[32 + 32 * h + l] >> (2 * j)) & 3;
-        const int q = ((b[l] >> (e / 32)) & 1) ? low : low - 4;
+        const int low = (k_byte<T>(b, 32 + 32 * h + l) >> (2 * j)) & 3;
+        const int q = ((k_byte<T>(b, l) >> (e / 32)) & 1) ? low : low - 4;
         return __fmul_rn(__fmul_rn(d, (float)sc), (float)q);
     }
     if (T == QT_Q4_K || T == QT_Q5_K) {
         const u32 c = e / 32;
-        u32 q = (b[(T == QT_Q4_K ? 16 : 48) + 32 * (c / 2) + l] >> (4 * (c % 2))) & 0xFu;
-        if (T == QT_Q5_K) q |= ((b[16 + l] >> c) & 1u) << 4;
+        u32 q = (k_byte<T>(b, (T == QT_Q4_K ? 16 : 48) + 32 * (c / 2) + l) >> (4 * (c % 2))) & 0xFu;
+        if (T == QT_Q5_K) q |= ((k_byte<T>(b, 16 + l) >> c) & 1u) << 4;
         return __fsub_rn(__fmul_rn(__fmul_rn(d, (float)sc), (float)q), __fmul_rn(dmin, (float)mn));
     }
     if (T == QT_Q6_K) {
         const u32 r = e % 128;
-        const u32 low = (b[64 * h + r % 64] >> (4 * (r / 64))) & 0xFu, high = (b[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3u;
+        const u32 low = (k_byte<T>(b, 64 * h + r % 64) >> (4 * (r / 64))) & 0xFu;
+        const u32 high = (k_byte<T>(b, 128 + 32 * h + r % 32) >> (2 * (r / 32))) & 3u;
         return __fmul_rn(__fmul_rn(d, (float)sc), (float)((int)(low | (high << 4)) - 32));
     }
     const u32 c = e / 32, i = e % 32;  // IQ4_XS
-    const u32 nib = (b[8 + 16 * c + (i % 16)] >> (4 * (i / 16))) & 0xFu;
+    const u32 nib = (k_byte<T>(b, 8 + 16 * c + (i % 16)) >> (4 * (i / 16))) & 0xFu;
     return __fmul_rn(__fmul_rn(d, (float)sc), (float)iq4_level(nib));
 }
 
@@ -436,9 +492,9 @@ QMATMUL(iq4_nl, QT_IQ4_NL)
 
 #define QMATMUL_K(NAME, T)                                                                                    \
     extern "C" __global__ void __launch_bounds__(QM_THREADS)                                                  \
-        qmatvec_##NAME(const u32* xq, const float* xd, const int* xbs, u32 m, u32 nsb, const u32* w,          \
-                       u32 stride, const float* bias, float* y, u32 rows, u32 ldy) {                          \
-        qmatvec_k_impl<T>(xq, xd, xbs, m, nsb, w, stride, bias, y, rows, ldy);                                \
+        qmatvec_##NAME(const u32* xq, const int* xr, u32 m, u32 nsb, const u32* w, u32 stride,                \
+                       const float* bias, float* y, u32 rows, u32 ldy) {                                      \
+        qmatvec_k_impl<T>(xq, xr, m, nsb, w, stride, bias, y, rows, ldy);                                     \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                                         \
         embedding_##NAME(const u32* w, u32 stride, const u32* ids, float* out, u32 n, u32 dim, u32 row0,     \

@@ -19,9 +19,11 @@ to shared memory (LDGSTS), tensor-core instructions (HMMA) and integer dot produ
     KV cache type narrower than f32 (bf16, f16, fp8) has one on sm_90. The
     general kernel (paged_attention_<kv>) stays SIMT: it serves the f32 cache (the exact path),
     head sizes without an instance, and devices without mma.sync;
-  - a matvec over weights in GGML blocks (qmatvec_*) multiplies in integers (IDP, dp4a).
-    NOTE: the 16-byte rule above is not applied to them yet: their lanes load 4 bytes, the
-    order of the CPU's sums (issue 35 keeps this open).
+  - a matvec over weights in GGML blocks (qmatvec_*) multiplies in integers (IDP, dp4a); those
+    over super-blocks of 256 (Q2_K .. Q6_K, IQ4_XS) are decode kernels for the 16-byte rule.
+    NOTE: those over blocks of 32 are not held to it yet: their lanes load the 4 bytes of a
+    block they sum (the CPU's order), and the layout that would give each lane 16 bytes of its
+    own needs rows of a multiple of 8 blocks (issue 35 keeps this open).
 Known violations, the debt issue 11 is paying off, are listed in scripts/kernel-report.known
 ("kernel rule" per line, a # comment saying why): they are reported but do not fail, and an
 entry that no longer fails is an error too, so that the list only shrinks.
@@ -140,7 +142,10 @@ def tensor_cores(arch):
 
 
 def decode_kernel(k):
-    return k.startswith("matvec_") or k.startswith("paged_attention_decode_")
+    # NOTE: of the matvecs over GGUF blocks, only the super-block ones (K-quants, IQ4_XS) are
+    # held to the 16-byte rule yet; see the module's note.
+    block256 = k.startswith("qmatvec_") and k.endswith(("_k", "_xs"))
+    return k.startswith("matvec_") or k.startswith("paged_attention_decode_") or block256
 
 
 def prefill_attention(k):

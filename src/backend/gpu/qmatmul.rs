@@ -12,12 +12,15 @@
 //!   m   [rows, k/32] f16 bits               the minimums (Q4_1, Q5_1)
 //! ```
 //!
-//! and super-blocks of 256 (Q2_K .. Q6_K, IQ4_XS) as the file stores them, each padded to a
-//! multiple of 16 bytes (`[rows, k/256, stride]`).
+//! and super-blocks of 256 (Q2_K .. Q6_K, IQ4_XS), each padded to a multiple of 16 bytes
+//! (`[rows, k/256, stride]`), with the words of its values in lane-major order: the words each
+//! of the 8 lanes of `qmatvec_<type>` sums, next to each other ([`lane_word`]), so that a lane
+//! loads its share 16 (or 8) bytes at a time.
 //!
-//! NOTE: planes and padding so that every load of a lane is aligned to its size (the file's
-//! blocks of 18, 20, 22, 24, 34, 84, 110 and 210 bytes would not be); the bytes are the same,
-//! but for the padding of Q2_K (84 to 96 bytes, 14%), Q3_K (2%), Q6_K (7%) and IQ4_XS (6%).
+//! NOTE: planes, padding and the lane-major order so that every load of a lane is aligned to
+//! its size and wide (the file's blocks of 18, 20, 22, 24, 34, 84, 110 and 210 bytes would not
+//! be aligned); the bytes are the same but for the padding of Q2_K (84 to 96 bytes, 14%), Q3_K
+//! (2%), Q6_K (7%) and IQ4_XS (6%).
 
 use super::kernels::{QMATVEC_ROWS, QUANT_TYPES};
 use super::memory::{Layout, QPart};
@@ -52,8 +55,9 @@ fn kernel_type(ty: GgmlType) -> Option<&'static str> {
     Some(QUANT_TYPES[i])
 }
 
-/// The planes of `t`'s parts, one after the other, and where each starts.
-fn planes(t: &QuantTensor) -> Result<(Vec<u8>, Vec<QPart>)> {
+/// `t`'s parts in the device's layout (see the module's note), one after the other, and where
+/// each starts.
+fn device_layout(t: &QuantTensor) -> Result<(Vec<u8>, Vec<QPart>)> {
     ensure!(
         t.k.is_multiple_of(32),
         "rows of {} values are not whole blocks of 32",
@@ -76,8 +80,9 @@ fn planes(t: &QuantTensor) -> Result<(Vec<u8>, Vec<QPart>)> {
         if values == 256 {
             let (at, stride) = (bytes.len(), bb.next_multiple_of(16));
             for b in blocks {
-                bytes.extend_from_slice(b);
-                bytes.resize(bytes.len() + stride - bb, 0);
+                let start = bytes.len();
+                bytes.resize(start + stride, 0);
+                lane_major(p.ty, b, &mut bytes[start..]);
             }
             let layout = Layout::Padded { at, stride };
             parts.push(QPart {
@@ -131,6 +136,47 @@ fn planes(t: &QuantTensor) -> Result<(Vec<u8>, Vec<QPart>)> {
     Ok((bytes, parts))
 }
 
+/// Word `w` of a super-block as the file stores it goes to word `lane_word(ty, w)` on the
+/// device: the words of values each lane of `qmatvec_k_impl` sums, next to each other (`k_word`
+/// in kernels/qmatmul.cu, which reads them back; its table says where each section goes).
+fn lane_word(ty: GgmlType, w: usize) -> usize {
+    // (first word of the section, words in it, words a lane takes from it)
+    let section = match ty {
+        GgmlType::Q2_K => [(4, 16, 2), (0, 0, 1)],
+        GgmlType::Q3_K => [(8, 16, 2), (0, 0, 1)],
+        GgmlType::Q4_K => [(4, 32, 4), (0, 0, 1)],
+        GgmlType::Q5_K => [(12, 32, 4), (0, 0, 1)],
+        GgmlType::Q6_K => [(0, 32, 4), (32, 16, 2)],
+        _ => {
+            // IQ4_XS: the 8-byte header after the values; value words by lane group of 4
+            return if w < 2 {
+                32 + w
+            } else {
+                8 * ((w - 2) % 4) + (w - 2) / 4
+            };
+        }
+    };
+    for (first, len, per_lane) in section {
+        if (first..first + len).contains(&w) {
+            let i = w - first;
+            return first + per_lane * (i % 8) + i / 8;
+        }
+    }
+    w
+}
+
+/// A super-block `src` of type `ty` in the device's order (into `dst`, its padded bytes).
+fn lane_major(ty: GgmlType, src: &[u8], dst: &mut [u8]) {
+    let words = src.len() / 4;
+    for w in 0..words {
+        let to = 4 * lane_word(ty, w);
+        dst[to..to + 4].copy_from_slice(&src[4 * w..4 * w + 4]);
+    }
+    // Q3_K's and Q6_K's last 2 bytes (a half word: the scale d) stay where they are
+    let tail = 4 * words;
+    dst[tail..src.len()].copy_from_slice(&src[tail..]);
+}
+
 impl<R: GpuRuntime> GpuBackend<R> {
     /// Whether weights of type `ty` stay in their blocks here.
     pub(super) fn has_block_kernel(&self, ty: GgmlType) -> bool {
@@ -139,7 +185,7 @@ impl<R: GpuRuntime> GpuBackend<R> {
 
     /// Uploads a weight whose every part has a kernel ([`kernel_type`]).
     pub(super) fn upload_quant_op(&self, t: QuantTensor) -> Result<GpuBuf<R>> {
-        let (bytes, parts) = planes(&t)?;
+        let (bytes, parts) = device_layout(&t)?;
         let mut buf = self.upload_bytes(&bytes, bytes.len(), Elem::Blocks)?;
         // NOTE: `len` counts the weight's values (n·k), as for every other weight, so that
         // the ops' size checks read it alike.
@@ -244,27 +290,24 @@ impl<R: GpuRuntime> GpuBackend<R> {
         Ok(())
     }
 
-    /// `x` quantized per `group` (32 or 256) values: `quantize_x32_f32` or
-    /// `quantize_x256_f32` over its `blocks` groups.
+    /// `x` quantized per `group` (32 or 256) values over its `blocks` groups, by
+    /// `quantize_x32_f32` or `quantize_x256_f32`.
     fn quantize_x(&self, x: &GpuBuf<R>, blocks: usize, group: usize) -> Result<QuantizedX<R>> {
-        let q = QuantizedX {
-            q: self.alloc(blocks * group / 4, Elem::U32, false)?,
-            d: self.alloc(blocks, Elem::F32, false)?,
-            // Σq per block of 32 (times d), or per 16 for the super-blocks
-            sums: self.alloc(blocks * if group == 32 { 1 } else { 16 }, Elem::F32, false)?,
+        let q = self.alloc(blocks * group / 4, Elem::U32, false)?;
+        let (d, sums) = if group == 32 {
+            // the scales, and d·Σq per block
+            let d = self.alloc(blocks, Elem::F32, false)?;
+            (Some(d), self.alloc(blocks, Elem::F32, false)?)
+        } else {
+            // per lane of a super-block: {Σq of its two groups of 16, the scale, 0}
+            (None, self.alloc(blocks * 32, Elem::U32, false)?)
         };
-        self.elementwise(
-            &format!("quantize_x{group}_f32"),
-            blocks,
-            &[
-                Arg::P(x.ptr()),
-                Arg::P(q.q.ptr()),
-                Arg::P(q.d.ptr()),
-                Arg::P(q.sums.ptr()),
-                u32_arg(blocks, "blocks")?,
-            ],
-        )?;
-        Ok(q)
+        let xq = QuantizedX { q, d, sums };
+        let mut args = vec![Arg::P(x.ptr())];
+        args.extend(xq.args());
+        args.push(u32_arg(blocks, "blocks")?);
+        self.elementwise(&format!("quantize_x{group}_f32"), blocks, &args)?;
+        Ok(xq)
     }
 
     /// Rows of a table in blocks, dequantized: one launch per part, each writing the ids in
@@ -306,20 +349,53 @@ impl<R: GpuRuntime> GpuBackend<R> {
     }
 }
 
-/// Activations quantized for the block kernels: the i8 values (four to a word), the scales,
-/// and the sums (`quantize_x32_f32`'s d·Σq per 32 or `quantize_x256_f32`'s Σq per 16).
+/// Activations quantized for the block kernels: the i8 values (four to a word); per block of
+/// 32 the scales and d·Σq, or per super-block the lanes' records (`quantize_x256_f32`).
 struct QuantizedX<R: GpuRuntime> {
     q: GpuBuf<R>,
-    d: GpuBuf<R>,
+    d: Option<GpuBuf<R>>,
     sums: GpuBuf<R>,
 }
 
 impl<R: GpuRuntime> QuantizedX<R> {
+    /// The kernels' first arguments.
     fn args(&self) -> Vec<Arg> {
-        vec![
-            Arg::P(self.q.ptr()),
-            Arg::P(self.d.ptr()),
-            Arg::P(self.sums.ptr()),
-        ]
+        let mut a = vec![Arg::P(self.q.ptr())];
+        a.extend(self.d.as_ref().map(|d| Arg::P(d.ptr())));
+        a.push(Arg::P(self.sums.ptr()));
+        a
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The lane-major order moves every whole word of a super-block to a word of its own
+    /// inside the padded block, and keeps the half word at the end in place.
+    #[test]
+    fn lane_major_order_is_a_permutation_of_each_super_block() {
+        for ty in [
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+            GgmlType::IQ4_XS,
+        ] {
+            let (_, bb) = ty.block_layout();
+            let stride = bb.next_multiple_of(16);
+            let mut to: Vec<usize> = (0..bb / 4).map(|w| lane_word(ty, w)).collect();
+            assert!(to.iter().all(|&t| 4 * t + 4 <= stride), "{ty}: {to:?}");
+            to.sort_unstable();
+            to.dedup();
+            assert_eq!(to.len(), bb / 4, "{ty}: two words land on one");
+            let src: Vec<u8> = (0..bb).map(|i| i as u8).collect();
+            let mut dst = vec![0u8; stride];
+            lane_major(ty, &src, &mut dst);
+            let mut bytes = dst[..bb.next_multiple_of(4)].to_vec();
+            bytes.sort_unstable();
+            assert_eq!(&bytes[bytes.len() - bb..], &src[..], "{ty}: bytes lost");
+        }
     }
 }
