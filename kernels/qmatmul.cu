@@ -3,15 +3,17 @@
 // activations quantized per 256; integer dot products (dp4a) in both:
 //   - quantize_x32_f32: x[m, k] to xq (i8, four to a word), xd = max|x| / 127 and xs = xd·Σq per
 //     block, as the CPU backend quantizes them (the same rounding, the same bits);
-//     quantize_x256_f32: the same per 256, with the sums of q per 16 (xbs) instead of xs;
+//     quantize_x256_f32: the same per 256, in the super-block kernels' lane-major order, with
+//     each lane's record (the sums of q over its two groups of 16, and the scale) instead;
 //   - qmatvec_<type>: y[m, ldy] (columns row0 .. row0 + rows of it) = x · Wᵀ (+ b), up to
 //     QM_ROWS rows of x per launch row (grid.y covers the rest);
 //   - embedding_<type>: rows of the table dequantized as the reference dequantizer does.
 //
 // Blocks of 32: the host stores each block's fields in planes (gpu/qmatmul.rs): the packed
 // values (16 bytes a block, 32 for Q8_0), the fifth bits (one word a block, Q5_*), the scales
-// and the minimums (f16 bits), so that every load is aligned. Super-blocks stay as the file
-// stores them, each padded to a multiple of 16 bytes (its fields then start on 4-byte bounds).
+// and the minimums (f16 bits), so that every load is aligned. Super-blocks are padded to a
+// multiple of 16 bytes, with the words of their values in lane-major order (k_word below), so
+// that each lane loads its share 16 or 8 bytes at a time.
 //
 // NOTE: the arithmetic is the CPU's (backend/cpu/qmatmul.rs and qmatmul/kquant.rs), operation
 // for operation, so both backends give the same bits and a row's result never depends on the
@@ -98,29 +100,40 @@ __device__ __forceinline__ int load4(const u32* __restrict__ qs, const u32* __re
     return (int)v;
 }
 
+// The scale of n activations (max|x| / 127) and, in inv, its inverse (0 for a block of zeros).
+__device__ __forceinline__ float block_scale(const float* p, int n, float& inv) {
+    float amax = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(p[i]));
+    const float scale = __fdiv_rn(amax, 127.0f);
+    inv = scale > 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f;
+    return scale;
+}
+
+// Four activations to 8 bits, q = round(x·inv) (ties to even) within ±127, packed in a word;
+// their sum is added to `sum`.
+__device__ __forceinline__ u32 quantize4(const float* p, float inv, int& sum) {
+    u32 word = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int q = (int)fminf(fmaxf(rintf(__fmul_rn(p[i], inv)), -127.0f), 127.0f);
+        sum += q;
+        word |= ((u32)q & 0xFFu) << (8 * i);
+    }
+    return word;
+}
+
 extern "C" __global__ void __launch_bounds__(QM_THREADS)
     quantize_x32_f32(const float* __restrict__ x, u32* __restrict__ xq, float* __restrict__ xd,
                      float* __restrict__ xs, u32 blocks) {
     const u32 b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= blocks) return;
     const float* p = x + (u64)b * 32;
-    float amax = 0.0f;
-#pragma unroll 8
-    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(p[i]));
-    const float scale = __fdiv_rn(amax, 127.0f);
-    const float inv = scale > 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f;
+    float inv;
+    const float scale = block_scale(p, 32, inv);
     int sum = 0;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) {
-        u32 word = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int q = (int)fminf(fmaxf(rintf(__fmul_rn(p[4 * w + i], inv)), -127.0f), 127.0f);
-            sum += q;
-            word |= ((u32)q & 0xFFu) << (8 * i);
-        }
-        xq[(u64)b * 8 + w] = word;
-    }
+    for (int w = 0; w < 8; ++w) xq[(u64)b * 8 + w] = quantize4(p + 4 * w, inv, sum);
     xd[b] = scale;
     xs[b] = __fmul_rn(scale, (float)sum);
 }
@@ -222,25 +235,14 @@ extern "C" __global__ void __launch_bounds__(QM_THREADS)
     const u32 b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= blocks) return;
     const float* p = x + (u64)b * 256;
-    float amax = 0.0f;
-    for (int i = 0; i < 256; ++i) amax = fmaxf(amax, fabsf(p[i]));
-    const float scale = __fdiv_rn(amax, 127.0f);
-    const float inv = scale > 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f;
+    float inv;
+    const float scale = block_scale(p, 256, inv);
     for (u32 g = 0; g < 16; ++g) {
         int sum = 0;
+        // values 16g + 4w: vector vv = g / 2, lane 4 (g % 2) + w
 #pragma unroll
-        for (u32 w = 0; w < 4; ++w) {
-            u32 word = 0;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float v = p[16 * g + 4 * w + i];
-                const int q = (int)fminf(fmaxf(rintf(__fmul_rn(v, inv)), -127.0f), 127.0f);
-                sum += q;
-                word |= ((u32)q & 0xFFu) << (8 * i);
-            }
-            // values 16g + 4w: vector vv = g / 2, lane 4 (g % 2) + w
-            xq[(u64)b * 64 + 8 * (4 * (g % 2) + w) + g / 2] = word;
-        }
+        for (u32 w = 0; w < 4; ++w)
+            xq[(u64)b * 64 + 8 * (4 * (g % 2) + w) + g / 2] = quantize4(p + 16 * g + 4 * w, inv, sum);
         xr[(u64)b * 32 + 4 * (g / 2) + g % 2] = sum;
     }
 #pragma unroll

@@ -155,14 +155,27 @@ impl fmt::Display for GgmlType {
 }
 
 impl GgmlType {
-    /// Whether a weight of this type can stay in its block format: the types the CPU's
-    /// quantized matmul multiplies as they are (the others are dequantized at load).
+    /// The types a weight can stay in: those the quantized matmuls multiply as they are
+    /// (blocks of 32, then super-blocks of 256).
+    pub const WITH_KERNELS: [GgmlType; 12] = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::IQ4_NL,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_XS,
+    ];
+
+    /// Whether a weight of this type can stay in its block format: one of
+    /// [`Self::WITH_KERNELS`] (the others are dequantized at load).
     pub fn has_kernel(self) -> bool {
-        use GgmlType::*;
-        matches!(
-            self,
-            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_NL | IQ4_XS
-        )
+        Self::WITH_KERNELS.contains(&self)
     }
 
     /// Bytes of one row of `k` values, if `k` is a whole number of blocks.

@@ -258,20 +258,7 @@ pub(super) fn cases<C: From<Matmul> + From<GatedMatmul> + From<QuantMatmul>>(
     // NOTE: drawn from a stream of their own, so that the other rows keep their inputs.
     let r = &mut r.clone();
     r.set_stream(0x5155_414e);
-    for ty in [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q8_0,
-        GgmlType::IQ4_NL,
-        GgmlType::Q2_K,
-        GgmlType::Q3_K,
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::IQ4_XS,
-    ] {
+    for ty in GgmlType::WITH_KERNELS {
         let shapes = match ty.block_layout().0 {
             32 => [(1, 576, 96, true), (3, 96, 40, false), (20, 256, 48, true)],
             _ => [(1, 512, 96, true), (3, 256, 40, false), (20, 768, 48, true)],

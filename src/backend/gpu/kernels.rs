@@ -58,8 +58,8 @@ pub const SAMPLE_THREADS: u32 = 512;
 pub const LOGPROBS_MAX: usize = 20;
 pub const LOGPROBS_WORDS: usize = 3 + 2 * LOGPROBS_MAX;
 
-/// GGML block types with kernels (`qmatvec_<type>` and `embedding_<type>` in qmatmul.cu):
-/// the blocks of 32, then the super-blocks of 256.
+/// GGML block types with kernels (`qmatvec_<type>` and `embedding_<type>` in qmatmul.cu), in
+/// the order of `GgmlType::WITH_KERNELS`.
 pub const QUANT_TYPES: [&str; 12] = [
     "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
     "iq4_xs",

@@ -37,21 +37,8 @@ const KLANES: usize = 8;
 
 /// The kernels' name for a block type, where there is a kernel for it.
 fn kernel_type(ty: GgmlType) -> Option<&'static str> {
-    let i = match ty {
-        GgmlType::Q4_0 => 0,
-        GgmlType::Q4_1 => 1,
-        GgmlType::Q5_0 => 2,
-        GgmlType::Q5_1 => 3,
-        GgmlType::Q8_0 => 4,
-        GgmlType::IQ4_NL => 5,
-        GgmlType::Q2_K => 6,
-        GgmlType::Q3_K => 7,
-        GgmlType::Q4_K => 8,
-        GgmlType::Q5_K => 9,
-        GgmlType::Q6_K => 10,
-        GgmlType::IQ4_XS => 11,
-        _ => return None,
-    };
+    // NOTE: QUANT_TYPES names them in the order of GgmlType::WITH_KERNELS.
+    let i = GgmlType::WITH_KERNELS.iter().position(|&t| t == ty)?;
     Some(QUANT_TYPES[i])
 }
 
@@ -375,14 +362,10 @@ mod tests {
     /// inside the padded block, and keeps the half word at the end in place.
     #[test]
     fn lane_major_order_is_a_permutation_of_each_super_block() {
-        for ty in [
-            GgmlType::Q2_K,
-            GgmlType::Q3_K,
-            GgmlType::Q4_K,
-            GgmlType::Q5_K,
-            GgmlType::Q6_K,
-            GgmlType::IQ4_XS,
-        ] {
+        for ty in GgmlType::WITH_KERNELS
+            .into_iter()
+            .filter(|t| t.block_layout().0 == 256)
+        {
             let (_, bb) = ty.block_layout();
             let stride = bb.next_multiple_of(16);
             let mut to: Vec<usize> = (0..bb / 4).map(|w| lane_word(ty, w)).collect();

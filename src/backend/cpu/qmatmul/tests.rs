@@ -4,20 +4,7 @@ use super::*;
 use crate::quant::GgmlType;
 use crate::quant::dequantize;
 
-const TYPES: [GgmlType; 12] = [
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-];
+const TYPES: [GgmlType; 12] = GgmlType::WITH_KERNELS;
 
 struct Rng(u64);
 impl Rng {
