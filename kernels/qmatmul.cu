@@ -5,8 +5,9 @@
 //     block, as the CPU backend quantizes them (the same rounding, the same bits);
 //     quantize_x256_f32: the same per 256, in the super-block kernels' lane-major order, with
 //     each lane's record (the sums of q over its two groups of 16, and the scale) instead;
-//   - qmatvec_<type>: y[m, ldy] (columns row0 .. row0 + rows of it) = x · Wᵀ (+ b), up to
-//     QM_ROWS rows of x per launch row (grid.y covers the rest);
+//   - qmatvec_<type>: the `rows` columns of y[m, ldy] from y (the host offsets y and b to a
+//     part's first row) = x · Wᵀ (+ b), up to QM_ROWS rows of x per launch row (grid.y
+//     covers the rest);
 //   - embedding_<type>: rows of the table dequantized as the reference dequantizer does.
 //
 // Blocks of 32: the host stores each block's fields in planes (gpu/qmatmul.rs): the packed
@@ -126,16 +127,17 @@ __device__ __forceinline__ u32 quantize4(const float* p, float inv, int& sum) {
 extern "C" __global__ void __launch_bounds__(QM_THREADS)
     quantize_x32_f32(const float* __restrict__ x, u32* __restrict__ xq, float* __restrict__ xd,
                      float* __restrict__ xs, u32 blocks) {
-    const u32 b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= blocks) return;
-    const float* p = x + (u64)b * 32;
-    float inv;
-    const float scale = block_scale(p, 32, inv);
-    int sum = 0;
+    // NOTE: grid-stride, as every kernel launched through `elementwise` (its grid is capped).
+    for (u32 b = blockIdx.x * blockDim.x + threadIdx.x; b < blocks; b += gridDim.x * blockDim.x) {
+        const float* p = x + (u64)b * 32;
+        float inv;
+        const float scale = block_scale(p, 32, inv);
+        int sum = 0;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) xq[(u64)b * 8 + w] = quantize4(p + 4 * w, inv, sum);
-    xd[b] = scale;
-    xs[b] = __fmul_rn(scale, (float)sum);
+        for (int w = 0; w < 8; ++w) xq[(u64)b * 8 + w] = quantize4(p + 4 * w, inv, sum);
+        xd[b] = scale;
+        xs[b] = __fmul_rn(scale, (float)sum);
+    }
 }
 
 template <int T>
@@ -211,17 +213,17 @@ __device__ __forceinline__ float dequant_value(const u32* __restrict__ qs, const
     return __fmul_rn(d, (float)((int)v - value_offset<T>()));
 }
 
-// out[t, e] = table[ids[t], e] for the ids in this part (row0 .. row0 + rows); one thread each.
+// out[t, e] = table[ids[t], e] for the ids in this part (row0 .. row0 + rows).
 template <int T>
 __device__ __forceinline__ void embedding_q_impl(const u32* qs, const u32* qh, const u16* wd, const u16* wm,
                                                  const u32* ids, float* out, u32 n, u32 dim, u32 row0,
                                                  u32 rows) {
-    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (u64)n * dim) return;
-    const u32 t = (u32)(i / dim), e = (u32)(i % dim), id = ids[t];
-    if (id < row0 || id - row0 >= rows) return;
-    const u64 b = (u64)(id - row0) * (dim / 32) + e / 32;
-    out[i] = dequant_value<T>(qs, qh, wd, wm, b, e % 32);
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)n * dim; i += (u64)gridDim.x * blockDim.x) {
+        const u32 t = (u32)(i / dim), e = (u32)(i % dim), id = ids[t];
+        if (id < row0 || id - row0 >= rows) continue;
+        const u64 b = (u64)(id - row0) * (dim / 32) + e / 32;
+        out[i] = dequant_value<T>(qs, qh, wd, wm, b, e % 32);
+    }
 }
 
 
@@ -232,23 +234,23 @@ __device__ __forceinline__ void embedding_q_impl(const u32* qs, const u32* qh, c
 // the scale's bits, 0}. So each lane's share of x is two 16-byte loads and one.
 extern "C" __global__ void __launch_bounds__(QM_THREADS)
     quantize_x256_f32(const float* __restrict__ x, u32* __restrict__ xq, int* __restrict__ xr, u32 blocks) {
-    const u32 b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= blocks) return;
-    const float* p = x + (u64)b * 256;
-    float inv;
-    const float scale = block_scale(p, 256, inv);
-    for (u32 g = 0; g < 16; ++g) {
-        int sum = 0;
-        // values 16g + 4w: vector vv = g / 2, lane 4 (g % 2) + w
+    for (u32 b = blockIdx.x * blockDim.x + threadIdx.x; b < blocks; b += gridDim.x * blockDim.x) {
+        const float* p = x + (u64)b * 256;
+        float inv;
+        const float scale = block_scale(p, 256, inv);
+        for (u32 g = 0; g < 16; ++g) {
+            int sum = 0;
+            // values 16g + 4w: vector vv = g / 2, lane 4 (g % 2) + w
 #pragma unroll
-        for (u32 w = 0; w < 4; ++w)
-            xq[(u64)b * 64 + 8 * (4 * (g % 2) + w) + g / 2] = quantize4(p + 16 * g + 4 * w, inv, sum);
-        xr[(u64)b * 32 + 4 * (g / 2) + g % 2] = sum;
-    }
+            for (u32 w = 0; w < 4; ++w)
+                xq[(u64)b * 64 + 8 * (4 * (g % 2) + w) + g / 2] = quantize4(p + 16 * g + 4 * w, inv, sum);
+            xr[(u64)b * 32 + 4 * (g / 2) + g % 2] = sum;
+        }
 #pragma unroll
-    for (u32 l = 0; l < 8; ++l) {
-        xr[(u64)b * 32 + 4 * l + 2] = (int)__float_as_uint(scale);
-        xr[(u64)b * 32 + 4 * l + 3] = 0;
+        for (u32 l = 0; l < 8; ++l) {
+            xr[(u64)b * 32 + 4 * l + 2] = (int)__float_as_uint(scale);
+            xr[(u64)b * 32 + 4 * l + 3] = 0;
+        }
     }
 }
 
@@ -461,16 +463,16 @@ __device__ __forceinline__ float dequant_k_value(const unsigned char* b, u32 e) 
     return __fmul_rn(__fmul_rn(d, (float)sc), (float)iq4_level(nib));
 }
 
-// out[t, e] = table[ids[t], e] for the ids in this part (row0 .. row0 + rows); one thread each.
+// out[t, e] = table[ids[t], e] for the ids in this part (row0 .. row0 + rows).
 template <int T>
 __device__ __forceinline__ void embedding_k_impl(const u32* w, u32 stride, const u32* ids, float* out, u32 n,
                                                  u32 dim, u32 row0, u32 rows) {
-    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (u64)n * dim) return;
-    const u32 t = (u32)(i / dim), e = (u32)(i % dim), id = ids[t];
-    if (id < row0 || id - row0 >= rows) return;
-    const u64 sb = (u64)(id - row0) * (dim / 256) + e / 256;
-    out[i] = dequant_k_value<T>(reinterpret_cast<const unsigned char*>(w + sb * stride), e % 256);
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)n * dim; i += (u64)gridDim.x * blockDim.x) {
+        const u32 t = (u32)(i / dim), e = (u32)(i % dim), id = ids[t];
+        if (id < row0 || id - row0 >= rows) continue;
+        const u64 sb = (u64)(id - row0) * (dim / 256) + e / 256;
+        out[i] = dequant_k_value<T>(reinterpret_cast<const unsigned char*>(w + sb * stride), e % 256);
+    }
 }
 
 #define QMATMUL(NAME, T)                                                                                      \

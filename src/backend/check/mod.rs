@@ -139,7 +139,14 @@ impl Case {
         let kv = self
             .kv_dtype()
             .is_none_or(|d| be.kv_cache_dtypes().contains(&d));
-        kv && (be.samples_on_device() || !matches!(self, Case::Sample(_) | Case::Logprobs(_)))
+        let blocks = match self {
+            Case::QuantMatmul(c) => {
+                !c.blocks_only || c.w.parts.iter().all(|p| be.keeps_quant(p.ty))
+            }
+            _ => true,
+        };
+        kv && blocks
+            && (be.samples_on_device() || !matches!(self, Case::Sample(_) | Case::Logprobs(_)))
     }
 }
 

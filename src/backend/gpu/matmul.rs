@@ -123,8 +123,9 @@ impl<R: GpuRuntime> GpuBackend<R> {
         out: &mut GpuBuf<R>,
     ) -> Result<()> {
         let vec = if w_gate_up.elem == Elem::F32 { 4 } else { 8 };
-        // NOTE: weights in blocks take the two steps: their matvec's lanes sum in the CPU's
-        // order, which a fused activation would not change, so the gain would be one write.
+        // NOTE: weights in blocks take the two steps (there is no fused kernel for them): at
+        // decode the gate/up rows written and read again are 2·F floats a row, against the
+        // 2F·k weights (about F·k bytes at 4 bits) the matvec streams.
         if rows == 0
             || rows > MATVEC_MAX_ROWS
             || !k.is_multiple_of(vec)

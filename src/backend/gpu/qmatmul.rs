@@ -17,10 +17,11 @@
 //! of the 8 lanes of `qmatvec_<type>` sums, next to each other ([`lane_word`]), so that a lane
 //! loads its share 16 (or 8) bytes at a time.
 //!
-//! NOTE: planes, padding and the lane-major order so that every load of a lane is aligned to
-//! its size and wide (the file's blocks of 18, 20, 22, 24, 34, 84, 110 and 210 bytes would not
-//! be aligned); the bytes are the same but for the padding of Q2_K (84 to 96 bytes, 14%), Q3_K
-//! (2%), Q6_K (7%) and IQ4_XS (6%).
+//! NOTE: planes and padding so that every load of a lane is aligned to its size (the file's
+//! blocks of 18, 20, 22, 24, 34, 84, 110 and 210 bytes would not be), and the lane-major order
+//! so that the super-blocks' loads are wide (the blocks of 32 are still read 4 bytes a lane);
+//! the bytes are the same but for the padding of Q2_K (84 to 96 bytes, 14%), Q3_K (2%), Q6_K
+//! (7%) and IQ4_XS (6%).
 
 use super::kernels::{QMATVEC_ROWS, QUANT_TYPES};
 use super::memory::{Layout, QPart};
@@ -58,12 +59,14 @@ fn device_layout(t: &QuantTensor) -> Result<(Vec<u8>, Vec<QPart>)> {
             bail!("{} weights have no GPU kernel", p.ty);
         };
         let (values, bb) = p.ty.block_layout();
-        let blocks = p.data.chunks_exact(bb);
         ensure!(
-            blocks.len() == p.rows * (t.k / values),
-            "{} data of the wrong size",
-            p.ty
+            t.k.is_multiple_of(values) && p.data.len() == p.rows * (t.k / values) * bb,
+            "{} data of the wrong size for {} rows of {}",
+            p.ty,
+            p.rows,
+            t.k
         );
+        let blocks = p.data.chunks_exact(bb);
         if values == 256 {
             let (at, stride) = (bytes.len(), bb.next_multiple_of(16));
             for b in blocks {
@@ -134,14 +137,10 @@ fn lane_word(ty: GgmlType, w: usize) -> usize {
         GgmlType::Q4_K => [(4, 32, 4), (0, 0, 1)],
         GgmlType::Q5_K => [(12, 32, 4), (0, 0, 1)],
         GgmlType::Q6_K => [(0, 32, 4), (32, 16, 2)],
-        _ => {
-            // IQ4_XS: the 8-byte header after the values; value words by lane group of 4
-            return if w < 2 {
-                32 + w
-            } else {
-                8 * ((w - 2) % 4) + (w - 2) / 4
-            };
-        }
+        // the 8-byte header after the values; value words by lane group of 4
+        GgmlType::IQ4_XS if w < 2 => return 32 + w,
+        GgmlType::IQ4_XS => return 8 * ((w - 2) % 4) + (w - 2) / 4,
+        _ => return w,
     };
     for (first, len, per_lane) in section {
         if (first..first + len).contains(&w) {
@@ -217,7 +216,8 @@ impl<R: GpuRuntime> GpuBackend<R> {
             true => Some(self.quantize_x(x, m * k / 32, 32)?),
             false => None,
         };
-        // x as the super-blocks take it: i8 [m, k], the scales per 256 and Σq per 16.
+        // x as the super-blocks take it: i8 [m, k] in their lane-major order, and each lane's
+        // record (its two groups' Σq and the scale).
         let x256 = match parts.iter().any(|p| padded(&p)) {
             true => Some(self.quantize_x(x, m * k / 256, 256)?),
             false => None,

@@ -16,7 +16,7 @@ pub enum Elem {
     /// FP8 E4M3 (KV caches only)
     F8,
     U32,
-    /// GGML blocks of 32 in planes (`gpu/qmatmul.rs`; weights only): bytes.
+    /// A weight in GGML blocks, in the device's layout (`gpu/qmatmul.rs`): bytes.
     Blocks,
 }
 
