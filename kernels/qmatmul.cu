@@ -87,6 +87,24 @@ __device__ __forceinline__ u32 iq4_levels4(u32 v) {
     return r;
 }
 
+// The CPU's reduce8 ((0+4)+(2+6))+((1+5)+(3+7)) over lanes 8g .. 8g+7 (float addition
+// commutes, so each lane's partner order does not matter); every lane gets the sum.
+__device__ __forceinline__ float reduce8(float v) {
+    v = v + PG_SHFL_XOR(v, 4);
+    v = v + PG_SHFL_XOR(v, 2);
+    return v + PG_SHFL_XOR(v, 1);
+}
+
+// out[t, e] = value(r, e) for the ids t in this part, r = ids[t] - row0 < rows.
+template <class F>
+__device__ __forceinline__ void embedding_rows(const u32* ids, float* out, u32 n, u32 dim, u32 row0, u32 rows,
+                                               F value) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)n * dim; i += (u64)gridDim.x * blockDim.x) {
+        const u32 t = (u32)(i / dim), e = (u32)(i % dim), id = ids[t];
+        if (id >= row0 && id - row0 < rows) out[i] = value(id - row0, e);
+    }
+}
+
 // Values 4l .. 4l+3 of block b as stored (before the offset), four bytes in a word.
 template <int T>
 __device__ __forceinline__ int load4(const u32* __restrict__ qs, const u32* __restrict__ qh, u64 b, u32 l) {
@@ -184,15 +202,9 @@ __device__ __forceinline__ void qmatvec_impl(const u32* __restrict__ xq, const f
 #pragma unroll
     for (int a = 0; a < QM_ROWS; ++a) {
         if ((u32)a >= mr) break;  // the same for the whole block
-        float f = acc[a] + PG_SHFL_XOR(acc[a], 8);
-        f = f + PG_SHFL_XOR(f, 4);
-        f = f + PG_SHFL_XOR(f, 2);
-        f = f + PG_SHFL_XOR(f, 1);
+        float f = reduce8(acc[a] + PG_SHFL_XOR(acc[a], 8));
         if (has_min<T>()) {
-            float s = macc[a] + PG_SHFL_XOR(macc[a], 4);
-            s = s + PG_SHFL_XOR(s, 2);
-            s = s + PG_SHFL_XOR(s, 1);
-            f = f + s;
+            f = f + reduce8(macc[a]);
         }
         if (live && lane == 0) y[(u64)(m0 + a) * ldy + row] = bias ? f + bias[row] : f;
     }
@@ -218,12 +230,9 @@ template <int T>
 __device__ __forceinline__ void embedding_q_impl(const u32* qs, const u32* qh, const u16* wd, const u16* wm,
                                                  const u32* ids, float* out, u32 n, u32 dim, u32 row0,
                                                  u32 rows) {
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)n * dim; i += (u64)gridDim.x * blockDim.x) {
-        const u32 t = (u32)(i / dim), e = (u32)(i % dim), id = ids[t];
-        if (id < row0 || id - row0 >= rows) continue;
-        const u64 b = (u64)(id - row0) * (dim / 32) + e / 32;
-        out[i] = dequant_value<T>(qs, qh, wd, wm, b, e % 32);
-    }
+    embedding_rows(ids, out, n, dim, row0, rows, [&](u32 r, u32 e) {
+        return dequant_value<T>(qs, qh, wd, wm, (u64)r * (dim / 32) + e / 32, e % 32);
+    });
 }
 
 
@@ -416,9 +425,7 @@ __device__ __forceinline__ void qmatvec_k_impl(const u32* __restrict__ xq, const
 #pragma unroll
     for (int a = 0; a < QM_ROWS; ++a) {
         if ((u32)a >= mr) break;  // the same for the whole block
-        float f = acc[a] + PG_SHFL_XOR(acc[a], 4);
-        f = f + PG_SHFL_XOR(f, 2);
-        f = f + PG_SHFL_XOR(f, 1);
+        const float f = reduce8(acc[a]);
         if (live && l == 0) y[(u64)(m0 + a) * ldy + row] = bias ? f + bias[row] : f;
     }
 }
@@ -467,12 +474,10 @@ __device__ __forceinline__ float dequant_k_value(const unsigned char* b, u32 e) 
 template <int T>
 __device__ __forceinline__ void embedding_k_impl(const u32* w, u32 stride, const u32* ids, float* out, u32 n,
                                                  u32 dim, u32 row0, u32 rows) {
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)n * dim; i += (u64)gridDim.x * blockDim.x) {
-        const u32 t = (u32)(i / dim), e = (u32)(i % dim), id = ids[t];
-        if (id < row0 || id - row0 >= rows) continue;
-        const u64 sb = (u64)(id - row0) * (dim / 256) + e / 256;
-        out[i] = dequant_k_value<T>(reinterpret_cast<const unsigned char*>(w + sb * stride), e % 256);
-    }
+    embedding_rows(ids, out, n, dim, row0, rows, [&](u32 r, u32 e) {
+        const u64 sb = (u64)r * (dim / 256) + e / 256;
+        return dequant_k_value<T>(reinterpret_cast<const unsigned char*>(w + sb * stride), e % 256);
+    });
 }
 
 #define QMATMUL(NAME, T)                                                                                      \

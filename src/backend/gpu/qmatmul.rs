@@ -90,32 +90,19 @@ fn device_layout(t: &QuantTensor) -> Result<(Vec<u8>, Vec<QPart>)> {
             GgmlType::Q8_0 => (None, None, 2, 32),
             _ => (None, None, 2, 16), // Q4_0, IQ4_NL
         };
-        let qs = bytes.len();
-        blocks
-            .clone()
-            .for_each(|b| bytes.extend_from_slice(&b[vo..vo + vb]));
-        align(&mut bytes);
-        let qh = ho.map(|o| {
+        // Bytes o .. o + len of every block, one after the other: a plane; where it starts.
+        let mut plane = |o: usize, len: usize| {
             let at = bytes.len();
             blocks
                 .clone()
-                .for_each(|b| bytes.extend_from_slice(&b[o..o + 4]));
+                .for_each(|b| bytes.extend_from_slice(&b[o..o + len]));
             align(&mut bytes);
             at
-        });
-        let d = bytes.len();
-        blocks
-            .clone()
-            .for_each(|b| bytes.extend_from_slice(&b[0..2]));
-        align(&mut bytes);
-        let m = mo.map(|o| {
-            let at = bytes.len();
-            blocks
-                .clone()
-                .for_each(|b| bytes.extend_from_slice(&b[o..o + 2]));
-            align(&mut bytes);
-            at
-        });
+        };
+        let qs = plane(vo, vb);
+        let qh = ho.map(|o| plane(o, 4));
+        let d = plane(0, 2);
+        let m = mo.map(|o| plane(o, 2));
         let layout = Layout::Planes { qs, qh, d, m };
         parts.push(QPart {
             ty,
