@@ -7,7 +7,7 @@ use pagoda::models::KvCacheDtype;
 use pagoda::models::pooling::{PoolingType, Task};
 use pagoda::sampling::{SamplingDefaults, StructuredOutput};
 use pagoda::sched::{NgramConfig, PreemptionMode, SchedulingPolicy};
-use pagoda::{BackendKind, ChatMessage, EngineArgs, LLM, SamplingParams, WeightDtype};
+use pagoda::{BackendKind, ChatMessage, EngineArgs, LLM, Prompt, SamplingParams, WeightDtype};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -42,6 +42,9 @@ enum Command {
         /// instead of the text.
         #[arg(long)]
         json: bool,
+        /// Generate through this LoRA adapter (a name of --lora-modules).
+        #[arg(long)]
+        lora: Option<String>,
         #[command(flatten)]
         model: ModelArgs,
         #[command(flatten)]
@@ -239,6 +242,36 @@ struct ModelArgs {
     /// those with structured output uses it, and outputs are unchanged, seeded ones included)
     #[arg(long, value_parser = NgramConfig::from_json)]
     speculative_config: Option<NgramConfig>,
+    /// Serve LoRA adapters beside the base model (requests name one as their model).
+    #[arg(long)]
+    enable_lora: bool,
+    /// Adapters loaded at start, as NAME=PATH (a PEFT adapter directory) or vLLM's JSON
+    /// `{"name": ..., "path": ..., "base_model_name": ...}`; needs --enable-lora.
+    #[arg(long, num_args = 1.., value_parser = parse_lora_module)]
+    lora_modules: Vec<(String, PathBuf)>,
+    /// The most distinct adapters in one step (others wait).
+    #[arg(long, default_value_t = 1)]
+    max_loras: usize,
+    /// Adapters of a larger rank are refused.
+    #[arg(long, default_value_t = 16)]
+    max_lora_rank: usize,
+}
+
+/// `--lora-modules`: `NAME=PATH`, or vLLM's JSON form.
+fn parse_lora_module(s: &str) -> Result<(String, PathBuf), String> {
+    if s.trim_start().starts_with('{') {
+        let v: serde_json::Value =
+            serde_json::from_str(s).map_err(|e| format!("not valid JSON: {e}"))?;
+        let field = |k: &str| v[k].as_str().map(String::from);
+        return match (field("name"), field("path")) {
+            (Some(n), Some(p)) if !n.is_empty() => Ok((n, PathBuf::from(p))),
+            _ => Err("the JSON form needs string fields \"name\" and \"path\"".into()),
+        };
+    }
+    match s.split_once('=') {
+        Some((n, p)) if !n.is_empty() && !p.is_empty() => Ok((n.to_string(), PathBuf::from(p))),
+        _ => Err(format!("expected NAME=PATH, got '{s}'")),
+    }
 }
 
 impl ModelArgs {
@@ -265,6 +298,12 @@ impl ModelArgs {
             pooling_type: self.pooling_type,
             classifier_from_token: self.classifier_from_token.clone(),
             speculative: self.speculative_config,
+            lora: pagoda::engine::LoraArgs {
+                enable: self.enable_lora,
+                max_loras: self.max_loras,
+                max_lora_rank: self.max_lora_rank,
+                modules: self.lora_modules.clone(),
+            },
             model: self.model_path()?,
             backend: self.backend.first().copied().unwrap_or(BackendKind::Cpu),
             dtype: self.dtype,
@@ -640,6 +679,7 @@ fn run(cli: Cli) -> Result<()> {
             file,
             chat_template,
             json,
+            lora,
             model,
             sampling,
         } => {
@@ -668,7 +708,11 @@ fn run(cli: Cli) -> Result<()> {
                     .collect::<Result<_>>()?;
             }
             let t0 = Instant::now();
-            let outs = llm.generate(&prompts, &params)?;
+            let requests = prompts
+                .iter()
+                .map(|p| (Prompt::Text(p.clone()), params.clone(), lora.clone()))
+                .collect();
+            let outs = llm.generate_with_lora(requests)?;
             let secs = t0.elapsed().as_secs_f64();
             let mut n_out = 0;
             for (i, o) in outs.iter().enumerate() {

@@ -335,6 +335,7 @@ impl KvLayout {
 ///   seq_lens      [S]      context length after this step
 ///   block_tables  [S × max_blocks]  padded with the null block
 ///   logits_rows   [R]      rows whose logits are wanted (last row of each sampling sequence)
+///   lora_slots    [S]      each sequence's adapter (0: the base model), or empty
 /// ```
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct BatchInput {
@@ -346,6 +347,9 @@ pub struct BatchInput {
     pub block_tables: Vec<u32>,
     pub max_blocks: usize,
     pub logits_rows: Vec<u32>,
+    /// `[S]` or empty: each sequence's LoRA adapter slot, 0 for the base model (empty: all
+    /// base).
+    pub lora_slots: Vec<u32>,
 }
 
 impl BatchInput {
@@ -375,6 +379,11 @@ impl BatchInput {
             "batch: {} block table entries for {s} sequences of {} blocks",
             self.block_tables.len(),
             self.max_blocks
+        );
+        anyhow::ensure!(
+            self.lora_slots.is_empty() || self.lora_slots.len() == s,
+            "batch: {} LoRA slots for {s} sequences",
+            self.lora_slots.len()
         );
         let mut max_query_len = 0;
         for (i, q) in self.query_start.windows(2).enumerate() {
@@ -844,6 +853,7 @@ mod tests {
             block_tables: vec![4, 5, 3, 0],
             max_blocks: 2,
             logits_rows: vec![0, 3],
+            lora_slots: Vec::new(),
         }
     }
 

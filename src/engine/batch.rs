@@ -73,6 +73,7 @@ impl Engine {
                     .push(s.block_table[pos / bs] * bs as u32 + (pos % bs) as u32);
             }
             input.query_start.push(input.token_ids.len() as u32);
+            input.lora_slots.push(req.lora);
             input
                 .seq_lens
                 .push((s.num_computed_tokens + s.num_new_tokens) as u32);

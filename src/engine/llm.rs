@@ -102,15 +102,27 @@ impl LLM {
         &mut self,
         requests: Vec<(Prompt, SamplingParams)>,
     ) -> Result<Vec<RequestOutput>> {
+        self.generate_with_lora(requests.into_iter().map(|(p, s)| (p, s, None)).collect())
+    }
+
+    /// As [`LLM::generate_each`], each prompt through the LoRA adapter it names (loaded by
+    /// [`Engine::load_lora`] or `--lora-modules`), or the base model with `None`; all in one
+    /// batch.
+    pub fn generate_with_lora(
+        &mut self,
+        requests: Vec<(Prompt, SamplingParams, Option<String>)>,
+    ) -> Result<Vec<RequestOutput>> {
         let mut order = Vec::with_capacity(requests.len());
         let mut results: HashMap<RequestId, RequestOutput> = HashMap::new();
-        for (prompt, params) in requests {
+        for (prompt, params, lora) in requests {
             let n = params.n;
             let text = match &prompt {
                 Prompt::Text(t) => Some(t.clone()),
                 Prompt::Tokens(_) => None,
             };
-            let added = self.engine.add_request(prompt, params);
+            let added = self
+                .engine
+                .add_request_with_lora(prompt, params, lora.as_deref());
             let (id, prompt_token_ids) = self.added(added, &mut order)?;
             results.insert(
                 id,

@@ -5,6 +5,7 @@
 mod batch;
 pub mod launch;
 mod llm;
+mod lora;
 mod nodes;
 mod output;
 mod pool;
@@ -15,6 +16,7 @@ mod worker;
 mod workers;
 
 pub use llm::{CompletionOutput, LLM, PoolingOutput, RequestOutput};
+pub use lora::{LoraArgs, LoraError, LoraInfo};
 pub use pool::{PoolingParams, cosine};
 pub use request::{Prompt, PromptLogprob, RequestError, StepOutput, StopReason, sample_seed};
 pub use runner::{KvBudget, ModelRunner, StepResult};
@@ -96,6 +98,8 @@ pub struct EngineArgs {
     pub classifier_from_token: Option<Vec<String>>,
     /// Speculative decoding (`--speculative-config`): n-gram drafts verified in each step.
     pub speculative: Option<NgramConfig>,
+    /// LoRA adapters beside the base model (`--enable-lora`, `--lora-modules`, ...).
+    pub lora: LoraArgs,
 }
 
 impl Default for EngineArgs {
@@ -123,6 +127,7 @@ impl Default for EngineArgs {
             pooling_type: None,
             classifier_from_token: None,
             speculative: None,
+            lora: LoraArgs::default(),
         }
     }
 }
@@ -180,6 +185,8 @@ pub struct Engine {
     pools: HashMap<RequestId, pool::PoolState>,
     /// The length of the rows a step brings back: the vocabulary, or the pooler's width.
     row_len: usize,
+    /// The LoRA adapters loaded.
+    loras: lora::Loras,
 }
 
 /// The model loaded (its file mapped, not yet its weights), the runner's settings, checked,
@@ -272,6 +279,13 @@ impl Engine {
                 args.task.name()
             );
         }
+        let loras = lora::Loras::new(&args.lora)?;
+        if args.lora.enable && args.task != Task::Generate {
+            anyhow::bail!(
+                "--enable-lora applies to generation, not to --task {}",
+                args.task.name()
+            );
+        }
         let (model, runner_args, pooler) = prepare(&args)?;
         let cfg = model.config.clone();
         let max_model_len = runner_args.max_model_len;
@@ -327,6 +341,7 @@ impl Engine {
             policy: args.scheduling,
             preemption_mode: args.preemption_mode,
             steps_in_flight: depth,
+            max_loras: args.lora.max_loras,
         };
         let scheduler = Scheduler::new(sched_cfg, kv);
         let eff_len = scheduler.config().max_model_len;
@@ -351,7 +366,7 @@ impl Engine {
             );
         }
         let row_len = pooler.as_ref().map_or(cfg.vocab_size, |p| p.width);
-        Ok(Engine {
+        let mut engine = Engine {
             pending: Default::default(),
             depth,
             runner,
@@ -372,7 +387,10 @@ impl Engine {
             pooler,
             pools: HashMap::new(),
             speculative: args.speculative,
-        })
+            loras,
+        };
+        engine.load_lora_modules()?;
+        Ok(engine)
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
@@ -486,7 +504,19 @@ impl Engine {
         prompt: Prompt,
         params: SamplingParams,
     ) -> Result<RequestId, RequestError> {
+        self.add_request_with_lora(prompt, params, None)
+    }
+
+    /// [`Self::add_request`] through the LoRA adapter named `lora` (loaded by
+    /// [`Self::load_lora`] or `--lora-modules`), or the base model with `None`.
+    pub fn add_request_with_lora(
+        &mut self,
+        prompt: Prompt,
+        params: SamplingParams,
+        lora: Option<&str>,
+    ) -> Result<RequestId, RequestError> {
         params.validate()?;
+        let (lora_slot, lora_root) = self.lora_slot(lora)?;
         if let Some(p) = &self.pooler {
             return Err(RequestError::InvalidPrompt(format!(
                 "this model is served for {} (--task {}): it does not generate",
@@ -562,14 +592,15 @@ impl Engine {
         let root = if params.prompt_logprobs.is_some() {
             None
         } else if self.scheduler.kv().prefix_caching() {
-            Some(0)
+            Some(lora_root)
         } else {
             (best_of > 1).then_some(group + 1)
         };
         let mut seqs = Vec::with_capacity(best_of);
         for index in 0..best_of {
             let id = self.next_id;
-            let req = Request::new(id, ids.clone(), max_tokens, stop_ids.clone());
+            let mut req = Request::new(id, ids.clone(), max_tokens, stop_ids.clone());
+            req.lora = lora_slot;
             if let Err(e) = self.scheduler.add_request(req.with_cache_root(root)) {
                 for &s in &seqs {
                     self.scheduler.finish_request(s, FinishReason::Abort);
@@ -764,6 +795,9 @@ impl Engine {
     /// NOTE: with pipeline parallelism several steps are in flight (vLLM's virtual engines):
     /// see [`Engine::step_pipelined`].
     pub fn step(&mut self) -> Result<Vec<StepOutput>> {
+        if !self.loras.draining.is_empty() {
+            self.free_drained_loras()?;
+        }
         if self.depth > 1 {
             return self.step_pipelined();
         }

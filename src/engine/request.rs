@@ -84,6 +84,9 @@ pub enum RequestError {
     PromptTooLong(String),
     #[error("{0}")]
     InvalidPrompt(String),
+    /// The request names a LoRA adapter that is not loaded.
+    #[error("no LoRA adapter is loaded under the name `{0}`")]
+    UnknownLora(String),
     #[error("{0:#}")]
     Internal(anyhow::Error),
 }

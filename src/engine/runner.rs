@@ -4,6 +4,7 @@
 
 use crate::backend::{Backend, BackendKind, BatchInput, DeviceBatch};
 use crate::models::kv_cache::{self, KvCache, KvCacheDtype, LayerKvSpec};
+use crate::models::lora::LoraAdapter;
 use crate::models::pooling::OutputHead;
 use crate::models::{CausalLm, LoadedModel, registry};
 use crate::parallel::{NodeConfig, ParallelConfig};
@@ -53,6 +54,11 @@ pub trait ModelRunner: Send {
     /// log-probabilities (not only plain greedy rows).
     fn samples_on_device(&self) -> bool {
         false
+    }
+    /// Loads a LoRA adapter's factors into `slot`, or with `None` unloads it.
+    fn set_lora(&mut self, slot: u32, adapter: Option<&LoraAdapter>) -> Result<()> {
+        let _ = (slot, adapter);
+        bail!("LoRA adapters with tensor or pipeline parallelism are not supported yet")
     }
     /// Copies KV blocks of every layer to host blocks (`out`: device, host), then host blocks
     /// to device blocks (`inn`: host, device): swap preemption's transfers for one step.
@@ -220,6 +226,9 @@ impl<B: Backend> ModelRunner for Runner<B> {
     }
     fn samples_on_device(&self) -> bool {
         self.backend.samples_on_device()
+    }
+    fn set_lora(&mut self, slot: u32, adapter: Option<&LoraAdapter>) -> Result<()> {
+        self.model.set_lora(&self.backend, slot, adapter)
     }
     fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()> {
         let (b, kv) = (&self.backend, &mut self.kv);

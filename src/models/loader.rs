@@ -123,6 +123,11 @@ impl SafetensorsWeights {
                 dir.display()
             );
         };
+        Self::open_files(paths)
+    }
+
+    /// The tensors of these safetensors files (a model's shards, or one LoRA adapter's file).
+    pub fn open_files(paths: Vec<PathBuf>) -> Result<Self> {
         let mut files = Vec::new();
         let mut index = HashMap::new();
         let mut alias = HashMap::new();
@@ -173,6 +178,13 @@ impl SafetensorsWeights {
             num_elements,
             stored_bytes,
         })
+    }
+}
+
+impl SafetensorsWeights {
+    /// The names of the tensors, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
     }
 }
 

@@ -9,6 +9,7 @@ pub mod gpt2;
 pub mod kv_cache;
 pub mod llama;
 pub mod loader;
+pub mod lora;
 pub mod mmap;
 pub mod moe;
 pub mod neox;
@@ -52,6 +53,18 @@ pub trait CausalLm<B: Backend>: Send + Sync {
 
     /// What was uploaded: bytes, parameters, bytes by storage type.
     fn weight_stats(&self) -> &WeightStats;
+
+    /// Loads a LoRA adapter's factors into `slot` (the rows of `batch.host.lora_slots` equal
+    /// to it use them from then on), or with `None` unloads the slot.
+    fn set_lora(
+        &mut self,
+        backend: &B,
+        slot: u32,
+        adapter: Option<&lora::LoraAdapter>,
+    ) -> Result<()> {
+        let _ = (backend, slot, adapter);
+        anyhow::bail!("LoRA adapters are not supported for this model")
+    }
 
     /// The part of the vocabulary this worker's logits cover, and the length of their rows
     /// (`forward` returns `[R, row_len]`, whose first `range.len()` columns are that part);

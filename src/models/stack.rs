@@ -5,6 +5,7 @@
 use super::config::ModelConfig;
 use super::kv_cache::{KvCache, LayerKvSpec};
 use super::loader::WeightSource;
+use super::lora::LoraAdapter;
 use super::pooling::OutputHead;
 use super::shard::{self, Head, Shard, stage_input, stage_output};
 use super::{CausalLm, Norm, Uploader, check_positions};
@@ -108,6 +109,15 @@ pub trait Family<B: Backend>: Send + Sync {
 
     /// [`CausalLm::forward`].
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf>;
+
+    /// [`CausalLm::set_lora`].
+    fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<()> {
+        let _ = (backend, slot, adapter);
+        anyhow::bail!(
+            "LoRA adapters are not supported for {:?} models yet",
+            self.stack().cfg.arch
+        )
+    }
 }
 
 impl<B: Backend, F: Family<B>> CausalLm<B> for F {
@@ -126,6 +136,10 @@ impl<B: Backend, F: Family<B>> CausalLm<B> for F {
 
     fn weight_stats(&self) -> &WeightStats {
         &self.stack().weights
+    }
+
+    fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<()> {
+        Family::set_lora(self, backend, slot, adapter)
     }
 
     fn logits_shard(&self) -> Option<(Range<usize>, usize)> {

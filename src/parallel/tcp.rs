@@ -365,6 +365,9 @@ impl Msg {
                     block_tables: next(),
                     logits_rows,
                     max_blocks: d.usize()?,
+                    // NOTE: workers on other nodes load no LoRA adapters (the runner over
+                    // workers refuses them), so every row is the base model's.
+                    lora_slots: Vec::new(),
                 })
             }
             5 => Msg::Swap(d.pairs()?, d.pairs()?),
@@ -592,6 +595,7 @@ mod tests {
                 block_tables: vec![1, 0],
                 max_blocks: 2,
                 logits_rows: vec![2],
+                lora_slots: Vec::new(),
             }),
             Msg::Swap(vec![(1, 2), (3, 4)], vec![]),
             Msg::Done(Ok(None)),

@@ -53,6 +53,9 @@ pub struct Request {
     /// Draft tokens proposed for the next step (speculative decoding), scheduled after its
     /// last token when it decodes; taken by the next `schedule`.
     pub draft_tokens: Vec<u32>,
+    /// The LoRA adapter's slot (0: the base model); a step holds at most
+    /// [`super::SchedulerConfig::max_loras`] distinct ones.
+    pub lora: u32,
 }
 
 impl Request {
@@ -74,6 +77,7 @@ impl Request {
             num_preemptions: 0,
             cache_root: None,
             draft_tokens: Vec::new(),
+            lora: 0,
         }
     }
 

@@ -56,6 +56,9 @@ pub struct SchedulerConfig {
     /// than one, a step takes at most its share of the unfinished requests, so that the steps
     /// in flight split them evenly (as vLLM's virtual engines each hold a share).
     pub steps_in_flight: usize,
+    /// The most distinct LoRA adapters among the running requests (`--max-loras`); the base
+    /// model does not count.
+    pub max_loras: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -67,6 +70,7 @@ impl Default for SchedulerConfig {
             policy: SchedulingPolicy::Continuous,
             preemption_mode: PreemptionMode::Recompute,
             steps_in_flight: 1,
+            max_loras: usize::MAX,
         }
     }
 }
@@ -328,12 +332,24 @@ impl Scheduler {
                     self.batch_open && out.preempted.is_empty()
                 }
             };
+        // The adapters of the running requests: one outside them joins only while fewer than
+        // max_loras are there.
+        let mut loras: HashSet<u32> = self
+            .running
+            .iter()
+            .map(|id| self.requests[id].lora)
+            .filter(|&l| l != 0)
+            .collect();
+        let max_loras = self.config.max_loras;
+        let fits =
+            |loras: &HashSet<u32>, l: u32| l == 0 || loras.contains(&l) || loras.len() < max_loras;
         if may_admit {
             // Swapped requests resume first, with their K/V copied back.
             while let Some(&id) = self.swapped.front() {
                 if budget == 0
                     || self.running.len() >= self.config.max_num_seqs
                     || grants.len() >= share
+                    || !fits(&loras, self.requests[&id].lora)
                 {
                     break;
                 }
@@ -344,6 +360,7 @@ impl Scheduler {
                 };
                 out.swap_in.extend(pairs);
                 self.swapped.pop_front();
+                loras.extend(Some(r.lora).filter(|&l| l != 0));
                 self.running.push(id);
                 self.requests.get_mut(&id).unwrap().status = RequestStatus::Running;
                 grants.push((id, n, Vec::new()));
@@ -352,7 +369,12 @@ impl Scheduler {
         }
         // NOTE: nothing new is admitted while a swapped request waits for blocks.
         if may_admit && self.swapped.is_empty() {
-            while let Some(&id) = self.waiting.front() {
+            // NOTE: a request whose adapter does not fit waits, and the requests behind it
+            // with adapters wait too (those for the base model go on): so the adapters
+            // running drain, and it is not starved by a stream of requests for them.
+            let mut lora_waits = false;
+            let mut i = 0;
+            while let Some(&id) = self.waiting.get(i) {
                 if budget == 0
                     || self.running.len() >= self.config.max_num_seqs
                     || grants.len() >= share
@@ -360,6 +382,11 @@ impl Scheduler {
                     break;
                 }
                 let r = &self.requests[&id];
+                if r.lora != 0 && (lora_waits || !fits(&loras, r.lora)) {
+                    lora_waits = true;
+                    i += 1;
+                    continue;
+                }
                 debug_assert_eq!(
                     r.num_computed_tokens, 0,
                     "a waiting request holds no blocks"
@@ -377,7 +404,8 @@ impl Scheduler {
                 if r.cache_root.is_some() {
                     self.kv.record_prefix_query(r.num_tokens(), hit);
                 }
-                self.waiting.pop_front();
+                self.waiting.remove(i);
+                loras.extend(Some(r.lora).filter(|&l| l != 0));
                 self.running.push(id);
                 let r = self.requests.get_mut(&id).unwrap();
                 r.status = RequestStatus::Running;
@@ -515,6 +543,13 @@ impl Scheduler {
         true
     }
 
+    /// Whether an unfinished request uses the LoRA adapter in `slot`.
+    pub fn uses_lora(&self, slot: u32) -> bool {
+        self.requests
+            .values()
+            .any(|r| r.lora == slot && !r.is_finished())
+    }
+
     /// Forgets a finished request (after its output was delivered).
     pub fn remove_finished(&mut self, id: RequestId) -> Option<Request> {
         match self.requests.get(&id) {
@@ -542,6 +577,7 @@ mod tests {
             policy: SchedulingPolicy::Continuous,
             preemption_mode: PreemptionMode::Recompute,
             steps_in_flight: 1,
+            max_loras: usize::MAX,
         };
         Scheduler::new(cfg, KvCacheManager::new(blocks, bs, false))
     }
@@ -580,6 +616,48 @@ mod tests {
         assert_eq!(chunks, vec![8, 8, 4]);
         assert!(s.finish_request(3, FinishReason::Stop));
         assert!(!s.has_unfinished());
+    }
+
+    /// At most max_loras adapters run at once; the base model does not count; a request whose
+    /// adapter waits is not overtaken by later requests with adapters (no starvation), only by
+    /// requests for the base model.
+    #[test]
+    fn a_step_holds_at_most_max_loras_adapters_and_waiting_ones_are_not_starved() {
+        let mut s = sched(256, 4, 64, 16);
+        s.config.max_loras = 2;
+        let lora = |id, l, max| {
+            let mut r = Request::new(id, vec![1; 3], max, vec![]);
+            r.lora = l;
+            r
+        };
+        // adapters 1 and 2 run; 3 waits; 1 again (after 3) waits too; the base goes on
+        s.add_request(lora(1, 1, 4)).unwrap();
+        s.add_request(lora(2, 2, 4)).unwrap();
+        s.add_request(lora(3, 3, 4)).unwrap();
+        s.add_request(lora(4, 1, 4)).unwrap();
+        s.add_request(lora(5, 0, 4)).unwrap();
+        let mut first_step_of = HashMap::new();
+        let mut step = 0;
+        while s.has_unfinished() {
+            let out = s.schedule();
+            assert!(!out.is_empty(), "no progress");
+            let running: HashSet<u32> = out
+                .scheduled
+                .iter()
+                .map(|r| s.request(r.id).unwrap().lora)
+                .filter(|&l| l != 0)
+                .collect();
+            assert!(running.len() <= 2, "step {step}: adapters {running:?}");
+            for r in &out.scheduled {
+                first_step_of.entry(r.id).or_insert(step);
+            }
+            let sampled = fake_sampled(&out);
+            s.update_from_output(&out, &one(sampled));
+            step += 1;
+        }
+        let at = |id| first_step_of[&id];
+        assert_eq!((at(1), at(2), at(5)), (0, 0, 0));
+        assert!(at(3) > 0 && at(4) >= at(3), "{first_step_of:?}");
     }
 
     /// A fake model: the next token is a function of the request id and position only, so the
@@ -855,6 +933,7 @@ mod tests {
             policy: SchedulingPolicy::Static,
             preemption_mode: PreemptionMode::Recompute,
             steps_in_flight: 1,
+            max_loras: usize::MAX,
         };
         let mut s = Scheduler::new(cfg, KvCacheManager::new(100, 4, false));
         s.add_request(Request::new(1, vec![1; 4], 1, vec![]))

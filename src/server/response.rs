@@ -172,6 +172,7 @@ pub(super) async fn submit(
                     ApiError::invalid(m, Some(param))
                 }
                 RequestError::InvalidPrompt(m) => ApiError::invalid(m, Some(prompt_param)),
+                RequestError::UnknownLora(m) => ApiError::model_not_found(&m),
                 RequestError::Internal(e) => ApiError::internal(format!("{e:#}")),
             },
         })?;

@@ -121,6 +121,7 @@ pub fn single_sequence_step(
         block_tables: table.to_vec(),
         max_blocks: table.len(),
         logits_rows: vec![n as u32 - 1],
+        lora_slots: Vec::new(),
     }
 }
 

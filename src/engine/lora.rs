@@ -1,0 +1,199 @@
+//! LoRA adapters served beside the base model (vLLM's `--enable-lora`): which are loaded, under
+//! which name and slot, loading and unloading them at run time, and the slot and prefix-cache
+//! root of a request that names one.
+//!
+//! A request names an adapter; the engine gives its scheduler request the adapter's slot (the
+//! rows of that request use the slot's factors: `models/lora.rs`) and a prefix-cache root of
+//! the adapter's own, so that no adapter ever reads K/V another computed. An adapter unloaded
+//! while requests use it is gone for new requests at once; its slot is freed when the last of
+//! them finishes.
+
+use super::Engine;
+use super::request::RequestError;
+use crate::models::lora::LoraAdapter;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The LoRA settings of an engine (`--enable-lora`, `--max-loras`, `--max-lora-rank`,
+/// `--lora-modules`).
+#[derive(Debug, Clone)]
+pub struct LoraArgs {
+    pub enable: bool,
+    /// The most distinct adapters in one step.
+    pub max_loras: usize,
+    /// Adapters of a larger rank are refused.
+    pub max_lora_rank: usize,
+    /// Loaded at start: (name, PEFT adapter directory).
+    pub modules: Vec<(String, PathBuf)>,
+}
+
+impl Default for LoraArgs {
+    fn default() -> Self {
+        // NOTE: vLLM's defaults.
+        LoraArgs {
+            enable: false,
+            max_loras: 1,
+            max_lora_rank: 16,
+            modules: Vec::new(),
+        }
+    }
+}
+
+/// Why an adapter could not be loaded or unloaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoraError {
+    #[error("LoRA adapters are not enabled: start with --enable-lora")]
+    Disabled,
+    #[error("no LoRA adapter is loaded under the name `{0}`")]
+    NotFound(String),
+    #[error("a LoRA adapter is already loaded under the name `{0}`")]
+    Exists(String),
+    /// The adapter itself: unreadable, of too large a rank, or for other layers.
+    #[error("{0:#}")]
+    Invalid(anyhow::Error),
+}
+
+/// A loaded adapter.
+#[derive(Debug, Clone)]
+pub struct LoraInfo {
+    pub name: String,
+    pub path: PathBuf,
+    pub rank: usize,
+    /// Bytes its factors take on the device (f32).
+    pub bytes: u64,
+    slot: u32,
+    root: u64,
+}
+
+/// The engine's adapters.
+#[derive(Debug, Default)]
+pub(super) struct Loras {
+    args: LoraArgs,
+    by_name: HashMap<String, LoraInfo>,
+    /// Slots of adapters unloaded while requests still used them.
+    pub(super) draining: Vec<u32>,
+    /// Prefix-cache roots handed out so far (0 is the base model's).
+    roots: u64,
+}
+
+impl Loras {
+    pub(super) fn new(args: &LoraArgs) -> anyhow::Result<Self> {
+        if !args.enable && !args.modules.is_empty() {
+            anyhow::bail!("--lora-modules needs --enable-lora");
+        }
+        if args.enable && (args.max_loras == 0 || args.max_lora_rank == 0) {
+            anyhow::bail!("--max-loras and --max-lora-rank must be positive");
+        }
+        Ok(Loras {
+            args: args.clone(),
+            ..Default::default()
+        })
+    }
+
+    /// The smallest slot neither loaded nor draining.
+    fn free_slot(&self) -> u32 {
+        (1..)
+            .find(|s| !self.draining.contains(s) && !self.by_name.values().any(|l| l.slot == *s))
+            .expect("a free slot")
+    }
+}
+
+impl Engine {
+    /// Loads the PEFT adapter in `path` under `name`; requests naming it use it from the next
+    /// step on.
+    pub fn load_lora(&mut self, name: &str, path: &Path) -> Result<LoraInfo, LoraError> {
+        if !self.loras.args.enable {
+            return Err(LoraError::Disabled);
+        }
+        if self.loras.by_name.contains_key(name) || name == self.model_name {
+            return Err(LoraError::Exists(name.to_string()));
+        }
+        let adapter = LoraAdapter::load(path).map_err(LoraError::Invalid)?;
+        let max = self.loras.args.max_lora_rank;
+        if adapter.rank > max {
+            return Err(LoraError::Invalid(anyhow::anyhow!(
+                "the adapter's rank {} is above --max-lora-rank {max}",
+                adapter.rank
+            )));
+        }
+        let slot = self.loras.free_slot();
+        self.runner
+            .set_lora(slot, Some(&adapter))
+            .map_err(LoraError::Invalid)?;
+        self.loras.roots += 1;
+        let info = LoraInfo {
+            name: name.to_string(),
+            path: path.to_path_buf(),
+            rank: adapter.rank,
+            bytes: adapter.bytes(),
+            slot,
+            root: self.loras.roots,
+        };
+        tracing::info!(
+            "LoRA adapter {name} loaded from {} (rank {}, {} KiB)",
+            path.display(),
+            info.rank,
+            info.bytes >> 10
+        );
+        self.loras.by_name.insert(name.to_string(), info.clone());
+        Ok(info)
+    }
+
+    /// Unloads the adapter `name`: new requests for it are refused at once; those already
+    /// queued or running finish with it first, and its memory is freed after the last.
+    pub fn unload_lora(&mut self, name: &str) -> Result<(), LoraError> {
+        if !self.loras.args.enable {
+            return Err(LoraError::Disabled);
+        }
+        let info = self
+            .loras
+            .by_name
+            .remove(name)
+            .ok_or_else(|| LoraError::NotFound(name.to_string()))?;
+        self.loras.draining.push(info.slot);
+        self.free_drained_loras().map_err(LoraError::Invalid)
+    }
+
+    /// The adapters loaded, by name.
+    pub fn loras(&self) -> Vec<LoraInfo> {
+        let mut v: Vec<LoraInfo> = self.loras.by_name.values().cloned().collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// Frees the slots of unloaded adapters that no request uses any more.
+    pub(super) fn free_drained_loras(&mut self) -> anyhow::Result<()> {
+        let mut i = 0;
+        while i < self.loras.draining.len() {
+            let slot = self.loras.draining[i];
+            if self.scheduler.uses_lora(slot) {
+                i += 1;
+                continue;
+            }
+            self.runner.set_lora(slot, None)?;
+            self.loras.draining.swap_remove(i);
+        }
+        Ok(())
+    }
+
+    /// The slot and the prefix-cache root of the adapter a request names (`None`: the base
+    /// model, slot 0 and root 0).
+    pub(super) fn lora_slot(&self, name: Option<&str>) -> Result<(u32, u64), RequestError> {
+        match name {
+            None => Ok((0, 0)),
+            Some(n) => match self.loras.by_name.get(n) {
+                Some(l) => Ok((l.slot, l.root)),
+                None => Err(RequestError::UnknownLora(n.to_string())),
+            },
+        }
+    }
+
+    /// The adapters of `--lora-modules`, loaded at start.
+    pub(super) fn load_lora_modules(&mut self) -> anyhow::Result<()> {
+        for (name, path) in self.loras.args.modules.clone() {
+            self.load_lora(&name, &path)
+                .map_err(|e| anyhow::anyhow!("--lora-modules {name}={}: {e}", path.display()))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,339 @@
+//! Multi-LoRA serving against transformers + peft: tiny random PEFT adapters on the tiny Mistral
+//! and Phi-3 models (`tests/data/tiny/lora/`, made by `scripts/make-tiny-lora.py`: ranks 8 and
+//! 16, attention-only and all-linear, `lora_alpha` != `r`, rsLoRA, Phi-3's fused projections)
+//! and their greedy goldens. Pagoda in f32 reproduces the ids exactly: each adapter alone, every
+//! adapter and the base in one batch, after loading, unloading and loading again at run time;
+//! on the CPU and on the emulated GPU.
+
+mod common;
+
+use common::tiny;
+use pagoda::engine::{LoraArgs, LoraError, RequestError};
+use pagoda::{BackendKind, EngineArgs, LLM, Prompt, SamplingParams};
+use std::path::PathBuf;
+
+const BACKENDS: [BackendKind; 2] = [BackendKind::Cpu, BackendKind::Emu];
+
+fn goldens() -> serde_json::Value {
+    let p = tiny("lora/goldens.json");
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// The prompts of `model`, and each output's 24 ids per prompt (`base`, an adapter, merged).
+fn cases(model: &str) -> (Vec<Vec<u32>>, Vec<(String, Vec<Vec<u32>>)>) {
+    let g = &goldens()["models"][model];
+    let prompts = g["prompts"].as_array().unwrap().iter().map(ids).collect();
+    let outputs = g["outputs"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(name, o)| {
+            let g = o["generated_ids"].as_array().unwrap().iter().map(ids);
+            (name.clone(), g.collect())
+        })
+        .collect();
+    (prompts, outputs)
+}
+
+fn adapter(name: &str) -> PathBuf {
+    tiny(&format!("lora/{name}"))
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        max_tokens: Some(24),
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    }
+}
+
+/// An engine on `model` with LoRA on and `modules` loaded; small blocks and a small token
+/// budget, so that prompts are chunked and blocks shared where the prefix cache allows.
+fn engine(model: &str, backend: BackendKind, modules: &[&str], max_loras: usize) -> LLM {
+    LLM::new(EngineArgs {
+        model: Some(tiny(model)),
+        backend,
+        block_size: 4,
+        max_num_batched_tokens: Some(32),
+        lora: LoraArgs {
+            enable: true,
+            max_loras,
+            max_lora_rank: 16,
+            modules: modules
+                .iter()
+                .map(|m| (m.to_string(), adapter(m)))
+                .collect(),
+        },
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// Runs `(prompt, adapter)` pairs in one batch; the generated ids of each.
+fn run(llm: &mut LLM, reqs: &[(Vec<u32>, Option<&str>)]) -> Vec<Vec<u32>> {
+    let reqs = reqs
+        .iter()
+        .map(|(p, l)| (Prompt::Tokens(p.clone()), greedy(), l.map(String::from)))
+        .collect();
+    let out = llm.generate_with_lora(reqs).unwrap();
+    out.into_iter()
+        .map(|r| r.outputs[0].token_ids.clone())
+        .collect()
+}
+
+fn adapters_of(outputs: &[(String, Vec<Vec<u32>>)]) -> Vec<&str> {
+    outputs
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .filter(|n| *n != "base" && !n.ends_with("-merged"))
+        .collect()
+}
+
+/// Each adapter alone (one request at a time, the base's cached blocks beside it), then every
+/// adapter and the base over every prompt in one batch.
+#[test]
+fn adapters_alone_and_mixed_in_one_batch_give_peft_tokens() {
+    for backend in BACKENDS {
+        for model in ["mistral", "phi3"] {
+            let (prompts, outputs) = cases(model);
+            let names = adapters_of(&outputs);
+            let mut llm = engine(model, backend, &names, names.len());
+            for (name, want) in &outputs {
+                if name.ends_with("-merged") {
+                    continue;
+                }
+                let lora = (name != "base").then_some(name.as_str());
+                for (p, w) in prompts.iter().zip(want) {
+                    let got = run(&mut llm, &[(p.clone(), lora)]);
+                    assert_eq!(&got[0], w, "{backend:?} {model} {name} alone, prompt {p:?}");
+                }
+            }
+            let mut reqs = Vec::new();
+            let mut wants = Vec::new();
+            for (name, want) in outputs.iter().filter(|(n, _)| !n.ends_with("-merged")) {
+                let lora = (name != "base").then_some(name.as_str());
+                for (p, w) in prompts.iter().zip(want) {
+                    reqs.push((p.clone(), lora));
+                    wants.push((name.clone(), w.clone()));
+                }
+            }
+            let got = run(&mut llm, &reqs);
+            for (g, (name, w)) in got.iter().zip(&wants) {
+                assert_eq!(g, w, "{backend:?} {model} {name} in a mixed batch");
+            }
+        }
+    }
+}
+
+/// A step holds at most `--max-loras` adapters; with 1 the others wait their turn and still get
+/// their own tokens.
+#[test]
+fn adapters_beyond_max_loras_wait_and_give_the_same_tokens() {
+    let (prompts, outputs) = cases("mistral");
+    let names = adapters_of(&outputs);
+    let mut llm = engine("mistral", BackendKind::Cpu, &names, 1);
+    let mut reqs = Vec::new();
+    let mut wants = Vec::new();
+    for (name, want) in outputs.iter().filter(|(n, _)| !n.ends_with("-merged")) {
+        let lora = (name != "base").then_some(name.as_str());
+        reqs.push((prompts[1].clone(), lora));
+        wants.push(want[1].clone());
+    }
+    assert_eq!(run(&mut llm, &reqs), wants);
+}
+
+/// peft's merge_and_unload of mistral-all, served as a plain model, gives the tokens of the
+/// adapter served unmerged.
+#[test]
+fn a_merged_copy_gives_the_tokens_of_the_adapter_unmerged() {
+    let (prompts, outputs) = cases("mistral");
+    let want = |n: &str| outputs.iter().find(|o| o.0 == n).unwrap().1.clone();
+    assert_eq!(want("mistral-all-merged"), want("mistral-all"));
+    let mut merged = LLM::new(EngineArgs {
+        model: Some(adapter("mistral-all-merged")),
+        ..Default::default()
+    })
+    .unwrap();
+    let got = merged.generate(
+        &prompts
+            .iter()
+            .cloned()
+            .map(Prompt::Tokens)
+            .collect::<Vec<_>>(),
+        &greedy(),
+    );
+    let got: Vec<Vec<u32>> = got
+        .unwrap()
+        .into_iter()
+        .map(|r| r.outputs[0].token_ids.clone())
+        .collect();
+    assert_eq!(got, want("mistral-all"));
+}
+
+/// Loading at run time, unloading while a request uses the adapter (it finishes with it; new
+/// requests are refused), and loading again under the same name.
+#[test]
+fn adapters_load_unload_and_load_again_at_run_time() {
+    for backend in BACKENDS {
+        let (prompts, outputs) = cases("mistral");
+        let want = outputs
+            .iter()
+            .find(|o| o.0 == "mistral-rslora")
+            .unwrap()
+            .1
+            .clone();
+        let mut llm = engine("mistral", backend, &[], 2);
+        let e = llm.engine();
+        let refused =
+            e.add_request_with_lora(Prompt::Tokens(prompts[0].clone()), greedy(), Some("rs"));
+        assert!(matches!(refused, Err(RequestError::UnknownLora(n)) if n == "rs"));
+        let info = e.load_lora("rs", &adapter("mistral-rslora")).unwrap();
+        assert_eq!((info.rank, info.name.as_str()), (8, "rs"));
+        assert!(matches!(
+            e.load_lora("rs", &adapter("mistral-rslora")),
+            Err(LoraError::Exists(_))
+        ));
+        assert_eq!(
+            run(&mut llm, &[(prompts[2].clone(), Some("rs"))])[0],
+            want[2]
+        );
+
+        // unloaded after its request started: the request ends with the adapter's tokens
+        let e = llm.engine();
+        let id = e
+            .add_request_with_lora(Prompt::Tokens(prompts[1].clone()), greedy(), Some("rs"))
+            .unwrap();
+        let mut tokens = Vec::new();
+        let mut first = true;
+        while e.has_unfinished() {
+            for o in e.step().unwrap() {
+                assert_eq!(o.request_id, id);
+                tokens.extend(o.new_token_ids);
+            }
+            if first {
+                e.unload_lora("rs").unwrap();
+                assert!(e.loras().is_empty());
+                let refused = e.add_request_with_lora(
+                    Prompt::Tokens(prompts[0].clone()),
+                    greedy(),
+                    Some("rs"),
+                );
+                assert!(matches!(refused, Err(RequestError::UnknownLora(_))));
+                first = false;
+            }
+        }
+        assert_eq!(
+            tokens, want[1],
+            "{backend:?}: the request that outlived its unload"
+        );
+        assert!(matches!(e.unload_lora("rs"), Err(LoraError::NotFound(_))));
+
+        // loaded again under the same name
+        e.load_lora("rs", &adapter("mistral-rslora")).unwrap();
+        assert_eq!(
+            run(&mut llm, &[(prompts[0].clone(), Some("rs"))])[0],
+            want[0]
+        );
+    }
+}
+
+/// What cannot be served is refused with the reason: a rank above --max-lora-rank, a
+/// projection the model lacks, no adapter files, LoRA not enabled, modules without it.
+#[test]
+fn adapters_that_cannot_be_served_are_refused_clearly() {
+    let mut llm = LLM::new(EngineArgs {
+        model: Some(tiny("mistral")),
+        lora: LoraArgs {
+            enable: true,
+            max_lora_rank: 8,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let e = llm.engine();
+    let err = |r: Result<_, LoraError>| {
+        r.map(|_: pagoda::engine::LoraInfo| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let m = err(e.load_lora("all", &adapter("mistral-all")));
+    assert!(
+        m.contains("rank 16") && m.contains("--max-lora-rank 8"),
+        "{m}"
+    );
+    let m = err(e.load_lora("phi", &adapter("phi3-all")));
+    assert!(m.contains("maps 96 to 64"), "Phi-3's MLP is wider: {m}");
+    for (tensor, says) in [
+        (
+            "model.layers.0.mlp.fc1",
+            "`fc1`, which this model has no linear layer for",
+        ),
+        (
+            "model.layers.7.self_attn.q_proj",
+            "layer 7, but the model has layers 0..3",
+        ),
+        ("model.embed_tokens", "not in a decoder layer"),
+    ] {
+        let dir = synthetic_adapter(tensor);
+        let m = err(e.load_lora("bad", dir.path()));
+        assert!(m.contains(says), "{tensor}: {m}");
+    }
+    let m = err(e.load_lora("none", &tiny("mistral")));
+    assert!(m.contains("adapter_config.json"), "{m}");
+    assert!(e.loras().is_empty());
+
+    let mut plain = LLM::new(EngineArgs {
+        model: Some(tiny("mistral")),
+        ..Default::default()
+    })
+    .unwrap();
+    let r = plain.engine().load_lora("rs", &adapter("mistral-rslora"));
+    assert!(matches!(r, Err(LoraError::Disabled)));
+    let no_flag = LLM::new(EngineArgs {
+        model: Some(tiny("mistral")),
+        lora: LoraArgs {
+            modules: vec![("rs".into(), adapter("mistral-rslora"))],
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let m = no_flag.err().unwrap().to_string();
+    assert!(m.contains("--enable-lora"), "{m}");
+}
+
+/// An adapter of rank 2 on one module `name` (`[2, 64]` and `[64, 2]` factors of ones).
+fn synthetic_adapter(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = serde_json::json!({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+        "target_modules": [name.rsplit('.').next().unwrap()], "bias": "none"});
+    std::fs::write(dir.path().join("adapter_config.json"), cfg.to_string()).unwrap();
+    let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), 128)
+        .flatten()
+        .collect();
+    let view = |shape: Vec<usize>| {
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &ones).unwrap()
+    };
+    let tensors = [
+        (
+            format!("base_model.model.{name}.lora_A.weight"),
+            view(vec![2, 64]),
+        ),
+        (
+            format!("base_model.model.{name}.lora_B.weight"),
+            view(vec![64, 2]),
+        ),
+    ];
+    let bytes = safetensors::serialize(tensors, None).unwrap();
+    std::fs::write(dir.path().join("adapter_model.safetensors"), bytes).unwrap();
+    dir
+}
