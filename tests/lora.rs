@@ -6,10 +6,13 @@
 //! on the CPU and on the emulated GPU.
 
 mod common;
+mod server_util;
 
 use common::tiny;
 use pagoda::engine::{LoraArgs, LoraError, RequestError};
 use pagoda::{BackendKind, EngineArgs, LLM, Prompt, SamplingParams};
+use serde_json::json;
+use server_util::{get, post_json};
 use std::path::PathBuf;
 
 const BACKENDS: [BackendKind; 2] = [BackendKind::Cpu, BackendKind::Emu];
@@ -28,8 +31,11 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
         .collect()
 }
 
-/// The prompts of `model`, and each output's 24 ids per prompt (`base`, an adapter, merged).
-fn cases(model: &str) -> (Vec<Vec<u32>>, Vec<(String, Vec<Vec<u32>>)>) {
+/// Each output's name (`base`, an adapter, a merged copy) and its 24 ids per prompt.
+type Outputs = Vec<(String, Vec<Vec<u32>>)>;
+
+/// The prompts of `model`, and its outputs.
+fn cases(model: &str) -> (Vec<Vec<u32>>, Outputs) {
     let g = &goldens()["models"][model];
     let prompts = g["prompts"].as_array().unwrap().iter().map(ids).collect();
     let outputs = g["outputs"]
@@ -290,6 +296,8 @@ fn adapters_that_cannot_be_served_are_refused_clearly() {
     }
     let m = err(e.load_lora("none", &tiny("mistral")));
     assert!(m.contains("adapter_config.json"), "{m}");
+    let m = err(e.load_lora("file", &tiny("mistral/model.safetensors")));
+    assert!(m.contains("GGUF adapters are not supported"), "{m}");
     assert!(e.loras().is_empty());
 
     let mut plain = LLM::new(EngineArgs {
@@ -336,4 +344,106 @@ fn synthetic_adapter(name: &str) -> tempfile::TempDir {
     let bytes = safetensors::serialize(tensors, None).unwrap();
     std::fs::write(dir.path().join("adapter_model.safetensors"), bytes).unwrap();
     dir
+}
+
+/// The server: `model` names the base or an adapter (404 for an unknown one), `/v1/models`
+/// lists adapters with their parent, and adapters load and unload at run time behind the API
+/// key; without --enable-lora the routes say so.
+#[test]
+fn the_server_serves_adapters_by_model_name_and_loads_them_at_run_time() {
+    let (prompts, outputs) = cases("mistral");
+    let want = |n: &str| outputs.iter().find(|o| o.0 == n).unwrap().1.clone();
+    let key = Some("k");
+    let engine = pagoda::Engine::new(EngineArgs {
+        model: Some(tiny("mistral")),
+        lora: LoraArgs {
+            enable: true,
+            max_loras: 2,
+            modules: vec![("attn".into(), adapter("mistral-attn"))],
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let args = pagoda::server::ServerArgs {
+        host: "127.0.0.1".into(),
+        port: 0,
+        api_key: Some("k".into()),
+        ..Default::default()
+    };
+    let server = pagoda::server::start(engine, args).unwrap();
+    let addr = server.addr();
+    let complete = |model: &str, p: usize| {
+        let body = json!({"model": model, "prompt": prompts[p], "max_tokens": 24,
+            "temperature": 0, "ignore_eos": true, "return_token_ids": true});
+        post_json(addr, "/v1/completions", key, &body)
+    };
+    let tokens = |r: server_util::HttpResponse| -> Vec<u32> {
+        assert_eq!(r.status, 200, "{}", r.text());
+        ids(&r.json()["choices"][0]["token_ids"])
+    };
+    let base = tiny("mistral")
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .to_string();
+    let models = get(addr, "/v1/models", key).json();
+    let cards: Vec<(String, serde_json::Value)> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["id"].as_str().unwrap().to_string(), c["parent"].clone()))
+        .collect();
+    assert_eq!(
+        cards,
+        vec![(base.clone(), json!(null)), ("attn".into(), json!(base))]
+    );
+    assert_eq!(tokens(complete("attn", 2)), want("mistral-attn")[2]);
+    assert_eq!(tokens(complete(&base, 2)), want("base")[2]);
+    assert_eq!(complete("rs", 0).status, 404);
+
+    let load = json!({"lora_name": "rs", "lora_path": adapter("mistral-rslora")});
+    assert_eq!(
+        post_json(addr, "/v1/load_lora_adapter", None, &load).status,
+        401
+    );
+    let r = post_json(addr, "/v1/load_lora_adapter", key, &load);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(tokens(complete("rs", 1)), want("mistral-rslora")[1]);
+    let again = post_json(addr, "/v1/load_lora_adapter", key, &load);
+    assert_eq!(again.status, 400, "{}", again.text());
+    let big = json!({"lora_name": "big", "lora_path": adapter("phi3-all")});
+    let r = post_json(addr, "/v1/load_lora_adapter", key, &big);
+    assert!(
+        r.status == 400 && r.text().contains("maps 96 to 64"),
+        "{}",
+        r.text()
+    );
+    let unload = json!({"lora_name": "rs"});
+    assert_eq!(
+        post_json(addr, "/v1/unload_lora_adapter", key, &unload).status,
+        200
+    );
+    assert_eq!(complete("rs", 1).status, 404);
+    assert_eq!(
+        post_json(addr, "/v1/unload_lora_adapter", key, &unload).status,
+        404
+    );
+    let ids: Vec<String> = get(addr, "/v1/models", key).json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, vec![base, "attn".to_string()]);
+    server.shutdown().unwrap();
+
+    let plain = server_util::start(tiny("mistral"), 16, Default::default());
+    let r = post_json(plain.addr(), "/v1/load_lora_adapter", None, &load);
+    assert!(
+        r.status == 404 && r.text().contains("--enable-lora"),
+        "{}",
+        r.text()
+    );
+    plain.shutdown().unwrap();
 }

@@ -1,6 +1,5 @@
-//! LoRA adapters served beside the base model (vLLM's `--enable-lora`): which are loaded, under
-//! which name and slot, loading and unloading them at run time, and the slot and prefix-cache
-//! root of a request that names one.
+//! LoRA adapters served beside the base model (vLLM's `--enable-lora`): loading and unloading
+//! them at run time, and the slot and prefix-cache root of a request that names one.
 //!
 //! A request names an adapter; the engine gives its scheduler request the adapter's slot (the
 //! rows of that request use the slot's factors: `models/lora.rs`) and a prefix-cache root of
@@ -9,94 +8,9 @@
 //! them finishes.
 
 use super::Engine;
+use super::adapters::{LoraError, LoraInfo};
 use super::request::RequestError;
-use crate::models::lora::LoraAdapter;
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-
-/// The LoRA settings of an engine (`--enable-lora`, `--max-loras`, `--max-lora-rank`,
-/// `--lora-modules`).
-#[derive(Debug, Clone)]
-pub struct LoraArgs {
-    pub enable: bool,
-    /// The most distinct adapters in one step.
-    pub max_loras: usize,
-    /// Adapters of a larger rank are refused.
-    pub max_lora_rank: usize,
-    /// Loaded at start: (name, PEFT adapter directory).
-    pub modules: Vec<(String, PathBuf)>,
-}
-
-impl Default for LoraArgs {
-    fn default() -> Self {
-        // NOTE: vLLM's defaults.
-        LoraArgs {
-            enable: false,
-            max_loras: 1,
-            max_lora_rank: 16,
-            modules: Vec::new(),
-        }
-    }
-}
-
-/// Why an adapter could not be loaded or unloaded.
-#[derive(Debug, thiserror::Error)]
-pub enum LoraError {
-    #[error("LoRA adapters are not enabled: start with --enable-lora")]
-    Disabled,
-    #[error("no LoRA adapter is loaded under the name `{0}`")]
-    NotFound(String),
-    #[error("a LoRA adapter is already loaded under the name `{0}`")]
-    Exists(String),
-    /// The adapter itself: unreadable, of too large a rank, or for other layers.
-    #[error("{0:#}")]
-    Invalid(anyhow::Error),
-}
-
-/// A loaded adapter.
-#[derive(Debug, Clone)]
-pub struct LoraInfo {
-    pub name: String,
-    pub path: PathBuf,
-    pub rank: usize,
-    /// Bytes its factors take on the device (f32).
-    pub bytes: u64,
-    slot: u32,
-    root: u64,
-}
-
-/// The engine's adapters.
-#[derive(Debug, Default)]
-pub(super) struct Loras {
-    args: LoraArgs,
-    by_name: HashMap<String, LoraInfo>,
-    /// Slots of adapters unloaded while requests still used them.
-    pub(super) draining: Vec<u32>,
-    /// Prefix-cache roots handed out so far (0 is the base model's).
-    roots: u64,
-}
-
-impl Loras {
-    pub(super) fn new(args: &LoraArgs) -> anyhow::Result<Self> {
-        if !args.enable && !args.modules.is_empty() {
-            anyhow::bail!("--lora-modules needs --enable-lora");
-        }
-        if args.enable && (args.max_loras == 0 || args.max_lora_rank == 0) {
-            anyhow::bail!("--max-loras and --max-lora-rank must be positive");
-        }
-        Ok(Loras {
-            args: args.clone(),
-            ..Default::default()
-        })
-    }
-
-    /// The smallest slot neither loaded nor draining.
-    fn free_slot(&self) -> u32 {
-        (1..)
-            .find(|s| !self.draining.contains(s) && !self.by_name.values().any(|l| l.slot == *s))
-            .expect("a free slot")
-    }
-}
+use std::path::Path;
 
 impl Engine {
     /// Loads the PEFT adapter in `path` under `name`; requests naming it use it from the next
@@ -108,7 +22,7 @@ impl Engine {
         if self.loras.by_name.contains_key(name) || name == self.model_name {
             return Err(LoraError::Exists(name.to_string()));
         }
-        let adapter = LoraAdapter::load(path).map_err(LoraError::Invalid)?;
+        let adapter = crate::models::peft::load_adapter(path).map_err(LoraError::Invalid)?;
         let max = self.loras.args.max_lora_rank;
         if adapter.rank > max {
             return Err(LoraError::Invalid(anyhow::anyhow!(
@@ -152,6 +66,11 @@ impl Engine {
             .ok_or_else(|| LoraError::NotFound(name.to_string()))?;
         self.loras.draining.push(info.slot);
         self.free_drained_loras().map_err(LoraError::Invalid)
+    }
+
+    /// Whether LoRA adapters are served (`--enable-lora`).
+    pub fn lora_enabled(&self) -> bool {
+        self.loras.args.enable
     }
 
     /// The adapters loaded, by name.

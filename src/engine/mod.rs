@@ -2,6 +2,7 @@
 //! (add_request / step / abort, streaming per-step outputs, for the server) and [`LLM`]
 //! (offline batch generation and chat).
 
+mod adapters;
 mod batch;
 pub mod launch;
 mod llm;
@@ -15,8 +16,8 @@ mod spec;
 mod worker;
 mod workers;
 
+pub use adapters::{LoraArgs, LoraError, LoraInfo};
 pub use llm::{CompletionOutput, LLM, PoolingOutput, RequestOutput};
-pub use lora::{LoraArgs, LoraError, LoraInfo};
 pub use pool::{PoolingParams, cosine};
 pub use request::{Prompt, PromptLogprob, RequestError, StepOutput, StopReason, sample_seed};
 pub use runner::{KvBudget, ModelRunner, StepResult};
@@ -186,7 +187,7 @@ pub struct Engine {
     /// The length of the rows a step brings back: the vocabulary, or the pooler's width.
     row_len: usize,
     /// The LoRA adapters loaded.
-    loras: lora::Loras,
+    loras: adapters::Loras,
 }
 
 /// The model loaded (its file mapped, not yet its weights), the runner's settings, checked,
@@ -279,7 +280,7 @@ impl Engine {
                 args.task.name()
             );
         }
-        let loras = lora::Loras::new(&args.lora)?;
+        let loras = adapters::Loras::new(&args.lora)?;
         if args.lora.enable && args.task != Task::Generate {
             anyhow::bail!(
                 "--enable-lora applies to generation, not to --task {}",

@@ -15,6 +15,7 @@ pub mod moe;
 pub mod neox;
 pub mod olmo2;
 pub mod open;
+pub mod peft;
 pub mod phi3;
 pub mod pooling;
 pub mod registry;

@@ -420,6 +420,7 @@ async fn messages_inner(
     let body = read_json(&st, body)?;
     let req: MessagesRequest = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
+    let lora = st.lora_of(&model);
     check_accepting(&st)?;
     check_generates(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
@@ -480,6 +481,7 @@ async fn messages_inner(
             prompt: Prompt::Tokens(ids),
             params,
             pooling: None,
+            lora,
         }],
         &id,
         arrival,

@@ -287,6 +287,7 @@ pub(super) async fn chat_inner(
     let sampling: SamplingFields = from_json(&body)?;
     let token_ids: TokenIdFields = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
+    let lora = st.lora_of(&model);
     check_accepting(&st)?;
     check_generates(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
@@ -366,6 +367,7 @@ pub(super) async fn chat_inner(
             prompt: Prompt::Tokens(ids),
             params,
             pooling: None,
+            lora,
         }],
         &id,
         arrival,

@@ -42,6 +42,7 @@ pub(super) async fn completions_inner(
     let sampling: SamplingFields = from_json(&body)?;
     let token_ids: TokenIdFields = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
+    let lora = st.lora_of(&model);
     check_accepting(&st)?;
     check_generates(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
@@ -166,6 +167,7 @@ pub(super) async fn completions_inner(
             prompt: Prompt::Tokens(ids.clone()),
             params: params.clone(),
             pooling: None,
+            lora: lora.clone(),
         })
         .collect();
     let id = st.new_id("cmpl");

@@ -69,6 +69,17 @@ impl ApiError {
         }
     }
 
+    /// 404 for something a request names that is not there (a LoRA adapter).
+    pub fn missing(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
     pub fn not_found(path: &str) -> Self {
         ApiError {
             status: StatusCode::NOT_FOUND,

@@ -146,6 +146,7 @@ async fn infill_inner(
     let body = read_json(&st, body)?;
     let req: InfillRequest = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
+    let lora = st.lora_of(&model);
     check_accepting(&st)?;
     check_generates(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
@@ -239,6 +240,7 @@ async fn infill_inner(
             prompt: Prompt::Tokens(ids),
             params,
             pooling: None,
+            lora,
         }],
         &id,
         arrival,

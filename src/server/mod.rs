@@ -218,6 +218,9 @@ async fn run(
         tokenizer: engine.tokenizer().clone(),
         model_root: engine.model_name().to_string(),
         model_names,
+        loras: engine
+            .lora_enabled()
+            .then(|| std::sync::RwLock::new(engine.loras().into_iter().map(|l| l.name).collect())),
         max_model_len: engine.max_model_len(),
         vocab_size: engine.config().vocab_size,
         sampling_defaults: *engine.sampling_defaults(),

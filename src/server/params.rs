@@ -56,9 +56,13 @@ pub(super) fn parse_body<T: DeserializeOwned>(
     from_json(&read_json(st, body)?)
 }
 
+/// The served name a request's `model` names: the base model's (the first where it has none)
+/// or a LoRA adapter's ([`AppState::lora_of`]).
 pub(super) fn check_model(st: &AppState, model: &Option<String>) -> Result<String, ApiError> {
     match model {
-        Some(m) if !st.model_names.iter().any(|n| n == m) => Err(ApiError::model_not_found(m)),
+        Some(m) if !st.model_names.iter().any(|n| n == m) && st.lora_of(m).is_none() => {
+            Err(ApiError::model_not_found(m))
+        }
         Some(m) => Ok(m.clone()),
         None => Ok(st.model_names[0].clone()),
     }

@@ -154,6 +154,7 @@ async fn pool(
             prompt: Prompt::Tokens(ids),
             params: SamplingParams::default(),
             pooling: Some(params.clone()),
+            lora: None,
         })
         .collect();
     let id = st.new_id(kind);

@@ -543,6 +543,7 @@ async fn create_inner(
     let body = read_json(&st, body)?;
     let req: ResponsesRequest = from_json(&body)?;
     let model = check_model(&st, &req.model)?;
+    let lora = st.lora_of(&model);
     check_accepting(&st)?;
     check_generates(&st)?;
     refuse_unsupported(&body, UNSUPPORTED)?;
@@ -648,6 +649,7 @@ async fn create_inner(
             prompt: Prompt::Tokens(ids),
             params,
             pooling: None,
+            lora,
         }],
         &meta.id,
         arrival,

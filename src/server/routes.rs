@@ -55,6 +55,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(responses::retrieve).delete(responses::delete),
         )
         .route("/infill", post(infill::infill))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(axum::middleware::from_fn_with_state(
@@ -144,23 +146,103 @@ async fn metrics(State(st): St) -> Response {
 }
 
 async fn list_models(State(st): St) -> Json<ModelList> {
-    let data = st
-        .model_names
-        .iter()
-        .map(|name| ModelCard {
-            id: name.clone(),
-            object: "model",
-            created: st.created,
-            owned_by: "pagoda",
-            root: st.model_root.clone(),
-            parent: None,
-            max_model_len: st.max_model_len,
-        })
-        .collect();
+    let card = |id: &str, parent: Option<String>| ModelCard {
+        id: id.to_string(),
+        object: "model",
+        created: st.created,
+        owned_by: "pagoda",
+        root: st.model_root.clone(),
+        parent,
+        max_model_len: st.max_model_len,
+    };
+    let mut data: Vec<ModelCard> = st.model_names.iter().map(|n| card(n, None)).collect();
+    // NOTE: as vLLM, an adapter's card names the base model as its parent.
+    if let Some(loras) = &st.loras {
+        let loras = loras.read().unwrap_or_else(|e| e.into_inner());
+        data.extend(
+            loras
+                .iter()
+                .map(|n| card(n, Some(st.model_names[0].clone()))),
+        );
+    }
     Json(ModelList {
         object: "list",
         data,
     })
+}
+
+/// vLLM's `POST /v1/load_lora_adapter` body (`lora_path` only to load).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoraBody {
+    lora_name: String,
+    lora_path: Option<String>,
+}
+
+async fn load_lora_adapter(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
+    lora_command(st, body, true).await
+}
+
+async fn unload_lora_adapter(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
+    lora_command(st, body, false).await
+}
+
+/// Loads (`load`) or unloads an adapter on the engine thread; the served names follow.
+async fn lora_command(
+    st: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    load: bool,
+) -> Response {
+    let run = async {
+        let Some(loras) = &st.loras else {
+            return Err(ApiError::missing(
+                "LoRA adapters are not enabled: start the server with --enable-lora",
+            ));
+        };
+        let req: LoraBody = parse_body(&st, body)?;
+        let path = match (load, req.lora_path) {
+            (true, Some(p)) => Some(std::path::PathBuf::from(p)),
+            (true, None) => {
+                return Err(ApiError::invalid(
+                    "lora_path is required",
+                    Some("lora_path"),
+                ));
+            }
+            (false, _) => None,
+        };
+        if req.lora_name.is_empty() || st.model_names.contains(&req.lora_name) {
+            return Err(ApiError::invalid(
+                "lora_name must be non-empty and differ from the base model's names",
+                Some("lora_name"),
+            ));
+        }
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let name = req.lora_name.clone();
+        st.send(super::worker::Command::Lora { name, path, reply })?;
+        let result = rx
+            .await
+            .map_err(|_| ApiError::internal("the engine thread is gone"))?;
+        use crate::engine::LoraError;
+        match result {
+            Ok(()) => {}
+            Err(e @ LoraError::NotFound(_)) => return Err(ApiError::missing(e.to_string())),
+            Err(e) => return Err(ApiError::invalid(e.to_string(), Some("lora_path"))),
+        }
+        let mut names = loras.write().unwrap_or_else(|e| e.into_inner());
+        match load {
+            true => names.insert(req.lora_name.clone()),
+            false => names.remove(&req.lora_name),
+        };
+        let verb = if load { "loaded" } else { "unloaded" };
+        Ok(format!(
+            "Success: LoRA adapter '{}' {verb} successfully.",
+            req.lora_name
+        ))
+    };
+    match run.await {
+        Ok(text) => text.into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn tokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {

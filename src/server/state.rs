@@ -19,6 +19,8 @@ pub struct AppState {
     pub(super) tokenizer: Arc<Tokenizer>,
     pub(super) model_names: Vec<String>,
     pub(super) model_root: String,
+    /// The LoRA adapters a request's `model` may name (`--enable-lora`), as loaded.
+    pub(super) loras: Option<std::sync::RwLock<std::collections::BTreeSet<String>>>,
     pub(super) max_model_len: usize,
     pub(super) vocab_size: usize,
     /// The model's own sampling defaults, for the fields a request leaves out (as vLLM does with
@@ -54,6 +56,16 @@ impl AppState {
         self.commands
             .send(cmd)
             .map_err(|_| ApiError::internal("the engine thread is gone"))
+    }
+
+    /// The LoRA adapter a checked `model` names (`None`: the base model).
+    pub(super) fn lora_of(&self, model: &str) -> Option<String> {
+        let loras = self
+            .loras
+            .as_ref()?
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        loras.contains(model).then(|| model.to_string())
     }
 
     /// `cmpl-…` / `chatcmpl-…`: unique within a run and unlikely to repeat across runs.

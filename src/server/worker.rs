@@ -9,7 +9,7 @@
 //! ```
 
 use super::metrics::{EngineGauges, Metrics};
-use crate::engine::{Engine, PoolingParams, Prompt, RequestError, StepOutput};
+use crate::engine::{Engine, LoraError, PoolingParams, Prompt, RequestError, StepOutput};
 use crate::sampling::SamplingParams;
 use crate::sched::{FinishReason, RequestId};
 use std::collections::HashMap;
@@ -26,6 +26,8 @@ pub struct SubRequest {
     pub params: SamplingParams,
     /// An embedding or score request (`params` is then unused).
     pub pooling: Option<PoolingParams>,
+    /// The LoRA adapter the request's `model` names (`None`: the base model).
+    pub lora: Option<String>,
 }
 
 pub enum Command {
@@ -41,6 +43,12 @@ pub enum Command {
     },
     /// Abort these requests (their client went away); unknown or finished ids are ignored.
     Abort(Vec<RequestId>),
+    /// Load a LoRA adapter (`None`: unload the adapter of that name).
+    Lora {
+        name: String,
+        path: Option<std::path::PathBuf>,
+        reply: oneshot::Sender<Result<(), LoraError>>,
+    },
     /// Abort whatever is left and end the thread.
     Shutdown,
 }
@@ -170,6 +178,13 @@ impl Worker {
                 }
             }
             Command::Abort(ids) => self.abort(&ids),
+            Command::Lora { name, path, reply } => {
+                let result = match path {
+                    Some(p) => self.engine.load_lora(&name, &p).map(|_| ()),
+                    None => self.engine.unload_lora(&name),
+                };
+                let _ = reply.send(result);
+            }
             Command::Shutdown => return false,
         }
         true
@@ -205,7 +220,7 @@ impl Worker {
             let engine = &mut self.engine;
             let res = catch_unwind(AssertUnwindSafe(|| match sub.pooling {
                 Some(p) => engine.add_pooling_request(sub.prompt, p),
-                None => engine.add_request(sub.prompt, sub.params),
+                None => engine.add_request_with_lora(sub.prompt, sub.params, sub.lora.as_deref()),
             }))
             .unwrap_or_else(|_| {
                 Err(RequestError::Internal(anyhow::anyhow!(

@@ -1,0 +1,214 @@
+//! PEFT's LoRA adapters read from disk: `adapter_config.json` (rank, alpha, rsLoRA, and what
+//! is refused) and `adapter_model.safetensors` (the factors by layer and module).
+
+use super::loader::{SafetensorsWeights, WeightSource};
+use super::lora::{LoraAdapter, lora_scale};
+use crate::untrusted::text;
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Reads a PEFT adapter directory. What PEFT can express but this engine does not apply
+/// (DoRA, LoRA biases, `modules_to_save`, per-module ranks or alphas, embedding adapters)
+/// is refused by name rather than dropped.
+pub fn load_adapter(dir: &Path) -> Result<LoraAdapter> {
+    let shown = text(&dir.display().to_string());
+    if dir.is_file() {
+        bail!(
+            "{shown} is a file: a LoRA adapter is a PEFT directory (adapter_config.json and \
+             adapter_model.safetensors); GGUF adapters are not supported yet"
+        );
+    }
+    let cfg_path = dir.join("adapter_config.json");
+    let cfg_text = std::fs::read_to_string(&cfg_path)
+        .with_context(|| format!("{shown} has no readable adapter_config.json"))?;
+    let cfg: Value = serde_json::from_str(&cfg_text)
+        .with_context(|| format!("{shown}/adapter_config.json is not valid JSON"))?;
+    let (rank, alpha, rslora) = check_config(&cfg).with_context(|| {
+        format!("{shown}/adapter_config.json: not an adapter this engine can apply")
+    })?;
+    let file = dir.join("adapter_model.safetensors");
+    if !file.is_file() {
+        bail!(
+            "{shown} has no adapter_model.safetensors (adapters saved as .bin are not read: \
+             save them with safe_serialization)"
+        );
+    }
+    let st = SafetensorsWeights::open_files(vec![file])?;
+    let scale = lora_scale(alpha, rank, rslora) as f32;
+    let mut a_of = BTreeMap::new();
+    let mut b_of = BTreeMap::new();
+    let mut names: Vec<&str> = st.names().collect();
+    names.sort_unstable();
+    for name in names {
+        let (layer, module, which) =
+            parse_name(name).with_context(|| format!("{shown}: tensor `{}`", text(name)))?;
+        let t = st
+            .get(name)?
+            .with_context(|| format!("{shown}: tensor `{}` unreadable", text(name)))?;
+        if t.shape.len() != 2 {
+            bail!("{shown}: `{}` is not a matrix", text(name));
+        }
+        match which {
+            'A' => a_of.insert((layer, module), t),
+            _ => b_of.insert((layer, module), t),
+        };
+    }
+    let mut modules = BTreeMap::new();
+    for (key, a) in a_of {
+        let mut b = b_of.remove(&key).with_context(|| {
+            format!(
+                "{shown}: layer {} {} has lora_A but no lora_B",
+                key.0, key.1
+            )
+        })?;
+        let r = a.shape[0];
+        if b.shape[1] != r || r == 0 || r > rank {
+            bail!(
+                "{shown}: layer {} {}: lora_A {:?} and lora_B {:?} do not make a product of rank {r} <= r = {rank}",
+                key.0,
+                key.1,
+                a.shape,
+                b.shape
+            );
+        }
+        b.data.iter_mut().for_each(|v| *v *= scale);
+        modules.insert(key, (a, b));
+    }
+    if let Some(((l, m), _)) = b_of.into_iter().next() {
+        bail!("{shown}: layer {l} {m} has lora_B but no lora_A");
+    }
+    if modules.is_empty() {
+        bail!("{shown}: adapter_model.safetensors holds no LoRA factors");
+    }
+    Ok(LoraAdapter {
+        rank,
+        scale,
+        modules,
+    })
+}
+
+/// `r`, `lora_alpha` and `use_rslora` of an adapter_config.json, after refusing what is not
+/// applied.
+fn check_config(cfg: &Value) -> Result<(usize, f64, bool)> {
+    if let Some(t) = cfg["peft_type"].as_str()
+        && t != "LORA"
+    {
+        bail!("peft_type is {}, not LORA", text(t));
+    }
+    let rank = cfg["r"]
+        .as_u64()
+        .filter(|&r| r > 0)
+        .context("r must be a positive integer")? as usize;
+    let alpha = cfg["lora_alpha"]
+        .as_f64()
+        .context("lora_alpha must be a number")?;
+    let rslora = cfg["use_rslora"].as_bool().unwrap_or(false);
+    let set = |k: &str| match &cfg[k] {
+        Value::Null | Value::Bool(false) => false,
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+        Value::String(s) => !s.is_empty() && s != "none",
+        _ => true,
+    };
+    for (key, what) in [
+        (
+            "modules_to_save",
+            "fully trained modules saved beside the adapter",
+        ),
+        ("use_dora", "DoRA"),
+        ("rank_pattern", "per-module ranks"),
+        ("alpha_pattern", "per-module alphas"),
+        ("lora_bias", "LoRA biases"),
+        ("layers_to_transform", "adapters on some layers by index"),
+        ("layer_replication", "layer replication"),
+    ] {
+        if set(key) {
+            bail!("{key} ({what}) is not supported");
+        }
+    }
+    match cfg["bias"].as_str() {
+        None | Some("none") => {}
+        Some(b) => bail!("bias = {} is not supported (only \"none\")", text(b)),
+    }
+    // NOTE: `fan_in_fan_out` says the base layer stores its weight transposed (GPT-2's
+    // Conv1D); lora_A and lora_B are saved as [r, in] and [out, r] either way, so the factors
+    // read the same.
+    Ok((rank, alpha, rslora))
+}
+
+/// `base_model.model.model.layers.{i}.{path}.{module}.lora_{A|B}.weight` → (i, module, A|B).
+fn parse_name(name: &str) -> Result<(usize, String, char)> {
+    let rest = name
+        .strip_prefix("base_model.model.")
+        .context("not a PEFT LoRA tensor (no base_model.model. prefix)")?;
+    let (rest, which) = if let Some(r) = rest.strip_suffix(".lora_A.weight") {
+        (r, 'A')
+    } else if let Some(r) = rest.strip_suffix(".lora_B.weight") {
+        (r, 'B')
+    } else {
+        bail!(
+            "not a LoRA factor of a linear layer (embedding adapters and biases are not supported)"
+        );
+    };
+    let parts: Vec<&str> = rest.split('.').collect();
+    let at = parts.iter().position(|&p| p == "layers").context(
+        "not in a decoder layer (adapters on the embeddings or the head are not supported)",
+    )?;
+    let layer = parts
+        .get(at + 1)
+        .and_then(|l| l.parse().ok())
+        .context("no layer index after `layers`")?;
+    let module = parts.last().context("no module name")?.to_string();
+    Ok((layer, module, which))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peft_names_give_the_layer_and_the_module() {
+        let (l, m, w) =
+            parse_name("base_model.model.model.layers.12.self_attn.q_proj.lora_A.weight").unwrap();
+        assert_eq!((l, m.as_str(), w), (12, "q_proj", 'A'));
+        let (l, m, w) =
+            parse_name("base_model.model.model.layers.0.mlp.down_proj.lora_B.weight").unwrap();
+        assert_eq!((l, m.as_str(), w), (0, "down_proj", 'B'));
+        for bad in [
+            "model.layers.0.self_attn.q_proj.lora_A.weight",
+            "base_model.model.model.embed_tokens.lora_embedding_A",
+            "base_model.model.lm_head.lora_A.weight",
+            "base_model.model.model.layers.x.mlp.up_proj.lora_A.weight",
+        ] {
+            assert!(parse_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn what_peft_can_say_but_is_not_applied_is_refused_by_name() {
+        let ok = serde_json::json!({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+            "use_rslora": true, "modules_to_save": null, "bias": "none", "use_dora": false,
+            "rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": false});
+        assert_eq!(check_config(&ok).unwrap(), (8, 16.0, true));
+        for (k, v) in [
+            ("modules_to_save", serde_json::json!(["lm_head"])),
+            ("use_dora", serde_json::json!(true)),
+            ("rank_pattern", serde_json::json!({"q_proj": 4})),
+            ("bias", serde_json::json!("all")),
+            ("r", serde_json::json!(0)),
+            ("peft_type", serde_json::json!("IA3")),
+        ] {
+            let mut c = ok.clone();
+            c[k] = v;
+            let e = check_config(&c).unwrap_err().to_string();
+            assert!(
+                e.contains(k) || k == "peft_type" && e.contains("IA3"),
+                "{k}: {e}"
+            );
+        }
+        assert_eq!(lora_scale(32.0, 16, true), 8.0);
+        assert_eq!(lora_scale(8.0, 16, false), 0.5);
+    }
+}
