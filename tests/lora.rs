@@ -436,6 +436,11 @@ fn the_server_serves_adapters_by_model_name_and_loads_them_at_run_time() {
         .map(|c| c["id"].as_str().unwrap().to_string())
         .collect();
     assert_eq!(ids, vec![base, "attn".to_string()]);
+    let metrics = get(addr, "/metrics", None).text();
+    assert!(
+        metrics.contains("max_lora=\"2\",running_lora_adapters=\"\""),
+        "{metrics}"
+    );
     server.shutdown().unwrap();
 
     let plain = server_util::start(tiny("mistral"), 16, Default::default());

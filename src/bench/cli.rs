@@ -250,6 +250,10 @@ pub struct ServeBenchArgs {
     /// The row's name in tables and charts (e.g. pagoda-cpu, llama-server).
     #[arg(long)]
     pub label: Option<String>,
+    /// LoRA adapters the server serves (`--lora-modules` of its start): request i names
+    /// adapter i mod N as its model, so that they are mixed uniformly.
+    #[arg(long, num_args = 1..)]
+    pub lora_modules: Vec<String>,
     /// Requests per second, Poisson arrivals; `inf` sends them all at once.
     #[arg(long, default_value = "inf", value_parser = parse_rate)]
     pub request_rate: f64,
@@ -805,6 +809,7 @@ pub fn serve_cmd(args: &ServeBenchArgs) -> Result<()> {
         base_url: args.base_url.clone(),
         endpoint: args.endpoint.clone(),
         model: model.clone(),
+        loras: args.lora_modules.clone(),
         label,
         request_rate: args.request_rate,
         max_concurrency: args.max_concurrency,

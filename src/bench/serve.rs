@@ -59,6 +59,8 @@ pub struct ServeOptions<'a> {
     /// Path of the completions endpoint.
     pub endpoint: String,
     pub model: String,
+    /// LoRA adapters named in turn as the model of each request (none: `model` for all).
+    pub loras: Vec<String>,
     pub label: String,
     pub request_rate: f64,
     pub max_concurrency: Option<usize>,
@@ -248,8 +250,12 @@ pub fn client() -> Result<reqwest::Client> {
 /// Runs the load against the server (blocking: it makes its own runtime).
 /// One streaming completion request: greedy, the workload's prompt and output lengths.
 fn request_body(opts: &ServeOptions, i: usize, r: &RequestLens) -> Value {
+    let model = match opts.loras.len() {
+        0 => &opts.model,
+        n => &opts.loras[i % n],
+    };
     let mut body = json!({
-        "model": opts.model,
+        "model": model,
         "prompt": request_text(opts.prefixes, opts.seed, i, r.prompt_len),
         "max_tokens": r.output_len,
         "temperature": 0.0,
@@ -538,6 +544,7 @@ mod tests {
             base_url,
             endpoint: "/v1/completions".into(),
             model: "fake-model".into(),
+            loras: Vec::new(),
             label: "fake".into(),
             request_rate: f64::INFINITY,
             max_concurrency: Some(3),

@@ -49,7 +49,7 @@ pub struct LoraInfo {
     pub name: String,
     pub path: PathBuf,
     pub rank: usize,
-    /// Bytes its factors take on the device (f32).
+    /// Bytes its factors take on the device.
     pub bytes: u64,
     pub(super) slot: u32,
     pub(super) root: u64,
@@ -61,7 +61,7 @@ pub(super) struct Loras {
     pub(super) args: LoraArgs,
     pub(super) by_name: HashMap<String, LoraInfo>,
     /// Slots of adapters unloaded while requests still used them.
-    pub(super) draining: Vec<u32>,
+    pub(super) draining: Vec<LoraInfo>,
     /// Prefix-cache roots handed out so far (0 is the base model's).
     pub(super) roots: u64,
 }
@@ -83,7 +83,13 @@ impl Loras {
     /// The smallest slot neither loaded nor draining.
     pub(super) fn free_slot(&self) -> u32 {
         (1..)
-            .find(|s| !self.draining.contains(s) && !self.by_name.values().any(|l| l.slot == *s))
+            .find(|s| {
+                !self
+                    .by_name
+                    .values()
+                    .chain(&self.draining)
+                    .any(|l| l.slot == *s)
+            })
             .expect("a free slot")
     }
 }

@@ -22,6 +22,7 @@ impl Engine {
         if self.loras.by_name.contains_key(name) || name == self.model_name {
             return Err(LoraError::Exists(name.to_string()));
         }
+        let t0 = std::time::Instant::now();
         let adapter = crate::models::peft::load_adapter(path).map_err(LoraError::Invalid)?;
         let max = self.loras.args.max_lora_rank;
         if adapter.rank > max {
@@ -31,7 +32,8 @@ impl Engine {
             )));
         }
         let slot = self.loras.free_slot();
-        self.runner
+        let bytes = self
+            .runner
             .set_lora(slot, Some(&adapter))
             .map_err(LoraError::Invalid)?;
         self.loras.roots += 1;
@@ -39,15 +41,17 @@ impl Engine {
             name: name.to_string(),
             path: path.to_path_buf(),
             rank: adapter.rank,
-            bytes: adapter.bytes(),
+            bytes,
             slot,
             root: self.loras.roots,
         };
         tracing::info!(
-            "LoRA adapter {name} loaded from {} (rank {}, {} KiB)",
+            "LoRA adapter {name} loaded from {} (rank {}, {} KiB of {} on the device) in {:.0} ms",
             path.display(),
             info.rank,
-            info.bytes >> 10
+            info.bytes >> 10,
+            adapter.dtype.name(),
+            t0.elapsed().as_secs_f64() * 1e3
         );
         self.loras.by_name.insert(name.to_string(), info.clone());
         Ok(info)
@@ -64,7 +68,7 @@ impl Engine {
             .by_name
             .remove(name)
             .ok_or_else(|| LoraError::NotFound(name.to_string()))?;
-        self.loras.draining.push(info.slot);
+        self.loras.draining.push(info);
         self.free_drained_loras().map_err(LoraError::Invalid)
     }
 
@@ -80,11 +84,31 @@ impl Engine {
         v
     }
 
+    /// The adapters of the running requests and of those waiting (or swapped out), by name
+    /// (vLLM's `lora_requests_info`).
+    pub fn lora_requests(&self) -> (Vec<String>, Vec<String>) {
+        let (running, waiting) = self.scheduler.lora_slots();
+        let loras = &self.loras;
+        let name = |s: &u32| {
+            let mut all = loras.by_name.values().chain(&loras.draining);
+            all.find(|l| l.slot == *s).map(|l| l.name.clone())
+        };
+        (
+            running.iter().filter_map(name).collect(),
+            waiting.iter().filter_map(name).collect(),
+        )
+    }
+
+    /// `--max-loras`.
+    pub fn max_loras(&self) -> usize {
+        self.loras.args.max_loras
+    }
+
     /// Frees the slots of unloaded adapters that no request uses any more.
     pub(super) fn free_drained_loras(&mut self) -> anyhow::Result<()> {
         let mut i = 0;
         while i < self.loras.draining.len() {
-            let slot = self.loras.draining[i];
+            let slot = self.loras.draining[i].slot;
             if self.scheduler.uses_lora(slot) {
                 i += 1;
                 continue;

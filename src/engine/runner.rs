@@ -55,8 +55,9 @@ pub trait ModelRunner: Send {
     fn samples_on_device(&self) -> bool {
         false
     }
-    /// Loads a LoRA adapter's factors into `slot`, or with `None` unloads it.
-    fn set_lora(&mut self, slot: u32, adapter: Option<&LoraAdapter>) -> Result<()> {
+    /// Loads a LoRA adapter's factors into `slot`, or with `None` unloads it; the bytes they
+    /// take on the device.
+    fn set_lora(&mut self, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
         let _ = (slot, adapter);
         bail!("LoRA adapters with tensor or pipeline parallelism are not supported yet")
     }
@@ -227,7 +228,7 @@ impl<B: Backend> ModelRunner for Runner<B> {
     fn samples_on_device(&self) -> bool {
         self.backend.samples_on_device()
     }
-    fn set_lora(&mut self, slot: u32, adapter: Option<&LoraAdapter>) -> Result<()> {
+    fn set_lora(&mut self, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
         self.model.set_lora(&self.backend, slot, adapter)
     }
     fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()> {

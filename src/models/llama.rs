@@ -415,7 +415,7 @@ impl<B: Backend> Family<B> for Llama<B> {
         &self.stack
     }
 
-    fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<()> {
+    fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
         let s = &self.stack;
         // NOTE: under tensor parallelism each rank would need its slice of every B (and of A
         // for the row-parallel projections), and an MoE layer's experts are not sites.

@@ -32,6 +32,8 @@ pub struct LoraAdapter {
     pub rank: usize,
     /// The factor each product is scaled by (already folded into B).
     pub scale: f32,
+    /// The type the factors are kept in on the device (the file's: f32, f16 or bf16).
+    pub dtype: DType,
     /// (layer, module name such as `q_proj`) → (A `[r, in]`, s·B `[out, r]`).
     pub modules: BTreeMap<(usize, String), (HostTensor, HostTensor)>,
 }
@@ -41,18 +43,6 @@ pub fn lora_scale(alpha: f64, rank: usize, rslora: bool) -> f64 {
     match rslora {
         true => alpha / (rank as f64).sqrt(),
         false => alpha / rank as f64,
-    }
-}
-
-impl LoraAdapter {
-    /// Bytes the factors take in f32.
-    pub fn bytes(&self) -> u64 {
-        let n: usize = self
-            .modules
-            .values()
-            .map(|(a, b)| a.numel() + b.numel())
-            .sum();
-        n as u64 * 4
     }
 }
 
@@ -89,13 +79,15 @@ impl<B: Backend> LoraSet<B> {
         }
     }
 
-    /// Loads `adapter` into `slot` (replacing what was there), or with `None` unloads it.
-    /// Every module of the adapter must name a projection of this model with its shapes.
-    pub fn set(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<()> {
+    /// Loads `adapter` into `slot` (replacing what was there), or with `None` unloads it;
+    /// returns the bytes its factors take on the device (a fused site's B is stacked
+    /// block-diagonally, so it takes more than the file). Every module of the adapter must name
+    /// a projection of this model with its shapes.
+    pub fn set(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
         anyhow::ensure!(slot != 0, "LoRA slot 0 is the base model");
         let Some(ad) = adapter else {
             self.adapters.remove(&slot);
-            return Ok(());
+            return Ok(0);
         };
         // per layer, per site: the parts' (row range, A, B)
         type Parts<'a> = Vec<(Range<usize>, &'a HostTensor, &'a HostTensor)>;
@@ -137,6 +129,7 @@ impl<B: Backend> LoraSet<B> {
             grouped[layer - self.layers.start][i].push((rows, a, b));
         }
         let mut layers = Vec::with_capacity(grouped.len());
+        let mut bytes = 0;
         for per_site in grouped {
             let mut out = Vec::with_capacity(per_site.len());
             for (site, parts) in self.sites.iter().zip(per_site) {
@@ -157,18 +150,21 @@ impl<B: Backend> LoraSet<B> {
                     }
                     col += r;
                 }
+                let (a, b) = (
+                    HostTensor::new(vec![rank, site.k], a),
+                    HostTensor::new(vec![site.n, rank], b),
+                );
+                bytes += ((a.numel() + b.numel()) * ad.dtype.size_in_bytes()) as u64;
                 out.push(Some(Factors {
-                    a: backend
-                        .upload_weight(&HostTensor::new(vec![rank, site.k], a), DType::F32)?,
-                    b: backend
-                        .upload_weight(&HostTensor::new(vec![site.n, rank], b), DType::F32)?,
+                    a: backend.upload_weight(&a, ad.dtype)?,
+                    b: backend.upload_weight(&b, ad.dtype)?,
                     rank,
                 }));
             }
             layers.push(out);
         }
         self.adapters.insert(slot, layers);
-        Ok(())
+        Ok(bytes)
     }
 
     /// The step's rows grouped by adapter (from `batch.host.lora_slots`), uploaded once for

@@ -56,13 +56,14 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     fn weight_stats(&self) -> &WeightStats;
 
     /// Loads a LoRA adapter's factors into `slot` (the rows of `batch.host.lora_slots` equal
-    /// to it use them from then on), or with `None` unloads the slot.
+    /// to it use them from then on), or with `None` unloads the slot; the bytes they take on
+    /// the device.
     fn set_lora(
         &mut self,
         backend: &B,
         slot: u32,
         adapter: Option<&lora::LoraAdapter>,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         let _ = (backend, slot, adapter);
         anyhow::bail!("LoRA adapters are not supported for this model")
     }

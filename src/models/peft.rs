@@ -3,6 +3,7 @@
 
 use super::loader::{SafetensorsWeights, WeightSource};
 use super::lora::{LoraAdapter, lora_scale};
+use crate::tensor::DType;
 use crate::untrusted::text;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
@@ -39,14 +40,23 @@ pub fn load_adapter(dir: &Path) -> Result<LoraAdapter> {
     let scale = lora_scale(alpha, rank, rslora) as f32;
     let mut a_of = BTreeMap::new();
     let mut b_of = BTreeMap::new();
+    let mut dtype = None;
     let mut names: Vec<&str> = st.names().collect();
     names.sort_unstable();
     for name in names {
         let (layer, module, which) =
             parse_name(name).with_context(|| format!("{shown}: tensor `{}`", text(name)))?;
-        let t = st
-            .get(name)?
-            .with_context(|| format!("{shown}: tensor `{}` unreadable", text(name)))?;
+        let (t, stored) = st
+            .get_weight(name)?
+            .with_context(|| format!("{shown}: tensor `{}` unreadable", text(name)))?
+            .into_dense()?;
+        // NOTE: the factors stay in the type the file stores (as `--dtype auto` keeps the
+        // weights'): a half-precision adapter reads half the bytes each step.
+        dtype = match (dtype, stored) {
+            (None, s) => Some(s),
+            (Some(d), s) if d == s => Some(d),
+            _ => Some(DType::F32),
+        };
         if t.shape.len() != 2 {
             bail!("{shown}: `{}` is not a matrix", text(name));
         }
@@ -85,6 +95,7 @@ pub fn load_adapter(dir: &Path) -> Result<LoraAdapter> {
     Ok(LoraAdapter {
         rank,
         scale,
+        dtype: dtype.unwrap_or(DType::F32),
         modules,
     })
 }

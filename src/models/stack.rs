@@ -111,7 +111,7 @@ pub trait Family<B: Backend>: Send + Sync {
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf>;
 
     /// [`CausalLm::set_lora`].
-    fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<()> {
+    fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
         let _ = (backend, slot, adapter);
         anyhow::bail!(
             "LoRA adapters are not supported for {:?} models yet",
@@ -138,7 +138,7 @@ impl<B: Backend, F: Family<B>> CausalLm<B> for F {
         &self.stack().weights
     }
 
-    fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<()> {
+    fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
         Family::set_lora(self, backend, slot, adapter)
     }
 

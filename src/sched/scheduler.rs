@@ -4,7 +4,7 @@
 
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::kv::{BlockId, CachedPrefix, KvCacheManager};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SchedulingPolicy {
@@ -541,6 +541,20 @@ impl Scheduler {
         self.waiting.retain(|&x| x != id);
         self.swapped.retain(|&x| x != id);
         true
+    }
+
+    /// The LoRA adapters (slots, the base model's 0 left out) of the running requests, and of
+    /// those waiting or swapped out.
+    pub fn lora_slots(&self) -> (BTreeSet<u32>, BTreeSet<u32>) {
+        let slots = |ids: &mut dyn Iterator<Item = &RequestId>| -> BTreeSet<u32> {
+            ids.map(|id| self.requests[id].lora)
+                .filter(|&l| l != 0)
+                .collect()
+        };
+        (
+            slots(&mut self.running.iter()),
+            slots(&mut self.waiting.iter().chain(&self.swapped)),
+        )
     }
 
     /// Whether an unfinished request uses the LoRA adapter in `slot`.

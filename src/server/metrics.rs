@@ -73,9 +73,19 @@ pub struct EngineGauges {
     pub spec_decode_num_accepted_tokens: u64,
 }
 
+/// vLLM's `lora_requests_info`: the adapters of the running and of the waiting requests.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoraGauge {
+    pub max_loras: usize,
+    pub running: Vec<String>,
+    pub waiting: Vec<String>,
+}
+
 #[derive(Debug)]
 struct Inner {
     gauges: EngineGauges,
+    /// With `--enable-lora`.
+    lora: Option<LoraGauge>,
     success: BTreeMap<&'static str, u64>,
     ttft: Histogram,
     tpot: Histogram,
@@ -98,6 +108,7 @@ impl Metrics {
             model_name: model_name.replace('\\', "\\\\").replace('"', "\\\""),
             inner: Mutex::new(Inner {
                 gauges: EngineGauges::default(),
+                lora: None,
                 success,
                 ttft: Histogram::new(TTFT_BUCKETS),
                 tpot: Histogram::new(TPOT_BUCKETS),
@@ -114,6 +125,10 @@ impl Metrics {
 
     pub fn set_gauges(&self, g: EngineGauges) {
         self.lock().gauges = g;
+    }
+
+    pub fn set_lora(&self, g: LoraGauge) {
+        self.lock().lora = Some(g);
     }
 
     pub fn gauges(&self) -> EngineGauges {
@@ -261,6 +276,26 @@ impl Metrics {
             let _ = writeln!(out, "{name}_sum{{{label}}} {}", h.sum);
             let _ = writeln!(out, "{name}_count{{{label}}} {}", h.count);
         }
+        if let Some(l) = &m.lora {
+            // NOTE: as vLLM's, an info gauge: the labels carry the data, the value is when.
+            let name = "pagoda:lora_requests_info";
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            let esc = |v: &[String]| v.join(",").replace('\\', "\\\\").replace('"', "\\\"");
+            let _ = writeln!(
+                out,
+                "# HELP {name} LoRA adapters of the running and waiting requests."
+            );
+            let _ = writeln!(out, "# TYPE {name} gauge");
+            let _ = writeln!(
+                out,
+                "{name}{{{label},max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {now}",
+                l.max_loras,
+                esc(&l.running),
+                esc(&l.waiting)
+            );
+        }
         out
     }
 }
@@ -268,6 +303,31 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lora_requests_info_names_the_adapters_in_its_labels() {
+        let m = Metrics::new("m");
+        assert!(
+            !m.render().contains("lora_requests_info"),
+            "only with --enable-lora"
+        );
+        m.set_lora(LoraGauge {
+            max_loras: 4,
+            running: vec!["sql".into(), "chat".into()],
+            waiting: vec!["q\"x".into()],
+        });
+        let text = m.render();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("pagoda:lora_requests_info{"))
+            .unwrap();
+        assert!(
+            line.starts_with(
+                "pagoda:lora_requests_info{model_name=\"m\",max_lora=\"4\",running_lora_adapters=\"sql,chat\",waiting_lora_adapters=\"q\\\"x\"} "
+            ),
+            "{line}"
+        );
+    }
 
     #[test]
     fn histogram_buckets_are_cumulative() {

@@ -8,7 +8,7 @@
 //!                                     │ after each step: gauges ▶ Metrics
 //! ```
 
-use super::metrics::{EngineGauges, Metrics};
+use super::metrics::{EngineGauges, LoraGauge, Metrics};
 use crate::engine::{Engine, LoraError, PoolingParams, Prompt, RequestError, StepOutput};
 use crate::sampling::SamplingParams;
 use crate::sched::{FinishReason, RequestId};
@@ -390,5 +390,13 @@ impl Worker {
             spec_decode_num_draft_tokens: stats.spec_draft_tokens,
             spec_decode_num_accepted_tokens: stats.spec_accepted_tokens,
         });
+        if self.engine.lora_enabled() {
+            let (running, waiting) = self.engine.lora_requests();
+            self.metrics.set_lora(LoraGauge {
+                max_loras: self.engine.max_loras(),
+                running,
+                waiting,
+            });
+        }
     }
 }
