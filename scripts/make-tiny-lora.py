@@ -2,8 +2,9 @@
 """Make tiny random LoRA adapters (PEFT's format) on the tiny test models, and their greedy goldens.
 
 Writes under tests/data/tiny/lora/:
-- mistral-attn/, mistral-all/, mistral-rslora/ (on tests/data/tiny/mistral) and phi3-all/ (on
-  tests/data/tiny/phi3): `PeftModel.save_pretrained` output, adapter_config.json and
+- mistral-attn/, mistral-all/, mistral-rslora/ (on tests/data/tiny/mistral), phi3-all/ (on
+  tests/data/tiny/phi3), gemma3-all/ (on tests/data/tiny/gemma3) and olmo2-attn/ (on
+  tests/data/tiny/olmo2): `PeftModel.save_pretrained` output, adapter_config.json and
   adapter_model.safetensors (float32), made with `LoraConfig(init_lora_weights=False)` under a fixed
   torch seed (A and B both random), then A and B multiplied by one factor per adapter so that the
   adapter changes the greedy output within the first tokens of every prompt;
@@ -49,8 +50,9 @@ DIFFER_WITHIN = 8  # each adapter's ids must differ from the base's within this 
 TARGET_REL = 0.3  # A and B are scaled so that |scaling * B @ A| / |W| = this, over the adapted modules
 MAX_TOTAL = 1_500_000  # bytes, the whole lora/ folder
 
-# (name, text): 5, 11 and 20 tokens with the tiny tokenizer (checked below). The long one, with its
-# continuation, exceeds the sliding window (12) of both bases.
+# (name, text): 5, 11 and 20 tokens with the tiny tokenizer (checked below), the same for every base.
+# The long one, with its continuation, exceeds the sliding window (12) of mistral, phi3 and gemma3's
+# sliding layers (olmo2 has no window).
 PROMPTS = [
     ("short", "The old mill"),
     ("medium", "The teacher wrote the"),
@@ -68,6 +70,13 @@ ADAPTERS = {
     ],
     "phi3": [
         ("phi3-all", dict(r=8, lora_alpha=16, target_modules="all-linear"), 4000),
+    ],
+    "gemma3": [
+        ("gemma3-all", dict(r=8, lora_alpha=16, target_modules="all-linear"), 5000),
+    ],
+    "olmo2": [
+        ("olmo2-attn", dict(r=16, lora_alpha=32, use_rslora=True,
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]), 6000),
     ],
 }
 MERGED = ("mistral-all", "mistral-all-merged")  # adapter merged into its base
@@ -300,9 +309,10 @@ def main():
 
     out = {
         "about": (
-            "Greedy goldens of tiny random LoRA adapters (PEFT format) on tests/data/tiny/mistral and "
-            "tests/data/tiny/phi3; made by scripts/make-tiny-lora.py. models.<base>.prompts = token ids of "
-            "prompt_texts (that model's tokenizer.json, no BOS added). models.<base>.outputs.<name>: 'base' = "
+            "Greedy goldens of tiny random LoRA adapters (PEFT format) on tests/data/tiny/mistral, "
+            "tests/data/tiny/phi3, tests/data/tiny/gemma3 and tests/data/tiny/olmo2; made by "
+            "scripts/make-tiny-lora.py. models.<base>.prompts = token ids of prompt_texts (that model's "
+            "tokenizer.json, no BOS added). models.<base>.outputs.<name>: 'base' = "
             "the base model without adapter; an adapter name = the base with that adapter (peft PeftModel, "
             "unmerged, loaded from the adapter dir); 'mistral-all-merged' = the plain model dir of that name "
             "(mistral-all merged by merge_and_unload). Each output: generated_ids[p] = exactly %d greedy "

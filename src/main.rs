@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use pagoda::engine::KvBudget;
+use pagoda::engine::{KvBudget, LoraModule};
 use pagoda::models::KvCacheDtype;
 use pagoda::models::pooling::{PoolingType, Task};
 use pagoda::sampling::{SamplingDefaults, StructuredOutput};
@@ -248,28 +248,40 @@ struct ModelArgs {
     /// Adapters loaded at start, as NAME=PATH (a PEFT adapter directory) or vLLM's JSON
     /// `{"name": ..., "path": ..., "base_model_name": ...}`; needs --enable-lora.
     #[arg(long, num_args = 1.., value_parser = parse_lora_module)]
-    lora_modules: Vec<(String, PathBuf)>,
+    lora_modules: Vec<LoraModule>,
     /// The most distinct adapters in one step (others wait).
     #[arg(long, default_value_t = 1)]
     max_loras: usize,
     /// Adapters of a larger rank are refused.
     #[arg(long, default_value_t = 16)]
     max_lora_rank: usize,
+    /// The most adapters loaded at once (all are kept where the model runs); a run-time load
+    /// beyond it is refused (default: 16, or --max-loras or the --lora-modules given if more).
+    #[arg(long)]
+    max_cpu_loras: Option<usize>,
 }
 
 /// `--lora-modules`: `NAME=PATH`, or vLLM's JSON form.
-fn parse_lora_module(s: &str) -> Result<(String, PathBuf), String> {
+fn parse_lora_module(s: &str) -> Result<LoraModule, String> {
     if s.trim_start().starts_with('{') {
         let v: serde_json::Value =
             serde_json::from_str(s).map_err(|e| format!("not valid JSON: {e}"))?;
         let field = |k: &str| v[k].as_str().map(String::from);
         return match (field("name"), field("path")) {
-            (Some(n), Some(p)) if !n.is_empty() => Ok((n, PathBuf::from(p))),
+            (Some(name), Some(p)) if !name.is_empty() => Ok(LoraModule {
+                name,
+                path: PathBuf::from(p),
+                base_model_name: field("base_model_name"),
+            }),
             _ => Err("the JSON form needs string fields \"name\" and \"path\"".into()),
         };
     }
     match s.split_once('=') {
-        Some((n, p)) if !n.is_empty() && !p.is_empty() => Ok((n.to_string(), PathBuf::from(p))),
+        Some((n, p)) if !n.is_empty() && !p.is_empty() => Ok(LoraModule {
+            name: n.to_string(),
+            path: PathBuf::from(p),
+            base_model_name: None,
+        }),
         _ => Err(format!("expected NAME=PATH, got '{s}'")),
     }
 }
@@ -302,6 +314,7 @@ impl ModelArgs {
                 enable: self.enable_lora,
                 max_loras: self.max_loras,
                 max_lora_rank: self.max_lora_rank,
+                max_cpu_loras: self.max_cpu_loras,
                 modules: self.lora_modules.clone(),
             },
             model: self.model_path()?,

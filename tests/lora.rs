@@ -1,6 +1,7 @@
-//! Multi-LoRA serving against transformers + peft: tiny random PEFT adapters on the tiny Mistral
-//! and Phi-3 models (`tests/data/tiny/lora/`, made by `scripts/make-tiny-lora.py`: ranks 8 and
-//! 16, attention-only and all-linear, `lora_alpha` != `r`, rsLoRA, Phi-3's fused projections)
+//! Multi-LoRA serving against transformers + peft: tiny random PEFT adapters on the tiny Mistral,
+//! Phi-3, Gemma 3 and OLMo 2 models (`tests/data/tiny/lora/`, made by
+//! `scripts/make-tiny-lora.py`: ranks 8 and 16, attention-only and all-linear, `lora_alpha` !=
+//! `r`, rsLoRA, Phi-3's fused projections)
 //! and their greedy goldens. Pagoda in f32 reproduces the ids exactly: each adapter alone, every
 //! adapter and the base in one batch, after loading, unloading and loading again at run time;
 //! on the CPU and on the emulated GPU.
@@ -9,7 +10,7 @@ mod common;
 mod server_util;
 
 use common::tiny;
-use pagoda::engine::{LoraArgs, LoraError, RequestError};
+use pagoda::engine::{LoraArgs, LoraError, LoraModule, RequestError};
 use pagoda::{BackendKind, EngineArgs, LLM, Prompt, SamplingParams};
 use serde_json::json;
 use server_util::{get, post_json};
@@ -54,6 +55,15 @@ fn adapter(name: &str) -> PathBuf {
     tiny(&format!("lora/{name}"))
 }
 
+/// `--lora-modules NAME=tests/data/tiny/lora/DIR`.
+fn module(name: &str, dir: &str) -> LoraModule {
+    LoraModule {
+        name: name.into(),
+        path: adapter(dir),
+        base_model_name: None,
+    }
+}
+
 fn greedy() -> SamplingParams {
     SamplingParams {
         max_tokens: Some(24),
@@ -73,11 +83,8 @@ fn engine(model: &str, backend: BackendKind, modules: &[&str], max_loras: usize)
         lora: LoraArgs {
             enable: true,
             max_loras,
-            max_lora_rank: 16,
-            modules: modules
-                .iter()
-                .map(|m| (m.to_string(), adapter(m)))
-                .collect(),
+            modules: modules.iter().map(|m| module(m, m)).collect(),
+            ..Default::default()
         },
         ..Default::default()
     })
@@ -109,7 +116,7 @@ fn adapters_of(outputs: &[(String, Vec<Vec<u32>>)]) -> Vec<&str> {
 #[test]
 fn adapters_alone_and_mixed_in_one_batch_give_peft_tokens() {
     for backend in BACKENDS {
-        for model in ["mistral", "phi3"] {
+        for model in ["mistral", "phi3", "gemma3", "olmo2"] {
             let (prompts, outputs) = cases(model);
             let names = adapters_of(&outputs);
             let mut llm = engine(model, backend, &names, names.len());
@@ -140,21 +147,36 @@ fn adapters_alone_and_mixed_in_one_batch_give_peft_tokens() {
     }
 }
 
-/// A step holds at most `--max-loras` adapters; with 1 the others wait their turn and still get
-/// their own tokens.
+/// A step holds at most `--max-loras` adapters; with 1 the others wait their turn (while the
+/// base model's request goes on) and still get their own tokens.
 #[test]
 fn adapters_beyond_max_loras_wait_and_give_the_same_tokens() {
     let (prompts, outputs) = cases("mistral");
     let names = adapters_of(&outputs);
     let mut llm = engine("mistral", BackendKind::Cpu, &names, 1);
-    let mut reqs = Vec::new();
-    let mut wants = Vec::new();
-    for (name, want) in outputs.iter().filter(|(n, _)| !n.ends_with("-merged")) {
+    let e = llm.engine();
+    let mut want = std::collections::HashMap::new();
+    for (name, w) in outputs.iter().filter(|(n, _)| !n.ends_with("-merged")) {
         let lora = (name != "base").then_some(name.as_str());
-        reqs.push((prompts[1].clone(), lora));
-        wants.push(want[1].clone());
+        let id = e
+            .add_request_with_lora(Prompt::Tokens(prompts[1].clone()), greedy(), lora)
+            .unwrap();
+        want.insert(id, (name.clone(), w[1].clone()));
     }
-    assert_eq!(run(&mut llm, &reqs), wants);
+    let mut got: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    let mut seen = std::collections::BTreeSet::new();
+    while e.has_unfinished() {
+        let (running, _) = e.lora_requests();
+        assert!(running.len() <= 1, "adapters running at once: {running:?}");
+        seen.extend(running);
+        for o in e.step().unwrap() {
+            got.entry(o.request_id).or_default().extend(o.new_token_ids);
+        }
+    }
+    assert_eq!(seen.len(), names.len(), "every adapter ran: {seen:?}");
+    for (id, (name, w)) in want {
+        assert_eq!(got[&id], w, "{name}");
+    }
 }
 
 /// peft's merge_and_unload of mistral-all, served as a plain model, gives the tokens of the
@@ -310,13 +332,31 @@ fn adapters_that_cannot_be_served_are_refused_clearly() {
     let no_flag = LLM::new(EngineArgs {
         model: Some(tiny("mistral")),
         lora: LoraArgs {
-            modules: vec![("rs".into(), adapter("mistral-rslora"))],
+            modules: vec![module("rs", "mistral-rslora")],
             ..Default::default()
         },
         ..Default::default()
     });
     let m = no_flag.err().unwrap().to_string();
     assert!(m.contains("--enable-lora"), "{m}");
+    for (model, says) in [
+        ("gpt2", "not supported for"),
+        ("mixtral", "mixture-of-experts"),
+    ] {
+        let r = LLM::new(EngineArgs {
+            model: Some(tiny(model)),
+            lora: LoraArgs {
+                enable: true,
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        let m = format!("{:#}", r.err().unwrap());
+        assert!(
+            m.contains(says) && m.contains("--enable-lora"),
+            "{model}: {m}"
+        );
+    }
 }
 
 /// An adapter of rank 2 on one module `name` (`[2, 64]` and `[64, 2]` factors of ones).
@@ -359,7 +399,7 @@ fn the_server_serves_adapters_by_model_name_and_loads_them_at_run_time() {
         lora: LoraArgs {
             enable: true,
             max_loras: 2,
-            modules: vec![("attn".into(), adapter("mistral-attn"))],
+            modules: vec![module("attn", "mistral-attn")],
             ..Default::default()
         },
         ..Default::default()
@@ -451,4 +491,37 @@ fn the_server_serves_adapters_by_model_name_and_loads_them_at_run_time() {
         r.text()
     );
     plain.shutdown().unwrap();
+}
+
+/// An adapter unloaded while its request runs keeps its slot until the request ends: one
+/// loaded right after takes another, and both requests get their own tokens.
+#[test]
+fn an_adapter_loaded_while_an_unloaded_one_drains_gets_its_own_slot() {
+    let (prompts, outputs) = cases("mistral");
+    let want = |n: &str| outputs.iter().find(|o| o.0 == n).unwrap().1.clone();
+    let mut llm = engine("mistral", BackendKind::Cpu, &["mistral-attn"], 2);
+    let e = llm.engine();
+    let a = e
+        .add_request_with_lora(
+            Prompt::Tokens(prompts[2].clone()),
+            greedy(),
+            Some("mistral-attn"),
+        )
+        .unwrap();
+    let mut got: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    let mut b = None;
+    while e.has_unfinished() {
+        for o in e.step().unwrap() {
+            got.entry(o.request_id).or_default().extend(o.new_token_ids);
+        }
+        if b.is_none() {
+            e.unload_lora("mistral-attn").unwrap();
+            e.load_lora("rs", &adapter("mistral-rslora")).unwrap();
+            let id =
+                e.add_request_with_lora(Prompt::Tokens(prompts[2].clone()), greedy(), Some("rs"));
+            b = Some(id.unwrap());
+        }
+    }
+    assert_eq!(got[&a], want("mistral-attn")[2]);
+    assert_eq!(got[&b.unwrap()], want("mistral-rslora")[2]);
 }

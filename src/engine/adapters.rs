@@ -13,8 +13,22 @@ pub struct LoraArgs {
     pub max_loras: usize,
     /// Adapters of a larger rank are refused.
     pub max_lora_rank: usize,
-    /// Loaded at start: (name, PEFT adapter directory).
-    pub modules: Vec<(String, PathBuf)>,
+    /// The most adapters loaded at once (vLLM's `--max-cpu-loras`; here they are all kept
+    /// where the model runs): a load beyond it is refused. `None`: 16, or more where
+    /// `max_loras` or `modules` need it.
+    pub max_cpu_loras: Option<usize>,
+    /// Loaded at start.
+    pub modules: Vec<LoraModule>,
+}
+
+/// An adapter of `--lora-modules`: `NAME=PATH`, or vLLM's JSON form with `base_model_name`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraModule {
+    pub name: String,
+    /// A PEFT adapter directory.
+    pub path: PathBuf,
+    /// The `parent` `/v1/models` lists it under (the served model's name where unset).
+    pub base_model_name: Option<String>,
 }
 
 impl Default for LoraArgs {
@@ -24,6 +38,7 @@ impl Default for LoraArgs {
             enable: false,
             max_loras: 1,
             max_lora_rank: 16,
+            max_cpu_loras: None,
             modules: Vec::new(),
         }
     }
@@ -51,6 +66,8 @@ pub struct LoraInfo {
     pub rank: usize,
     /// Bytes its factors take on the device.
     pub bytes: u64,
+    /// `--lora-modules`' `base_model_name`.
+    pub parent: Option<String>,
     pub(super) slot: u32,
     pub(super) root: u64,
 }
@@ -59,6 +76,8 @@ pub struct LoraInfo {
 #[derive(Debug, Default)]
 pub(super) struct Loras {
     pub(super) args: LoraArgs,
+    /// The most adapters loaded at once (`--max-cpu-loras` resolved).
+    pub(super) max_cpu: usize,
     pub(super) by_name: HashMap<String, LoraInfo>,
     /// Slots of adapters unloaded while requests still used them.
     pub(super) draining: Vec<LoraInfo>,
@@ -74,8 +93,18 @@ impl Loras {
         if args.enable && (args.max_loras == 0 || args.max_lora_rank == 0) {
             anyhow::bail!("--max-loras and --max-lora-rank must be positive");
         }
+        let need = args.max_loras.max(args.modules.len());
+        let max_cpu = args.max_cpu_loras.unwrap_or(need.max(16));
+        if args.enable && max_cpu < need {
+            anyhow::bail!(
+                "--max-cpu-loras ({max_cpu}) must be at least --max-loras ({}) and the number of --lora-modules ({})",
+                args.max_loras,
+                args.modules.len()
+            );
+        }
         Ok(Loras {
             args: args.clone(),
+            max_cpu,
             ..Default::default()
         })
     }

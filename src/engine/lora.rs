@@ -10,6 +10,7 @@
 use super::Engine;
 use super::adapters::{LoraError, LoraInfo};
 use super::request::RequestError;
+use crate::untrusted::text;
 use std::path::Path;
 
 impl Engine {
@@ -19,8 +20,20 @@ impl Engine {
         if !self.loras.args.enable {
             return Err(LoraError::Disabled);
         }
+        // NOTE: names go into metrics labels, logs and comma-separated lists.
+        if name.is_empty() || name.len() > 256 || name.chars().any(|c| c.is_control() || c == ',') {
+            return Err(LoraError::Invalid(anyhow::anyhow!(
+                "an adapter's name must be 1 to 256 characters, without commas or control characters"
+            )));
+        }
         if self.loras.by_name.contains_key(name) || name == self.model_name {
             return Err(LoraError::Exists(name.to_string()));
+        }
+        let max_cpu = self.loras.max_cpu;
+        if self.loras.by_name.len() + self.loras.draining.len() >= max_cpu {
+            return Err(LoraError::Invalid(anyhow::anyhow!(
+                "{max_cpu} adapters are loaded already (--max-cpu-loras): unload one first"
+            )));
         }
         let t0 = std::time::Instant::now();
         let adapter = crate::models::peft::load_adapter(path).map_err(LoraError::Invalid)?;
@@ -32,22 +45,25 @@ impl Engine {
             )));
         }
         let slot = self.loras.free_slot();
-        let bytes = self
-            .runner
-            .set_lora(slot, Some(&adapter))
-            .map_err(LoraError::Invalid)?;
+        let bytes = self.runner.set_lora(slot, Some(&adapter)).map_err(|e| {
+            // NOTE: a failed upload may have left part of the factors in the slot.
+            let _ = self.runner.set_lora(slot, None);
+            LoraError::Invalid(e)
+        })?;
         self.loras.roots += 1;
         let info = LoraInfo {
             name: name.to_string(),
             path: path.to_path_buf(),
             rank: adapter.rank,
             bytes,
+            parent: None,
             slot,
             root: self.loras.roots,
         };
         tracing::info!(
-            "LoRA adapter {name} loaded from {} (rank {}, {} KiB of {} on the device) in {:.0} ms",
-            path.display(),
+            "LoRA adapter {} loaded from {} (rank {}, {} KiB of {} on the device) in {:.0} ms",
+            text(name),
+            text(&path.display().to_string()),
             info.rank,
             info.bytes >> 10,
             adapter.dtype.name(),
@@ -69,7 +85,8 @@ impl Engine {
             .remove(name)
             .ok_or_else(|| LoraError::NotFound(name.to_string()))?;
         self.loras.draining.push(info);
-        self.free_drained_loras().map_err(LoraError::Invalid)
+        self.free_drained_loras();
+        Ok(())
     }
 
     /// Whether LoRA adapters are served (`--enable-lora`).
@@ -104,8 +121,9 @@ impl Engine {
         self.loras.args.max_loras
     }
 
-    /// Frees the slots of unloaded adapters that no request uses any more.
-    pub(super) fn free_drained_loras(&mut self) -> anyhow::Result<()> {
+    /// Frees the slots of unloaded adapters that no request uses any more. A slot whose
+    /// factors cannot be freed stays taken (and the error is logged).
+    pub(super) fn free_drained_loras(&mut self) {
         let mut i = 0;
         while i < self.loras.draining.len() {
             let slot = self.loras.draining[i].slot;
@@ -113,10 +131,16 @@ impl Engine {
                 i += 1;
                 continue;
             }
-            self.runner.set_lora(slot, None)?;
-            self.loras.draining.swap_remove(i);
+            match self.runner.set_lora(slot, None) {
+                Ok(_) => {
+                    self.loras.draining.swap_remove(i);
+                }
+                Err(e) => {
+                    tracing::error!("freeing LoRA slot {slot} failed: {e:#}");
+                    i += 1;
+                }
+            }
         }
-        Ok(())
     }
 
     /// The slot and the prefix-cache root of the adapter a request names (`None`: the base
@@ -131,11 +155,24 @@ impl Engine {
         }
     }
 
-    /// The adapters of `--lora-modules`, loaded at start.
+    /// With `--enable-lora`: refuses a model or a split that cannot take adapters (at start,
+    /// rather than at each load), then loads the adapters of `--lora-modules`.
     pub(super) fn load_lora_modules(&mut self) -> anyhow::Result<()> {
-        for (name, path) in self.loras.args.modules.clone() {
-            self.load_lora(&name, &path)
-                .map_err(|e| anyhow::anyhow!("--lora-modules {name}={}: {e}", path.display()))?;
+        if !self.loras.args.enable {
+            return Ok(());
+        }
+        // NOTE: unloading a slot that holds nothing changes nothing, but says whether the
+        // model and its split take adapters at all.
+        self.runner
+            .set_lora(1, None)
+            .map_err(|e| anyhow::anyhow!("--enable-lora: {e:#}"))?;
+        for m in self.loras.args.modules.clone() {
+            self.load_lora(&m.name, &m.path).map_err(|e| {
+                anyhow::anyhow!("--lora-modules {}={}: {e}", m.name, m.path.display())
+            })?;
+            if let Some(l) = self.loras.by_name.get_mut(&m.name) {
+                l.parent = m.base_model_name;
+            }
         }
         Ok(())
     }

@@ -16,7 +16,7 @@ mod spec;
 mod worker;
 mod workers;
 
-pub use adapters::{LoraArgs, LoraError, LoraInfo};
+pub use adapters::{LoraArgs, LoraError, LoraInfo, LoraModule};
 pub use llm::{CompletionOutput, LLM, PoolingOutput, RequestOutput};
 pub use pool::{PoolingParams, cosine};
 pub use request::{Prompt, PromptLogprob, RequestError, StepOutput, StopReason, sample_seed};
@@ -777,6 +777,7 @@ impl Engine {
             self.states.remove(&s);
             self.pools.remove(&s);
         }
+        self.free_drained_loras();
         ok
     }
 
@@ -796,9 +797,6 @@ impl Engine {
     /// NOTE: with pipeline parallelism several steps are in flight (vLLM's virtual engines):
     /// see [`Engine::step_pipelined`].
     pub fn step(&mut self) -> Result<Vec<StepOutput>> {
-        if !self.loras.draining.is_empty() {
-            self.free_drained_loras()?;
-        }
         if self.depth > 1 {
             return self.step_pipelined();
         }

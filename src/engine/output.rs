@@ -281,6 +281,8 @@ impl Engine {
             self.emit(group, out, cum_logprob, &mut outputs)?;
         }
         self.stats.steps += 1;
+        // NOTE: an unloaded adapter's memory goes as soon as its last request ends.
+        self.free_drained_loras();
         Ok(outputs)
     }
 

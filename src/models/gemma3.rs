@@ -10,6 +10,7 @@
 use super::config::{Fields, ModelConfig};
 use super::gguf::{GgufFile, GgufFix, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
+use super::lora::{DOWN, LoraAdapter, LoraSet, O, QKV, gated_sites};
 use super::shard::Head;
 use super::shard::Lin::File;
 use super::stack::{Family, Load, Stack};
@@ -206,6 +207,8 @@ pub struct Gemma3<B: Backend> {
     /// RoPE tables `[max_positions, D / 2]`: global layers, then local ones.
     rope_global: (B::Buf, B::Buf),
     rope_local: (B::Buf, B::Buf),
+    /// The LoRA adapters loaded.
+    loras: LoraSet<B>,
 }
 
 /// Gemma's RMSNorm scales by `1 + w`: the weight is uploaded with the 1 added.
@@ -280,11 +283,13 @@ impl<B: Backend> Gemma3<B> {
         let tables = |theta: f64| super::rope::upload(backend, c, theta, max_positions);
         let rope_global = tables(c.rope_theta)?;
         let rope_local = tables(c.rope_theta_local.unwrap_or(c.rope_theta))?;
+        let loras = LoraSet::new(gated_sites(c), &place);
         Ok(Gemma3 {
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
             rope_global,
             rope_local,
+            loras,
         })
     }
 }
@@ -294,10 +299,15 @@ impl<B: Backend> Family<B> for Gemma3<B> {
         &self.stack
     }
 
+    fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
+        self.loras.set(backend, slot, adapter)
+    }
+
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let s = &self.stack;
         let (c, tp, t) = (&s.cfg, &s.place.tp, batch.host.num_tokens());
         let (hid, f, ql, eps) = s.sizes();
+        let lora = self.loras.step(backend, batch)?;
 
         let mut x = s.input(backend, batch)?; // [T, hidden] residual stream
         if s.place.first_stage() {
@@ -322,6 +332,7 @@ impl<B: Backend> Family<B> for Gemma3<B> {
                 None => &self.rope_global,
             };
             backend.matmul(&h, &w.wqkv, None, t, hid, ql.row_len(), &mut qkv)?;
+            lora.apply(backend, j, QKV, &h, &mut qkv)?;
             backend.qk_norm(&mut qkv, &w.q_norm, &w.k_norm, t, ql, QkNormSpan::Head, eps)?;
             attend(
                 backend,
@@ -337,21 +348,24 @@ impl<B: Backend> Family<B> for Gemma3<B> {
             // NOTE: under tensor parallelism o_proj and down_proj give partial sums: added
             // over the ranks before their norms.
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
+            lora.apply(backend, j, O, &attn, &mut o)?;
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             // x += post_attn_norm(o); h = pre_ffn_norm(x)
             backend.rms_norm(&o, &w.post_attn_norm, t, hid, eps, &mut on)?;
             backend.add_rms_norm(&mut x, &on, &w.pre_ffn_norm, t, hid, eps, &mut h)?;
-            backend.matmul_gated_act(
+            let a = c.hidden_act;
+            lora.matmul_gated_act(
+                backend,
+                j,
                 &h,
                 &w.w_gate_up,
-                t,
-                hid,
-                f,
-                c.hidden_act,
+                (t, hid, f),
+                a,
                 &mut gu,
                 &mut act,
             )?;
             backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
+            lora.apply(backend, j, DOWN, &act, &mut o)?;
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             // x += post_ffn_norm(o); h = the next layer's input norm of x
             backend.rms_norm(&o, &w.post_ffn_norm, t, hid, eps, &mut on)?;

@@ -11,7 +11,7 @@
 use super::config::{Fields, ModelConfig};
 use super::gguf::GgufFile;
 use super::kv_cache::KvCache;
-use super::lora::{LoraAdapter, LoraSet, LoraSite};
+use super::lora::{DOWN, LoraAdapter, LoraSet, O, QKV, gated_sites};
 use super::moe::{self, HfKeys, Moe};
 use super::shard::Lin::File;
 use super::shard::{Head, Lin};
@@ -52,53 +52,8 @@ pub struct Llama<B: Backend> {
     residual_multiplier: Option<f32>,
     rope_cos: B::Buf, // [max_positions, D / 2]
     rope_sin: B::Buf, // [max_positions, D / 2]
-    /// The LoRA adapters loaded, on [`lora_sites`].
+    /// The LoRA adapters loaded, on [`gated_sites`].
     loras: LoraSet<B>,
-}
-
-/// The projections LoRA adapters may change, in [`lora_sites`]'s order.
-const QKV: usize = 0;
-const O: usize = 1;
-const GATE_UP: usize = 2;
-const DOWN: usize = 3;
-
-/// Each layer's projections as LoRA sites: the fused QKV (PEFT's `q_proj`, `k_proj` and
-/// `v_proj`, or Phi-3's `qkv_proj`), `o_proj`, the fused gate and up (`gate_proj` and `up_proj`,
-/// or `gate_up_proj`) and `down_proj`, on one device.
-fn lora_sites(c: &ModelConfig) -> Vec<LoraSite> {
-    let (h, hkv, d, hid, f) = c.layer_sizes();
-    let (q, kv) = (h * d, hkv * d);
-    vec![
-        LoraSite {
-            k: hid,
-            n: q + 2 * kv,
-            parts: vec![
-                ("q_proj", 0..q),
-                ("k_proj", q..q + kv),
-                ("v_proj", q + kv..q + 2 * kv),
-                ("qkv_proj", 0..q + 2 * kv),
-            ],
-        },
-        LoraSite {
-            k: q,
-            n: hid,
-            parts: vec![("o_proj", 0..hid)],
-        },
-        LoraSite {
-            k: hid,
-            n: 2 * f,
-            parts: vec![
-                ("gate_proj", 0..f),
-                ("up_proj", f..2 * f),
-                ("gate_up_proj", 0..2 * f),
-            ],
-        },
-        LoraSite {
-            k: f,
-            n: hid,
-            parts: vec![("down_proj", 0..hid)],
-        },
-    ]
 }
 
 // ---- configuration: the family-specific parts (registry hooks) ------------------------------
@@ -396,7 +351,7 @@ impl<B: Backend> Llama<B> {
         progress(total, total);
         let (rope_cos, rope_sin) = super::rope::upload(backend, c, c.rope_theta, max_positions)?;
         let multiplier = |k: &str| c.extra[k].as_f64().map(|m| m as f32);
-        let loras = LoraSet::new(lora_sites(c), place.layers.clone());
+        let loras = LoraSet::new(gated_sites(c), &place);
         Ok(Llama {
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
@@ -416,13 +371,8 @@ impl<B: Backend> Family<B> for Llama<B> {
     }
 
     fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
-        let s = &self.stack;
-        // NOTE: under tensor parallelism each rank would need its slice of every B (and of A
-        // for the row-parallel projections), and an MoE layer's experts are not sites.
-        if s.place.tp_size() > 1 || !(s.place.first_stage() && s.place.last_stage()) {
-            bail!("LoRA adapters with tensor or pipeline parallelism are not supported yet");
-        }
-        if s.cfg.moe.is_some() {
+        // NOTE: an MoE layer's experts are not sites.
+        if self.stack.cfg.moe.is_some() {
             bail!("LoRA adapters on mixture-of-experts models are not supported yet");
         }
         self.loras.set(backend, slot, adapter)
@@ -497,13 +447,16 @@ impl<B: Backend> Family<B> for Llama<B> {
             match &w.mlp {
                 Mlp::Dense { gate_up, down } => {
                     let a = c.hidden_act;
-                    if lora.touches(j, GATE_UP) {
-                        backend.matmul(&h, gate_up, None, t, hid, 2 * f, &mut gu)?;
-                        lora.apply(backend, j, GATE_UP, &h, &mut gu)?;
-                        backend.gated_act(&gu, t, f, a, &mut act)?;
-                    } else {
-                        backend.matmul_gated_act(&h, gate_up, t, hid, f, a, &mut gu, &mut act)?;
-                    }
+                    lora.matmul_gated_act(
+                        backend,
+                        j,
+                        &h,
+                        gate_up,
+                        (t, hid, f),
+                        a,
+                        &mut gu,
+                        &mut act,
+                    )?;
                     backend.matmul(&act, down, None, t, f, hid, &mut o)?;
                     lora.apply(backend, j, DOWN, &act, &mut o)?;
                 }

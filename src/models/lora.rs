@@ -1,4 +1,4 @@
-//! LoRA adapters: PEFT's format read on the host ([`LoraAdapter`]), their factors on a backend
+//! LoRA adapters: their factors on the host ([`LoraAdapter`], read by `peft.rs`), on a backend
 //! per layer and projection ([`LoraSet`]), and one step's rows grouped by adapter
 //! ([`LoraStep`]), so that requests for different adapters and for the base model share a step.
 //!
@@ -6,8 +6,10 @@
 //! B `[out, r]`, s = `lora_alpha / r`, or `lora_alpha / √r` with rsLoRA). The base product runs
 //! once for the whole batch; then, for each adapter in the step, its rows are gathered, shrunk
 //! by A, expanded by B and added back (the segmented "SGMV" shape of Punica and S-LoRA, built
-//! from the backend's own gather, matmul and scatter-add, so every backend runs it). A row's
-//! result depends on its own adapter only: every op is row by row.
+//! from the backend's own gather, matmul and scatter-add, so every backend runs it). Every op
+//! works row by row, so a row's result depends on its own adapter only; exactly so where the
+//! backend's matmul gives a row the same bits whatever the row count (the CPU's), not on a GPU,
+//! whose matmul changes kernel past 8 rows.
 //!
 //! ```text
 //!   x [T, in] ──base matmul──────────────────────────────▶ y [T, out]
@@ -18,7 +20,9 @@
 //! stacked, A as rows `[Σr, in]` and B block-diagonally `[out, Σr]` (each part's B in its own
 //! rows and columns), so one shrink and one expand serve the whole site.
 
-use crate::backend::{Backend, DeviceBatch};
+use super::config::ModelConfig;
+use crate::backend::{Activation, Backend, DeviceBatch};
+use crate::parallel::Placement;
 use crate::tensor::{DType, HostTensor};
 use crate::untrusted::text;
 use anyhow::{Context, Result, bail};
@@ -55,6 +59,51 @@ pub struct LoraSite {
     pub parts: Vec<(&'static str, Range<usize>)>,
 }
 
+/// The sites of [`gated_sites`], in its order.
+pub const QKV: usize = 0;
+pub const O: usize = 1;
+pub const GATE_UP: usize = 2;
+pub const DOWN: usize = 3;
+
+/// The projections of a layer with a fused QKV (PEFT's `q_proj`, `k_proj` and `v_proj`, or
+/// Phi-3's `qkv_proj`), `o_proj`, a gated MLP's fused gate and up (`gate_proj` and `up_proj`,
+/// or `gate_up_proj`) and `down_proj`, as LoRA sites: the Llama graph's, Gemma 3's, OLMo 2's.
+pub fn gated_sites(c: &ModelConfig) -> Vec<LoraSite> {
+    let (h, hkv, d, hid, f) = c.layer_sizes();
+    let (q, kv) = (h * d, hkv * d);
+    vec![
+        LoraSite {
+            k: hid,
+            n: q + 2 * kv,
+            parts: vec![
+                ("q_proj", 0..q),
+                ("k_proj", q..q + kv),
+                ("v_proj", q + kv..q + 2 * kv),
+                ("qkv_proj", 0..q + 2 * kv),
+            ],
+        },
+        LoraSite {
+            k: q,
+            n: hid,
+            parts: vec![("o_proj", 0..hid)],
+        },
+        LoraSite {
+            k: hid,
+            n: 2 * f,
+            parts: vec![
+                ("gate_proj", 0..f),
+                ("up_proj", f..2 * f),
+                ("gate_up_proj", 0..2 * f),
+            ],
+        },
+        LoraSite {
+            k: f,
+            n: hid,
+            parts: vec![("down_proj", 0..hid)],
+        },
+    ]
+}
+
 /// One site's stacked factors on the device.
 struct Factors<B: Backend> {
     a: B::Buf, // [R, k]
@@ -66,15 +115,18 @@ struct Factors<B: Backend> {
 pub struct LoraSet<B: Backend> {
     sites: Vec<LoraSite>,
     layers: Range<usize>,
+    /// The whole model on this worker (no tensor or pipeline parallelism).
+    whole: bool,
     adapters: HashMap<u32, Vec<Vec<Option<Factors<B>>>>>,
 }
 
 impl<B: Backend> LoraSet<B> {
-    /// A family's sites (the same in each of `layers`), no adapter loaded.
-    pub fn new(sites: Vec<LoraSite>, layers: Range<usize>) -> Self {
+    /// A family's sites (the same in each of the worker's layers), no adapter loaded.
+    pub fn new(sites: Vec<LoraSite>, place: &Placement<B>) -> Self {
         LoraSet {
             sites,
-            layers,
+            layers: place.layers.clone(),
+            whole: place.is_single(),
             adapters: HashMap::new(),
         }
     }
@@ -85,6 +137,11 @@ impl<B: Backend> LoraSet<B> {
     /// a projection of this model with its shapes.
     pub fn set(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
         anyhow::ensure!(slot != 0, "LoRA slot 0 is the base model");
+        // NOTE: under tensor parallelism each rank would need its slice of every B (and of A
+        // for the row-parallel projections).
+        if !self.whole {
+            bail!("LoRA adapters with tensor or pipeline parallelism are not supported yet");
+        }
         let Some(ad) = adapter else {
             self.adapters.remove(&slot);
             return Ok(0);
@@ -244,5 +301,27 @@ impl<B: Backend> LoraStep<'_, B> {
             backend.scatter_add_rows(&up, &g.rows, &g.ones, n, out)?;
         }
         Ok(())
+    }
+
+    /// The gated MLP's first half ([`Backend::matmul_gated_act`] of `x` `[rows, k]` by
+    /// `w_gate_up` `[2 ffn, k]`) with the adapters of [`GATE_UP`] added before the activation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_gated_act(
+        &self,
+        backend: &B,
+        j: usize,
+        x: &B::Buf,
+        w_gate_up: &B::Buf,
+        (rows, k, ffn): (usize, usize, usize),
+        act: Activation,
+        gate_up: &mut B::Buf,
+        out: &mut B::Buf,
+    ) -> Result<()> {
+        if !self.touches(j, GATE_UP) {
+            return backend.matmul_gated_act(x, w_gate_up, rows, k, ffn, act, gate_up, out);
+        }
+        backend.matmul(x, w_gate_up, None, rows, k, 2 * ffn, gate_up)?;
+        self.apply(backend, j, GATE_UP, x, gate_up)?;
+        backend.gated_act(gate_up, rows, ffn, act, out)
     }
 }

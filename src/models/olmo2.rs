@@ -13,6 +13,7 @@
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, GgufTensorName, map_name};
 use super::kv_cache::KvCache;
+use super::lora::{DOWN, LoraAdapter, LoraSet, O, QKV, gated_sites};
 use super::shard::Head;
 use super::shard::Lin::File;
 use super::stack::{Family, Load, Stack};
@@ -76,6 +77,8 @@ pub struct Olmo2<B: Backend> {
     layers: Vec<Layer<B>>,
     rope_cos: B::Buf, // [max_positions, D / 2]
     rope_sin: B::Buf,
+    /// The LoRA adapters loaded.
+    loras: LoraSet<B>,
 }
 
 impl<B: Backend> Olmo2<B> {
@@ -147,6 +150,7 @@ impl<B: Backend> Olmo2<B> {
         progress(total, total);
         let (rope_cos, rope_sin) = super::rope::upload(backend, c, c.rope_theta, max_positions)?;
         Ok(Olmo2 {
+            loras: LoraSet::new(gated_sites(c), &place),
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
             rope_cos,
@@ -160,10 +164,15 @@ impl<B: Backend> Family<B> for Olmo2<B> {
         &self.stack
     }
 
+    fn set_lora(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
+        self.loras.set(backend, slot, adapter)
+    }
+
     fn forward(&self, backend: &B, batch: &DeviceBatch<B>, kv: &mut KvCache<B>) -> Result<B::Buf> {
         let s = &self.stack;
         let (c, tp, t) = (&s.cfg, &s.place.tp, batch.host.num_tokens());
         let (hid, f, ql, eps) = s.sizes();
+        let lora = self.loras.step(backend, batch)?;
         let all = c.qkv_layout(); // all heads; `ql`: this rank's
         let mut x = s.input(backend, batch)?; // [T, hidden] residual stream
         let mut qkv = backend.alloc_scratch_f32(t * all.row_len())?; // [T, (H + 2 Hkv) D]
@@ -184,6 +193,7 @@ impl<B: Backend> Family<B> for Olmo2<B> {
         for (j, w) in self.layers.iter().enumerate() {
             let l = s.place.layers.start + j;
             backend.matmul(&x, &w.wqkv, None, t, hid, all.row_len(), &mut qkv)?;
+            lora.apply(backend, j, QKV, &x, &mut qkv)?;
             let span = QkNormSpan::All;
             backend.qk_norm(&mut qkv, &w.q_norm, &w.k_norm, t, all, span, eps)?;
             let local = match &mut mine {
@@ -205,12 +215,23 @@ impl<B: Backend> Family<B> for Olmo2<B> {
                 &mut attn,
             )?;
             backend.matmul(&attn, &w.wo, None, t, ql.q_len(), hid, &mut o)?;
+            lora.apply(backend, j, O, &attn, &mut o)?;
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             backend.rms_norm(&o, &w.attn_norm, t, hid, eps, &mut h)?;
             backend.add_assign(&mut x, &h, t * hid)?;
             let a = c.hidden_act;
-            backend.matmul_gated_act(&x, &w.w_gate_up, t, hid, f, a, &mut gu, &mut act)?;
+            lora.matmul_gated_act(
+                backend,
+                j,
+                &x,
+                &w.w_gate_up,
+                (t, hid, f),
+                a,
+                &mut gu,
+                &mut act,
+            )?;
             backend.matmul(&act, &w.w_down, None, t, f, hid, &mut o)?;
+            lora.apply(backend, j, DOWN, &act, &mut o)?;
             tp.all_reduce_sum(backend, &mut o, t * hid)?;
             backend.rms_norm(&o, &w.mlp_norm, t, hid, eps, &mut h)?;
             backend.add_assign(&mut x, &h, t * hid)?;

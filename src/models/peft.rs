@@ -22,6 +22,9 @@ pub fn load_adapter(dir: &Path) -> Result<LoraAdapter> {
         );
     }
     let cfg_path = dir.join("adapter_config.json");
+    // NOTE: not a FIFO or a device that a read would hang on or never finish.
+    crate::untrusted::regular_file(&cfg_path)
+        .with_context(|| format!("{shown} has no readable adapter_config.json"))?;
     let cfg_text = std::fs::read_to_string(&cfg_path)
         .with_context(|| format!("{shown} has no readable adapter_config.json"))?;
     let cfg: Value = serde_json::from_str(&cfg_text)
@@ -60,10 +63,13 @@ pub fn load_adapter(dir: &Path) -> Result<LoraAdapter> {
         if t.shape.len() != 2 {
             bail!("{shown}: `{}` is not a matrix", text(name));
         }
-        match which {
-            'A' => a_of.insert((layer, module), t),
-            _ => b_of.insert((layer, module), t),
-        };
+        let factors = if which == 'A' { &mut a_of } else { &mut b_of };
+        if factors.insert((layer, module.clone()), t).is_some() {
+            bail!(
+                "{shown}: two lora_{which} tensors for layer {layer} {}",
+                text(&module)
+            );
+        }
     }
     let mut modules = BTreeMap::new();
     for (key, a) in a_of {
@@ -149,7 +155,7 @@ fn check_config(cfg: &Value) -> Result<(usize, f64, bool)> {
     Ok((rank, alpha, rslora))
 }
 
-/// `base_model.model.model.layers.{i}.{path}.{module}.lora_{A|B}.weight` → (i, module, A|B).
+/// `base_model.model.model.layers.{i}.{path.}{module}.lora_{A|B}.weight` → (i, module, A|B).
 fn parse_name(name: &str) -> Result<(usize, String, char)> {
     let rest = name
         .strip_prefix("base_model.model.")
@@ -163,15 +169,16 @@ fn parse_name(name: &str) -> Result<(usize, String, char)> {
             "not a LoRA factor of a linear layer (embedding adapters and biases are not supported)"
         );
     };
-    let parts: Vec<&str> = rest.split('.').collect();
-    let at = parts.iter().position(|&p| p == "layers").context(
-        "not in a decoder layer (adapters on the embeddings or the head are not supported)",
+    // NOTE: only the decoder's own layers (`model.layers.N`): a multimodal model's vision or
+    // audio towers have layers of their own, with the same module names.
+    let rest = rest.strip_prefix("model.layers.").context(
+        "not in a decoder layer `model.layers.N` (adapters on the embeddings, the head or other towers are not supported)",
     )?;
-    let layer = parts
-        .get(at + 1)
-        .and_then(|l| l.parse().ok())
-        .context("no layer index after `layers`")?;
-    let module = parts.last().context("no module name")?.to_string();
+    let (layer, path) = rest
+        .split_once('.')
+        .context("no module after the layer index")?;
+    let layer = layer.parse().context("the layer index is not a number")?;
+    let module = path.rsplit('.').next().unwrap_or(path).to_string();
     Ok((layer, module, which))
 }
 
@@ -192,6 +199,7 @@ mod tests {
             "base_model.model.model.embed_tokens.lora_embedding_A",
             "base_model.model.lm_head.lora_A.weight",
             "base_model.model.model.layers.x.mlp.up_proj.lora_A.weight",
+            "base_model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight",
         ] {
             assert!(parse_name(bad).is_err(), "{bad}");
         }

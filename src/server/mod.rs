@@ -207,6 +207,16 @@ async fn run(
     } else {
         args.served_model_names.clone()
     };
+    if let Some(l) = engine
+        .loras()
+        .iter()
+        .find(|l| model_names.contains(&l.name))
+    {
+        anyhow::bail!(
+            "the LoRA adapter `{}` has the name the model is served under: rename one",
+            l.name
+        );
+    }
     let metrics = Arc::new(Metrics::new(&model_names[0]));
     let dead = Arc::new(AtomicBool::new(false));
     let (cmd_tx, cmd_rx) = mpsc::channel();
@@ -220,7 +230,7 @@ async fn run(
         model_names,
         loras: engine
             .lora_enabled()
-            .then(|| std::sync::RwLock::new(engine.loras().into_iter().map(|l| l.name).collect())),
+            .then(|| std::sync::RwLock::new(engine.loras())),
         max_model_len: engine.max_model_len(),
         vocab_size: engine.config().vocab_size,
         sampling_defaults: *engine.sampling_defaults(),

@@ -156,14 +156,17 @@ async fn list_models(State(st): St) -> Json<ModelList> {
         max_model_len: st.max_model_len,
     };
     let mut data: Vec<ModelCard> = st.model_names.iter().map(|n| card(n, None)).collect();
-    // NOTE: as vLLM, an adapter's card names the base model as its parent.
+    // NOTE: as vLLM's, an adapter's card has its path as the root and the base model (or
+    // its --lora-modules base_model_name) as the parent.
     if let Some(loras) = &st.loras {
         let loras = loras.read().unwrap_or_else(|e| e.into_inner());
-        data.extend(
-            loras
-                .iter()
-                .map(|n| card(n, Some(st.model_names[0].clone()))),
-        );
+        data.extend(loras.iter().map(|l| {
+            let parent = l.parent.clone().unwrap_or(st.model_names[0].clone());
+            ModelCard {
+                root: l.path.display().to_string(),
+                ..card(&l.name, Some(parent))
+            }
+        }));
     }
     Json(ModelList {
         object: "list",
@@ -171,12 +174,15 @@ async fn list_models(State(st): St) -> Json<ModelList> {
     })
 }
 
-/// vLLM's `POST /v1/load_lora_adapter` body (`lora_path` only to load).
+/// vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` bodies (`lora_path`
+/// only to load; `load_inplace`: replace an adapter of that name).
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct LoraBody {
     lora_name: String,
     lora_path: Option<String>,
+    #[serde(default)]
+    load_inplace: bool,
 }
 
 async fn load_lora_adapter(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
@@ -187,7 +193,8 @@ async fn unload_lora_adapter(State(st): St, body: Result<Bytes, BytesRejection>)
     lora_command(st, body, false).await
 }
 
-/// Loads (`load`) or unloads an adapter on the engine thread; the served names follow.
+/// Loads (`load`) or unloads an adapter on the engine thread; the served names follow what the
+/// engine says after it.
 async fn lora_command(
     st: Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
@@ -210,29 +217,32 @@ async fn lora_command(
             }
             (false, _) => None,
         };
-        if req.lora_name.is_empty() || st.model_names.contains(&req.lora_name) {
+        if st.model_names.contains(&req.lora_name) {
             return Err(ApiError::invalid(
-                "lora_name must be non-empty and differ from the base model's names",
+                "lora_name must differ from the names the base model is served under",
                 Some("lora_name"),
             ));
         }
         let (reply, rx) = tokio::sync::oneshot::channel();
-        let name = req.lora_name.clone();
-        st.send(super::worker::Command::Lora { name, path, reply })?;
+        st.send(super::worker::Command::Lora {
+            name: req.lora_name.clone(),
+            path,
+            replace: req.load_inplace,
+            reply,
+        })?;
         let result = rx
             .await
             .map_err(|_| ApiError::internal("the engine thread is gone"))?;
         use crate::engine::LoraError;
-        match result {
-            Ok(()) => {}
+        let now = match result {
+            Ok(now) => now,
             Err(e @ LoraError::NotFound(_)) => return Err(ApiError::missing(e.to_string())),
+            Err(e @ LoraError::Exists(_)) => {
+                return Err(ApiError::invalid(e.to_string(), Some("lora_name")));
+            }
             Err(e) => return Err(ApiError::invalid(e.to_string(), Some("lora_path"))),
-        }
-        let mut names = loras.write().unwrap_or_else(|e| e.into_inner());
-        match load {
-            true => names.insert(req.lora_name.clone()),
-            false => names.remove(&req.lora_name),
         };
+        *loras.write().unwrap_or_else(|e| e.into_inner()) = now;
         let verb = if load { "loaded" } else { "unloaded" };
         Ok(format!(
             "Success: LoRA adapter '{}' {verb} successfully.",

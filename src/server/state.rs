@@ -19,8 +19,9 @@ pub struct AppState {
     pub(super) tokenizer: Arc<Tokenizer>,
     pub(super) model_names: Vec<String>,
     pub(super) model_root: String,
-    /// The LoRA adapters a request's `model` may name (`--enable-lora`), as loaded.
-    pub(super) loras: Option<std::sync::RwLock<std::collections::BTreeSet<String>>>,
+    /// The LoRA adapters a request's `model` may name (`--enable-lora`), as the engine last
+    /// said, by name.
+    pub(super) loras: Option<std::sync::RwLock<Vec<crate::engine::LoraInfo>>>,
     pub(super) max_model_len: usize,
     pub(super) vocab_size: usize,
     /// The model's own sampling defaults, for the fields a request leaves out (as vLLM does with
@@ -65,7 +66,8 @@ impl AppState {
             .as_ref()?
             .read()
             .unwrap_or_else(|e| e.into_inner());
-        loras.contains(model).then(|| model.to_string())
+        let base = self.model_names.iter().any(|n| n == model);
+        (!base && loras.iter().any(|l| l.name == model)).then(|| model.to_string())
     }
 
     /// `cmpl-…` / `chatcmpl-…`: unique within a run and unlikely to repeat across runs.

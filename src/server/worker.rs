@@ -9,7 +9,7 @@
 //! ```
 
 use super::metrics::{EngineGauges, LoraGauge, Metrics};
-use crate::engine::{Engine, LoraError, PoolingParams, Prompt, RequestError, StepOutput};
+use crate::engine::{Engine, LoraError, LoraInfo, PoolingParams, Prompt, RequestError, StepOutput};
 use crate::sampling::SamplingParams;
 use crate::sched::{FinishReason, RequestId};
 use std::collections::HashMap;
@@ -43,11 +43,13 @@ pub enum Command {
     },
     /// Abort these requests (their client went away); unknown or finished ids are ignored.
     Abort(Vec<RequestId>),
-    /// Load a LoRA adapter (`None`: unload the adapter of that name).
+    /// Load a LoRA adapter (`None`: unload the adapter of that name; `replace`: unload the one
+    /// of that name first, if any); the reply is the adapters loaded after it.
     Lora {
         name: String,
         path: Option<std::path::PathBuf>,
-        reply: oneshot::Sender<Result<(), LoraError>>,
+        replace: bool,
+        reply: oneshot::Sender<Result<Vec<LoraInfo>, LoraError>>,
     },
     /// Abort whatever is left and end the thread.
     Shutdown,
@@ -178,12 +180,23 @@ impl Worker {
                 }
             }
             Command::Abort(ids) => self.abort(&ids),
-            Command::Lora { name, path, reply } => {
+            Command::Lora {
+                name,
+                path,
+                replace,
+                reply,
+            } => {
+                let e = &mut self.engine;
                 let result = match path {
-                    Some(p) => self.engine.load_lora(&name, &p).map(|_| ()),
-                    None => self.engine.unload_lora(&name),
+                    Some(p) => {
+                        if replace {
+                            let _ = e.unload_lora(&name);
+                        }
+                        e.load_lora(&name, &p).map(|_| ())
+                    }
+                    None => e.unload_lora(&name),
                 };
-                let _ = reply.send(result);
+                let _ = reply.send(result.map(|()| e.loras()));
             }
             Command::Shutdown => return false,
         }
