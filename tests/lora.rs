@@ -1,10 +1,10 @@
 //! Multi-LoRA serving against transformers + peft: tiny random PEFT adapters on the tiny Mistral,
 //! Phi-3, Gemma 3 and OLMo 2 models (`tests/data/tiny/lora/`, made by
 //! `scripts/make-tiny-lora.py`: ranks 8 and 16, attention-only and all-linear, `lora_alpha` !=
-//! `r`, rsLoRA, Phi-3's fused projections)
-//! and their greedy goldens. Pagoda in f32 reproduces the ids exactly: each adapter alone, every
-//! adapter and the base in one batch, after loading, unloading and loading again at run time;
-//! on the CPU and on the emulated GPU.
+//! `r`, rsLoRA, Phi-3's fused projections) and their greedy goldens. Pagoda in f32 reproduces
+//! the ids exactly: each adapter alone, every adapter and the base in one batch, after loading,
+//! unloading and loading again at run time; on the CPU and on the emulated GPU, and (built with
+//! `--features wgpu`) on wgpu.
 
 mod common;
 mod server_util;
@@ -113,38 +113,51 @@ fn adapters_of(outputs: &[(String, Vec<Vec<u32>>)]) -> Vec<&str> {
 
 /// Each adapter alone (one request at a time, the base's cached blocks beside it), then every
 /// adapter and the base over every prompt in one batch.
+fn alone_and_mixed(backend: BackendKind, models: &[&str]) {
+    for &model in models {
+        let (prompts, outputs) = cases(model);
+        let names = adapters_of(&outputs);
+        let mut llm = engine(model, backend, &names, names.len());
+        for (name, want) in &outputs {
+            if name.ends_with("-merged") {
+                continue;
+            }
+            let lora = (name != "base").then_some(name.as_str());
+            for (p, w) in prompts.iter().zip(want) {
+                let got = run(&mut llm, &[(p.clone(), lora)]);
+                assert_eq!(&got[0], w, "{backend:?} {model} {name} alone, prompt {p:?}");
+            }
+        }
+        let mut reqs = Vec::new();
+        let mut wants = Vec::new();
+        for (name, want) in outputs.iter().filter(|(n, _)| !n.ends_with("-merged")) {
+            let lora = (name != "base").then_some(name.as_str());
+            for (p, w) in prompts.iter().zip(want) {
+                reqs.push((p.clone(), lora));
+                wants.push((name.clone(), w.clone()));
+            }
+        }
+        let got = run(&mut llm, &reqs);
+        for (g, (name, w)) in got.iter().zip(&wants) {
+            assert_eq!(g, w, "{backend:?} {model} {name} in a mixed batch");
+        }
+    }
+}
+
+const MODELS: [&str; 4] = ["mistral", "phi3", "gemma3", "olmo2"];
+
 #[test]
 fn adapters_alone_and_mixed_in_one_batch_give_peft_tokens() {
     for backend in BACKENDS {
-        for model in ["mistral", "phi3", "gemma3", "olmo2"] {
-            let (prompts, outputs) = cases(model);
-            let names = adapters_of(&outputs);
-            let mut llm = engine(model, backend, &names, names.len());
-            for (name, want) in &outputs {
-                if name.ends_with("-merged") {
-                    continue;
-                }
-                let lora = (name != "base").then_some(name.as_str());
-                for (p, w) in prompts.iter().zip(want) {
-                    let got = run(&mut llm, &[(p.clone(), lora)]);
-                    assert_eq!(&got[0], w, "{backend:?} {model} {name} alone, prompt {p:?}");
-                }
-            }
-            let mut reqs = Vec::new();
-            let mut wants = Vec::new();
-            for (name, want) in outputs.iter().filter(|(n, _)| !n.ends_with("-merged")) {
-                let lora = (name != "base").then_some(name.as_str());
-                for (p, w) in prompts.iter().zip(want) {
-                    reqs.push((p.clone(), lora));
-                    wants.push((name.clone(), w.clone()));
-                }
-            }
-            let got = run(&mut llm, &reqs);
-            for (g, (name, w)) in got.iter().zip(&wants) {
-                assert_eq!(g, w, "{backend:?} {model} {name} in a mixed batch");
-            }
-        }
+        alone_and_mixed(backend, &MODELS);
     }
+}
+
+/// The same on wgpu (Mesa's llvmpipe in CI).
+#[cfg(feature = "wgpu")]
+#[test]
+fn adapters_alone_and_mixed_give_peft_tokens_on_wgpu() {
+    alone_and_mixed(BackendKind::Wgpu, &MODELS);
 }
 
 /// A step holds at most `--max-loras` adapters; with 1 the others wait their turn (while the
