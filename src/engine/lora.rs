@@ -45,11 +45,10 @@ impl Engine {
             )));
         }
         let slot = self.loras.free_slot();
-        let bytes = self.runner.set_lora(slot, Some(&adapter)).map_err(|e| {
-            // NOTE: a failed upload may have left part of the factors in the slot.
-            let _ = self.runner.set_lora(slot, None);
-            LoraError::Invalid(e)
-        })?;
+        let bytes = self
+            .runner
+            .set_lora(slot, Some(&adapter))
+            .map_err(LoraError::Invalid)?;
         self.loras.roots += 1;
         let info = LoraInfo {
             name: name.to_string(),
