@@ -63,10 +63,7 @@ pub trait CausalLm<B: Backend>: Send + Sync {
         backend: &B,
         slot: u32,
         adapter: Option<&lora::LoraAdapter>,
-    ) -> Result<u64> {
-        let _ = (backend, slot, adapter);
-        anyhow::bail!("LoRA adapters are not supported for this model")
-    }
+    ) -> Result<u64>;
 
     /// The part of the vocabulary this worker's logits cover, and the length of their rows
     /// (`forward` returns `[R, row_len]`, whose first `range.len()` columns are that part);

@@ -333,7 +333,8 @@ impl Scheduler {
                 }
             };
         // The adapters of the running requests: one outside them joins only while fewer than
-        // max_loras are there.
+        // max_loras are there. NOTE: a swapped request's adapter always fits: nothing is
+        // admitted while one is swapped out, so the adapters since have only left.
         let mut loras: HashSet<u32> = self
             .running
             .iter()
@@ -349,7 +350,6 @@ impl Scheduler {
                 if budget == 0
                     || self.running.len() >= self.config.max_num_seqs
                     || grants.len() >= share
-                    || !fits(&loras, self.requests[&id].lora)
                 {
                     break;
                 }
