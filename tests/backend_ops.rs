@@ -43,6 +43,88 @@ fn check<B: Backend>(be: &B, seeds: &[u64], binding_limited: bool) {
     }
 }
 
+/// LoRA's update of a row is the same, to the bit, alone and among other rows of its adapter and
+/// of another adapter (batch invariance: a request's tokens must not depend on what shares its
+/// step).
+fn lora_rows_are_batch_invariant<B: Backend>(be: &B) {
+    use pagoda::backend::LoraGroup;
+    use pagoda::tensor::{DType, HostTensor};
+    use rand_chacha::ChaCha8Rng;
+    use rand_chacha::rand_core::{Rng, SeedableRng};
+    let mut r = ChaCha8Rng::seed_from_u64(40);
+    let mut rand = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| r.next_u32() as f32 / u32::MAX as f32 * 2.0 - 1.0)
+            .collect()
+    };
+    let (tokens, k, n) = (24, 160, 72);
+    let (x, out0) = (rand(tokens * k), rand(tokens * n));
+    let factors: Vec<(usize, Vec<f32>, Vec<f32>)> = [16, 8]
+        .into_iter()
+        .map(|rank| (rank, rand(rank * k), rand(n * rank)))
+        .collect();
+    let run = |rows: &[Vec<u32>]| -> Vec<f32> {
+        let xb = be.upload_f32(&x).unwrap();
+        let mut out = be.upload_f32(&out0).unwrap();
+        let mut bufs = Vec::new();
+        for ((rank, a, b), rows) in factors.iter().zip(rows) {
+            let up = |t: Vec<usize>, v: &[f32]| {
+                be.upload_weight(&HostTensor::new(t, v.to_vec()), DType::F16)
+                    .unwrap()
+            };
+            bufs.push((
+                be.upload_u32(rows).unwrap(),
+                be.upload_f32(&vec![1.0; rows.len()]).unwrap(),
+                up(vec![*rank, k], a),
+                up(vec![n, *rank], b),
+            ));
+        }
+        let groups: Vec<LoraGroup<B>> = bufs
+            .iter()
+            .zip(rows)
+            .zip(&factors)
+            .map(|(((ri, w, a, b), rows), f)| LoraGroup {
+                rows: ri,
+                weights: w,
+                m: rows.len(),
+                a,
+                b,
+                rank: f.0,
+            })
+            .collect();
+        be.lora(&xb, &groups, k, n, &mut out).unwrap();
+        be.download_f32(&out).unwrap()
+    };
+    let alone = run(&[vec![5]]);
+    // row 5 the fourth of 13 rows of its adapter (two CPU tasks), the other adapter's rows around
+    let many = run(&[
+        (0..tokens as u32)
+            .filter(|i| i % 2 == 0 || *i == 5)
+            .collect(),
+        (0..tokens as u32)
+            .filter(|i| i % 2 == 1 && *i != 5)
+            .collect(),
+    ]);
+    let row = |v: &[f32]| {
+        v[5 * n..6 * n]
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_ne!(
+        row(&alone),
+        row(&out0),
+        "{}: the update changed nothing",
+        be.name()
+    );
+    assert_eq!(
+        row(&alone),
+        row(&many),
+        "{}: row 5 depends on the other rows",
+        be.name()
+    );
+}
+
 macro_rules! backend_ops {
     ($name:ident, $make:expr) => {
         backend_ops!($name, $make, &[1, 2], false);
@@ -55,6 +137,11 @@ macro_rules! backend_ops {
             fn op_table_against_the_f64_reference() {
                 let Some(b) = $make else { return };
                 super::check(&b, $seeds, $limited);
+            }
+            #[test]
+            fn lora_rows_are_batch_invariant() {
+                let Some(b) = $make else { return };
+                super::lora_rows_are_batch_invariant(&b);
             }
             #[test]
             fn weights_in_blocks_give_the_cpus_bits() {

@@ -175,6 +175,28 @@ pub fn gather_rows(x: usize, rows: &[u32], dim: usize, out: usize) -> Result<()>
     Ok(())
 }
 
+/// `lora`: each group's `(rows, m, weights' length)` with `m` rows and a weight per row, every
+/// row inside `x` (rows of `k`) and `out` (rows of `n`), no row twice in the call (so that rows
+/// update in parallel).
+pub fn lora(
+    groups: &[(&[u32], usize, usize)],
+    k: usize,
+    n: usize,
+    x: usize,
+    out: usize,
+) -> Result<()> {
+    let rows: Vec<u32> = groups.iter().flat_map(|g| g.0.iter().copied()).collect();
+    if let Some(g) = groups.iter().find(|g| g.0.len() != g.1) {
+        bail!("lora: {} rows given, {} said", g.0.len(), g.1);
+    }
+    ensure!(
+        groups.iter().all(|g| g.2 >= g.0.len()),
+        "lora: fewer weights than rows"
+    );
+    gather_rows(x, &rows, k, usize::MAX)?;
+    scatter_add_rows(usize::MAX, &rows, usize::MAX, n, out)
+}
+
 /// `scatter_add_rows`: a weight for each of `y`'s rows, each target row inside `out`, none
 /// twice (so that a GPU's threads never add to one row at once).
 pub fn scatter_add_rows(

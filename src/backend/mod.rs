@@ -729,6 +729,21 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buf,
     ) -> Result<()>;
 
+    /// LoRA's update of one projection for a step's adapters: for each group, and each of its
+    /// `rows`, `out[row, :] += weights[i] · (x[row, :] · Aᵀ) · Bᵀ` with `x` `[T, k]`, `out`
+    /// `[T, n]`, A `[rank, k]` and B `[n, rank]` (uploaded with `upload_weight`). A row is in
+    /// one group at most, and its result does not depend on the other rows or groups.
+    // NOTE: one op for every adapter of the step (Punica's BGMV/SGMV shape), not gather,
+    // products and scatter per adapter: those were thousands of calls a step at 16 adapters.
+    fn lora(
+        &self,
+        x: &Self::Buf,
+        groups: &[LoraGroup<'_, Self>],
+        k: usize,
+        n: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
     // ---- paged KV cache ----------------------------------------------------------------
 
     /// Writes each row's K and V (from the fused QKV rows) at its slot
@@ -821,6 +836,20 @@ pub trait Backend: Send + Sync + 'static {
             .map(Choice::token)
             .collect())
     }
+}
+
+/// One adapter's rows of a step and its factors for one projection ([`Backend::lora`]).
+pub struct LoraGroup<'a, B: Backend + ?Sized> {
+    /// `[m]` u32: distinct rows of the step.
+    pub rows: &'a B::Buf,
+    /// `[m]` f32: each row's weight on the update.
+    pub weights: &'a B::Buf,
+    pub m: usize,
+    /// `[rank, k]`.
+    pub a: &'a B::Buf,
+    /// `[n, rank]`.
+    pub b: &'a B::Buf,
+    pub rank: usize,
 }
 
 /// Index of the largest value: ties go to the lowest index; NaN never wins (0 when nothing

@@ -163,6 +163,16 @@ macro_rules! stub_backend_impl {
             ) -> Result<()> {
                 match self.0 {}
             }
+            fn lora(
+                &self,
+                x: &Self::Buf,
+                groups: &[crate::backend::LoraGroup<'_, Self>],
+                k: usize,
+                n: usize,
+                out: &mut Self::Buf,
+            ) -> Result<()> {
+                match self.0 {}
+            }
             fn write_kv(
                 &self,
                 qkv: &Self::Buf,

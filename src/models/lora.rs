@@ -21,7 +21,7 @@
 //! rows and columns), so one shrink and one expand serve the whole site.
 
 use super::config::ModelConfig;
-use crate::backend::{Activation, Backend, DeviceBatch};
+use crate::backend::{Activation, Backend, DeviceBatch, LoraGroup};
 use crate::parallel::Placement;
 use crate::tensor::{DType, HostTensor};
 use crate::untrusted::text;
@@ -288,19 +288,22 @@ impl<B: Backend> LoraStep<'_, B> {
         out: &mut B::Buf,
     ) -> Result<()> {
         let LoraSite { k, n, .. } = self.sites[site];
-        for g in &self.groups {
-            let Some(f) = &g.factors[j][site] else {
-                continue;
-            };
-            let mut xs = backend.alloc_scratch_f32(g.m * k)?; // [m, k]
-            backend.gather_rows(x, &g.rows, k, &mut xs)?;
-            let mut mid = backend.alloc_scratch_f32(g.m * f.rank)?; // [m, R]
-            backend.matmul(&xs, &f.a, None, g.m, k, f.rank, &mut mid)?;
-            let mut up = backend.alloc_scratch_f32(g.m * n)?; // [m, n]
-            backend.matmul(&mid, &f.b, None, g.m, f.rank, n, &mut up)?;
-            backend.scatter_add_rows(&up, &g.rows, &g.ones, n, out)?;
-        }
-        Ok(())
+        let groups: Vec<LoraGroup<B>> = self
+            .groups
+            .iter()
+            .filter_map(|g| {
+                let f = g.factors[j][site].as_ref()?;
+                Some(LoraGroup {
+                    rows: &g.rows,
+                    weights: &g.ones,
+                    m: g.m,
+                    a: &f.a,
+                    b: &f.b,
+                    rank: f.rank,
+                })
+            })
+            .collect();
+        backend.lora(x, &groups, k, n, out)
     }
 
     /// The gated MLP's first half ([`Backend::matmul_gated_act`] of `x` `[rows, k]` by

@@ -3,7 +3,7 @@
 //! (`matmul` and `embedding` of one table, in two parts of different types).
 
 use super::util::{rand_vec, rounded};
-use crate::backend::{Activation, Backend};
+use crate::backend::{Activation, Backend, LoraGroup};
 use crate::quant::{GgmlType, QuantTensor};
 use crate::tensor::{DType, HostTensor};
 use anyhow::Result;
@@ -207,6 +207,134 @@ pub(super) fn random_blocks(
         }
     }
     QuantTensor::new(ty, rows, k, data).expect("whole blocks")
+}
+
+/// LoRA's update of several adapters in one call (`lora`), over an output already holding
+/// values: two of different ranks (one with more rows than a CPU task takes, the other's rows
+/// interleaved with them, some rows untouched); or more adapters than one GPU launch takes, in
+/// every weight type.
+pub(super) struct Lora {
+    pub(super) k: usize,
+    pub(super) n: usize,
+    pub(super) x: Vec<f32>,
+    pub(super) out: Vec<f32>,
+    pub(super) groups: Vec<LoraCaseGroup>,
+}
+
+pub(super) struct LoraCaseGroup {
+    dtype: DType,
+    rows: Vec<u32>,
+    weights: Vec<f32>,
+    rank: usize,
+    /// `[rank, k]`.
+    a: Vec<f32>,
+    /// `[n, rank]`.
+    b: Vec<f32>,
+}
+
+impl Lora {
+    pub(super) fn run<B: Backend>(&self, be: &B) -> Result<Vec<f32>> {
+        let (k, n) = (self.k, self.n);
+        let x = be.upload_f32(&self.x)?;
+        let mut out = be.upload_f32(&self.out)?;
+        let mut bufs = Vec::new();
+        for g in &self.groups {
+            bufs.push((
+                be.upload_u32(&g.rows)?,
+                be.upload_f32(&g.weights)?,
+                be.upload_weight(&HostTensor::new(vec![g.rank, k], g.a.clone()), g.dtype)?,
+                be.upload_weight(&HostTensor::new(vec![n, g.rank], g.b.clone()), g.dtype)?,
+            ));
+        }
+        let groups: Vec<LoraGroup<B>> = self
+            .groups
+            .iter()
+            .zip(&bufs)
+            .map(|(g, (rows, weights, a, b))| LoraGroup {
+                rows,
+                weights,
+                m: g.rows.len(),
+                a,
+                b,
+                rank: g.rank,
+            })
+            .collect();
+        be.lora(&x, &groups, k, n, &mut out)?;
+        be.download_f32(&out)
+    }
+
+    /// What [`Self::run`] should return, in f64.
+    pub(super) fn reference(&self) -> Vec<f64> {
+        let (k, n) = (self.k, self.n);
+        let mut out: Vec<f64> = self.out.iter().map(|&v| v as f64).collect();
+        for g in &self.groups {
+            let (a, b, rank) = (rounded(g.dtype, &g.a), rounded(g.dtype, &g.b), g.rank);
+            for (&r, &w) in g.rows.iter().zip(&g.weights) {
+                let x = &self.x[r as usize * k..(r as usize + 1) * k];
+                let mid: Vec<f64> = (0..rank)
+                    .map(|j| (0..k).map(|l| x[l] as f64 * a[j * k + l]).sum())
+                    .collect();
+                for c in 0..n {
+                    let up: f64 = (0..rank).map(|j| mid[j] * b[c * rank + j]).sum();
+                    out[r as usize * n + c] += w as f64 * up;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The table's `lora` rows.
+pub(super) fn lora_cases<C: From<Lora>>(
+    r: &mut ChaCha8Rng,
+    out: &mut Vec<(String, String, f64, C)>,
+) {
+    let (tokens, k, n) = (20, 96, 80);
+    let group = |r: &mut ChaCha8Rng, dtype: DType, rows: Vec<u32>, rank: usize| LoraCaseGroup {
+        dtype,
+        weights: rand_vec(r, rows.len()).iter().map(|v| v.abs()).collect(),
+        rows,
+        rank,
+        a: rand_vec(r, rank * k),
+        b: rand_vec(r, n * rank),
+    };
+    let tolerance = |d: DType| if d == DType::F32 { 1e-5 } else { 1e-2 };
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let groups = vec![
+            group(r, dtype, vec![0, 2, 3, 5, 6, 8, 9, 11, 12, 14, 19], 16),
+            group(r, dtype, vec![1, 4, 7, 13, 17], 8),
+        ];
+        out.push((
+            "lora".into(),
+            format!("{} 2 adapters, {tokens}x{k}x{n}", dtype.name()),
+            tolerance(dtype),
+            C::from(Lora {
+                k,
+                n,
+                x: rand_vec(r, tokens * k),
+                out: rand_vec(r, tokens * n),
+                groups,
+            }),
+        ));
+    }
+    // NOTE: 18 adapters of each weight type (rows 0..54, row 55 untouched): more than a GPU
+    // launch takes for each type.
+    let dtypes = [DType::F32, DType::F16, DType::BF16];
+    let groups = (0..54)
+        .map(|i| group(r, dtypes[i % 3], vec![i as u32], 4 + i % 5))
+        .collect();
+    out.push((
+        "lora".into(),
+        format!("54 adapters of 3 types, 56x{k}x{n}"),
+        tolerance(DType::F16),
+        C::from(Lora {
+            k,
+            n,
+            x: rand_vec(r, 56 * k),
+            out: rand_vec(r, 56 * n),
+            groups,
+        }),
+    ));
 }
 
 /// The tolerance of a product of `m` rows by `dtype` weights over `k`.

@@ -29,7 +29,7 @@ use anyhow::{Result, bail};
 use attention::Attention;
 use cache::KvBlocks;
 use elementwise::{Elementwise, Embedding, ScatterAdd};
-use linear::{GatedMatmul, Matmul, QuantMatmul};
+use linear::{GatedMatmul, Lora, Matmul, QuantMatmul};
 use norm::{LayerNorm, RmsNorm};
 use qkv::{QkNorm, Rope, RopeWriteKv};
 use rand_chacha::ChaCha8Rng;
@@ -74,6 +74,7 @@ case_list!(
     Matmul,
     GatedMatmul,
     QuantMatmul,
+    Lora,
     RmsNorm,
     LayerNorm,
     Elementwise,
@@ -101,6 +102,7 @@ fn cases(seed: u64) -> Vec<(String, String, f64, Case)> {
     sample::cases(&mut r, &mut out);
     cache::cases(&mut r, &mut out);
     elementwise::scatter_cases(&mut r, &mut out);
+    linear::lora_cases(&mut r, &mut out);
     out
 }
 

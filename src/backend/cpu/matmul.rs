@@ -126,20 +126,40 @@ pub fn matmul_on(
     out: &mut [f32],
     w: Weights<'_>,
 ) {
-    assert!(x.len() >= m * k && out.len() >= m * n);
     let path = if path.available() {
         path
     } else {
         Path::Portable
     };
+    dense_or_quant(path, x, (m, k, n), out, w, true)
+}
+
+/// [`matmul`] on the calling thread alone: for the many small products of one op (LoRA's
+/// factors, a few rows per adapter), each already on its own worker. The same bits, since how
+/// the work is cut changes no result; quantized weights still go to `qmatmul`.
+pub fn matmul_serial(x: &[f32], m: usize, k: usize, n: usize, out: &mut [f32], w: Weights<'_>) {
+    dense_or_quant(Path::detect(), x, (m, k, n), out, w, false)
+}
+
+fn dense_or_quant(
+    path: Path,
+    x: &[f32],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    w: Weights<'_>,
+    parallel: bool,
+) {
+    assert!(x.len() >= m * k && out.len() >= m * n);
     match w {
         Weights::Quant(q) => super::qmatmul::qmatmul(x, m, k, n, out, q),
-        Weights::F32(w) => packed_matmul(path, x, m, k, n, out, w),
-        Weights::F16(w) => packed_matmul(path, x, m, k, n, out, w),
-        Weights::BF16(w) => packed_matmul(path, x, m, k, n, out, w),
+        Weights::F32(w) => packed_matmul(path, x, m, k, n, out, w, parallel),
+        Weights::F16(w) => packed_matmul(path, x, m, k, n, out, w, parallel),
+        Weights::BF16(w) => packed_matmul(path, x, m, k, n, out, w, parallel),
     }
 }
 
+/// `parallel`: the work cut in tasks for rayon, else one task on this thread.
+#[allow(clippy::too_many_arguments)]
 fn packed_matmul<T: Elem>(
     path: Path,
     x: &[f32],
@@ -148,6 +168,7 @@ fn packed_matmul<T: Elem>(
     n: usize,
     out: &mut [f32],
     w: &Packed<T>,
+    parallel: bool,
 ) {
     assert!(
         w.n == n && w.k == k,
@@ -162,10 +183,15 @@ fn packed_matmul<T: Elem>(
         out[..m * n].iter_mut().for_each(|o| *o = 0.0);
         return;
     }
+    let panels = n.div_ceil(PANEL);
+    if !parallel {
+        // SAFETY: `out` holds m × n values, all this call's.
+        unsafe { task(path, x, k, n, 0..m, 0..panels, w, out.as_mut_ptr()) };
+        return;
+    }
     // NOTE: how the work is cut changes no result (see the module's note): a few rows are
     // cut by panel pairs only, so that the hidden size's 36 panels split evenly over 2 or 3
     // threads; many rows also by blocks of MC rows, with 8 panels a task to reuse each block.
-    let panels = n.div_ceil(PANEL);
     let (row_block, group) = if m <= MC { (m, 2) } else { (MC, 8) };
     let groups = panels.div_ceil(group);
     let tasks = m.div_ceil(row_block) * groups;

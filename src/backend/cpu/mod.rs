@@ -12,7 +12,8 @@ use attention::{AttnArgs, AttnTask, Scratch};
 use matmul::{Elem, Packed, Weights};
 
 use super::{
-    Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkNormSpan, QkvLayout, args,
+    Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, LoraGroup, QkNormSpan, QkvLayout,
+    args,
 };
 use crate::quant::QuantTensor;
 use crate::tensor::{DType, HostTensor};
@@ -34,6 +35,27 @@ pub enum CpuBuf {
     /// A linear weight kept in GGML block formats (see qmatmul.rs).
     Quant(QuantTensor),
 }
+
+/// A dense weight `[n, k]` as the matmul reads it, its shape checked.
+fn dense(w: &CpuBuf, n: usize, k: usize) -> Result<Weights<'_>> {
+    let (wn, wk, w) = match w {
+        CpuBuf::PackedF32(p) => (p.n, p.k, Weights::F32(p)),
+        CpuBuf::PackedF16(p) => (p.n, p.k, Weights::F16(p)),
+        CpuBuf::PackedBF16(p) => (p.n, p.k, Weights::BF16(p)),
+        _ => bail!("cpu backend: expected a dense matrix uploaded with upload_weight"),
+    };
+    ensure!(
+        wn == n && wk == k,
+        "cpu backend: a {wn}x{wk} matrix where {n}x{k} was expected"
+    );
+    Ok(w)
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks given one write to disjoint parts of the buffer it points into.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
 
 impl CpuBuf {
     fn f32(&self) -> Result<&[f32]> {
@@ -658,6 +680,63 @@ impl Backend for CpuBackend {
                 *o += weights[i] * v;
             }
         }
+        Ok(())
+    }
+
+    fn lora(
+        &self,
+        x: &CpuBuf,
+        groups: &[LoraGroup<'_, Self>],
+        k: usize,
+        n: usize,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        // NOTE: one task per few rows of one adapter, each running its two small products on
+        // its own thread: composed from gather, matmuls and scatter-add per adapter, the update
+        // spent more time dispatching ops than computing them. A row's bits do not depend on
+        // the other rows: the serial products are the matmul's, whose cut changes no result.
+        const ROWS: usize = 8;
+        let x = x.f32()?;
+        let out = out.f32_mut()?;
+        let mut parts = Vec::with_capacity(groups.len());
+        for g in groups {
+            let rows = g.rows.u32()?;
+            parts.push((rows, g.weights.f32()?));
+        }
+        let lens: Vec<_> = groups
+            .iter()
+            .zip(&parts)
+            .map(|(g, (r, w))| (*r, g.m, w.len()))
+            .collect();
+        args::lora(&lens, k, n, x.len(), out.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut tasks = Vec::new();
+        for (g, (rows, weights)) in groups.iter().zip(&parts) {
+            let (a, b) = (dense(g.a, g.rank, k)?, dense(g.b, n, g.rank)?);
+            for (i, chunk) in rows.chunks(ROWS).enumerate() {
+                tasks.push((a, b, g.rank, chunk, &weights[i * ROWS..]));
+            }
+        }
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        tasks.par_iter().for_each(|&(a, b, rank, rows, weights)| {
+            let m = rows.len();
+            let mut xs = Vec::with_capacity(m * k); // [m, k]
+            for &r in rows {
+                xs.extend_from_slice(&x[r as usize * k..(r as usize + 1) * k]);
+            }
+            let mut mid = vec![0.0; m * rank]; // [m, rank]
+            matmul::matmul_serial(&xs, m, k, rank, &mut mid, a);
+            let mut up = vec![0.0; m * n]; // [m, n]
+            matmul::matmul_serial(&mid, m, rank, n, &mut up, b);
+            let o = out_ptr;
+            for ((&r, &w), up) in rows.iter().zip(weights).zip(up.chunks(n)) {
+                // SAFETY: the rows are inside `out` and no other task has them (checked).
+                let o = unsafe { std::slice::from_raw_parts_mut(o.0.add(r as usize * n), n) };
+                o.iter_mut().zip(up).for_each(|(o, u)| *o += w * u);
+            }
+        });
         Ok(())
     }
 

@@ -31,6 +31,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matmul", include_str!("../../../kernels/matmul.cu")),
     ("qmatmul", include_str!("../../../kernels/qmatmul.cu")),
     ("sample", include_str!("../../../kernels/sample.cu")),
+    ("lora", include_str!("../../../kernels/lora.cu")),
 ];
 
 /// Weight dtypes as they appear in kernel names.
@@ -103,6 +104,14 @@ pub fn kernel_names(stem: &str, tensor_cores: bool) -> Vec<String> {
         "rope" => &["rope_f32"],
         "qmatmul" => &["quantize_x32_f32", "quantize_x256_f32"],
         "attention" => &["attention_reduce_f32"],
+        "lora" => &[
+            "lora_shrink_f32",
+            "lora_shrink_f16",
+            "lora_shrink_bf16",
+            "lora_expand_f32",
+            "lora_expand_f16",
+            "lora_expand_bf16",
+        ],
         _ => &[],
     };
     let mut names: Vec<String> = fixed.iter().map(|s| s.to_string()).collect();
@@ -334,6 +343,9 @@ mod tests {
                     || match n.split('_').collect::<Vec<_>>()[..] {
                         ["embedding", d] => src.contains(&format!("EMBEDDING(embedding_{d},")),
                         ["gemm", d] => src.contains(&format!("GEMM({d},")),
+                        ["lora", op, d] => {
+                            src.contains(&format!("LORA_{}({d},", op.to_uppercase()))
+                        }
                         ["matvec", d, m] | ["matvec", "gated", d, m] => {
                             src.contains(&format!("MATVEC_ALL_M({d},"))
                                 && src.contains(&format!("MATVEC(DT, W, {m})"))

@@ -23,8 +23,8 @@ pub use memory::GpuBuf;
 pub use runtime::{CclLibrary, Elem, GemmEx, GpuRuntime};
 
 use super::{
-    Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, QkNormSpan,
-    QkvLayout, args,
+    Activation, AttentionOptions, Backend, BatchInput, DeviceBatch, KvLayout, LoraGroup,
+    QkNormSpan, QkvLayout, args,
 };
 use crate::sampling::{Choice, RowSampling};
 use crate::tensor::{DType, HostTensor, e4m3_to_f32, f32_to_e4m3};
@@ -63,6 +63,40 @@ fn ptr_or_null<R: GpuRuntime>(b: Option<&GpuBuf<R>>) -> Arg {
 }
 
 const ELEMWISE_THREADS: u32 = 256;
+
+/// Groups per launch, threads per block of the shrink and of the expand (`LORA_GROUPS`,
+/// `LORA_SHRINK_THREADS`, `LORA_EXPAND_THREADS` in lora.cu).
+const LORA_GROUPS: usize = 16;
+const LORA_SHRINK_THREADS: u32 = 128;
+const LORA_EXPAND_THREADS: u32 = 256;
+
+/// lora.cu's `LoraGroups` for up to [`LORA_GROUPS`] groups: the pointers A, B, rows and
+/// weights (16 each), then u32 `start[17]` (each group's first entry; the last, their total)
+/// and `rank[16]`, packed into 81 words.
+fn lora_groups<R: GpuRuntime>(groups: &[&LoraGroup<'_, GpuBackend<R>>]) -> Result<Vec<u64>> {
+    ensure!(
+        groups.len() <= LORA_GROUPS,
+        "lora: more than {LORA_GROUPS} groups in a launch"
+    );
+    let mut words = vec![0u64; 4 * LORA_GROUPS];
+    let mut small = [0u32; 2 * LORA_GROUPS + 2];
+    let mut start = 0;
+    for (i, g) in groups.iter().enumerate() {
+        words[i] = g.a.ptr();
+        words[LORA_GROUPS + i] = g.b.ptr();
+        words[2 * LORA_GROUPS + i] = g.rows.ptr();
+        words[3 * LORA_GROUPS + i] = g.weights.ptr();
+        small[i] = start;
+        start += u32::try_from(g.m).context("lora: rows")?;
+        small[LORA_GROUPS + 1 + i] = u32::try_from(g.rank).context("lora: rank")?;
+    }
+    // NOTE: the unused groups start where the last ends, so no entry falls in them.
+    for s in &mut small[groups.len()..=LORA_GROUPS] {
+        *s = start;
+    }
+    words.extend(small.chunks(2).map(|p| p[0] as u64 | (p[1] as u64) << 32));
+    Ok(words)
+}
 
 /// How matmuls are computed (`PAGODA_GPU_GEMM`): vendor BLAS where there is one (default), or
 /// our kernels only (`kernel`), which is how HIP runs and lets CUDA check those kernels too.
@@ -306,6 +340,20 @@ impl<R: GpuRuntime> GpuBackend<R> {
         shared: u32,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_with(name, grid, block, shared, args, &[])
+    }
+
+    /// [`Self::launch`] with a last parameter passed by value whose bytes are `tail` (a struct
+    /// of the kernel's; none when empty).
+    fn launch_with(
+        &self,
+        name: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared: u32,
+        args: &[Arg],
+        tail: &[u64],
+    ) -> Result<()> {
         let f = *self
             .funcs
             .get(name)
@@ -314,10 +362,14 @@ impl<R: GpuRuntime> GpuBackend<R> {
             return Ok(());
         }
         let mut vals: Vec<u64> = args.iter().map(|a| a.bits()).collect();
+        let mut tail = tail.to_vec();
         let mut ptrs: Vec<*mut c_void> = vals
             .iter_mut()
             .map(|v| v as *mut u64 as *mut c_void)
             .collect();
+        if !tail.is_empty() {
+            ptrs.push(tail.as_mut_ptr() as *mut c_void);
+        }
         self.timed(name, || {
             // SAFETY: every op below passes the arguments of the kernel it names, in order,
             // with buffer sizes checked beforehand.
@@ -893,6 +945,81 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 u32_arg(dim, "dim")?,
             ],
         )
+    }
+
+    fn lora(
+        &self,
+        x: &GpuBuf<R>,
+        groups: &[LoraGroup<'_, Self>],
+        k: usize,
+        n: usize,
+        out: &mut GpuBuf<R>,
+    ) -> Result<()> {
+        self.rt.bind()?;
+        let mut lens = Vec::with_capacity(groups.len());
+        for g in groups {
+            let rows = g.rows.host_u32("lora")?;
+            g.weights.expect(Elem::F32, "lora")?;
+            ensure!(
+                matches!(g.a.elem(), Elem::F32 | Elem::F16 | Elem::BF16),
+                "lora: factors of type {:?} (f32, f16 or bf16 expected)",
+                g.a.elem()
+            );
+            ensure!(
+                g.a.len() == g.rank * k && g.b.len() == n * g.rank && g.a.elem() == g.b.elem(),
+                "lora: factors of {} and {} {:?}/{:?} values where [{}, {k}] and [{n}, {}] of one type were expected",
+                g.a.len(),
+                g.b.len(),
+                g.a.elem(),
+                g.b.elem(),
+                g.rank,
+                g.rank
+            );
+            lens.push((rows, g.m, g.weights.len()));
+        }
+        args::lora(&lens, k, n, x.len(), out.len())?;
+        let col_blocks = n.div_ceil(LORA_EXPAND_THREADS as usize);
+        ensure!(
+            col_blocks <= 65535,
+            "lora: {n} output columns are more than one launch's grid holds"
+        );
+        // NOTE: two launches for up to LORA_GROUPS adapters of one weight type, their groups
+        // passed by value (a struct parameter), so no table is uploaded per call.
+        for elem in [Elem::F32, Elem::F16, Elem::BF16] {
+            let same: Vec<&LoraGroup<Self>> =
+                groups.iter().filter(|g| g.a.elem() == elem).collect();
+            for chunk in same.chunks(LORA_GROUPS) {
+                let entries: usize = chunk.iter().map(|g| g.m).sum();
+                let max_rank = chunk.iter().map(|g| g.rank).max().unwrap_or(0);
+                if entries == 0 || max_rank == 0 {
+                    continue;
+                }
+                let words = lora_groups(chunk)?;
+                let mid = self.alloc_scratch_f32(entries * max_rank)?; // [entries, max_rank]
+                let sfx = elem.kernel_suffix()?;
+                let (e, r) = (
+                    u32::try_from(entries).context("lora: rows")?,
+                    u32_arg(max_rank, "lora rank")?,
+                );
+                self.launch_with(
+                    &format!("lora_shrink_{sfx}"),
+                    [e, 1, 1],
+                    [LORA_SHRINK_THREADS, 1, 1],
+                    0,
+                    &[Arg::P(x.ptr()), Arg::P(mid.ptr()), u32_arg(k, "k")?, r],
+                    &words,
+                )?;
+                self.launch_with(
+                    &format!("lora_expand_{sfx}"),
+                    [e, col_blocks as u32, 1],
+                    [LORA_EXPAND_THREADS, 1, 1],
+                    0,
+                    &[Arg::P(mid.ptr()), Arg::P(out.ptr()), u32_arg(n, "n")?, r],
+                    &words,
+                )?;
+            }
+        }
+        Ok(())
     }
 
     fn write_kv(

@@ -25,11 +25,13 @@ pub enum Kernel {
     WriteKv,
     Attention,
     Argmax,
+    LoraShrink,
+    LoraExpand,
 }
 
 impl Kernel {
     #[cfg(test)]
-    pub const ALL: [Kernel; 14] = [
+    pub const ALL: [Kernel; 16] = [
         Kernel::Matmul,
         Kernel::Matvec,
         Kernel::Embedding,
@@ -44,6 +46,8 @@ impl Kernel {
         Kernel::WriteKv,
         Kernel::Attention,
         Kernel::Argmax,
+        Kernel::LoraShrink,
+        Kernel::LoraExpand,
     ];
 
     pub fn name(self) -> &'static str {
@@ -62,6 +66,8 @@ impl Kernel {
             Kernel::WriteKv => "write_kv",
             Kernel::Attention => "attention",
             Kernel::Argmax => "argmax",
+            Kernel::LoraShrink => "lora_shrink",
+            Kernel::LoraExpand => "lora_expand",
         }
     }
 
@@ -81,12 +87,21 @@ impl Kernel {
             Kernel::WriteKv => include_str!("../../../shaders/write_kv.wgsl"),
             Kernel::Attention => include_str!("../../../shaders/attention.wgsl"),
             Kernel::Argmax => include_str!("../../../shaders/argmax.wgsl"),
+            Kernel::LoraShrink => include_str!("../../../shaders/lora_shrink.wgsl"),
+            Kernel::LoraExpand => include_str!("../../../shaders/lora_expand.wgsl"),
         }
     }
 
     /// Whether the kernel reads a weight through `load_w` (and so has a variant per storage type).
     pub fn reads_weights(self) -> bool {
-        matches!(self, Kernel::Matmul | Kernel::Matvec | Kernel::Embedding)
+        matches!(
+            self,
+            Kernel::Matmul
+                | Kernel::Matvec
+                | Kernel::Embedding
+                | Kernel::LoraShrink
+                | Kernel::LoraExpand
+        )
     }
 }
 

@@ -20,7 +20,8 @@ mod kernels;
 pub use device::is_software;
 
 use super::{
-    Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, QkNormSpan, QkvLayout, args,
+    Activation, AttentionOptions, Backend, DeviceBatch, KvLayout, LoraGroup, QkNormSpan, QkvLayout,
+    args,
 };
 use crate::tensor::{DType, HostTensor};
 use anyhow::{Context, Result, bail, ensure};
@@ -917,6 +918,80 @@ impl Backend for WgpuBackend {
             ],
             self.grid(idx.len() * dim),
         )
+    }
+
+    fn lora(
+        &self,
+        x: &WgpuBuf,
+        groups: &[LoraGroup<'_, Self>],
+        k: usize,
+        n: usize,
+        out: &mut WgpuBuf,
+    ) -> Result<()> {
+        // NOTE: two dispatches per adapter (a shader has no table of buffers to pick the
+        // adapter's factors from), each row's sums in one fixed order.
+        let mut lens = Vec::with_capacity(groups.len());
+        for g in groups {
+            let (_, rows) = g.rows.u32("lora rows")?;
+            ensure!(
+                g.a.len == g.rank * k && g.b.len == n * g.rank,
+                "lora: factors of {} and {} values where [{}, {k}] and [{n}, {}] were expected",
+                g.a.len,
+                g.b.len,
+                g.rank,
+                g.rank
+            );
+            lens.push((rows, g.m, g.weights.len));
+        }
+        args::lora(&lens, k, n, x.len, out.len)?;
+        let (xb, ob) = (x.f32("lora input")?, out.f32("lora output")?);
+        ensure!(
+            xb.size().max(ob.size()) <= self.gpu.max_binding,
+            "lora: the rows ({} MiB) are larger than one storage binding",
+            xb.size().max(ob.size()) >> 20
+        );
+        for g in groups {
+            if g.m == 0 || g.rank == 0 {
+                continue;
+            }
+            let (ib, _) = g.rows.u32("lora rows")?;
+            let (ab, bb) = (g.a.whole("lora A")?, g.b.whole("lora B")?);
+            let mid = self.alloc_scratch_f32(g.m * g.rank)?; // [m, rank]
+            let midb = mid.f32("lora scratch")?;
+            let (m, rank) = (g.m as u32, g.rank as u32);
+            self.gpu.dispatch(
+                &PipelineKey {
+                    kernel: Kernel::LoraShrink,
+                    weights: Some(g.a.elem.weights()?),
+                    constants: Vec::new(),
+                },
+                &[m, k as u32, rank],
+                &[
+                    Bind::whole(xb),
+                    Bind::whole(ab),
+                    Bind::whole(ib),
+                    Bind::whole(midb),
+                ],
+                self.grid(g.m * g.rank),
+            )?;
+            self.gpu.dispatch(
+                &PipelineKey {
+                    kernel: Kernel::LoraExpand,
+                    weights: Some(g.b.elem.weights()?),
+                    constants: Vec::new(),
+                },
+                &[m, n as u32, rank],
+                &[
+                    Bind::whole(midb),
+                    Bind::whole(bb),
+                    Bind::whole(ib),
+                    Bind::whole(g.weights.f32("lora weights")?),
+                    Bind::whole(ob),
+                ],
+                self.grid(g.m * n),
+            )?;
+        }
+        Ok(())
     }
 
     fn write_kv(
