@@ -90,10 +90,12 @@ make_hf() {
   "$venv/bin/python" "$here/scripts/gguf2hf.py" "$models/SmolLM2-135M-Instruct.Q4_1.gguf" "$out" --dtype f32
 }
 
-# GGUF copies of the tiny test models (tests/data/tiny), laid out as llama.cpp's converter does.
+# GGUF copies of the tiny test models (tests/data/tiny) and of their LoRA adapters, laid out as
+# llama.cpp's converters do.
 make_tiny_gguf() {
   local out=$models/tiny-gguf stamp
-  stamp=$(cat "$here/scripts/tiny2gguf.py" "$here"/tests/data/tiny/*/model.safetensors | sha256sum | cut -c1-16)
+  stamp=$(cat "$here/scripts/tiny2gguf.py" "$here"/tests/data/tiny/*/model.safetensors \
+    "$here"/tests/data/tiny/lora/*/adapter_* | sha256sum | cut -c1-16)
   [ -f "$out/$stamp" ] && return
   make_venv
   rm -rf "$out"

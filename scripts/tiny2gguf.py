@@ -33,14 +33,22 @@ the engine; what llama.cpp's converter does besides renaming is done here explic
 
 Falcon-RW (ALiBi) has no GGUF form: llama.cpp's converter and loader have no such Falcon.
 
-usage: tiny2gguf.py TINY_DIR OUT_DIR     (writes OUT_DIR/<model>.gguf for each model it knows)
+It also writes the tiny PEFT adapters of tests/data/tiny/lora (those without rsLoRA, which
+llama.cpp's adapter format cannot say) as GGUF LoRA adapters, the way llama.cpp's
+convert_lora_to_gguf.py lays them out: `general.type = adapter`, `adapter.type = lora`,
+`adapter.lora.alpha`, the base's architecture, and for each adapted weight of GGUF name W the
+tensors `W.lora_a` ([r, in]) and `W.lora_b` ([out, r]) in f32, where llama's Q/K B rows are
+permuted as the base weight's rows are.
+
+usage: tiny2gguf.py TINY_DIR OUT_DIR     (writes OUT_DIR/<model>.gguf for each model it knows,
+                                          and OUT_DIR/lora-<adapter>.gguf)
 """
 import json
 import os
 import sys
 
 import numpy as np
-from gguf import GGUFWriter, MODEL_ARCH, TokenType, get_tensor_name_map
+from gguf import GGUFType, GGUFWriter, Keys, MODEL_ARCH, TokenType, get_tensor_name_map
 from safetensors.numpy import load_file
 
 ARCH = {  # tiny model -> (GGUF architecture name, MODEL_ARCH)
@@ -266,12 +274,52 @@ def convert(name, d, out):
     w.close()
 
 
+def convert_lora(adapter_dir, tiny, out):
+    cfg = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
+    base = os.path.basename(cfg["base_model_name_or_path"])
+    arch_name, arch = ARCH[base]
+    c = json.load(open(os.path.join(tiny, base, "config.json")))
+    n_head = c["num_attention_heads"]
+    n_kv = c.get("num_key_value_heads", n_head)
+    w = GGUFWriter(out, arch_name)
+    w.add_type(GGUFType.ADAPTER)
+    w.add_string(Keys.Adapter.TYPE, "lora")
+    w.add_float32(Keys.Adapter.LORA_ALPHA, float(cfg["lora_alpha"]))
+    names = get_tensor_name_map(arch, c["num_hidden_layers"])
+    for hf, a in load_file(os.path.join(adapter_dir, "adapter_model.safetensors")).items():
+        which = "a" if hf.endswith(".lora_A.weight") else "b"
+        key = hf.removeprefix("base_model.model.").replace(f".lora_{which.upper()}.weight", ".weight")
+        new = names.get_name(key, try_suffixes=(".weight",))
+        if new is None:
+            raise SystemExit(f"{adapter_dir}: no GGUF name for {hf}")
+        # NOTE: the converter runs the base's own tensor changes on A·B, which for llama's
+        # row permutation changes B's rows only
+        if which == "b" and arch_name == "llama" and key.endswith("self_attn.q_proj.weight"):
+            a = permute(a, n_head)
+        if which == "b" and arch_name == "llama" and key.endswith("self_attn.k_proj.weight"):
+            a = permute(a, n_kv)
+        w.add_tensor(f"{new}.lora_{which}", np.ascontiguousarray(a.astype(np.float32)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def main():
     tiny, out_dir = sys.argv[1], sys.argv[2]
     os.makedirs(out_dir, exist_ok=True)
     for name in ARCH:
         convert(name, os.path.join(tiny, name), os.path.join(out_dir, f"{name}.gguf"))
         print("wrote", os.path.join(out_dir, f"{name}.gguf"))
+    lora = os.path.join(tiny, "lora")
+    for adapter in sorted(os.listdir(lora)):
+        d = os.path.join(lora, adapter)
+        cfg = os.path.join(d, "adapter_config.json")
+        if not os.path.isfile(cfg) or json.load(open(cfg)).get("use_rslora"):
+            continue
+        out = os.path.join(out_dir, f"lora-{adapter}.gguf")
+        convert_lora(d, tiny, out)
+        print("wrote", out)
 
 
 if __name__ == "__main__":

@@ -245,7 +245,7 @@ struct ModelArgs {
     /// Serve LoRA adapters beside the base model (requests name one as their model).
     #[arg(long)]
     enable_lora: bool,
-    /// Adapters loaded at start, as NAME=PATH (a PEFT adapter directory) or vLLM's JSON
+    /// Adapters loaded at start, as NAME=PATH (a PEFT adapter directory or a GGUF adapter file) or vLLM's JSON
     /// `{"name": ..., "path": ..., "base_model_name": ...}`; needs --enable-lora.
     #[arg(long, num_args = 1.., value_parser = parse_lora_module)]
     lora_modules: Vec<LoraModule>,

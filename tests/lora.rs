@@ -160,6 +160,68 @@ fn adapters_alone_and_mixed_give_peft_tokens_on_wgpu() {
     alone_and_mixed(BackendKind::Wgpu, &MODELS);
 }
 
+/// llama.cpp's GGUF copies of the adapters (`tiny-gguf/lora-*.gguf`, written by
+/// `scripts/tiny2gguf.py` as its `convert_lora_to_gguf.py` does: Llama's Q/K rows permuted,
+/// Phi-3's fused projections under their GGUF names) give their PEFT originals' tokens, on the
+/// HF base and on its GGUF copy, all in one batch with the base.
+#[test]
+fn gguf_adapters_give_the_tokens_of_their_peft_originals() {
+    for backend in BACKENDS {
+        for model in ["mistral", "phi3", "gemma3"] {
+            let (prompts, outputs) = cases(model);
+            let gguf = |n: &str| common::model_path(&format!("tiny-gguf/lora-{n}.gguf"));
+            // NOTE: rsLoRA has no GGUF form (llama.cpp's converter drops it).
+            let names: Vec<&str> = adapters_of(&outputs)
+                .into_iter()
+                .filter(|n| !n.ends_with("-rslora"))
+                .collect();
+            let bases = [
+                tiny(model),
+                common::model_path(&format!("tiny-gguf/{model}.gguf")),
+            ];
+            for base in bases {
+                let mut llm = LLM::new(EngineArgs {
+                    model: Some(base.clone()),
+                    backend,
+                    block_size: 4,
+                    lora: LoraArgs {
+                        enable: true,
+                        max_loras: names.len(),
+                        modules: names
+                            .iter()
+                            .map(|n| LoraModule {
+                                name: n.to_string(),
+                                path: gguf(n),
+                                base_model_name: None,
+                            })
+                            .collect(),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                })
+                .unwrap();
+                let mut reqs = Vec::new();
+                let mut wants = Vec::new();
+                for (name, want) in &outputs {
+                    let lora = match name.as_str() {
+                        "base" => None,
+                        n if names.contains(&n) => Some(n),
+                        _ => continue,
+                    };
+                    for (p, w) in prompts.iter().zip(want) {
+                        reqs.push((p.clone(), lora));
+                        wants.push((name, w));
+                    }
+                }
+                let got = run(&mut llm, &reqs);
+                for (g, (name, w)) in got.iter().zip(&wants) {
+                    assert_eq!(g, *w, "{backend:?} {} with {name}.gguf", base.display());
+                }
+            }
+        }
+    }
+}
+
 /// A step holds at most `--max-loras` adapters; with 1 the others wait their turn (while the
 /// base model's request goes on) and still get their own tokens.
 #[test]
@@ -332,7 +394,18 @@ fn adapters_that_cannot_be_served_are_refused_clearly() {
     let m = err(e.load_lora("none", &tiny("mistral")));
     assert!(m.contains("adapter_config.json"), "{m}");
     let m = err(e.load_lora("file", &tiny("mistral/model.safetensors")));
-    assert!(m.contains("GGUF adapters are not supported"), "{m}");
+    assert!(m.contains("GGUF"), "{m}");
+    let gguf = |n: &str| common::model_path(&format!("tiny-gguf/{n}.gguf"));
+    for (path, says) in [
+        ("mistral", "is a GGUF model, not a LoRA adapter"),
+        (
+            "lora-phi3-all",
+            "is an adapter for `phi3` models, not for this mistral model",
+        ),
+    ] {
+        let m = err(e.load_lora("bad", &gguf(path)));
+        assert!(m.contains(says), "{path}: {m}");
+    }
     assert!(e.loras().is_empty());
 
     let mut plain = LLM::new(EngineArgs {

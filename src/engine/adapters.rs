@@ -25,7 +25,7 @@ pub struct LoraArgs {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraModule {
     pub name: String,
-    /// A PEFT adapter directory.
+    /// A PEFT adapter directory, or a GGUF adapter file (llama.cpp's).
     pub path: PathBuf,
     /// The `parent` `/v1/models` lists it under (the served model's name where unset).
     pub base_model_name: Option<String>,

@@ -14,7 +14,7 @@ use crate::untrusted::text;
 use std::path::Path;
 
 impl Engine {
-    /// Loads the PEFT adapter in `path` under `name`; requests naming it use it from the next
+    /// Loads the adapter in `path` (a PEFT directory or a GGUF file) under `name`; requests naming it use it from the next
     /// step on.
     pub fn load_lora(&mut self, name: &str, path: &Path) -> Result<LoraInfo, LoraError> {
         if !self.loras.args.enable {
@@ -36,7 +36,8 @@ impl Engine {
             )));
         }
         let t0 = std::time::Instant::now();
-        let adapter = crate::models::peft::load_adapter(path).map_err(LoraError::Invalid)?;
+        let adapter =
+            crate::models::peft::load_adapter(path, &self.config).map_err(LoraError::Invalid)?;
         let max = self.loras.args.max_lora_rank;
         if adapter.rank > max {
             return Err(LoraError::Invalid(anyhow::anyhow!(

@@ -34,12 +34,106 @@ use std::ops::Range;
 pub struct LoraAdapter {
     /// `r`: the largest rank of its modules.
     pub rank: usize,
-    /// The factor each product is scaled by (already folded into B).
-    pub scale: f32,
     /// The type the factors are kept in on the device (the file's: f32, f16 or bf16).
     pub dtype: DType,
-    /// (layer, module name such as `q_proj`) → (A `[r, in]`, s·B `[out, r]`).
+    /// (layer, module name such as `q_proj`) → (A `[r, in]`, s·B `[out, r]`): the scale is
+    /// folded into B.
     pub modules: BTreeMap<(usize, String), (HostTensor, HostTensor)>,
+}
+
+/// An adapter's factors as a file lists them (`peft.rs`, `gguf_lora.rs`), paired by module
+/// when all are read.
+pub struct FactorPairs {
+    /// The file, for messages.
+    shown: String,
+    /// (layer, module) → (A, B), either not read yet.
+    pairs: BTreeMap<(usize, String), [Option<HostTensor>; 2]>,
+    dtype: Option<DType>,
+}
+
+impl FactorPairs {
+    pub fn new(shown: &str) -> Self {
+        FactorPairs {
+            shown: shown.to_string(),
+            pairs: BTreeMap::new(),
+            dtype: None,
+        }
+    }
+
+    /// Adds lora_A (`is_a`) or lora_B of a module; `stored` is the file's type for it.
+    pub fn add(
+        &mut self,
+        layer: usize,
+        module: String,
+        is_a: bool,
+        t: HostTensor,
+        stored: DType,
+    ) -> Result<()> {
+        let (shown, which) = (&self.shown, if is_a { 'A' } else { 'B' });
+        if t.shape.len() != 2 {
+            bail!(
+                "{shown}: lora_{which} of layer {layer} {} is not a matrix",
+                text(&module)
+            );
+        }
+        // NOTE: the factors stay in the type the file stores (as `--dtype auto` keeps the
+        // weights'): a half-precision adapter reads half the bytes each step.
+        self.dtype = match self.dtype {
+            None => Some(stored),
+            Some(d) if d == stored => Some(d),
+            _ => Some(DType::F32),
+        };
+        let slot = &mut self.pairs.entry((layer, module.clone())).or_default()[!is_a as usize];
+        if slot.replace(t).is_some() {
+            bail!(
+                "{shown}: two lora_{which} tensors for layer {layer} {}",
+                text(&module)
+            );
+        }
+        Ok(())
+    }
+
+    /// The adapter: each module's A `[r, in]` and B `[out, r]` must make a product of rank
+    /// `r`, at most `rank` where the file gives one (else the adapter's rank is its largest
+    /// module's); each B is scaled by `scale(r)`.
+    pub fn finish(self, rank: Option<usize>, scale: impl Fn(usize) -> f32) -> Result<LoraAdapter> {
+        let shown = &self.shown;
+        let mut modules = BTreeMap::new();
+        let mut largest = 0;
+        for ((layer, module), pair) in self.pairs {
+            let [Some(a), Some(mut b)] = pair else {
+                let has = if pair[0].is_some() { "A" } else { "B" };
+                let lacks = if pair[0].is_some() { "B" } else { "A" };
+                bail!(
+                    "{shown}: layer {layer} {} has lora_{has} but no lora_{lacks}",
+                    text(&module)
+                );
+            };
+            let r = a.shape[0];
+            if b.shape[1] != r || r == 0 || rank.is_some_and(|max| r > max) {
+                bail!(
+                    "{shown}: layer {layer} {}: lora_A {:?} and lora_B {:?} do not make a product of rank {r}{}",
+                    text(&module),
+                    a.shape,
+                    b.shape,
+                    rank.map_or(String::new(), |max| format!(" <= r = {max}"))
+                );
+            }
+            let s = scale(r);
+            b.data.iter_mut().for_each(|v| *v *= s);
+            largest = largest.max(r);
+            modules.insert((layer, module), (a, b));
+        }
+        if modules.is_empty() {
+            bail!("{shown} holds no LoRA factors");
+        }
+        let rank = rank.unwrap_or(largest);
+        Ok(LoraAdapter {
+            rank,
+            dtype: self.dtype.unwrap_or(DType::F32),
+            modules,
+        })
+    }
 }
 
 /// The scale of a LoRA product: `alpha / r`, or `alpha / √r` with rsLoRA (PEFT's `scaling`).

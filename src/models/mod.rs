@@ -5,6 +5,7 @@ pub mod config;
 pub mod falcon;
 pub mod gemma3;
 pub mod gguf;
+pub mod gguf_lora;
 pub mod gpt2;
 pub mod kv_cache;
 pub mod llama;

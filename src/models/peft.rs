@@ -1,26 +1,29 @@
-//! PEFT's LoRA adapters read from disk: `adapter_config.json` (rank, alpha, rsLoRA, and what
-//! is refused) and `adapter_model.safetensors` (the factors by layer and module).
+//! LoRA adapters read from disk: PEFT's directories, `adapter_config.json` (rank, alpha,
+//! rsLoRA, and what is refused) and `adapter_model.safetensors` (the factors by layer and
+//! module), and llama.cpp's GGUF files (`gguf_lora.rs`).
 
+use super::config::ModelConfig;
 use super::loader::{SafetensorsWeights, WeightSource};
-use super::lora::{LoraAdapter, lora_scale};
-use crate::tensor::DType;
+use super::lora::{FactorPairs, LoraAdapter, lora_scale};
 use crate::untrusted::text;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
-use std::collections::BTreeMap;
 use std::path::Path;
+
+/// Reads the LoRA adapter `path` for the model `base`: a PEFT directory, or a file (llama.cpp's
+/// GGUF adapters, `gguf_lora.rs`).
+pub fn load_adapter(path: &Path, base: &ModelConfig) -> Result<LoraAdapter> {
+    match path.is_file() {
+        true => super::gguf_lora::load_gguf_adapter(path, base),
+        false => load_peft_adapter(path),
+    }
+}
 
 /// Reads a PEFT adapter directory. What PEFT can express but this engine does not apply
 /// (DoRA, LoRA biases, `modules_to_save`, per-module ranks or alphas, embedding adapters)
 /// is refused by name rather than dropped.
-pub fn load_adapter(dir: &Path) -> Result<LoraAdapter> {
+fn load_peft_adapter(dir: &Path) -> Result<LoraAdapter> {
     let shown = text(&dir.display().to_string());
-    if dir.is_file() {
-        bail!(
-            "{shown} is a file: a LoRA adapter is a PEFT directory (adapter_config.json and \
-             adapter_model.safetensors); GGUF adapters are not supported yet"
-        );
-    }
     let cfg_path = dir.join("adapter_config.json");
     // NOTE: not a FIFO or a device that a read would hang on or never finish.
     crate::untrusted::regular_file(&cfg_path)
@@ -41,69 +44,19 @@ pub fn load_adapter(dir: &Path) -> Result<LoraAdapter> {
     }
     let st = SafetensorsWeights::open_files(vec![file])?;
     let scale = lora_scale(alpha, rank, rslora) as f32;
-    let mut a_of = BTreeMap::new();
-    let mut b_of = BTreeMap::new();
-    let mut dtype = None;
+    let mut pairs = FactorPairs::new(&shown);
     let mut names: Vec<&str> = st.names().collect();
     names.sort_unstable();
     for name in names {
-        let (layer, module, which) =
+        let (layer, module, is_a) =
             parse_name(name).with_context(|| format!("{shown}: tensor `{}`", text(name)))?;
         let (t, stored) = st
             .get_weight(name)?
             .with_context(|| format!("{shown}: tensor `{}` unreadable", text(name)))?
             .into_dense()?;
-        // NOTE: the factors stay in the type the file stores (as `--dtype auto` keeps the
-        // weights'): a half-precision adapter reads half the bytes each step.
-        dtype = match (dtype, stored) {
-            (None, s) => Some(s),
-            (Some(d), s) if d == s => Some(d),
-            _ => Some(DType::F32),
-        };
-        if t.shape.len() != 2 {
-            bail!("{shown}: `{}` is not a matrix", text(name));
-        }
-        let factors = if which == 'A' { &mut a_of } else { &mut b_of };
-        if factors.insert((layer, module.clone()), t).is_some() {
-            bail!(
-                "{shown}: two lora_{which} tensors for layer {layer} {}",
-                text(&module)
-            );
-        }
+        pairs.add(layer, module, is_a, t, stored)?;
     }
-    let mut modules = BTreeMap::new();
-    for (key, a) in a_of {
-        let mut b = b_of.remove(&key).with_context(|| {
-            format!(
-                "{shown}: layer {} {} has lora_A but no lora_B",
-                key.0, key.1
-            )
-        })?;
-        let r = a.shape[0];
-        if b.shape[1] != r || r == 0 || r > rank {
-            bail!(
-                "{shown}: layer {} {}: lora_A {:?} and lora_B {:?} do not make a product of rank {r} <= r = {rank}",
-                key.0,
-                key.1,
-                a.shape,
-                b.shape
-            );
-        }
-        b.data.iter_mut().for_each(|v| *v *= scale);
-        modules.insert(key, (a, b));
-    }
-    if let Some(((l, m), _)) = b_of.into_iter().next() {
-        bail!("{shown}: layer {l} {m} has lora_B but no lora_A");
-    }
-    if modules.is_empty() {
-        bail!("{shown}: adapter_model.safetensors holds no LoRA factors");
-    }
-    Ok(LoraAdapter {
-        rank,
-        scale,
-        dtype: dtype.unwrap_or(DType::F32),
-        modules,
-    })
+    pairs.finish(Some(rank), |_| scale)
 }
 
 /// `r`, `lora_alpha` and `use_rslora` of an adapter_config.json, after refusing what is not
@@ -155,15 +108,16 @@ fn check_config(cfg: &Value) -> Result<(usize, f64, bool)> {
     Ok((rank, alpha, rslora))
 }
 
-/// `base_model.model.model.layers.{i}.{path.}{module}.lora_{A|B}.weight` → (i, module, A|B).
-fn parse_name(name: &str) -> Result<(usize, String, char)> {
+/// `base_model.model.model.layers.{i}.{path.}{module}.lora_{A|B}.weight` → (i, module,
+/// whether A).
+fn parse_name(name: &str) -> Result<(usize, String, bool)> {
     let rest = name
         .strip_prefix("base_model.model.")
         .context("not a PEFT LoRA tensor (no base_model.model. prefix)")?;
-    let (rest, which) = if let Some(r) = rest.strip_suffix(".lora_A.weight") {
-        (r, 'A')
+    let (rest, is_a) = if let Some(r) = rest.strip_suffix(".lora_A.weight") {
+        (r, true)
     } else if let Some(r) = rest.strip_suffix(".lora_B.weight") {
-        (r, 'B')
+        (r, false)
     } else {
         bail!(
             "not a LoRA factor of a linear layer (embedding adapters and biases are not supported)"
@@ -179,7 +133,7 @@ fn parse_name(name: &str) -> Result<(usize, String, char)> {
         .context("no module after the layer index")?;
     let layer = layer.parse().context("the layer index is not a number")?;
     let module = path.rsplit('.').next().unwrap_or(path).to_string();
-    Ok((layer, module, which))
+    Ok((layer, module, is_a))
 }
 
 #[cfg(test)]
@@ -190,10 +144,10 @@ mod tests {
     fn peft_names_give_the_layer_and_the_module() {
         let (l, m, w) =
             parse_name("base_model.model.model.layers.12.self_attn.q_proj.lora_A.weight").unwrap();
-        assert_eq!((l, m.as_str(), w), (12, "q_proj", 'A'));
+        assert_eq!((l, m.as_str(), w), (12, "q_proj", true));
         let (l, m, w) =
             parse_name("base_model.model.model.layers.0.mlp.down_proj.lora_B.weight").unwrap();
-        assert_eq!((l, m.as_str(), w), (0, "down_proj", 'B'));
+        assert_eq!((l, m.as_str(), w), (0, "down_proj", false));
         for bad in [
             "model.layers.0.self_attn.q_proj.lora_A.weight",
             "base_model.model.model.embed_tokens.lora_embedding_A",

@@ -19,8 +19,10 @@ mod names;
 mod tokenizer;
 
 pub use crate::quant::{GgmlType, dequantize};
-pub use names::{GgufFix, GgufTensorName, llama_tensor_name, map_name};
-use names::{unpermute_order, unpermute_rows};
+use names::unpermute_order;
+pub use names::{
+    GgufFix, GgufTensorName, llama_tensor_name, map_name, permutes_qk, unpermute_rows,
+};
 
 use super::Weight;
 use crate::quant::QuantTensor;
@@ -456,9 +458,8 @@ impl GgufFile {
         let Some(which @ (GgufFix::UnpermuteQ | GgufFix::UnpermuteK)) = fix else {
             return Ok(None);
         };
-        // NOTE: llama.cpp's converter permutes Llama's and Granite's Q and K, no other's.
         let a = match self.arch_str() {
-            Ok(a @ ("llama" | "granite")) => a,
+            Ok(a) if permutes_qk(a) => a,
             _ => return Ok(None),
         };
         let heads_key = match which {
@@ -497,7 +498,15 @@ impl GgufFile {
         }))
     }
 
-    /// The raw data of a tensor, dequantized to f32, in file (GGUF) order.
+    /// A tensor of the directory as it is (no fix), dequantized to f32 in HF shape, with the
+    /// type a dense copy of it keeps (`--dtype auto`'s): what a LoRA adapter's factors are read
+    /// with.
+    pub fn hf_tensor(&self, info: &TensorInfo) -> Result<(HostTensor, DType)> {
+        let t = self.load_hf(info, None);
+        self.release(info);
+        Ok((t?, stored_type(info.ty)))
+    }
+
     /// A tensor by its GGUF name, dequantized to f32 in file order (RoPE factor tables and the
     /// like, which have no HF name); `Ok(None)` if the file has no such tensor.
     pub fn gguf_tensor_f32(&self, gguf_name: &str) -> Result<Option<Vec<f32>>> {

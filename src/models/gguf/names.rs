@@ -124,15 +124,16 @@ pub fn llama_tensor_name(hf: &str) -> Option<GgufTensorName> {
     )
 }
 
+/// Whether llama.cpp's converter permutes the Q and K rows of this GGUF architecture (Llama's
+/// and Granite's, no other's).
+pub fn permutes_qk(arch: &str) -> bool {
+    matches!(arch, "llama" | "granite")
+}
+
 /// Undoes llama.cpp's Q/K row permutation (HF rotate-half order -> GGML interleaved order):
 /// within each of the `n_head` heads of `rows / n_head` rows, GGUF row `2j + t` is HF row
 /// `t * half + j`. `data` is `rows x cols`, row-major.
-pub(super) fn unpermute_rows(
-    data: &[f32],
-    rows: usize,
-    cols: usize,
-    n_head: usize,
-) -> Result<Vec<f32>> {
+pub fn unpermute_rows(data: &[f32], rows: usize, cols: usize, n_head: usize) -> Result<Vec<f32>> {
     if rows.checked_mul(cols) != Some(data.len()) {
         bail!("internal: {} values for a {rows}x{cols} tensor", data.len());
     }
