@@ -249,14 +249,15 @@ struct ModelArgs {
     /// `{"name": ..., "path": ..., "base_model_name": ...}`; needs --enable-lora.
     #[arg(long, num_args = 1.., value_parser = parse_lora_module)]
     lora_modules: Vec<LoraModule>,
-    /// The most distinct adapters in one step (others wait).
+    /// The most distinct adapters in one step (others wait), and on the device at once.
     #[arg(long, default_value_t = 1)]
     max_loras: usize,
     /// Adapters of a larger rank are refused.
     #[arg(long, default_value_t = 16)]
     max_lora_rank: usize,
-    /// The most adapters loaded at once (all are kept where the model runs); a run-time load
-    /// beyond it is refused (default: 16, or --max-loras or the --lora-modules given if more).
+    /// The most adapters loaded at once, kept in host memory (the --max-loras used last are
+    /// on the device); a run-time load beyond it is refused (default: 16, or --max-loras or the
+    /// --lora-modules given if more).
     #[arg(long)]
     max_cpu_loras: Option<usize>,
 }

@@ -223,7 +223,8 @@ fn gguf_adapters_give_the_tokens_of_their_peft_originals() {
 }
 
 /// A step holds at most `--max-loras` adapters; with 1 the others wait their turn (while the
-/// base model's request goes on) and still get their own tokens.
+/// base model's request goes on) and still get their own tokens. The device holds one
+/// adapter at a time: each moves in from host memory when its turn comes.
 #[test]
 fn adapters_beyond_max_loras_wait_and_give_the_same_tokens() {
     let (prompts, outputs) = cases("mistral");
@@ -243,6 +244,16 @@ fn adapters_beyond_max_loras_wait_and_give_the_same_tokens() {
     while e.has_unfinished() {
         let (running, _) = e.lora_requests();
         assert!(running.len() <= 1, "adapters running at once: {running:?}");
+        let on_device: Vec<String> = e
+            .loras()
+            .into_iter()
+            .filter(|l| l.on_device)
+            .map(|l| l.name)
+            .collect();
+        assert!(
+            on_device.len() <= 1,
+            "adapters on the device: {on_device:?}"
+        );
         seen.extend(running);
         for o in e.step().unwrap() {
             got.entry(o.request_id).or_default().extend(o.new_token_ids);

@@ -1,6 +1,7 @@
 //! The engine's LoRA settings and the adapters it has loaded: names, slots, prefix-cache
 //! roots (what `lora.rs` keeps up to date).
 
+use crate::models::lora::LoraAdapter;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -13,9 +14,10 @@ pub struct LoraArgs {
     pub max_loras: usize,
     /// Adapters of a larger rank are refused.
     pub max_lora_rank: usize,
-    /// The most adapters loaded at once (vLLM's `--max-cpu-loras`; here they are all kept
-    /// where the model runs): a load beyond it is refused. `None`: 16, or more where
-    /// `max_loras` or `modules` need it.
+    /// The most adapters loaded at once, kept in host memory (vLLM's `--max-cpu-loras`): a
+    /// load beyond it is refused. `max_loras` of them are on the device, the least recently
+    /// used moved out when a step needs another. `None`: 16, or more where `max_loras` or
+    /// `modules` need it.
     pub max_cpu_loras: Option<usize>,
     /// Loaded at start.
     pub modules: Vec<LoraModule>,
@@ -66,6 +68,8 @@ pub struct LoraInfo {
     pub rank: usize,
     /// Bytes its factors take on the device.
     pub bytes: u64,
+    /// Whether its factors are on the device now (the `max_loras` used last are).
+    pub on_device: bool,
     /// `--lora-modules`' `base_model_name`.
     pub parent: Option<String>,
     pub(super) slot: u32,
@@ -81,6 +85,10 @@ pub(super) struct Loras {
     pub(super) by_name: HashMap<String, LoraInfo>,
     /// Slots of adapters unloaded while requests still used them.
     pub(super) draining: Vec<LoraInfo>,
+    /// Every loaded or draining adapter's factors in host memory, by slot.
+    pub(super) host: HashMap<u32, LoraAdapter>,
+    /// The slots whose factors are on the device, the least recently used first.
+    pub(super) on_device: Vec<u32>,
     /// Prefix-cache roots handed out so far (0 is the base model's).
     pub(super) roots: u64,
 }

@@ -93,6 +93,9 @@ impl Engine {
                     .extend((end - 1 - s.draft_tokens.len()..end).map(|r| r as u32));
             }
         }
+        if let Err(e) = self.loras_to_device(&input.lora_slots) {
+            return Err((e, sched));
+        }
         self.stats.batched_tokens += input.token_ids.len() as u64;
         // NOTE: where a row is sampled depends on its request and the backend only, never on
         // the rest of the batch, so a seeded request gives the same tokens in any batch.

@@ -8,8 +8,10 @@
 //! them finishes.
 
 use super::Engine;
-use super::adapters::{LoraError, LoraInfo};
+use super::adapters::{LoraError, LoraInfo, Loras};
 use super::request::RequestError;
+use super::runner::ModelRunner;
+use crate::models::lora::LoraAdapter;
 use crate::untrusted::text;
 use std::path::Path;
 
@@ -46,9 +48,9 @@ impl Engine {
             )));
         }
         let slot = self.loras.free_slot();
-        let bytes = self
-            .runner
-            .set_lora(slot, Some(&adapter))
+        // NOTE: uploaded at once (the device checks every module against the model's
+        // projections), as the adapter used most recently.
+        let bytes = to_device(&mut self.loras, &mut *self.runner, slot, &adapter, &[])
             .map_err(LoraError::Invalid)?;
         self.loras.roots += 1;
         let info = LoraInfo {
@@ -56,6 +58,7 @@ impl Engine {
             path: path.to_path_buf(),
             rank: adapter.rank,
             bytes,
+            on_device: true,
             parent: None,
             slot,
             root: self.loras.roots,
@@ -70,6 +73,7 @@ impl Engine {
             t0.elapsed().as_secs_f64() * 1e3
         );
         self.loras.by_name.insert(name.to_string(), info.clone());
+        self.loras.host.insert(slot, adapter);
         Ok(info)
     }
 
@@ -96,7 +100,11 @@ impl Engine {
 
     /// The adapters loaded, by name.
     pub fn loras(&self) -> Vec<LoraInfo> {
-        let mut v: Vec<LoraInfo> = self.loras.by_name.values().cloned().collect();
+        let on_device = |l: &LoraInfo| LoraInfo {
+            on_device: self.loras.on_device.contains(&l.slot),
+            ..l.clone()
+        };
+        let mut v: Vec<LoraInfo> = self.loras.by_name.values().map(on_device).collect();
         v.sort_by(|a, b| a.name.cmp(&b.name));
         v
     }
@@ -134,6 +142,8 @@ impl Engine {
             match self.runner.set_lora(slot, None) {
                 Ok(_) => {
                     self.loras.draining.swap_remove(i);
+                    self.loras.host.remove(&slot);
+                    self.loras.on_device.retain(|&s| s != slot);
                 }
                 Err(e) => {
                     tracing::error!("freeing LoRA slot {slot} failed: {e:#}");
@@ -141,6 +151,36 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// Puts the adapters of a step's rows (`slots`, 0 for the base model) on the device,
+    /// moving out the least recently used others where `--max-loras` are there already (the
+    /// scheduler puts no more than that in one step).
+    pub(super) fn loras_to_device(&mut self, slots: &[u32]) -> anyhow::Result<()> {
+        let mut step: Vec<u32> = slots.iter().copied().filter(|&s| s != 0).collect();
+        step.sort_unstable();
+        step.dedup();
+        for &slot in &step {
+            let loras = &mut self.loras;
+            if let Some(i) = loras.on_device.iter().position(|&s| s == slot) {
+                loras.on_device.remove(i);
+                loras.on_device.push(slot);
+                continue;
+            }
+            let adapter = loras
+                .host
+                .remove(&slot)
+                .ok_or_else(|| anyhow::anyhow!("no LoRA adapter is loaded in slot {slot}"))?;
+            let t0 = std::time::Instant::now();
+            let moved = to_device(loras, &mut *self.runner, slot, &adapter, &step);
+            loras.host.insert(slot, adapter);
+            moved?;
+            tracing::debug!(
+                "LoRA slot {slot} moved to the device in {:.1} ms",
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        Ok(())
     }
 
     /// The slot and the prefix-cache root of the adapter a request names (`None`: the base
@@ -176,4 +216,26 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// Uploads `adapter` into `slot` as the most recently used adapter on the device; where
+/// `--max-loras` are there already, the least recently used not in `keep` is moved out first
+/// (its host copy stays). The bytes its factors take.
+fn to_device(
+    loras: &mut Loras,
+    runner: &mut dyn ModelRunner,
+    slot: u32,
+    adapter: &LoraAdapter,
+    keep: &[u32],
+) -> anyhow::Result<u64> {
+    while loras.on_device.len() >= loras.args.max_loras {
+        let Some(i) = loras.on_device.iter().position(|s| !keep.contains(s)) else {
+            anyhow::bail!("internal: a step holds more LoRA adapters than --max-loras");
+        };
+        runner.set_lora(loras.on_device[i], None)?;
+        loras.on_device.remove(i);
+    }
+    let bytes = runner.set_lora(slot, Some(adapter))?;
+    loras.on_device.push(slot);
+    Ok(bytes)
 }
