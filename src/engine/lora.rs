@@ -201,6 +201,14 @@ impl Engine {
         if !self.loras.args.enable {
             return Ok(());
         }
+        // NOTE: with steps in flight (pipeline parallelism) an adapter cannot move in or out
+        // between two of them: the workers take one job at a time alone.
+        if self.runner.parallel().pipeline > 1 {
+            anyhow::bail!(
+                "--enable-lora: LoRA adapters with pipeline parallelism are not supported yet \
+                 (tensor parallelism is)"
+            );
+        }
         // NOTE: unloading a slot that holds nothing changes nothing, but says whether the
         // model and its split take adapters at all.
         self.runner

@@ -5,6 +5,7 @@
 
 use super::runner::{LogitsPart, ModelRunner, Runner, RunnerArgs};
 use crate::backend::{Backend, BatchInput};
+use crate::models::lora::LoraAdapter;
 use crate::models::{LoadedModel, registry};
 use crate::parallel::tcp::{Msg, write_msg};
 use crate::parallel::{
@@ -20,6 +21,9 @@ use std::sync::{Arc, Mutex};
 pub(super) enum Job {
     Execute(Arc<BatchInput>),
     Swap(Arc<SwapPairs>),
+    /// A LoRA adapter into a slot (`None`: out of it); each worker sends the bytes its part
+    /// takes on the sender. Workers on this node only.
+    SetLora(u32, Option<Arc<LoraAdapter>>, Sender<u64>),
 }
 
 /// Swap preemption's block pairs of one step: out (device, host), in (host, device).
@@ -50,6 +54,9 @@ impl Worker {
                 let msg = match job {
                     Job::Execute(b) => Msg::Execute(b.as_ref().clone()),
                     Job::Swap(p) => Msg::Swap(p.0.clone(), p.1.clone()),
+                    Job::SetLora(..) => {
+                        bail!("internal: LoRA adapters for a worker on another node")
+                    }
                 };
                 let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
                 write_msg(&mut *w, &msg)
@@ -64,6 +71,11 @@ pub(super) fn run_job<B: Backend>(runner: &mut Runner<B>, job: &Job) -> Result<L
     let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
         Job::Execute(input) => runner.execute_part(input.as_ref().clone()),
         Job::Swap(pairs) => runner.swap_blocks(&pairs.0, &pairs.1).map(|_| None),
+        Job::SetLora(slot, adapter, bytes) => {
+            let n = runner.set_lora(*slot, adapter.as_deref())?;
+            let _ = bytes.send(n);
+            Ok(None)
+        }
     }));
     run.unwrap_or_else(|p| {
         let msg = p

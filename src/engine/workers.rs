@@ -26,6 +26,7 @@ use super::worker::{
 use crate::backend::BatchInput;
 use crate::models::LoadedModel;
 use crate::models::kv_cache;
+use crate::models::lora::LoraAdapter;
 use crate::parallel::{Communicator, GroupControl, MultiDevice, ParallelConfig, Placement};
 use crate::sampling::RowSampling;
 use crate::tensor::DType;
@@ -438,6 +439,27 @@ impl ModelRunner for ParallelRunner {
     fn swap_blocks(&mut self, out: &[(u32, u32)], inn: &[(u32, u32)]) -> Result<()> {
         let pairs = Arc::new((out.to_vec(), inn.to_vec()));
         self.run_all(Job::Swap(pairs)).map(drop)
+    }
+    /// Every worker takes its part of the adapter: its layers, its rows or columns. The bytes
+    /// of all the parts.
+    fn set_lora(&mut self, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
+        // NOTE: the factors would need a wire format of their own (`parallel::tcp`).
+        if self
+            .workers
+            .iter()
+            .any(|w| matches!(w.sink, Sink::Remote(_)))
+        {
+            bail!("LoRA adapters with workers on other nodes are not supported yet");
+        }
+        let (tx, rx) = channel();
+        let job = Job::SetLora(slot, adapter.map(|a| Arc::new(a.clone())), tx);
+        if let Err(e) = self.run_all(job) {
+            // NOTE: the workers that took it free it again.
+            let (tx, _) = channel();
+            let _ = self.run_all(Job::SetLora(slot, None, tx));
+            return Err(e);
+        }
+        Ok(rx.try_iter().sum())
     }
 }
 

@@ -283,7 +283,7 @@ impl<B: Backend> Gemma3<B> {
         let tables = |theta: f64| super::rope::upload(backend, c, theta, max_positions);
         let rope_global = tables(c.rope_theta)?;
         let rope_local = tables(c.rope_theta_local.unwrap_or(c.rope_theta))?;
-        let loras = LoraSet::new(gated_sites(c), &place);
+        let loras = LoraSet::new(gated_sites(c, &sh.lora_rows(), false), &place, c.num_layers);
         Ok(Gemma3 {
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,

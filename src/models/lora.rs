@@ -144,13 +144,37 @@ pub fn lora_scale(alpha: f64, rank: usize, rslora: bool) -> f64 {
     }
 }
 
-/// A projection of a family's layer that adapters may change: its input and output widths,
-/// and which PEFT module names fill which rows of its output (a fused projection has several).
+/// A projection of a family's layer that adapters may change, as this worker holds it.
 #[derive(Debug, Clone)]
 pub struct LoraSite {
-    pub k: usize,
+    /// The module's input width in the adapter (A's columns).
+    pub k_full: usize,
+    /// The columns of A this worker multiplies: a row-parallel projection's part of the
+    /// input under tensor parallelism, else all.
+    pub cols: Range<usize>,
+    /// The output width on this worker.
     pub n: usize,
-    pub parts: Vec<(&'static str, Range<usize>)>,
+    /// The PEFT module names that fill its output (a fused projection has several).
+    pub parts: Vec<LoraPart>,
+}
+
+/// A PEFT module of a site.
+#[derive(Debug, Clone)]
+pub struct LoraPart {
+    pub name: &'static str,
+    /// The module's output width in the adapter (B's rows).
+    pub rows: usize,
+    /// The runs of B's rows this worker keeps, each with the first output row it fills.
+    pub keep: Vec<(Range<usize>, usize)>,
+}
+
+/// A tensor-parallel rank's rows of the whole model's Q and K/V projections and its MLP
+/// columns (all of them on one worker): `Shard::lora_rows`.
+#[derive(Debug, Clone)]
+pub struct RankRows {
+    pub q: Range<usize>,
+    pub kv: Range<usize>,
+    pub ffn: Range<usize>,
 }
 
 /// The sites of [`gated_sites`], in its order.
@@ -161,39 +185,71 @@ pub const DOWN: usize = 3;
 
 /// The projections of a layer with a fused QKV (PEFT's `q_proj`, `k_proj` and `v_proj`, or
 /// Phi-3's `qkv_proj`), `o_proj`, a gated MLP's fused gate and up (`gate_proj` and `up_proj`,
-/// or `gate_up_proj`) and `down_proj`, as LoRA sites: the Llama graph's, Gemma 3's, OLMo 2's.
-pub fn gated_sites(c: &ModelConfig) -> Vec<LoraSite> {
+/// or `gate_up_proj`) and `down_proj`, as LoRA sites of the tensor-parallel rank `rk`: the
+/// Llama graph's, Gemma 3's, OLMo 2's. `whole_qkv`: every rank computes the QKV projection of
+/// all heads (OLMo 2's norms over all of them).
+///
+/// NOTE: under tensor parallelism a column-parallel site (QKV, gate and up) keeps its rows of
+/// B and all of A; a row-parallel one (o, down) its columns of A and all of B. Its partial
+/// update `(x_r·A_rᵀ)·Bᵀ` is added before the all-reduce that sums the base's partial outputs,
+/// which sums the updates too: `Σ_r (x_r·A_rᵀ)·Bᵀ = (x·Aᵀ)·Bᵀ`.
+pub fn gated_sites(c: &ModelConfig, rk: &RankRows, whole_qkv: bool) -> Vec<LoraSite> {
     let (h, hkv, d, hid, f) = c.layer_sizes();
     let (q, kv) = (h * d, hkv * d);
+    let (qr, kvr) = match whole_qkv {
+        true => (0..q, 0..kv),
+        false => (rk.q.clone(), rk.kv.clone()),
+    };
+    let (ql, kvl) = (qr.len(), kvr.len());
+    let (ffn, fl) = (rk.ffn.clone(), rk.ffn.len());
+    let shift = |r: &Range<usize>, by: usize| r.start + by..r.end + by;
+    let part = |name, rows, keep| LoraPart { name, rows, keep };
+    let all = |n: usize| vec![(0..n, 0)];
     vec![
         LoraSite {
-            k: hid,
-            n: q + 2 * kv,
+            k_full: hid,
+            cols: 0..hid,
+            n: ql + 2 * kvl,
             parts: vec![
-                ("q_proj", 0..q),
-                ("k_proj", q..q + kv),
-                ("v_proj", q + kv..q + 2 * kv),
-                ("qkv_proj", 0..q + 2 * kv),
+                part("q_proj", q, vec![(qr.clone(), 0)]),
+                part("k_proj", kv, vec![(kvr.clone(), ql)]),
+                part("v_proj", kv, vec![(kvr.clone(), ql + kvl)]),
+                part(
+                    "qkv_proj",
+                    q + 2 * kv,
+                    vec![
+                        (qr.clone(), 0),
+                        (shift(&kvr, q), ql),
+                        (shift(&kvr, q + kv), ql + kvl),
+                    ],
+                ),
             ],
         },
         LoraSite {
-            k: q,
+            k_full: q,
+            cols: rk.q.clone(),
             n: hid,
-            parts: vec![("o_proj", 0..hid)],
+            parts: vec![part("o_proj", hid, all(hid))],
         },
         LoraSite {
-            k: hid,
-            n: 2 * f,
+            k_full: hid,
+            cols: 0..hid,
+            n: 2 * fl,
             parts: vec![
-                ("gate_proj", 0..f),
-                ("up_proj", f..2 * f),
-                ("gate_up_proj", 0..2 * f),
+                part("gate_proj", f, vec![(ffn.clone(), 0)]),
+                part("up_proj", f, vec![(ffn.clone(), fl)]),
+                part(
+                    "gate_up_proj",
+                    2 * f,
+                    vec![(ffn.clone(), 0), (shift(&ffn, f), fl)],
+                ),
             ],
         },
         LoraSite {
-            k: f,
+            k_full: f,
+            cols: ffn.clone(),
             n: hid,
-            parts: vec![("down_proj", 0..hid)],
+            parts: vec![part("down_proj", hid, all(hid))],
         },
     ]
 }
@@ -208,59 +264,53 @@ struct Factors<B: Backend> {
 /// Every loaded adapter's factors, by slot: per layer of this worker, per site.
 pub struct LoraSet<B: Backend> {
     sites: Vec<LoraSite>,
+    /// This worker's layers, of the model's `num_layers`.
     layers: Range<usize>,
-    /// The whole model on this worker (no tensor or pipeline parallelism).
-    whole: bool,
+    num_layers: usize,
     adapters: HashMap<u32, Vec<Vec<Option<Factors<B>>>>>,
 }
 
 impl<B: Backend> LoraSet<B> {
-    /// A family's sites (the same in each of the worker's layers), no adapter loaded.
-    pub fn new(sites: Vec<LoraSite>, place: &Placement<B>) -> Self {
+    /// A family's sites on this worker (the same in each of its layers), no adapter loaded.
+    pub fn new(sites: Vec<LoraSite>, place: &Placement<B>, num_layers: usize) -> Self {
         LoraSet {
             sites,
             layers: place.layers.clone(),
-            whole: place.is_single(),
+            num_layers,
             adapters: HashMap::new(),
         }
     }
 
     /// Loads `adapter` into `slot` (replacing what was there), or with `None` unloads it;
-    /// returns the bytes its factors take on the device (a fused site's B is stacked
+    /// returns the bytes its factors take on this worker's device (a fused site's B is stacked
     /// block-diagonally, so it takes more than the file). Every module of the adapter must name
-    /// a projection of this model with its shapes.
+    /// a projection of this model with its shapes; this worker keeps its layers' part.
     pub fn set(&mut self, backend: &B, slot: u32, adapter: Option<&LoraAdapter>) -> Result<u64> {
         anyhow::ensure!(slot != 0, "LoRA slot 0 is the base model");
-        // NOTE: under tensor parallelism each rank would need its slice of every B (and of A
-        // for the row-parallel projections).
-        if !self.whole {
-            bail!("LoRA adapters with tensor or pipeline parallelism are not supported yet");
-        }
         let Some(ad) = adapter else {
             self.adapters.remove(&slot);
             return Ok(0);
         };
-        // per layer, per site: the parts' (row range, A, B)
-        type Parts<'a> = Vec<(Range<usize>, &'a HostTensor, &'a HostTensor)>;
+        // per layer, per site: the parts (and their A and B)
+        type Parts<'a> = Vec<(&'a LoraPart, &'a HostTensor, &'a HostTensor)>;
         let mut grouped: Vec<Vec<Parts>> =
             vec![vec![Vec::new(); self.sites.len()]; self.layers.len()];
         for ((layer, module), (a, b)) in &ad.modules {
-            if !self.layers.contains(layer) {
+            if *layer >= self.num_layers {
                 bail!(
-                    "the adapter targets layer {layer}, but the model has layers {}..{}",
-                    self.layers.start,
-                    self.layers.end
+                    "the adapter targets layer {layer}, but the model has {} layers",
+                    self.num_layers
                 );
             }
             let found = self.sites.iter().enumerate().find_map(|(i, s)| {
-                let rows = s.parts.iter().find(|p| p.0 == module)?.1.clone();
-                Some((i, s, rows))
+                let part = s.parts.iter().find(|p| p.name == module)?;
+                Some((i, s, part))
             });
-            let Some((i, site, rows)) = found else {
+            let Some((i, site, part)) = found else {
                 let known: Vec<&str> = self
                     .sites
                     .iter()
-                    .flat_map(|s| s.parts.iter().map(|p| p.0))
+                    .flat_map(|s| s.parts.iter().map(|p| p.name))
                     .collect();
                 bail!(
                     "the adapter targets `{}`, which this model has no linear layer for (it has {})",
@@ -268,16 +318,19 @@ impl<B: Backend> LoraSet<B> {
                     known.join(", ")
                 );
             };
-            if a.shape[1] != site.k || b.shape[0] != rows.len() {
+            if a.shape[1] != site.k_full || b.shape[0] != part.rows {
                 bail!(
                     "the adapter's {module} of layer {layer} has lora_A {:?} and lora_B {:?}, but the model's {module} maps {} to {}",
                     a.shape,
                     b.shape,
-                    site.k,
-                    rows.len()
+                    site.k_full,
+                    part.rows
                 );
             }
-            grouped[layer - self.layers.start][i].push((rows, a, b));
+            // NOTE: checked whole on every pipeline stage; each keeps its own layers.
+            if self.layers.contains(layer) {
+                grouped[layer - self.layers.start][i].push((part, a, b));
+            }
         }
         let mut layers = Vec::with_capacity(grouped.len());
         let mut bytes = 0;
@@ -289,20 +342,25 @@ impl<B: Backend> LoraSet<B> {
                     continue;
                 }
                 let rank: usize = parts.iter().map(|p| p.1.shape[0]).sum();
-                let mut a = Vec::with_capacity(rank * site.k);
+                let k = site.cols.len();
+                let mut a = Vec::with_capacity(rank * k);
                 let mut b = vec![0.0f32; site.n * rank];
                 let mut col = 0;
-                for (rows, pa, pb) in parts {
+                for (part, pa, pb) in parts {
                     let r = pa.shape[0];
-                    a.extend_from_slice(&pa.data);
-                    for (i, row) in rows.enumerate() {
-                        b[row * rank + col..row * rank + col + r]
-                            .copy_from_slice(&pb.data[i * r..(i + 1) * r]);
+                    for row in pa.data.chunks_exact(site.k_full) {
+                        a.extend_from_slice(&row[site.cols.clone()]);
+                    }
+                    for (src, dst) in &part.keep {
+                        for (i, from) in src.clone().enumerate() {
+                            let to = (dst + i) * rank + col;
+                            b[to..to + r].copy_from_slice(&pb.data[from * r..(from + 1) * r]);
+                        }
                     }
                     col += r;
                 }
                 let (a, b) = (
-                    HostTensor::new(vec![rank, site.k], a),
+                    HostTensor::new(vec![rank, k], a),
                     HostTensor::new(vec![site.n, rank], b),
                 );
                 bytes += ((a.numel() + b.numel()) * ad.dtype.size_in_bytes()) as u64;
@@ -381,7 +439,7 @@ impl<B: Backend> LoraStep<'_, B> {
         x: &B::Buf,
         out: &mut B::Buf,
     ) -> Result<()> {
-        let LoraSite { k, n, .. } = self.sites[site];
+        let (k, n) = (self.sites[site].cols.len(), self.sites[site].n);
         let groups: Vec<LoraGroup<B>> = self
             .groups
             .iter()

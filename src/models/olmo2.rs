@@ -150,7 +150,7 @@ impl<B: Backend> Olmo2<B> {
         progress(total, total);
         let (rope_cos, rope_sin) = super::rope::upload(backend, c, c.rope_theta, max_positions)?;
         Ok(Olmo2 {
-            loras: LoraSet::new(gated_sites(c), &place),
+            loras: LoraSet::new(gated_sites(c, &sh.lora_rows(), true), &place, c.num_layers),
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,
             rope_cos,

@@ -5,6 +5,7 @@
 
 use super::config::ModelConfig;
 use super::kv_cache::{self, LayerKvSpec};
+use super::lora::RankRows;
 use super::pooling::OutputHead;
 use super::{Norm, Part, Uploader, Weight, final_logits, final_rows, stack_linear};
 use crate::backend::{Backend, DeviceBatch, QkvLayout};
@@ -85,10 +86,21 @@ impl Shard {
         })
     }
 
+    /// This rank's rows and columns, as LoRA's sites take them.
+    pub fn lora_rows(&self) -> RankRows {
+        RankRows {
+            q: self.q_rows(),
+            kv: self.kv_rows(),
+            ffn: self.ffn.clone(),
+        }
+    }
+
+    /// This rank's rows of the Q projection (its query heads' `D` rows each).
     fn q_rows(&self) -> Range<usize> {
         self.heads.q.start * self.d..self.heads.q.end * self.d
     }
 
+    /// This rank's rows of the K or V projection.
     fn kv_rows(&self) -> Range<usize> {
         self.heads.kv.start * self.d..self.heads.kv.end * self.d
     }
