@@ -294,9 +294,9 @@ def convert_lora(adapter_dir, tiny, out):
             raise SystemExit(f"{adapter_dir}: no GGUF name for {hf}")
         # NOTE: the converter runs the base's own tensor changes on A·B, which for llama's
         # row permutation changes B's rows only
-        if which == "b" and arch_name == "llama" and key.endswith("self_attn.q_proj.weight"):
+        if which == "b" and arch_name in ("llama", "granite") and key.endswith("self_attn.q_proj.weight"):
             a = permute(a, n_head)
-        if which == "b" and arch_name == "llama" and key.endswith("self_attn.k_proj.weight"):
+        if which == "b" and arch_name in ("llama", "granite") and key.endswith("self_attn.k_proj.weight"):
             a = permute(a, n_kv)
         w.add_tensor(f"{new}.lora_{which}", np.ascontiguousarray(a.astype(np.float32)))
     w.write_header_to_file()

@@ -175,24 +175,41 @@ pub fn gather_rows(x: usize, rows: &[u32], dim: usize, out: usize) -> Result<()>
     Ok(())
 }
 
-/// `lora`: each group's `(rows, m, weights' length)` with `m` rows and a weight per row, every
-/// row inside `x` (rows of `k`) and `out` (rows of `n`), no row twice in the call (so that rows
-/// update in parallel).
-pub fn lora(
-    groups: &[(&[u32], usize, usize)],
-    k: usize,
-    n: usize,
-    x: usize,
-    out: usize,
-) -> Result<()> {
-    let rows: Vec<u32> = groups.iter().flat_map(|g| g.0.iter().copied()).collect();
-    if let Some(g) = groups.iter().find(|g| g.0.len() != g.1) {
-        bail!("lora: {} rows given, {} said", g.0.len(), g.1);
+/// One adapter's part of a `lora` call as the checks see it: its rows and the count said, the
+/// lengths of its weights and of its factors A and B, and its rank.
+pub struct LoraLens<'a> {
+    pub rows: &'a [u32],
+    pub m: usize,
+    pub weights: usize,
+    pub a: usize,
+    pub b: usize,
+    pub rank: usize,
+}
+
+/// `lora`: each group with `m` rows, a weight per row and factors `[rank, k]` and `[n, rank]`,
+/// every row inside `x` (rows of `k`) and `out` (rows of `n`), no row twice in the call (so
+/// that rows update in parallel).
+pub fn lora(groups: &[LoraLens], k: usize, n: usize, x: usize, out: usize) -> Result<()> {
+    let rows: Vec<u32> = groups.iter().flat_map(|g| g.rows.iter().copied()).collect();
+    if let Some(g) = groups.iter().find(|g| g.rows.len() != g.m) {
+        bail!("lora: {} rows given, {} said", g.rows.len(), g.m);
     }
     ensure!(
-        groups.iter().all(|g| g.2 >= g.0.len()),
+        groups.iter().all(|g| g.weights >= g.m),
         "lora: fewer weights than rows"
     );
+    if let Some(g) = groups
+        .iter()
+        .find(|g| g.a != g.rank * k || g.b != n * g.rank)
+    {
+        bail!(
+            "lora: factors of {} and {} values where [{}, {k}] and [{n}, {}] were expected",
+            g.a,
+            g.b,
+            g.rank,
+            g.rank
+        );
+    }
     gather_rows(x, &rows, k, usize::MAX)?;
     scatter_add_rows(usize::MAX, &rows, usize::MAX, n, out)
 }

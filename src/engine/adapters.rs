@@ -66,7 +66,7 @@ pub struct LoraInfo {
     pub name: String,
     pub path: PathBuf,
     pub rank: usize,
-    /// Bytes its factors take on the device.
+    /// Bytes its factors take in device memory (all workers' parts together).
     pub bytes: u64,
     /// Whether its factors are on the device now (the `max_loras` used last are).
     pub on_device: bool,

@@ -49,9 +49,18 @@ impl Engine {
         }
         let slot = self.loras.free_slot();
         // NOTE: uploaded at once (the device checks every module against the model's
-        // projections), as the adapter used most recently.
-        let bytes = to_device(&mut self.loras, &mut *self.runner, slot, &adapter, &[])
-            .map_err(LoraError::Invalid)?;
+        // projections), as the adapter used most recently; where the device is full, an
+        // adapter no running request uses moves out first, if there is one.
+        let (running, _) = self.scheduler.lora_slots();
+        let running: Vec<u32> = running.into_iter().collect();
+        let bytes = to_device(
+            &mut self.loras,
+            &mut *self.runner,
+            slot,
+            &adapter,
+            Keep::Rather(&running),
+        )
+        .map_err(LoraError::Invalid)?;
         self.loras.roots += 1;
         let info = LoraInfo {
             name: name.to_string(),
@@ -64,7 +73,7 @@ impl Engine {
             root: self.loras.roots,
         };
         tracing::info!(
-            "LoRA adapter {} loaded from {} (rank {}, {} KiB of {} on the device) in {:.0} ms",
+            "LoRA adapter {} loaded from {} (rank {}, {} KiB of {} in device memory) in {:.0} ms",
             text(name),
             text(&path.display().to_string()),
             info.rank,
@@ -172,7 +181,7 @@ impl Engine {
                 .remove(&slot)
                 .ok_or_else(|| anyhow::anyhow!("no LoRA adapter is loaded in slot {slot}"))?;
             let t0 = std::time::Instant::now();
-            let moved = to_device(loras, &mut *self.runner, slot, &adapter, &step);
+            let moved = to_device(loras, &mut *self.runner, slot, &adapter, Keep::Must(&step));
             loras.host.insert(slot, adapter);
             moved?;
             tracing::debug!(
@@ -226,19 +235,30 @@ impl Engine {
     }
 }
 
+/// Which adapters on the device [`to_device`] leaves there: those of the step about to run
+/// (`Must`), or those running requests use, where another can go instead (`Rather`).
+enum Keep<'a> {
+    Must(&'a [u32]),
+    Rather(&'a [u32]),
+}
+
 /// Uploads `adapter` into `slot` as the most recently used adapter on the device; where
-/// `--max-loras` are there already, the least recently used not in `keep` is moved out first
-/// (its host copy stays). The bytes its factors take.
+/// `--max-loras` are there already, the least recently used outside `keep` moves out first
+/// (its host copy stays). The bytes its factors take on the devices.
 fn to_device(
     loras: &mut Loras,
     runner: &mut dyn ModelRunner,
     slot: u32,
     adapter: &LoraAdapter,
-    keep: &[u32],
+    keep: Keep,
 ) -> anyhow::Result<u64> {
     while loras.on_device.len() >= loras.args.max_loras {
-        let Some(i) = loras.on_device.iter().position(|s| !keep.contains(s)) else {
-            anyhow::bail!("internal: a step holds more LoRA adapters than --max-loras");
+        let free = |kept: &[u32]| loras.on_device.iter().position(|s| !kept.contains(s));
+        let i = match keep {
+            Keep::Must(kept) => free(kept).ok_or_else(|| {
+                anyhow::anyhow!("internal: a step holds more LoRA adapters than --max-loras")
+            })?,
+            Keep::Rather(kept) => free(kept).unwrap_or(0),
         };
         runner.set_lora(loras.on_device[i], None)?;
         loras.on_device.remove(i);

@@ -454,7 +454,8 @@ impl ModelRunner for ParallelRunner {
         let (tx, rx) = channel();
         let job = Job::SetLora(slot, adapter.map(|a| Arc::new(a.clone())), tx);
         if let Err(e) = self.run_all(job) {
-            // NOTE: the workers that took it free it again.
+            // NOTE: the workers that took it free it again (the engine loads into empty
+            // slots only, so nothing else is lost).
             let (tx, _) = channel();
             let _ = self.run_all(Job::SetLora(slot, None, tx));
             return Err(e);

@@ -54,7 +54,12 @@ fn projections(family: &Family, layers: usize) -> Projections {
 /// Reads the GGUF LoRA adapter `path` for the model `base`.
 pub fn load_gguf_adapter(path: &Path, base: &ModelConfig) -> Result<LoraAdapter> {
     let shown = text(&path.display().to_string());
-    let file = GgufFile::open(path)?;
+    let file = GgufFile::open(path).with_context(|| {
+        format!(
+            "{shown}: a LoRA adapter is a PEFT directory (adapter_config.json and \
+             adapter_model.safetensors) or a GGUF adapter file"
+        )
+    })?;
     let meta = file.metadata();
     let string = |k: &str| meta.get(k).and_then(GgufValue::as_str);
     match string("general.type") {
@@ -84,22 +89,17 @@ pub fn load_gguf_adapter(path: &Path, base: &ModelConfig) -> Result<LoraAdapter>
             .with_context(|| format!("{shown}: adapter.lora.alpha is not a number"))?,
     };
     let arch = file.architecture()?;
-    let family = by_gguf_architecture(arch).with_context(|| format!("{shown}"))?;
-    let base_family = base.arch.family();
-    let names = projections(family, base.num_layers);
-    // NOTE: llama.cpp refuses an adapter of another architecture. A family with no GGUF
-    // architecture of its own (Mistral, converted as `llama`) takes the adapters of one whose
-    // projections have the same GGUF names.
-    let same = family.arch == base.arch
-        || base_family.gguf_architectures.is_empty()
-            && names == projections(base_family, base.num_layers);
-    if !same {
+    // NOTE: as llama.cpp, only an adapter converted for the base's architecture: another
+    // family may name its projections alike but order their rows otherwise.
+    if base.arch.gguf_architecture() != Some(arch) {
         bail!(
             "{shown} is an adapter for `{}` models, not for this {} model",
             text(arch),
-            base_family.name
+            base.arch.name()
         );
     }
+    let family = by_gguf_architecture(arch).with_context(|| format!("{shown}"))?;
+    let names = projections(family, base.num_layers);
     let mut pairs = FactorPairs::new(&shown);
     for info in file.tensors() {
         let name = text(&info.name);
@@ -127,7 +127,8 @@ pub fn load_gguf_adapter(path: &Path, base: &ModelConfig) -> Result<LoraAdapter>
                 Some(GgufFix::UnpermuteK) => Some(base.num_kv_heads),
                 _ => None,
             };
-            if let Some(n_head) = heads {
+            // NOTE: a B of another height is left for the shape check to name.
+            if let Some(n_head) = heads.filter(|h| h * base.head_dim == t.shape[0]) {
                 let (rows, cols) = (t.shape[0], t.shape[1]);
                 t.data = unpermute_rows(&t.data, rows, cols, n_head)
                     .with_context(|| format!("{shown}: `{name}`"))?;

@@ -351,7 +351,11 @@ impl<B: Backend> Llama<B> {
         progress(total, total);
         let (rope_cos, rope_sin) = super::rope::upload(backend, c, c.rope_theta, max_positions)?;
         let multiplier = |k: &str| c.extra[k].as_f64().map(|m| m as f32);
-        let loras = LoraSet::new(gated_sites(c, &sh.lora_rows(), false), &place, c.num_layers);
+        let loras = LoraSet::new(
+            gated_sites(c, &sh.lora_rows(), whole_qkv),
+            &place,
+            c.num_layers,
+        );
         Ok(Llama {
             stack: Stack::new(c, sh, embed, head, max_positions, up.stats, place),
             layers,

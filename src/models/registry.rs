@@ -284,6 +284,15 @@ impl Arch {
         self.family().name
     }
 
+    /// The `general.architecture` llama.cpp's converter writes for this family (its own, or
+    /// `llama` for Mistral and Mixtral, which it converts as Llama).
+    pub fn gguf_architecture(self) -> Option<&'static str> {
+        match self {
+            Arch::Mistral | Arch::Mixtral => Some("llama"),
+            a => a.family().gguf_architectures.first().copied(),
+        }
+    }
+
     /// Whether the family's loader reorders Q and K for partial or interleaved RoPE
     /// ([`super::rope::head_order`]); the others refuse such a config.
     pub fn rotary_options(self) -> bool {

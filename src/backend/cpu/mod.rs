@@ -706,7 +706,14 @@ impl Backend for CpuBackend {
         let lens: Vec<_> = groups
             .iter()
             .zip(&parts)
-            .map(|(g, (r, w))| (*r, g.m, w.len()))
+            .map(|(g, (rows, w))| args::LoraLens {
+                rows,
+                m: g.m,
+                weights: w.len(),
+                a: g.a.len(),
+                b: g.b.len(),
+                rank: g.rank,
+            })
             .collect();
         args::lora(&lens, k, n, x.len(), out.len())?;
         if n == 0 {

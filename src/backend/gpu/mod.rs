@@ -966,16 +966,19 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 g.a.elem()
             );
             ensure!(
-                g.a.len() == g.rank * k && g.b.len() == n * g.rank && g.a.elem() == g.b.elem(),
-                "lora: factors of {} and {} {:?}/{:?} values where [{}, {k}] and [{n}, {}] of one type were expected",
-                g.a.len(),
-                g.b.len(),
+                g.a.elem() == g.b.elem(),
+                "lora: factors of types {:?} and {:?} (one type expected)",
                 g.a.elem(),
-                g.b.elem(),
-                g.rank,
-                g.rank
+                g.b.elem()
             );
-            lens.push((rows, g.m, g.weights.len()));
+            lens.push(args::LoraLens {
+                rows,
+                m: g.m,
+                weights: g.weights.len(),
+                a: g.a.len(),
+                b: g.b.len(),
+                rank: g.rank,
+            });
         }
         args::lora(&lens, k, n, x.len(), out.len())?;
         let col_blocks = n.div_ceil(LORA_EXPAND_THREADS as usize);

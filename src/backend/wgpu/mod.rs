@@ -933,15 +933,14 @@ impl Backend for WgpuBackend {
         let mut lens = Vec::with_capacity(groups.len());
         for g in groups {
             let (_, rows) = g.rows.u32("lora rows")?;
-            ensure!(
-                g.a.len == g.rank * k && g.b.len == n * g.rank,
-                "lora: factors of {} and {} values where [{}, {k}] and [{n}, {}] were expected",
-                g.a.len,
-                g.b.len,
-                g.rank,
-                g.rank
-            );
-            lens.push((rows, g.m, g.weights.len));
+            lens.push(args::LoraLens {
+                rows,
+                m: g.m,
+                weights: g.weights.len,
+                a: g.a.len,
+                b: g.b.len,
+                rank: g.rank,
+            });
         }
         args::lora(&lens, k, n, x.len, out.len)?;
         let (xb, ob) = (x.f32("lora input")?, out.f32("lora output")?);
