@@ -98,7 +98,7 @@ pub fn load_gguf_adapter(path: &Path, base: &ModelConfig) -> Result<LoraAdapter>
             base.arch.name()
         );
     }
-    let family = by_gguf_architecture(arch).with_context(|| format!("{shown}"))?;
+    let family = by_gguf_architecture(arch).with_context(|| shown.clone())?;
     let names = projections(family, base.num_layers);
     let mut pairs = FactorPairs::new(&shown);
     for info in file.tensors() {
