@@ -16,8 +16,8 @@ use crate::untrusted::text;
 use std::path::Path;
 
 impl Engine {
-    /// Loads the adapter in `path` (a PEFT directory or a GGUF file) under `name`; requests naming it use it from the next
-    /// step on.
+    /// Loads the adapter in `path` (a PEFT directory or a GGUF file) under `name`; requests
+    /// naming it use it from the next step on.
     pub fn load_lora(&mut self, name: &str, path: &Path) -> Result<LoraInfo, LoraError> {
         if !self.loras.args.enable {
             return Err(LoraError::Disabled);
