@@ -8,6 +8,8 @@
 # usage: scripts/bench-lora.sh
 #   COUNTS  adapter counts (default "0 1 4 16"; 0 is the base model alone)
 #   N       requests per run (default 256); STREAMS (default 64); ROUNDS (default 2)
+#   MAX_LORAS  --max-loras (default: the adapter count, so that all stay on the device; fewer
+#           moves the least recently used out to host memory as others are needed)
 #   OUT     folder for the JSON results (default docs/results)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +42,7 @@ for round in $(seq "${ROUNDS:-2}"); do
   for n in ${COUNTS:-0 1 4 16}; do
     flags=() names=()
     if [ "$n" -gt 0 ]; then
-      flags=(--enable-lora --max-loras "$n" --lora-modules)
+      flags=(--enable-lora --max-loras "${MAX_LORAS:-$n}" --lora-modules)
       for i in $(seq 0 $((n - 1))); do
         flags+=("lora-$i=$loras/lora-$i")
         names+=("lora-$i")
