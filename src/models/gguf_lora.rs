@@ -13,7 +13,7 @@
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, GgufFix, GgufValue, permutes_qk, unpermute_rows};
 use super::lora::{FactorPairs, LoraAdapter};
-use super::registry::{Family, by_gguf_architecture};
+use super::registry::Family;
 use crate::untrusted::text;
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
@@ -98,8 +98,7 @@ pub fn load_gguf_adapter(path: &Path, base: &ModelConfig) -> Result<LoraAdapter>
             base.arch.name()
         );
     }
-    let family = by_gguf_architecture(arch).with_context(|| shown.clone())?;
-    let names = projections(family, base.num_layers);
+    let names = projections(base.arch.family(), base.num_layers);
     let mut pairs = FactorPairs::new(&shown);
     for info in file.tensors() {
         let name = text(&info.name);
